@@ -1,0 +1,1 @@
+"""kcache client (placeholder until the client issue lands)."""

@@ -1,0 +1,127 @@
+"""Artifact metadata and negative entries, as stored by every ``Index``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kcache.deps import Dependency
+
+__all__ = ["ArtifactMeta", "CompileFailure", "CompileOutput", "ManifestEntry"]
+
+
+@dataclass(frozen=True)
+class CompileOutput:
+    """What one compile produced, before it is published."""
+
+    data: bytes
+    kind: str  # "cubin" | "ptx" | "ltoir"
+    target: str
+    toolchain: str
+    log: str
+    lowered_names: dict[str, str]
+    dependencies: tuple[Dependency, ...]
+    dependencies_exact: bool
+    compile_seconds: float
+
+
+@dataclass(frozen=True)
+class ArtifactMeta:
+    """A published artifact: the blob's digest plus what is known about it."""
+
+    digest: str
+    size: int
+    kind: str
+    target: str
+    toolchain: str
+    lowered_names: dict[str, str] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+    log: str = ""
+    dependencies: tuple[Dependency, ...] = ()
+    dependencies_exact: bool = True
+    kernel: str = ""
+    created_at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the ``artifact`` object of API responses)."""
+        return {
+            "digest": self.digest,
+            "size": self.size,
+            "kind": self.kind,
+            "target": self.target,
+            "toolchain": self.toolchain,
+            "lowered_names": dict(self.lowered_names),
+            "compile_seconds": self.compile_seconds,
+            "log": self.log,
+            "dependencies": [d.to_dict() for d in self.dependencies],
+            "dependencies_exact": self.dependencies_exact,
+            "kernel": self.kernel,
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ArtifactMeta:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            digest=data["digest"],
+            size=int(data["size"]),
+            kind=data["kind"],
+            target=data["target"],
+            toolchain=data["toolchain"],
+            lowered_names=dict(data.get("lowered_names", {})),
+            compile_seconds=float(data.get("compile_seconds", 0.0)),
+            log=data.get("log", ""),
+            dependencies=tuple(Dependency(d["name"], d["sha256"]) for d in data.get("dependencies", [])),
+            dependencies_exact=bool(data.get("dependencies_exact", True)),
+            kernel=data.get("kernel", ""),
+            created_at=float(data.get("created_at", 0.0)),
+        )
+
+    def with_kernel(self, kernel: str) -> ArtifactMeta:
+        """A copy naming the kernel (for audit grouping)."""
+        return replace(self, kernel=kernel)
+
+
+@dataclass(frozen=True)
+class CompileFailure:
+    """A negative entry: this recipe failed to compile, with the compiler's log."""
+
+    recipe_key: str
+    log: str
+    created_at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"recipe_key": self.recipe_key, "log": self.log, "created_at": self.created_at}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CompileFailure:
+        """Inverse of :meth:`to_dict`."""
+        return cls(data["recipe_key"], data["log"], float(data.get("created_at", 0.0)))
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """Under a base key: the headers one compile read (with hashes) -> the artifact it made."""
+
+    digest: str
+    dependencies: tuple[Dependency, ...]
+    created_at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "digest": self.digest,
+            "dependencies": [d.to_dict() for d in self.dependencies],
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ManifestEntry:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            digest=data["digest"],
+            dependencies=tuple(Dependency(d["name"], d["sha256"]) for d in data["dependencies"]),
+            created_at=float(data.get("created_at", 0.0)),
+        )

@@ -1,0 +1,189 @@
+"""The engine: one lookup-or-compile sequence over the store, index, lock and compiler seams.
+
+    recipe -> key -> index (exact) -> manifest match -> [miss] lock -> re-check
+           -> compile -> validate -> publish blob -> record index -> release
+
+The CLI, the server and a client compiling locally all run this same sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from kcache.artifact import ArtifactMeta, CompileFailure, CompileOutput
+from kcache.compiler import kernel_name
+from kcache.compilers import Compiler
+from kcache.deps import unchanged
+from kcache.errors import (
+    ArtifactNotFoundError,
+    CompileError,
+    CompileTimeoutError,
+    CorruptArtifactError,
+    RecipeError,
+)
+from kcache.index.base import Index
+from kcache.locks import KeyLock
+from kcache.recipe import Recipe
+from kcache.store.base import ArtifactStore
+
+__all__ = ["Engine", "Resolution", "Status"]
+
+Status = Literal["hit", "compiled", "waited"]
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The outcome of :meth:`Engine.resolve`."""
+
+    status: Status
+    recipe_key: str
+    base_key: str
+    artifact: ArtifactMeta
+    recipe: Recipe
+    seconds: float
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON form (the body of a resolve response)."""
+        return {
+            "status": self.status,
+            "recipe_key": self.recipe_key,
+            "base_key": self.base_key,
+            "artifact": self.artifact.to_dict(),
+        }
+
+
+class Engine:
+    """Resolve recipes to published artifacts, compiling each missing one exactly once."""
+
+    def __init__(
+        self,
+        store: ArtifactStore,
+        index: Index,
+        lock: KeyLock,
+        compiler: Compiler,
+        *,
+        lock_timeout: float = 900.0,
+    ) -> None:
+        self.store = store
+        self.index = index
+        self.lock = lock
+        self.compiler = compiler
+        self.lock_timeout = lock_timeout
+
+    @property
+    def toolchain_id(self) -> str:
+        """The id recipes without a toolchain are resolved to."""
+        return self.compiler.toolchain.id
+
+    def prepare(self, recipe: Recipe) -> Recipe:
+        """Fill in the default toolchain and check the recipe can be keyed and compiled here."""
+        resolved = recipe.with_defaults(toolchain=self.toolchain_id)
+        resolved.key()  # raises UnresolvedRecipeError for target "auto"
+        for i, name in enumerate(resolved.include_sets):
+            self.compiler.include_sets.get(name, f"include_sets[{i}]")
+        return resolved
+
+    def lookup(self, recipe: Recipe) -> Resolution | None:
+        """A hit without compiling, or None. A cached failure raises CompileError(cached=True)."""
+        started = time.perf_counter()
+        recipe = self.prepare(recipe)
+        found = self._find(recipe, recipe.key(), recipe.base_key())
+        if found is None:
+            return None
+        return Resolution("hit", recipe.key(), recipe.base_key(), found, recipe, time.perf_counter() - started)
+
+    def resolve(self, recipe: Recipe, *, compile: bool = True) -> Resolution:
+        """Return the artifact for ``recipe``, compiling it (once, across processes) if needed.
+
+        Raises ArtifactNotFoundError when absent and ``compile`` is false, CompileError
+        when the compiler rejects it (now or in a recorded earlier attempt).
+        """
+        started = time.perf_counter()
+        recipe = self.prepare(recipe)
+        key, base = recipe.key(), recipe.base_key()
+        found = self._find(recipe, key, base)
+        if found is not None:
+            return Resolution("hit", key, base, found, recipe, time.perf_counter() - started)
+        if not compile:
+            raise ArtifactNotFoundError(f"no artifact for recipe {key}")
+        with self.lock.hold(key, self.lock_timeout) as waited:
+            found = self._find(recipe, key, base)
+            if found is not None:
+                status: Status = "waited" if waited else "hit"
+                return Resolution(status, key, base, found, recipe, time.perf_counter() - started)
+            meta = self._compile_and_publish(recipe, key, base)
+        return Resolution("compiled", key, base, meta, recipe, time.perf_counter() - started)
+
+    def read(self, meta: ArtifactMeta) -> bytes:
+        """The artifact's bytes, verified against its digest."""
+        return self.store.get(meta.digest)
+
+    # ------------------------------------------------------------------ internals
+    def _find(self, recipe: Recipe, key: str, base: str) -> ArtifactMeta | None:
+        header_hashes = recipe.header_hashes()
+        entry = self.index.lookup(key)
+        if isinstance(entry, CompileFailure):
+            raise CompileError(key, entry.log, cached=True)
+        if entry is not None and self._usable(entry, recipe, header_hashes):
+            return entry
+        for candidate in self.index.manifest(base):
+            if not unchanged(candidate.dependencies, header_hashes, recipe.include_sets, self.compiler.include_sets):
+                continue
+            meta = self.index.artifact(candidate.digest)
+            if meta is not None and self.store.has(meta.digest):
+                self.index.record_alias(key, meta.digest)
+                return meta
+        return None
+
+    def _usable(self, meta: ArtifactMeta, recipe: Recipe, header_hashes: dict[str, str]) -> bool:
+        # The key covers in-memory headers; include-set files must be re-checked.
+        if recipe.include_sets and not unchanged(
+            meta.dependencies, header_hashes, recipe.include_sets, self.compiler.include_sets
+        ):
+            return False
+        return self.store.has(meta.digest)
+
+    def _link_inputs(self, recipe: Recipe) -> list[bytes]:
+        inputs = []
+        for i, item in enumerate(recipe.link):
+            if item.recipe is not None:
+                if item.recipe.output != "ltoir":
+                    raise RecipeError(f"link[{i}].recipe.output", 'linked recipes must have output "ltoir"')
+                inputs.append(self.read(self.resolve(item.recipe).artifact))
+            else:
+                assert item.digest is not None
+                try:
+                    inputs.append(self.store.get(item.digest))
+                except (ArtifactNotFoundError, CorruptArtifactError) as exc:
+                    raise RecipeError(f"link[{i}].digest", f"no usable stored artifact: {exc}") from exc
+        return inputs
+
+    def _compile_and_publish(self, recipe: Recipe, key: str, base: str) -> ArtifactMeta:
+        link_inputs = self._link_inputs(recipe)
+        try:
+            output: CompileOutput = self.compiler.compile(recipe, link_inputs)
+        except CompileTimeoutError as exc:
+            exc.recipe_key = key  # not recorded: a timeout may be load, not the recipe
+            raise
+        except CompileError as exc:
+            self.index.record_failure(CompileFailure(key, exc.log))
+            exc.recipe_key = key
+            raise
+        digest = self.store.put(output.data)  # blob first; an orphan blob is harmless
+        meta = ArtifactMeta(
+            digest=digest,
+            size=len(output.data),
+            kind=output.kind,
+            target=output.target,
+            toolchain=output.toolchain,
+            lowered_names=output.lowered_names,
+            compile_seconds=output.compile_seconds,
+            log=output.log,
+            dependencies=output.dependencies,
+            dependencies_exact=output.dependencies_exact,
+            kernel=kernel_name(recipe),
+        )
+        self.index.record_artifact(key, base, meta)
+        return meta

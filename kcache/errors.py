@@ -1,0 +1,108 @@
+"""Errors raised by the kcache core.
+
+Hierarchy::
+
+    KCacheError
+    ├── RecipeError (ValueError)              bad recipe input; names the field and the limit
+    │   └── UnresolvedRecipeError             target "auto" or no toolchain at keying time
+    ├── ToolchainError (RuntimeError)         NVRTC/nvJitLink missing or unusable
+    ├── CompileError                          NVRTC or nvJitLink rejected the recipe; carries the log
+    │   └── CompileTimeoutError (TimeoutError)  the compile ran past its time limit
+    ├── InvalidArtifactError                  compiler output is not a cubin for the target
+    ├── ArtifactNotFoundError (FileNotFoundError)  no artifact for a key or digest
+    ├── CorruptArtifactError                  stored bytes no longer match their digest
+    ├── StoreFullError (OSError)              the store's filesystem is out of space
+    └── LockTimeoutError (TimeoutError)       a cooperating-writer lock was not acquired in time
+
+Errors carry fields, not just text, so the server can map them to statuses and
+clients can act on them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArtifactNotFoundError",
+    "CompileError",
+    "CompileTimeoutError",
+    "CorruptArtifactError",
+    "InvalidArtifactError",
+    "KCacheError",
+    "LockTimeoutError",
+    "RecipeError",
+    "StoreFullError",
+    "ToolchainError",
+    "UnresolvedRecipeError",
+]
+
+
+class KCacheError(Exception):
+    """Root of every error kcache raises on purpose."""
+
+
+class RecipeError(KCacheError, ValueError):
+    """A recipe field is malformed or over a limit.
+
+    ``field`` names the offending field (dotted for nested ones, for example
+    ``headers["../x.h"]``), so an HTTP layer can say precisely what was wrong.
+    """
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+        self.detail = detail
+
+
+class UnresolvedRecipeError(RecipeError):
+    """The recipe still says ``target="auto"`` or names no toolchain, so it has no key yet."""
+
+
+class ToolchainError(KCacheError, RuntimeError):
+    """NVRTC or nvJitLink is not installed, or could not be loaded or prepared."""
+
+
+class CompileError(KCacheError):
+    """The compiler rejected the recipe.
+
+    ``log`` is the full NVRTC or nvJitLink log. ``cached`` is true when the
+    failure was served from a negative entry instead of a fresh compile.
+    """
+
+    def __init__(self, recipe_key: str | None, log: str, *, cached: bool = False) -> None:
+        first = next((line for line in log.splitlines() if "error" in line), log.strip()[:200])
+        super().__init__(f"compile failed: {first}")
+        self.recipe_key = recipe_key
+        self.log = log
+        self.cached = cached
+
+
+class CompileTimeoutError(CompileError, TimeoutError):
+    """The compile ran past its time limit and was killed."""
+
+
+class InvalidArtifactError(KCacheError):
+    """Compiler output failed validation (not an ELF, not EM_CUDA, or the wrong SM)."""
+
+
+class ArtifactNotFoundError(KCacheError, FileNotFoundError):
+    """No artifact is known for this recipe key or digest."""
+
+
+class CorruptArtifactError(KCacheError):
+    """A stored blob's bytes no longer hash to its name; it has been quarantined."""
+
+    def __init__(self, digest: str, actual: str, quarantined_to: str | None) -> None:
+        super().__init__(
+            f"blob {digest} is corrupt (its bytes hash to {actual}); "
+            f"moved to {quarantined_to or 'nowhere (already gone)'}"
+        )
+        self.digest = digest
+        self.actual = actual
+        self.quarantined_to = quarantined_to
+
+
+class StoreFullError(KCacheError, OSError):
+    """The store's filesystem has no space left; nothing was published."""
+
+
+class LockTimeoutError(KCacheError, TimeoutError):
+    """A cooperating-writer lock could not be acquired within the timeout."""

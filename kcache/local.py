@@ -1,0 +1,38 @@
+"""Building an engine over a local data directory: the one place the core picks backends."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from kcache.compilers import InProcessCompiler
+from kcache.engine import Engine
+from kcache.include_sets import IncludeSets
+from kcache.index.file import FileIndex
+from kcache.locks import FileKeyLock, SingleFlight
+from kcache.store.local import LocalArtifactStore
+from kcache.toolchain import load_toolchain
+
+__all__ = ["default_data_dir", "open_local_engine"]
+
+
+def default_data_dir() -> Path:
+    """``$KCACHE_DATA_DIR``, else ``./.kcache``."""
+    return Path(os.environ.get("KCACHE_DATA_DIR") or ".kcache")
+
+
+def open_local_engine(
+    data_dir: str | os.PathLike[str] | None = None,
+    *,
+    include_sets: Mapping[str, str | Path] | None = None,
+    toolchain_dir: Path | None = None,
+) -> Engine:
+    """An engine with a directory store, JSON index, file locks and in-process NVRTC."""
+    root = Path(data_dir) if data_dir is not None else default_data_dir()
+    return Engine(
+        store=LocalArtifactStore(root),
+        index=FileIndex(root),
+        lock=SingleFlight(FileKeyLock(root)),
+        compiler=InProcessCompiler(load_toolchain(toolchain_dir), IncludeSets(include_sets)),
+    )

@@ -1,0 +1,341 @@
+"""The recipe: everything that changes generated code, validated as untrusted input."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from kcache.errors import RecipeError, UnresolvedRecipeError
+from kcache.keys import KEY_SCHEMA, canonical_json, is_hex_key, sha256_hex
+from kcache.specialization import SpecValue, normalize_specialization, render_macros
+from kcache.targets import Target, parse_target
+
+__all__ = ["LIMITS", "LinkInput", "Output", "Recipe"]
+
+Output = Literal["cubin", "ptx", "ltoir"]
+_OUTPUTS = ("cubin", "ptx", "ltoir")
+
+
+@dataclass(frozen=True)
+class _Limits:
+    source_bytes: int = 1 << 20
+    header_count: int = 256
+    header_bytes_total: int = 8 << 20
+    name_chars: int = 256
+    flag_count: int = 64
+    flag_chars: int = 4096
+    name_expressions: int = 256
+    link_inputs: int = 32
+    include_sets: int = 8
+
+
+LIMITS = _Limits()
+
+_FIELDS = {
+    "source", "name", "headers", "flags", "target", "output", "name_expressions",
+    "specialization", "link", "lto", "toolchain", "include_sets",
+}
+_INCLUDE_NAME_RE = re.compile(r"^[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*$")
+_SET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
+_TOOLCHAIN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+\-]{0,127}$")
+
+# NVRTC options a recipe may carry. Everything else is refused: options that read or
+# write files (-I, PCH, traces, output), options that the recipe's own fields own
+# (-arch is `target`, -dlto is `output`/`lto`), and anything unknown.
+_ALLOWED_FLAGS = re.compile(
+    r"^(?:"
+    r"-D\S.*|--define-macro=.+|-U\S+|--undefine-macro=\S+"
+    r"|-std=c\+\+(?:03|11|14|17|20)|--std=c\+\+(?:03|11|14|17|20)"
+    r"|-G|--device-debug|-lineinfo|--generate-line-info"
+    r"|-O[0-3]|--dopt=(?:on|off)|-dopt=(?:on|off)"
+    r"|--?ftz=(?:true|false)|--?prec-div=(?:true|false)|--?prec-sqrt=(?:true|false)"
+    r"|--?fmad=(?:true|false)|--?use_fast_math|--extra-device-vectorization|-extra-device-vectorization"
+    r"|--?maxrregcount=\d{1,3}|-rdc=(?:true|false)|--relocatable-device-code=(?:true|false)"
+    r"|-ewp|--extensible-whole-program|-default-device|--device-as-default-execution-space"
+    r"|-w|--disable-warnings|-Werror=all-warnings|--restrict|-restrict"
+    r"|--?device-int128|--?builtin-move-forward=(?:true|false)"
+    r"|--?builtin-initializer-list=(?:true|false)|--?display-error-number|--?no-display-error-number"
+    r"|--?diag-(?:suppress|error|warn)=[0-9,]+|--?split-compile=\d{1,2}|-minimal|--minimal"
+    r"|-fdevice-syntax-only|--fdevice-syntax-only|--?Ofast-compile=(?:0|min|mid|max)"
+    r"|--?modify-stack-limit=(?:true|false)|--?no-source-include"
+    r")$"
+)
+
+
+@dataclass(frozen=True)
+class LinkInput:
+    """One further nvJitLink input: a recipe compiled to LTO-IR, or a stored artifact by digest."""
+
+    recipe: Recipe | None = None
+    digest: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: ``{"recipe": {...}}`` or ``{"digest": "..."}``."""
+        if self.recipe is not None:
+            return {"recipe": self.recipe.to_dict()}
+        return {"digest": self.digest}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that changes the generated code of one kernel (ARCHITECTURE section 3).
+
+    Construct it directly or with :meth:`from_dict` / :meth:`from_json`; every field
+    is validated, and a bad one raises :class:`RecipeError` naming it.
+    """
+
+    source: str
+    target: str = "auto"
+    name: str = "kernel.cu"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    flags: Sequence[str] = ()
+    output: Output = "cubin"
+    name_expressions: Sequence[str] = ()
+    specialization: Mapping[str, SpecValue] = field(default_factory=dict)
+    link: Sequence[LinkInput] = ()
+    lto: bool = False
+    toolchain: str | None = None
+    include_sets: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        # Freeze the containers so a recipe cannot change under its key.
+        object.__setattr__(self, "headers", dict(sorted(self.headers.items())))
+        object.__setattr__(self, "flags", tuple(self.flags))
+        object.__setattr__(self, "name_expressions", tuple(self.name_expressions))
+        object.__setattr__(self, "specialization", normalize_specialization(self.specialization))
+        object.__setattr__(self, "link", tuple(self.link))
+        object.__setattr__(self, "include_sets", tuple(self.include_sets))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Recipe:
+        """Build a recipe from its JSON object; unknown fields are refused."""
+        if not isinstance(data, Mapping):
+            raise RecipeError("recipe", "must be a JSON object")
+        unknown = sorted(set(data) - _FIELDS)
+        if unknown:
+            raise RecipeError(unknown[0], f"unknown field; known fields: {', '.join(sorted(_FIELDS))}")
+        if "source" not in data:
+            raise RecipeError("source", "is required")
+        kwargs = dict(data)
+        link = kwargs.get("link", ())
+        if not isinstance(link, list | tuple):
+            raise RecipeError("link", "must be a list")
+        kwargs["link"] = tuple(_link_from_dict(i, item) for i, item in enumerate(link))
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Recipe:
+        """Parse a recipe from JSON text."""
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RecipeError("recipe", f"is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object form, with header texts (round-trips through :meth:`from_dict`)."""
+        out: dict[str, Any] = {
+            "source": self.source,
+            "name": self.name,
+            "headers": dict(self.headers),
+            "flags": list(self.flags),
+            "target": self.target,
+            "output": self.output,
+            "name_expressions": list(self.name_expressions),
+            "specialization": dict(self.specialization),
+            "link": [item.to_dict() for item in self.link],
+            "lto": self.lto,
+            "include_sets": list(self.include_sets),
+        }
+        if self.toolchain is not None:
+            out["toolchain"] = self.toolchain
+        return out
+
+    def with_defaults(self, *, target: str | None = None, toolchain: str | None = None) -> Recipe:
+        """Return a copy with ``target="auto"`` and a missing toolchain filled in (recursively)."""
+        new_target = target if self.target == "auto" and target is not None else self.target
+        new_toolchain = self.toolchain if self.toolchain is not None else toolchain
+        link = tuple(
+            LinkInput(recipe=item.recipe.with_defaults(target=new_target, toolchain=new_toolchain))
+            if item.recipe is not None
+            else item
+            for item in self.link
+        )
+        if (new_target, new_toolchain, link) == (self.target, self.toolchain, self.link):
+            return self
+        return replace(self, target=new_target, toolchain=new_toolchain, link=link)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def parsed_target(self) -> Target:
+        """The target, parsed (raises for ``auto``)."""
+        self._require_resolved()
+        return parse_target(self.target)
+
+    @property
+    def produces(self) -> Output:
+        """What the compile hands back: ``lto`` recipes are linked into a cubin."""
+        return "cubin" if self.lto else self.output
+
+    def header_hashes(self) -> dict[str, str]:
+        """Include name -> sha256 of the header text."""
+        return {name: sha256_hex(text) for name, text in self.headers.items()}
+
+    def macro_flags(self) -> list[str]:
+        """The ``-D`` options rendered from ``specialization``."""
+        return [f"-D{macro}={value}" for macro, value in render_macros(self.specialization)]
+
+    def key_material(self, *, with_header_contents: bool = True) -> dict[str, Any]:
+        """The canonical object hashed into the keys."""
+        self._require_resolved()
+        headers: Any = self.header_hashes() if with_header_contents else sorted(self.headers)
+        return {
+            "schema": KEY_SCHEMA,
+            "source": self.source,
+            "name": self.name,
+            "headers": headers,
+            "flags": list(self.flags),
+            "target": self.target,
+            "output": self.output,
+            "name_expressions": list(self.name_expressions),
+            "specialization": dict(self.specialization),
+            # Nested recipes enter with their full key: manifests match outer headers only.
+            "link": [
+                {"recipe_key": item.recipe.key()} if item.recipe is not None else {"digest": item.digest}
+                for item in self.link
+            ],
+            "lto": self.lto,
+            "toolchain": self.toolchain,
+            "include_sets": list(self.include_sets),
+            "kind": "recipe" if with_header_contents else "base",
+        }
+
+    def key(self) -> str:
+        """``recipe_key``: sha256 of the canonical JSON of everything, headers by their hash."""
+        return sha256_hex(canonical_json(self.key_material()))
+
+    def base_key(self) -> str:
+        """``base_key``: the same without header contents (names only); indexes manifests."""
+        return sha256_hex(canonical_json(self.key_material(with_header_contents=False)))
+
+    def _require_resolved(self) -> None:
+        if self.target == "auto":
+            raise UnresolvedRecipeError(
+                "target", '"auto" must be resolved to the device\'s sm_XX before keying'
+            )
+        if self.toolchain is None:
+            raise UnresolvedRecipeError(
+                "toolchain", "must be resolved to a concrete toolchain id before keying"
+            )
+
+
+def _link_from_dict(index: int, item: object) -> LinkInput:
+    field_name = f"link[{index}]"
+    if not isinstance(item, Mapping) or len(item) != 1 or not ({"recipe", "digest"} & set(item)):
+        raise RecipeError(field_name, 'must be {"recipe": {...}} or {"digest": "<sha256>"}')
+    if "recipe" in item:
+        try:
+            return LinkInput(recipe=Recipe.from_dict(item["recipe"]))
+        except RecipeError as exc:
+            raise RecipeError(f"{field_name}.{exc.field}", exc.detail) from exc
+    return LinkInput(digest=item["digest"])
+
+
+def _check_text(field_name: str, value: object, limit: int) -> str:
+    if not isinstance(value, str):
+        raise RecipeError(field_name, f"must be a string, not {type(value).__name__}")
+    if "\x00" in value:
+        raise RecipeError(field_name, "contains a NUL byte")
+    if len(value.encode("utf-8", "surrogatepass")) > limit:
+        raise RecipeError(field_name, f"is larger than the limit of {limit} bytes")
+    return value
+
+
+def check_include_name(field_name: str, name: object) -> str:
+    """Include names are relative, free of ``..``, and made of safe characters."""
+    if not isinstance(name, str) or not name:
+        raise RecipeError(field_name, "include names are non-empty strings")
+    if "\x00" in name:
+        raise RecipeError(field_name, "contains a NUL byte")
+    if len(name) > LIMITS.name_chars:
+        raise RecipeError(field_name, f"is longer than {LIMITS.name_chars} characters")
+    if name.startswith("/") or "\\" in name:
+        raise RecipeError(field_name, f"{name!r} must be a relative name, not an absolute path")
+    if any(part in ("..", ".", "") for part in name.split("/")):
+        raise RecipeError(field_name, f"{name!r} must not contain '..', '.' or empty path parts")
+    if not _INCLUDE_NAME_RE.match(name):
+        raise RecipeError(field_name, f"{name!r} may hold only letters, digits and _.+-/")
+    return name
+
+
+def _validate(recipe: Recipe) -> None:  # noqa: C901  (one check per field, kept together)
+    _check_text("source", recipe.source, LIMITS.source_bytes)
+    check_include_name("name", recipe.name)
+    if not isinstance(recipe.headers, Mapping):
+        raise RecipeError("headers", "must be an object of include name -> text")
+    if len(recipe.headers) > LIMITS.header_count:
+        raise RecipeError("headers", f"at most {LIMITS.header_count} headers, got {len(recipe.headers)}")
+    total = 0
+    for name, text in recipe.headers.items():
+        check_include_name(f"headers[{name!r}]", name)
+        total += len(_check_text(f"headers[{name!r}]", text, LIMITS.header_bytes_total))
+    if total > LIMITS.header_bytes_total:
+        raise RecipeError("headers", f"total size {total} is over the limit of {LIMITS.header_bytes_total} bytes")
+    if isinstance(recipe.flags, str) or not isinstance(recipe.flags, Sequence):
+        raise RecipeError("flags", "must be a list of strings")
+    if len(recipe.flags) > LIMITS.flag_count:
+        raise RecipeError("flags", f"at most {LIMITS.flag_count} flags")
+    for i, flag in enumerate(recipe.flags):
+        _check_text(f"flags[{i}]", flag, LIMITS.flag_chars)
+        if not _ALLOWED_FLAGS.match(flag):
+            raise RecipeError(
+                f"flags[{i}]",
+                f"{flag!r} is not allowed: options that read or write files (-I, PCH, traces, "
+                "output) are refused, -arch comes from `target`, -dlto from `output`/`lto`; "
+                "use `include_sets` for registered include directories",
+            )
+    if not isinstance(recipe.target, str):
+        raise RecipeError("target", "must be a string")
+    if recipe.target != "auto":
+        parse_target(recipe.target)
+    if recipe.output not in _OUTPUTS:
+        raise RecipeError("output", f"{recipe.output!r} is not one of {', '.join(_OUTPUTS)}")
+    if isinstance(recipe.name_expressions, str) or not isinstance(recipe.name_expressions, Sequence):
+        raise RecipeError("name_expressions", "must be a list of strings")
+    if len(recipe.name_expressions) > LIMITS.name_expressions:
+        raise RecipeError("name_expressions", f"at most {LIMITS.name_expressions} entries")
+    for i, expr in enumerate(recipe.name_expressions):
+        _check_text(f"name_expressions[{i}]", expr, 1024)
+    if not isinstance(recipe.specialization, Mapping):
+        raise RecipeError("specialization", "must be an object")
+    if not isinstance(recipe.lto, bool):
+        raise RecipeError("lto", "must be true or false")
+    if len(recipe.link) > LIMITS.link_inputs:
+        raise RecipeError("link", f"at most {LIMITS.link_inputs} inputs")
+    for i, item in enumerate(recipe.link):
+        if not isinstance(item, LinkInput) or (item.recipe is None) == (item.digest is None):
+            raise RecipeError(f"link[{i}]", "must give exactly one of a recipe or a digest")
+        if item.digest is not None and not is_hex_key(item.digest):
+            raise RecipeError(f"link[{i}].digest", "must be 64 lowercase hex digits")
+    if recipe.link and not recipe.lto:
+        raise RecipeError("link", 'link inputs need "lto": true (they are linked with nvJitLink)')
+    if recipe.lto and recipe.output != "cubin":
+        raise RecipeError("output", '"lto": true compiles to LTO-IR and links a cubin; leave output "cubin"')
+    if recipe.toolchain is not None and (
+        not isinstance(recipe.toolchain, str) or not _TOOLCHAIN_RE.match(recipe.toolchain)
+    ):
+        raise RecipeError("toolchain", "must be a toolchain id such as the server's GET /v1/toolchains lists")
+    if isinstance(recipe.include_sets, str) or not isinstance(recipe.include_sets, Sequence):
+        raise RecipeError("include_sets", "must be a list of registered include set names")
+    if len(recipe.include_sets) > LIMITS.include_sets:
+        raise RecipeError("include_sets", f"at most {LIMITS.include_sets} include sets")
+    for i, set_name in enumerate(recipe.include_sets):
+        if not isinstance(set_name, str) or not _SET_NAME_RE.match(set_name):
+            raise RecipeError(f"include_sets[{i}]", "names are letters, digits, _ and -")
+    if recipe.target != "auto" and recipe.output == "cubin" and parse_target(recipe.target).is_virtual:
+        raise RecipeError("target", f"{recipe.target} is virtual; a cubin needs sm_XX (or set output to ptx)")

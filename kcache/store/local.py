@@ -1,0 +1,104 @@
+"""``LocalArtifactStore``: blobs in a directory (local disk or a shared POSIX filesystem).
+
+Layout: ``<root>/blobs/ab/cd/<digest>``, ``<root>/quarantine/<digest>.<time>``.
+A blob is published by writing a uniquely named temp file in its own directory,
+fsyncing it, checking its digest, renaming it into place and fsyncing the
+directory; readers therefore see no blob or a whole one. Two writers of the same
+bytes agree on the name, so no lock is needed for correctness.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from kcache._fsutil import TMP_PREFIX, atomic_write, fsync_dir
+from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
+from kcache.keys import is_hex_key
+
+__all__ = ["LocalArtifactStore"]
+
+
+def _check_digest(digest: str) -> str:
+    if not is_hex_key(digest):
+        raise ValueError(f"{digest!r} is not a sha256 digest (64 lowercase hex digits)")
+    return digest
+
+
+class LocalArtifactStore:
+    """An :class:`~kcache.store.base.ArtifactStore` over a directory."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.blobs = self.root / "blobs"
+        self.quarantine_dir = self.root / "quarantine"
+        self.blobs.mkdir(parents=True, exist_ok=True)
+
+    def path(self, digest: str) -> Path:
+        """``blobs/ab/cd/<digest>``; the digest is validated, never a client path."""
+        _check_digest(digest)
+        return self.blobs / digest[:2] / digest[2:4] / digest
+
+    def has(self, digest: str) -> bool:
+        """True when the blob file exists."""
+        return self.path(digest).is_file()
+
+    def put(self, data: bytes) -> str:
+        """Publish ``data`` under its sha256; idempotent."""
+        digest = hashlib.sha256(data).hexdigest()
+        dest = self.path(digest)
+        try:
+            if dest.stat().st_size == len(data):
+                return digest  # same name, same size: the same bytes (reads verify anyway)
+        except FileNotFoundError:
+            pass
+        atomic_write(dest, data, verify=data)
+        return digest
+
+    def get(self, digest: str) -> bytes:
+        """Read and verify; a mismatching blob is moved to quarantine and reported."""
+        path = self.path(digest)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise ArtifactNotFoundError(f"no blob {digest} in {self.blobs}") from None
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != digest:
+            raise CorruptArtifactError(digest, actual, self._quarantine(path, digest))
+        return data
+
+    def _quarantine(self, path: Path, digest: str) -> str | None:
+        self.quarantine_dir.mkdir(parents=True, exist_ok=True)
+        dest = self.quarantine_dir / f"{digest}.{time.time_ns()}"
+        try:
+            os.replace(path, dest)
+        except FileNotFoundError:
+            return None  # another reader quarantined it first
+        fsync_dir(path.parent)
+        return str(dest)
+
+    def delete(self, digest: str) -> bool:
+        """Remove a blob (garbage collection)."""
+        try:
+            self.path(digest).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def digests(self) -> Iterator[str]:
+        """Published digests; staging files (``.tmp-*``) are skipped."""
+        for path in self.blobs.glob("*/*/*"):
+            if not path.name.startswith(TMP_PREFIX) and is_hex_key(path.name):
+                yield path.name
+
+    def size_bytes(self) -> int:
+        """Total size of published blobs."""
+        return sum(self.path(d).stat().st_size for d in self.digests())
+
+    def stale_temp_files(self, older_than_s: float = 3600.0) -> list[Path]:
+        """Staging files left by killed writers (never visible as blobs; ``gc`` removes them)."""
+        cutoff = time.time() - older_than_s
+        return [p for p in self.blobs.glob(f"*/*/{TMP_PREFIX}*") if p.stat().st_mtime < cutoff]

@@ -1,0 +1,168 @@
+"""The toolchain: NVRTC and nvJitLink from the NVIDIA wheels, and NVRTC's bundled headers.
+
+A toolchain id names everything outside the recipe that can change the output: the
+NVRTC and nvJitLink versions, a hash of their shared libraries, and a hash of the
+bundled header tree that compiles include (``cuda_fp16.h``, ``cuda/std``, ``cub``).
+The headers are extracted once per toolchain into a cache directory, atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import filelock
+
+from kcache._fsutil import atomic_write
+from kcache.errors import ToolchainError
+
+__all__ = ["Toolchain", "default_toolchain_dir", "load_toolchain"]
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """A concrete, prepared NVRTC + nvJitLink toolchain."""
+
+    id: str
+    nvrtc_version: str
+    nvjitlink_version: str
+    include_dir: Path  # bundled headers, passed as -I along with include_dir / "cccl"
+    supported_sms: tuple[int, ...]
+    libraries: tuple[Path, ...]
+
+    @property
+    def include_flags(self) -> list[str]:
+        """The ``-I`` options for the bundled headers (and nothing else)."""
+        return [f"-I{self.include_dir}", f"-I{self.include_dir / 'cccl'}"]
+
+    def supports(self, sm: int) -> bool:
+        """True when NVRTC of this toolchain can target ``sm``."""
+        return sm in self.supported_sms
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-able summary (what ``GET /v1/toolchains`` lists)."""
+        return {
+            "id": self.id,
+            "nvrtc_version": self.nvrtc_version,
+            "nvjitlink_version": self.nvjitlink_version,
+            "targets": [f"sm_{sm}" for sm in self.supported_sms],
+        }
+
+
+def default_toolchain_dir() -> Path:
+    """``$KCACHE_TOOLCHAIN_DIR``, else ``$XDG_CACHE_HOME/kcache/toolchains``."""
+    explicit = os.environ.get("KCACHE_TOOLCHAIN_DIR")
+    if explicit:
+        return Path(explicit)
+    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache_home) / "kcache" / "toolchains"
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _library_hash(paths: list[Path], root: Path) -> str:
+    """Hash of the libraries' bytes, memoised on disk by (path, size, mtime, inode)."""
+    stamp_file = root / "library-hashes.json"
+    try:
+        stamps: dict[str, str] = json.loads(stamp_file.read_text())
+    except (OSError, ValueError):
+        stamps = {}
+    combined = hashlib.sha256()
+    changed = False
+    for path in paths:
+        st = path.stat()
+        stamp = f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+        if stamp not in stamps:
+            stamps[stamp] = _file_sha256(path)
+            changed = True
+        combined.update(f"{path.name}:{stamps[stamp]}\n".encode())
+    if changed:
+        root.mkdir(parents=True, exist_ok=True)
+        atomic_write(stamp_file, json.dumps(stamps, indent=0).encode())
+    return combined.hexdigest()
+
+
+def _tree_hash(root: Path) -> str:
+    combined = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        combined.update(f"{path.relative_to(root).as_posix()}:{_file_sha256(path)}\n".encode())
+    return combined.hexdigest()
+
+
+def _check(result: tuple[object, ...], what: str) -> tuple[object, ...]:
+    from cuda.bindings import nvrtc
+
+    if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise ToolchainError(f"{what} failed: {result[0]!r}")
+    return result
+
+
+def _install_headers(dest: Path) -> str:
+    """Extract NVRTC's bundled headers into ``dest`` once; return the tree hash."""
+    from cuda.bindings import nvrtc
+
+    marker = dest / "tree.sha256"
+    if marker.exists():
+        return marker.read_text().strip()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # The lock only saves duplicate extraction; the rename below is what makes it safe.
+    with filelock.FileLock(str(dest) + ".lock", timeout=600):
+        if marker.exists():
+            return marker.read_text().strip()
+        staging = dest.parent / f".staging-{dest.name}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        _check(nvrtc.nvrtcInstallBundledHeaders(str(staging / "include").encode(), 0), "nvrtcInstallBundledHeaders")
+        tree = _tree_hash(staging / "include")
+        (staging / "tree.sha256").write_text(tree + "\n")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(staging, dest)
+        return tree
+
+
+@lru_cache(maxsize=4)
+def load_toolchain(root: Path | None = None) -> Toolchain:
+    """Find NVRTC and nvJitLink, hash them, extract the bundled headers; cached per root."""
+    try:
+        from cuda.bindings import nvjitlink, nvrtc
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+    except ImportError as exc:
+        raise ToolchainError(
+            "NVRTC is not installed: pip install 'kcache[nvrtc]' "
+            "(cuda-bindings, nvidia-cuda-nvrtc, nvidia-nvjitlink)"
+        ) from exc
+    root = root or default_toolchain_dir()
+    try:
+        nvrtc_lib = Path(load_nvidia_dynamic_lib("nvrtc").abs_path)
+        jitlink_lib = Path(load_nvidia_dynamic_lib("nvJitLink").abs_path)
+    except Exception as exc:  # pathfinder raises several unrelated types
+        raise ToolchainError(f"cannot locate the NVRTC/nvJitLink libraries: {exc}") from exc
+    builtins = sorted(nvrtc_lib.parent.glob("libnvrtc-builtins.so*"))
+    libraries = [nvrtc_lib, jitlink_lib, *builtins[-1:]]
+    _, major, minor = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    nvrtc_version = f"{major}.{minor}"
+    jl_major, jl_minor = nvjitlink.version()
+    nvjitlink_version = f"{jl_major}.{jl_minor}"
+    lib_hash = _library_hash(libraries, root)
+    include_root = root / f"nvrtc{nvrtc_version}-{lib_hash[:16]}"
+    tree = _install_headers(include_root)
+    combined = hashlib.sha256(f"{lib_hash}\n{tree}\n".encode()).hexdigest()
+    (_, archs) = _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
+    return Toolchain(
+        id=f"nvrtc{nvrtc_version}-nvjitlink{nvjitlink_version}-{combined[:16]}",
+        nvrtc_version=nvrtc_version,
+        nvjitlink_version=nvjitlink_version,
+        include_dir=include_root / "include",
+        supported_sms=tuple(int(a) for a in archs),  # type: ignore[attr-defined]
+        libraries=tuple(libraries),
+    )

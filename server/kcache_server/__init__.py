@@ -1,0 +1,1 @@
+"""kcache server (placeholder until the server issue lands)."""
