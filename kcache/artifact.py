@@ -72,7 +72,9 @@ class ArtifactMeta:
             lowered_names=dict(data.get("lowered_names", {})),
             compile_seconds=float(data.get("compile_seconds", 0.0)),
             log=data.get("log", ""),
-            dependencies=tuple(Dependency(d["name"], d["sha256"]) for d in data.get("dependencies", [])),
+            dependencies=tuple(
+                Dependency(d["name"], d["sha256"]) for d in data.get("dependencies", [])
+            ),
             dependencies_exact=bool(data.get("dependencies_exact", True)),
             kernel=data.get("kernel", ""),
             created_at=float(data.get("created_at", 0.0)),

@@ -25,18 +25,36 @@ __all__ = ["add_recipe_arguments", "main", "recipe_from_args"]
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that build a recipe from a .cu file (ignored with a JSON recipe)."""
-    parser.add_argument("recipe", help="a recipe JSON file, or a .cu source file with the options below")
-    parser.add_argument("--target", help="sm_XX, sm_XXa, sm_XXf or compute_XX")
-    parser.add_argument("--flag", action="append", default=[], help="an NVRTC option (repeatable, order kept)")
-    parser.add_argument("--header", action="append", default=[], metavar="NAME=FILE", help="an in-memory header")
-    parser.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]", help="adds -DNAME=VALUE")
     parser.add_argument(
-        "--spec", action="append", default=[], metavar="KEY=JSON", help="a specialization value, e.g. shape=[4,4]"
+        "recipe", help="a recipe JSON file, or a .cu source file with the options below"
     )
-    parser.add_argument("--name-expression", action="append", default=[], help="e.g. 'add<float, 256>'")
-    parser.add_argument("--output", choices=["cubin", "ptx", "ltoir"], help="what to produce (default cubin)")
+    parser.add_argument("--target", help="sm_XX, sm_XXa, sm_XXf or compute_XX")
+    parser.add_argument(
+        "--flag", action="append", default=[], help="an NVRTC option (repeatable, order kept)"
+    )
+    parser.add_argument(
+        "--header", action="append", default=[], metavar="NAME=FILE", help="an in-memory header"
+    )
+    parser.add_argument(
+        "--define", action="append", default=[], metavar="NAME[=VALUE]", help="adds -DNAME=VALUE"
+    )
+    parser.add_argument(
+        "--spec",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="a specialization value, e.g. shape=[4,4]",
+    )
+    parser.add_argument(
+        "--name-expression", action="append", default=[], help="e.g. 'add<float, 256>'"
+    )
+    parser.add_argument(
+        "--output", choices=["cubin", "ptx", "ltoir"], help="what to produce (default cubin)"
+    )
     parser.add_argument("--name", help="program name given to NVRTC (default kernel.cu)")
-    parser.add_argument("--include-set", action="append", default=[], help="a registered include set to use")
+    parser.add_argument(
+        "--include-set", action="append", default=[], help="a registered include set to use"
+    )
 
 
 def _split(option: str, text: str) -> tuple[str, str]:
@@ -100,7 +118,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
     engine = open_local_engine(args.data_dir)
     result = engine.resolve(recipe)
-    path = engine.store.path(result.artifact.digest)  # type: ignore[attr-defined]
+    path = engine.store.path(result.artifact.digest)
     if args.o:
         Path(args.o).write_bytes(engine.read(result.artifact))
         path = Path(args.o)
@@ -120,7 +138,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 def _remote_compile(args: argparse.Namespace, recipe: Recipe) -> int:
     remotes = entry_points(group="kcache.remote")
     if not remotes:
-        print("kcache: --server needs the client: pip install ./client (kcache-client)", file=sys.stderr)
+        print(
+            "kcache: --server needs the client: pip install ./client (kcache-client)",
+            file=sys.stderr,
+        )
         return 2
     compile_remote = next(iter(remotes)).load()
     return int(compile_remote(args, recipe))
@@ -128,7 +149,9 @@ def _remote_compile(args: argparse.Namespace, recipe: Recipe) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser, core commands plus those the installed distributions register."""
-    parser = argparse.ArgumentParser(prog="kcache", description="content-addressed JIT kernel cache")
+    parser = argparse.ArgumentParser(
+        prog="kcache", description="content-addressed JIT kernel cache"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     key = sub.add_parser("key", help="print a recipe's key")
@@ -139,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_recipe_arguments(comp)
     comp.add_argument("-o", metavar="FILE", help="also write the artifact to FILE")
     where = comp.add_mutually_exclusive_group()
-    where.add_argument("--data-dir", help="local data directory (default $KCACHE_DATA_DIR or ./.kcache)")
+    where.add_argument(
+        "--data-dir", help="local data directory (default $KCACHE_DATA_DIR or ./.kcache)"
+    )
     where.add_argument("--server", help="compile through a kcache server at this URL")
     comp.add_argument("--token", help="bearer token for --server (default $KCACHE_TOKEN)")
     comp.set_defaults(func=_cmd_compile)

@@ -36,7 +36,7 @@ def kernel_name(recipe: Recipe) -> str:
 def _ok(result: tuple[object, ...]) -> bool:
     from cuda.bindings import nvrtc
 
-    return result[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    return bool(result[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS)
 
 
 def _get_bytes(prog: object, size_fn: object, get_fn: object) -> bytes:
@@ -53,8 +53,10 @@ def _get_bytes(prog: object, size_fn: object, get_fn: object) -> bytes:
 def _program_log(prog: object) -> str:
     from cuda.bindings import nvrtc
 
-    return _get_bytes(prog, nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog).rstrip(b"\x00").decode(
-        "utf-8", "replace"
+    return (
+        _get_bytes(prog, nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog)
+        .rstrip(b"\x00")
+        .decode("utf-8", "replace")
     )
 
 
@@ -66,14 +68,20 @@ def _link(recipe: Recipe, own_ltoir: bytes, link_inputs: Sequence[bytes]) -> tup
     try:
         try:
             for i, data in enumerate([own_ltoir, *link_inputs]):
-                kind = nvjitlink.InputType.LTOIR if not data.startswith(b"\x7fELF") else nvjitlink.InputType.CUBIN
+                kind = (
+                    nvjitlink.InputType.LTOIR
+                    if not data.startswith(b"\x7fELF")
+                    else nvjitlink.InputType.CUBIN
+                )
                 nvjitlink.add_data(handle, kind, data, len(data), f"input{i}")
             nvjitlink.complete(handle)
         except nvjitlink.nvJitLinkError as exc:
             size = nvjitlink.get_error_log_size(handle)
             log = bytearray(size)
             nvjitlink.get_error_log(handle, log)
-            raise CompileError(None, f"nvJitLink: {exc}\n{log.rstrip(bytes(1)).decode('utf-8', 'replace')}") from exc
+            raise CompileError(
+                None, f"nvJitLink: {exc}\n{log.rstrip(bytes(1)).decode('utf-8', 'replace')}"
+            ) from exc
         size = nvjitlink.get_linked_cubin_size(handle)
         cubin = bytearray(size)
         nvjitlink.get_linked_cubin(handle, cubin)
@@ -100,13 +108,19 @@ def compile_recipe(
 
     if recipe.toolchain != toolchain.id:
         raise RecipeError(
-            "toolchain", f"{recipe.toolchain!r} is not available here; this side has {toolchain.id!r}"
+            "toolchain",
+            f"{recipe.toolchain!r} is not available here; this side has {toolchain.id!r}",
         )
     target = recipe.parsed_target
     if not toolchain.supports(target.sm):
         supported = ", ".join(f"sm_{sm}" for sm in toolchain.supported_sms)
-        raise RecipeError("target", f"{target.text} is not supported by NVRTC {toolchain.nvrtc_version} ({supported})")
-    set_dirs = [include_sets.get(name, f"include_sets[{i}]") for i, name in enumerate(recipe.include_sets)]
+        raise RecipeError(
+            "target",
+            f"{target.text} is not supported by NVRTC {toolchain.nvrtc_version} ({supported})",
+        )
+    set_dirs = [
+        include_sets.get(name, f"include_sets[{i}]") for i, name in enumerate(recipe.include_sets)
+    ]
     wants_ltoir = recipe.lto or recipe.output == "ltoir"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kcache-trace-") as trace_dir:
@@ -134,7 +148,9 @@ def compile_recipe(
         try:
             for expr in recipe.name_expressions:
                 if not _ok(nvrtc.nvrtcAddNameExpression(prog, expr.encode())):
-                    raise RecipeError("name_expressions", f"NVRTC refused the name expression {expr!r}")
+                    raise RecipeError(
+                        "name_expressions", f"NVRTC refused the name expression {expr!r}"
+                    )
             result = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
             log = _program_log(prog)
             if not _ok(result):

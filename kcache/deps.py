@@ -50,7 +50,9 @@ def _trace_headers(trace_file: Path) -> list[str] | None:
     return [
         str(e["args"]["detail"])
         for e in events
-        if isinstance(e, dict) and e.get("name") == "Processing Header File" and "detail" in e.get("args", {})
+        if isinstance(e, dict)
+        and e.get("name") == "Processing Header File"
+        and "detail" in e.get("args", {})
     ]
 
 

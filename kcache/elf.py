@@ -24,7 +24,7 @@ def cubin_sm(data: bytes) -> int:
     (machine,) = struct.unpack_from("<H", data, 18)
     if machine != EM_CUDA:
         raise InvalidArtifactError(f"e_machine is {machine}, not EM_CUDA ({EM_CUDA})")
-    (flags,) = struct.unpack_from("<I", data, 48)
+    flags: int = struct.unpack_from("<I", data, 48)[0]
     abi_version = data[8]
     # CUDA ABI version 8 moved the SM to bits 8-15; older cubins keep it in bits 0-7.
     return (flags >> 8) & 0xFF if abi_version >= 8 else flags & 0xFF

@@ -92,7 +92,9 @@ class Engine:
         found = self._find(recipe, recipe.key(), recipe.base_key())
         if found is None:
             return None
-        return Resolution("hit", recipe.key(), recipe.base_key(), found, recipe, time.perf_counter() - started)
+        return Resolution(
+            "hit", recipe.key(), recipe.base_key(), found, recipe, time.perf_counter() - started
+        )
 
     def resolve(self, recipe: Recipe, *, compile: bool = True) -> Resolution:
         """Return the artifact for ``recipe``, compiling it (once, across processes) if needed.
@@ -129,7 +131,12 @@ class Engine:
         if entry is not None and self._usable(entry, recipe, header_hashes):
             return entry
         for candidate in self.index.manifest(base):
-            if not unchanged(candidate.dependencies, header_hashes, recipe.include_sets, self.compiler.include_sets):
+            if not unchanged(
+                candidate.dependencies,
+                header_hashes,
+                recipe.include_sets,
+                self.compiler.include_sets,
+            ):
                 continue
             meta = self.index.artifact(candidate.digest)
             if meta is not None and self.store.has(meta.digest):
@@ -150,14 +157,18 @@ class Engine:
         for i, item in enumerate(recipe.link):
             if item.recipe is not None:
                 if item.recipe.output != "ltoir":
-                    raise RecipeError(f"link[{i}].recipe.output", 'linked recipes must have output "ltoir"')
+                    raise RecipeError(
+                        f"link[{i}].recipe.output", 'linked recipes must have output "ltoir"'
+                    )
                 inputs.append(self.read(self.resolve(item.recipe).artifact))
             else:
                 assert item.digest is not None
                 try:
                     inputs.append(self.store.get(item.digest))
                 except (ArtifactNotFoundError, CorruptArtifactError) as exc:
-                    raise RecipeError(f"link[{i}].digest", f"no usable stored artifact: {exc}") from exc
+                    raise RecipeError(
+                        f"link[{i}].digest", f"no usable stored artifact: {exc}"
+                    ) from exc
         return inputs
 
     def _compile_and_publish(self, recipe: Recipe, key: str, base: str) -> ArtifactMeta:

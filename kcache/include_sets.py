@@ -40,11 +40,17 @@ class IncludeSet:
             return path.relative_to(self.root).as_posix()
         except ValueError:
             resolved = path.resolve()
-            return resolved.relative_to(self.root).as_posix() if resolved.is_relative_to(self.root) else None
+            return (
+                resolved.relative_to(self.root).as_posix()
+                if resolved.is_relative_to(self.root)
+                else None
+            )
 
     def all_files(self) -> list[str]:
         """Every file in the set (the conservative dependency list when discovery fails)."""
-        return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
+        return sorted(
+            p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file()
+        )
 
 
 class IncludeSets:

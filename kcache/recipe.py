@@ -35,8 +35,18 @@ class _Limits:
 LIMITS = _Limits()
 
 _FIELDS = {
-    "source", "name", "headers", "flags", "target", "output", "name_expressions",
-    "specialization", "link", "lto", "toolchain", "include_sets",
+    "source",
+    "name",
+    "headers",
+    "flags",
+    "target",
+    "output",
+    "name_expressions",
+    "specialization",
+    "link",
+    "lto",
+    "toolchain",
+    "include_sets",
 }
 _INCLUDE_NAME_RE = re.compile(r"^[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*$")
 _SET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
@@ -118,7 +128,9 @@ class Recipe:
             raise RecipeError("recipe", "must be a JSON object")
         unknown = sorted(set(data) - _FIELDS)
         if unknown:
-            raise RecipeError(unknown[0], f"unknown field; known fields: {', '.join(sorted(_FIELDS))}")
+            raise RecipeError(
+                unknown[0], f"unknown field; known fields: {', '.join(sorted(_FIELDS))}"
+            )
         if "source" not in data:
             raise RecipeError("source", "is required")
         kwargs = dict(data)
@@ -206,7 +218,9 @@ class Recipe:
             "specialization": dict(self.specialization),
             # Nested recipes enter with their full key: manifests match outer headers only.
             "link": [
-                {"recipe_key": item.recipe.key()} if item.recipe is not None else {"digest": item.digest}
+                {"recipe_key": item.recipe.key()}
+                if item.recipe is not None
+                else {"digest": item.digest}
                 for item in self.link
             ],
             "lto": self.lto,
@@ -273,19 +287,23 @@ def check_include_name(field_name: str, name: object) -> str:
     return name
 
 
-def _validate(recipe: Recipe) -> None:  # noqa: C901  (one check per field, kept together)
+def _validate(recipe: Recipe) -> None:
     _check_text("source", recipe.source, LIMITS.source_bytes)
     check_include_name("name", recipe.name)
     if not isinstance(recipe.headers, Mapping):
         raise RecipeError("headers", "must be an object of include name -> text")
     if len(recipe.headers) > LIMITS.header_count:
-        raise RecipeError("headers", f"at most {LIMITS.header_count} headers, got {len(recipe.headers)}")
+        raise RecipeError(
+            "headers", f"at most {LIMITS.header_count} headers, got {len(recipe.headers)}"
+        )
     total = 0
     for name, text in recipe.headers.items():
         check_include_name(f"headers[{name!r}]", name)
         total += len(_check_text(f"headers[{name!r}]", text, LIMITS.header_bytes_total))
     if total > LIMITS.header_bytes_total:
-        raise RecipeError("headers", f"total size {total} is over the limit of {LIMITS.header_bytes_total} bytes")
+        raise RecipeError(
+            "headers", f"total size {total} is over the limit of {LIMITS.header_bytes_total} bytes"
+        )
     if isinstance(recipe.flags, str) or not isinstance(recipe.flags, Sequence):
         raise RecipeError("flags", "must be a list of strings")
     if len(recipe.flags) > LIMITS.flag_count:
@@ -305,7 +323,9 @@ def _validate(recipe: Recipe) -> None:  # noqa: C901  (one check per field, kept
         parse_target(recipe.target)
     if recipe.output not in _OUTPUTS:
         raise RecipeError("output", f"{recipe.output!r} is not one of {', '.join(_OUTPUTS)}")
-    if isinstance(recipe.name_expressions, str) or not isinstance(recipe.name_expressions, Sequence):
+    if isinstance(recipe.name_expressions, str) or not isinstance(
+        recipe.name_expressions, Sequence
+    ):
         raise RecipeError("name_expressions", "must be a list of strings")
     if len(recipe.name_expressions) > LIMITS.name_expressions:
         raise RecipeError("name_expressions", f"at most {LIMITS.name_expressions} entries")
@@ -325,11 +345,15 @@ def _validate(recipe: Recipe) -> None:  # noqa: C901  (one check per field, kept
     if recipe.link and not recipe.lto:
         raise RecipeError("link", 'link inputs need "lto": true (they are linked with nvJitLink)')
     if recipe.lto and recipe.output != "cubin":
-        raise RecipeError("output", '"lto": true compiles to LTO-IR and links a cubin; leave output "cubin"')
+        raise RecipeError(
+            "output", '"lto": true compiles to LTO-IR and links a cubin; leave output "cubin"'
+        )
     if recipe.toolchain is not None and (
         not isinstance(recipe.toolchain, str) or not _TOOLCHAIN_RE.match(recipe.toolchain)
     ):
-        raise RecipeError("toolchain", "must be a toolchain id such as the server's GET /v1/toolchains lists")
+        raise RecipeError(
+            "toolchain", "must be a toolchain id such as the server's GET /v1/toolchains lists"
+        )
     if isinstance(recipe.include_sets, str) or not isinstance(recipe.include_sets, Sequence):
         raise RecipeError("include_sets", "must be a list of registered include set names")
     if len(recipe.include_sets) > LIMITS.include_sets:
@@ -337,5 +361,11 @@ def _validate(recipe: Recipe) -> None:  # noqa: C901  (one check per field, kept
     for i, set_name in enumerate(recipe.include_sets):
         if not isinstance(set_name, str) or not _SET_NAME_RE.match(set_name):
             raise RecipeError(f"include_sets[{i}]", "names are letters, digits, _ and -")
-    if recipe.target != "auto" and recipe.output == "cubin" and parse_target(recipe.target).is_virtual:
-        raise RecipeError("target", f"{recipe.target} is virtual; a cubin needs sm_XX (or set output to ptx)")
+    if (
+        recipe.target != "auto"
+        and recipe.output == "cubin"
+        and parse_target(recipe.target).is_virtual
+    ):
+        raise RecipeError(
+            "target", f"{recipe.target} is virtual; a cubin needs sm_XX (or set output to ptx)"
+        )

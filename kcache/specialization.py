@@ -74,7 +74,9 @@ def _check_scalar(field: str, value: object) -> SpecScalar:
                 "strings may hold letters, digits, spaces and _:<>,.*+-() (at most 256 characters)",
             )
         return value
-    raise RecipeError(field, f"must be a number, a string or a list of them, not {type(value).__name__}")
+    raise RecipeError(
+        field, f"must be a number, a string or a list of them, not {type(value).__name__}"
+    )
 
 
 def normalize_specialization(spec: Mapping[str, object]) -> dict[str, SpecValue]:
@@ -94,8 +96,9 @@ def normalize_specialization(spec: Mapping[str, object]) -> dict[str, SpecValue]
             raise RecipeError(field, "must be a list of integers")
         else:
             out[key] = _check_scalar(field, value)
-        if key in ("shape", "strides"):
-            for i, v in enumerate(out[key]):  # type: ignore[union-attr]
+        value_list = out[key]
+        if key in ("shape", "strides") and isinstance(value_list, list):
+            for i, v in enumerate(value_list):
                 if not isinstance(v, int) or isinstance(v, bool):
                     raise RecipeError(f"{field}[{i}]", "must be an integer")
     render_macros(out)  # raises when two keys collide on one macro name

@@ -122,7 +122,10 @@ def _install_headers(dest: Path) -> str:
             return marker.read_text().strip()
         staging = dest.parent / f".staging-{dest.name}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        _check(nvrtc.nvrtcInstallBundledHeaders(str(staging / "include").encode(), 0), "nvrtcInstallBundledHeaders")
+        _check(
+            nvrtc.nvrtcInstallBundledHeaders(str(staging / "include").encode(), 0),
+            "nvrtcInstallBundledHeaders",
+        )
         tree = _tree_hash(staging / "include")
         (staging / "tree.sha256").write_text(tree + "\n")
         shutil.rmtree(dest, ignore_errors=True)

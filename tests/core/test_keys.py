@@ -1,0 +1,170 @@
+"""Recipe keys: stable across processes and field order, different for any change."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kcache.errors import RecipeError, UnresolvedRecipeError
+from kcache.recipe import Recipe
+from kcache.specialization import render_macros
+from tests.conftest import VECTOR_ADD
+
+BASE = {
+    "source": VECTOR_ADD,
+    "name": "kernel.cu",
+    "headers": {"a.cuh": "#define A 1\n", "b.cuh": "#define B 2\n"},
+    "flags": ["-O3", "-DFOO=1"],
+    "target": "sm_90",
+    "output": "cubin",
+    "name_expressions": ["add"],
+    "specialization": {
+        "shape": [4, 8],
+        "strides": [8, 1],
+        "dtype": "float32",
+        "alignment": 16,
+        "block": [128, 1, 1],
+        "num_warps": 4,
+        "num_stages": 2,
+    },
+    "toolchain": "nvrtc13.5-nvjitlink13.5-0123456789abcdef",
+}
+
+
+def _variant(path: str, value: object) -> dict[str, object]:
+    data = json.loads(json.dumps(BASE))
+    *parents, leaf = path.split(".")
+    node = data
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    return data
+
+
+VARIANTS = {
+    "source": _variant("source", VECTOR_ADD + "\n// changed"),
+    "name": _variant("name", "other.cu"),
+    "toolchain": _variant("toolchain", "nvrtc13.4-nvjitlink13.4-fedcba9876543210"),
+    "target": _variant("target", "sm_80"),
+    "output": _variant("output", "ptx"),
+    "flag text": _variant("flags", ["-O2", "-DFOO=1"]),
+    "flag order": _variant("flags", ["-DFOO=1", "-O3"]),
+    "shape": _variant("specialization.shape", [4, 9]),
+    "strides": _variant("specialization.strides", [8, 2]),
+    "dtype": _variant("specialization.dtype", "float16"),
+    "alignment": _variant("specialization.alignment", 8),
+    "block": _variant("specialization.block", [256, 1, 1]),
+    "num_warps": _variant("specialization.num_warps", 8),
+    "num_stages": _variant("specialization.num_stages", 3),
+    "name expression": _variant("name_expressions", ["add2"]),
+    "header byte": _variant("headers.b", None),  # replaced below
+}
+VARIANTS["header byte"] = _variant("headers", {"a.cuh": "#define A 1\n", "b.cuh": "#define B 3\n"})
+
+
+def test_every_single_change_gives_a_distinct_key() -> None:
+    keys = {"base": Recipe.from_dict(BASE).key()}
+    for label, data in VARIANTS.items():
+        keys[label] = Recipe.from_dict(data).key()
+    assert len(set(keys.values())) == len(keys), keys
+
+
+def test_key_is_stable_across_processes_and_field_order(tmp_path: Path) -> None:
+    forward = tmp_path / "forward.json"
+    backward = tmp_path / "backward.json"
+    forward.write_text(json.dumps(BASE))
+    # Reverse the field order at every level, headers and specialization included.
+    reverse = {k: BASE[k] for k in reversed(list(BASE))}
+    reverse["specialization"] = dict(reversed(list(BASE["specialization"].items())))  # type: ignore[union-attr]
+    reverse["headers"] = dict(reversed(list(BASE["headers"].items())))  # type: ignore[union-attr]
+    backward.write_text(json.dumps(reverse, indent=2))
+    code = "import sys; from kcache import Recipe; print(Recipe.from_json(open(sys.argv[1]).read()).key())"
+    keys = {
+        subprocess.run(
+            [sys.executable, "-c", code, str(p)], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for p in (forward, backward)
+    }
+    assert keys == {Recipe.from_dict(BASE).key()}
+
+
+def test_base_key_ignores_header_contents_but_not_names() -> None:
+    changed = Recipe.from_dict(VARIANTS["header byte"])
+    base = Recipe.from_dict(BASE)
+    assert changed.key() != base.key()
+    assert changed.base_key() == base.base_key()
+    renamed = Recipe.from_dict(
+        _variant("headers", {"a.cuh": "#define A 1\n", "c.cuh": "#define B 2\n"})
+    )
+    assert renamed.base_key() != base.base_key()
+
+
+def test_specialization_renders_sorted_macros() -> None:
+    recipe = Recipe.from_dict(BASE)
+    assert render_macros(recipe.specialization) == [
+        ("KC_ALIGNMENT", "16"),
+        ("KC_BLOCK_0", "128"),
+        ("KC_BLOCK_1", "1"),
+        ("KC_BLOCK_2", "1"),
+        ("KC_DTYPE", "float"),
+        ("KC_NDIM", "2"),
+        ("KC_NUM_STAGES", "2"),
+        ("KC_NUM_WARPS", "4"),
+        ("KC_SHAPE_0", "4"),
+        ("KC_SHAPE_1", "8"),
+        ("KC_STRIDE_0", "8"),
+        ("KC_STRIDE_1", "1"),
+    ]
+    assert Recipe.from_dict(_variant("specialization.dtype", "torch.bfloat16")).macro_flags()[
+        4
+    ] == ("-DKC_DTYPE=__nv_bfloat16")
+
+
+def test_dtype_aliases_share_a_key() -> None:
+    assert (
+        Recipe.from_dict(_variant("specialization.dtype", "float")).key()
+        == Recipe.from_dict(BASE).key()
+    )
+
+
+def test_unresolved_recipes_have_no_key() -> None:
+    with pytest.raises(UnresolvedRecipeError, match="target"):
+        Recipe(source=VECTOR_ADD, toolchain="x1").key()
+    with pytest.raises(UnresolvedRecipeError, match="toolchain"):
+        Recipe(source=VECTOR_ADD, target="sm_90").key()
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"headers": {"../x.h": ""}}, "headers['../x.h']"),
+        ({"headers": {"/etc/passwd": ""}}, "headers['/etc/passwd']"),
+        ({"flags": ["-I/etc"]}, "flags[0]"),
+        ({"flags": ["--pch"]}, "flags[0]"),
+        ({"flags": ["--fdevice-time-trace=/tmp/x"]}, "flags[0]"),
+        ({"flags": ["-arch=sm_80"]}, "flags[0]"),
+        ({"target": "sm_9x"}, "target"),
+        ({"output": "fatbin"}, "output"),
+        ({"source": "a\x00b"}, "source"),
+        ({"specialization": {"dtype": "complex64"}}, "specialization.dtype"),
+        ({"specialization": {"bad-key": 1}}, "specialization.bad-key"),
+        ({"specialization": {"x": "a;b"}}, "specialization.x"),
+        ({"unknown": 1}, "unknown"),
+        ({"lto": "yes"}, "lto"),
+        ({"target": "compute_90"}, "target"),
+    ],
+)
+def test_bad_fields_are_named(change: dict[str, object], field: str) -> None:
+    data = {**BASE, **change}
+    with pytest.raises(RecipeError) as info:
+        Recipe.from_dict(data)
+    assert info.value.field == field
+
+
+def test_round_trip_through_json() -> None:
+    recipe = Recipe.from_dict(BASE)
+    assert Recipe.from_json(json.dumps(recipe.to_dict())) == recipe
