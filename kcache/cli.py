@@ -135,6 +135,63 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from kcache.index.file import FileIndex
+    from kcache.local import default_data_dir
+    from kcache.maintenance import verify_store
+    from kcache.store.local import LocalArtifactStore
+
+    root = Path(args.data_dir) if args.data_dir else default_data_dir()
+    report = verify_store(LocalArtifactStore(root), FileIndex(root))
+    print(
+        json.dumps(
+            {"checked": report.checked, "corrupt": report.corrupt, "missing": report.missing}
+        )
+    )
+    return 0 if report.ok else 1
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from kcache.index.file import FileIndex
+    from kcache.local import default_data_dir
+    from kcache.maintenance import collect_garbage
+    from kcache.store.local import LocalArtifactStore
+
+    root = Path(args.data_dir) if args.data_dir else default_data_dir()
+    report = collect_garbage(LocalArtifactStore(root), FileIndex(root), grace_seconds=args.grace)
+    print(json.dumps(vars(report)))
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from kcache.local import default_data_dir
+    from kcache.toolchain import default_toolchain_dir, load_toolchain
+
+    root = Path(args.data_dir) if args.data_dir else default_data_dir()
+    checks: dict[str, object] = {"data_dir": str(root.resolve())}
+    status = 0
+    try:
+        toolchain = load_toolchain()
+        checks["toolchain"] = toolchain.describe()
+        checks["bundled_headers"] = str(toolchain.include_dir)
+        checks["cuda_fp16.h"] = (toolchain.include_dir / "cuda_fp16.h").is_file()
+    except KCacheError as exc:
+        checks["toolchain"] = f"unusable: {exc}"
+        status = 1
+    checks["toolchain_dir"] = str(default_toolchain_dir())
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".doctor-probe"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+        checks["data_dir_writable"] = True
+    except OSError as exc:
+        checks["data_dir_writable"] = f"no: {exc.strerror}"
+        status = 1
+    print(json.dumps(checks, indent=2))
+    return status
+
+
 def _remote_compile(args: argparse.Namespace, recipe: Recipe) -> int:
     remotes = entry_points(group="kcache.remote")
     if not remotes:
@@ -168,6 +225,21 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--server", help="compile through a kcache server at this URL")
     comp.add_argument("--token", help="bearer token for --server (default $KCACHE_TOKEN)")
     comp.set_defaults(func=_cmd_compile)
+
+    verify = sub.add_parser("verify", help="re-hash every blob of a local data directory")
+    verify.add_argument("--data-dir", help="default $KCACHE_DATA_DIR or ./.kcache")
+    verify.set_defaults(func=_cmd_verify)
+
+    gc = sub.add_parser("gc", help="remove stale staging files and unreferenced blobs")
+    gc.add_argument("--data-dir", help="default $KCACHE_DATA_DIR or ./.kcache")
+    gc.add_argument(
+        "--grace", type=float, default=3600.0, help="only touch files older than this (s)"
+    )
+    gc.set_defaults(func=_cmd_gc)
+
+    doctor = sub.add_parser("doctor", help="check the toolchain and the data directory")
+    doctor.add_argument("--data-dir", help="default $KCACHE_DATA_DIR or ./.kcache")
+    doctor.set_defaults(func=_cmd_doctor)
 
     for ep in entry_points(group="kcache.commands"):
         ep.load()(sub)

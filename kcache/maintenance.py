@@ -1,0 +1,89 @@
+"""Maintenance of a local data directory: verify every blob, collect garbage.
+
+Both are safe while writers run: verification only reads (and quarantines blobs
+whose bytes no longer match their name), and garbage collection removes only
+staging files older than a grace period and blobs that no index record names
+and that are themselves older than the grace period (a writer publishes the blob
+before its index record, so a young unreferenced blob may be about to be named).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from kcache.errors import CorruptArtifactError
+from kcache.index.file import FileIndex
+from kcache.store.local import LocalArtifactStore
+
+__all__ = ["GcReport", "VerifyReport", "collect_garbage", "verify_store"]
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify_store`` found."""
+
+    checked: int = 0
+    corrupt: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # indexed artifacts whose blob is gone
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing is corrupt or missing."""
+        return not self.corrupt and not self.missing
+
+
+@dataclass
+class GcReport:
+    """What ``collect_garbage`` removed."""
+
+    temp_files: int = 0
+    blobs: int = 0
+    bytes_freed: int = 0
+
+
+def _indexed_digests(index: FileIndex) -> set[str]:
+    return {p.stem for p in (index.root / "artifacts").glob("*/*.json")}
+
+
+def verify_store(store: LocalArtifactStore, index: FileIndex) -> VerifyReport:
+    """Re-hash every blob; quarantine corrupt ones; list indexed artifacts without a blob."""
+    report = VerifyReport()
+    for digest in list(store.digests()):
+        report.checked += 1
+        try:
+            store.get(digest)
+        except CorruptArtifactError:
+            report.corrupt.append(digest)
+    report.missing = sorted(d for d in _indexed_digests(index) if not store.has(d))
+    return report
+
+
+def collect_garbage(
+    store: LocalArtifactStore, index: FileIndex, *, grace_seconds: float = 3600.0
+) -> GcReport:
+    """Remove old staging files and old blobs that no index record names."""
+    report = GcReport()
+    for path in store.stale_temp_files(grace_seconds):
+        report.bytes_freed += path.stat().st_size
+        path.unlink(missing_ok=True)
+        report.temp_files += 1
+    referenced = _indexed_digests(index)
+    for manifest in (index.root / "manifests").glob("*/*.json"):
+        try:
+            referenced.update(e["digest"] for e in json.loads(manifest.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    cutoff = time.time() - grace_seconds
+    for digest in list(store.digests()):
+        if digest in referenced:
+            continue
+        try:
+            st = store.path(digest).stat()
+        except FileNotFoundError:
+            continue
+        if st.st_mtime < cutoff and store.delete(digest):
+            report.blobs += 1
+            report.bytes_freed += st.st_size
+    return report
