@@ -1,0 +1,157 @@
+"""Shared pieces of the benchmarks: ports, a real kcache server, wrk, JSON lines.
+
+Every figure is a ratio against an anchor measured in the same run on the same
+machine (BENCHMARKS.md); nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+KCACHE = [sys.executable, "-m", "kcache.cli"]
+
+VECTOR_ADD = """
+extern "C" __global__ void add(const float* x, const float* y, float* out, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = x[i] + y[i];
+}
+"""
+
+
+def free_port() -> int:
+    """An unused loopback TCP port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def emit(
+    bench: str, ours: float, anchor: float | None, unit: str, **extra: object
+) -> dict[str, object]:
+    """Print one figure as a JSON line; ratio is ours / anchor."""
+    line: dict[str, object] = {
+        "bench": bench,
+        "ours": round(ours, 3),
+        "anchor": None if anchor is None else round(anchor, 3),
+        "ratio": None if not anchor else round(ours / anchor, 3),
+        "unit": unit,
+        **extra,
+    }
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def wait_http(url: str, timeout: float = 60.0) -> None:
+    """Poll ``url`` until it answers 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up within {timeout:.0f}s")
+
+
+@contextlib.contextmanager
+def kcache_server(workers: int = 1, data_dir: Path | None = None) -> Iterator[str]:
+    """A real ``kcache serve`` on an ephemeral loopback port, SQLite in a temp data dir."""
+    with contextlib.ExitStack() as stack:
+        if data_dir is None:
+            data_dir = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="kcache-bench-"))
+            )
+        env = {**os.environ, "KCACHE_DATA_DIR": str(data_dir)}
+        subprocess.run([*KCACHE, "db", "upgrade"], env=env, check=True, capture_output=True)
+        port = free_port()
+        proc = subprocess.Popen(
+            [
+                *KCACHE,
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data_dir),
+                "--workers",
+                str(workers),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_http(url + "/healthz")
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def _ms(text: str) -> float:
+    match = re.match(r"([\d.]+)(us|ms|s)", text)
+    if not match:
+        raise ValueError(text)
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def wrk(
+    url: str,
+    *,
+    connections: int = 32,
+    seconds: int = 5,
+    threads: int = 2,
+    script: str | None = None,
+) -> dict[str, float]:
+    """Run wrk against ``url``; returns requests/s, p99 ms and non-2xx count."""
+    if shutil.which("wrk") is None:
+        raise RuntimeError("wrk is not installed (Debian package wrk)")
+    cmd = ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{seconds}s", "--latency"]
+    with contextlib.ExitStack() as stack:
+        if script:
+            lua = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False))
+            lua.write(script)
+            lua.flush()
+            cmd += ["-s", lua.name]
+        out = subprocess.run([*cmd, url], capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    errors = re.search(r"Socket errors:.*", out)
+    return {
+        "rps": rps,
+        "p99_ms": p99,
+        "non_2xx": float(bad.group(1)) if bad else 0.0,
+        "socket_errors": 1.0 if errors else 0.0,
+    }
+
+
+def post_json_lua(body: dict[str, object]) -> str:
+    """A wrk script that POSTs ``body`` as JSON."""
+    text = json.dumps(body).replace("\\", "\\\\").replace('"', '\\"')
+    return (
+        'wrk.method = "POST"\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.body = "{text}"\n'
+    )

@@ -1,0 +1,109 @@
+"""B1: fetch a cubin by recipe key over HTTP, warm, 32 connections, 5 s.
+
+Ours: ``GET /v1/recipes/{key}/artifact`` on a real ``kcache serve``. Anchors, in the
+same run: nginx (1 worker) serving the same file from disk, and Redis GET of the
+same bytes (redis-benchmark, 32 clients) as Triton's remote cache backend does.
+Goal: >= 0.5 x nginx req/s, p99 < 10 ms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import VECTOR_ADD, emit, free_port, kcache_server, wait_http, wrk
+
+SECONDS = int(os.environ.get("BENCH_SECONDS", "5"))
+
+
+@contextlib.contextmanager
+def nginx_serving(directory: Path) -> Iterator[str]:
+    """nginx with one worker serving ``directory`` on an ephemeral port."""
+    port = free_port()
+    conf = directory.parent / "nginx.conf"
+    conf.write_text(
+        f"""worker_processes 1; daemon off; pid {directory.parent}/nginx.pid;
+error_log {directory.parent}/error.log;
+events {{ worker_connections 1024; }}
+http {{ access_log off; sendfile on; tcp_nopush on;
+  client_body_temp_path {directory.parent}/tmp; proxy_temp_path {directory.parent}/tmp;
+  fastcgi_temp_path {directory.parent}/tmp; uwsgi_temp_path {directory.parent}/tmp;
+  scgi_temp_path {directory.parent}/tmp;
+  server {{ listen 127.0.0.1:{port}; root {directory}; }} }}
+"""
+    )
+    proc = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(directory.parent)])
+    try:
+        wait_http(f"http://127.0.0.1:{port}/blob")
+        yield f"http://127.0.0.1:{port}/blob"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def redis_get_rps(size: int) -> float | None:
+    """redis-benchmark GET of a value of the cubin's size on the machine's Redis (None if absent).
+
+    ``-t set,get`` first SETs the benchmark key to ``size`` bytes, then GETs it back:
+    the same number of bytes per request as our route serves.
+    """
+    try:
+        pong = subprocess.run(["redis-cli", "ping"], capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        return None
+    if pong != "PONG":
+        return None
+    out = subprocess.run(
+        ["redis-benchmark", "-c", "32", "-n", "200000", "-t", "set,get", "-d", str(size), "--csv"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    match = re.search(r'"GET","([\d.]+)"', out)
+    return float(match.group(1)) if match else None
+
+
+def main() -> None:
+    workers = int(os.environ.get("BENCH_WORKERS", str(os.cpu_count() or 1)))
+    with kcache_server(workers=workers) as url:
+        body = {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
+        resolved = httpx.post(url + "/v1/resolve", json=body, timeout=120).raise_for_status().json()
+        key = resolved["recipe_key"]
+        artifact_url = f"{url}/v1/recipes/{key}/artifact"
+        data = httpx.get(artifact_url).raise_for_status().content
+        ours = wrk(artifact_url, seconds=SECONDS)
+        time.sleep(1)
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp) / "www"
+            root.mkdir()
+            (Path(tmp) / "tmp").mkdir()
+            (root / "blob").write_bytes(data)
+            with nginx_serving(root) as nginx_url:
+                anchor = wrk(nginx_url, seconds=SECONDS)
+    emit(
+        "B1.fetch_by_key.rps",
+        ours["rps"],
+        anchor["rps"],
+        "req/s",
+        goal=">= 0.5",
+        bytes=len(data),
+        workers=workers,
+        non_2xx=ours["non_2xx"],
+    )
+    emit("B1.fetch_by_key.p99_ms", ours["p99_ms"], anchor["p99_ms"], "ms", goal="ours < 10 ms")
+    redis_rps = redis_get_rps(len(data))
+    if redis_rps is not None:
+        emit("B1.fetch_by_key.vs_redis_get", ours["rps"], redis_rps, "req/s")
+
+
+if __name__ == "__main__":
+    main()

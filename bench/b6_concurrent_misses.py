@@ -1,0 +1,49 @@
+"""B6: 64 concurrent identical misses: exactly 1 compile and 1 digest."""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import VECTOR_ADD, emit, kcache_server
+
+CLIENTS = 64
+
+
+def main() -> None:
+    recipe = {"source": VECTOR_ADD + f"// {time.time_ns()}\n", "target": "sm_90"}
+    with (
+        kcache_server() as url,
+        httpx.Client(timeout=120, limits=httpx.Limits(max_connections=CLIENTS)) as client,
+    ):
+
+        def ask(_: int) -> dict[str, object]:
+            return (
+                client.post(url + "/v1/resolve", json={"recipe": recipe}).raise_for_status().json()
+            )  # type: ignore[no-any-return]
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            replies = list(pool.map(ask, range(CLIENTS)))
+        wall = time.perf_counter() - started
+    compiles = sum(r["status"] == "compiled" for r in replies)
+    digests = {r["artifact"]["digest"] for r in replies}  # type: ignore[index]
+    emit(
+        "B6.concurrent_misses.compiles",
+        compiles,
+        1,
+        "compiles",
+        digests=len(digests),
+        statuses=sorted({str(r["status"]) for r in replies}),
+        wall_s=round(wall, 3),
+        met=compiles == 1 and len(digests) == 1,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Audit events for hits the server never sees (memory and node-tier hits).
+
+``record()`` only appends to a queue, so ``get()`` never waits on the network. A
+daemon thread sends batches to ``POST /v1/events`` when a batch fills or every
+``interval_s``. ``close()`` (also run at interpreter exit) sends what is left, with
+a bounded wait, so a clean shutdown loses nothing. If the server is down, events
+are kept (up to ``max_pending``) and sent with the next batch; past that limit the
+oldest are dropped and counted in ``dropped``, because a training job must never
+run out of memory over audit records.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+from kcache_client._http import RetryPolicy, Transport
+from kcache_client.errors import ClientError, ServerUnavailableError
+
+__all__ = ["EventSink"]
+
+# Events go out in the background; a short, bounded retry keeps the thread responsive.
+_EVENT_RETRY = RetryPolicy(attempts=3, base_s=0.2, cap_s=2.0, budget_s=5.0, max_retry_after_s=5.0)
+
+
+class EventSink:
+    """A background batcher of audit events for one server."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        batch_size: int = 256,
+        interval_s: float = 2.0,
+        max_pending: int = 100_000,
+    ) -> None:
+        self._transport = transport
+        self._batch_size = batch_size
+        self._interval_s = interval_s
+        self._pending: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_pending)
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.sent = 0
+        self.dropped = 0
+        self.failures = 0
+
+    def record(self, event: dict[str, Any]) -> None:
+        """Queue one event; never blocks on I/O."""
+        with self._cond:
+            if self._closed:
+                return
+            if len(self._pending) == self._pending.maxlen:
+                self.dropped += 1
+            self._pending.append(event)
+            if self._thread is None:
+                # Started lazily: a process that never hits the tiers never gets a thread.
+                self._thread = threading.Thread(target=self._run, name="kcache-events", daemon=True)
+                self._thread.start()
+            if len(self._pending) >= self._batch_size:
+                self._cond.notify()
+
+    def pending(self) -> int:
+        """Events not yet delivered."""
+        with self._cond:
+            return len(self._pending)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Send everything queued now, from the calling thread; True if the queue emptied."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._send_one_batch():
+                return self.pending() == 0
+        return self.pending() == 0
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread and deliver what is left (bounded by ``timeout``)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.flush(timeout)
+
+    # ------------------------------------------------------------------ internals
+    def _take(self) -> list[dict[str, Any]]:
+        with self._cond:
+            batch = [
+                self._pending.popleft() for _ in range(min(self._batch_size, len(self._pending)))
+            ]
+        return batch
+
+    def _send_one_batch(self) -> bool:
+        """Send one batch; False when there was nothing to send or the server refused it."""
+        batch = self._take()
+        if not batch:
+            return False
+        try:
+            self._transport.request(
+                "POST", "/v1/events", json={"events": batch}, ok=(200, 202), retry=_EVENT_RETRY
+            )
+        except ServerUnavailableError:
+            self.failures += 1
+            with self._cond:  # keep them, in order, for the next attempt
+                self._pending.extendleft(reversed(batch))
+            return False
+        except ClientError:
+            # The server refused the batch itself (auth, validation): resending cannot help.
+            self.failures += 1
+            self.dropped += len(batch)
+            return False
+        self.sent += len(batch)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._closed and len(self._pending) < self._batch_size:
+                    self._cond.wait(self._interval_s)
+                if self._closed:
+                    return  # close() flushes from its own thread
+            while self._send_one_batch():
+                if self.pending() < self._batch_size:
+                    break

@@ -1,0 +1,186 @@
+"""Errors raised by the kcache client.
+
+Hierarchy (every class is also a :class:`kcache.errors.KCacheError`)::
+
+    KCacheError
+    └── ClientError
+        ├── ServerUnavailableError (ConnectionError)   the server could not be reached; names URL and cause
+        │   └── ServerBusyError                        429/503 answered until the retry budget ran out
+        ├── ServerResponseError                        the server answered with an error status
+        │   ├── AuthenticationError (PermissionError)  401/403: missing, wrong or under-scoped token
+        │   ├── RequestRejectedError (ValueError)      400/413/422: the server refused the input
+        │   └── RemoteNotFoundError (ArtifactNotFoundError)  404: unknown recipe, blob, or no compile allowed
+        ├── RemoteCompileError (CompileError)          the server's compiler rejected the recipe; carries the log
+        ├── DigestMismatchError                        received bytes do not hash to the digest they claim
+        ├── NoDeviceError (RuntimeError)               target "auto" without a usable CUDA device
+        └── WarmupError                                a warmup failed; raised identically on every rank
+            ├── WarmupCompileError (CompileError)      ... because a recipe does not compile
+            └── WarmupTimeoutError (TimeoutError)      ... because a rank or the leader ran out of time
+
+Core errors (:class:`~kcache.errors.RecipeError`, :class:`~kcache.errors.CompileError`
+from a local compile, :class:`~kcache.errors.LockTimeoutError`) pass through as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError
+
+__all__ = [
+    "AuthenticationError",
+    "ClientError",
+    "DigestMismatchError",
+    "NoDeviceError",
+    "RemoteCompileError",
+    "RemoteNotFoundError",
+    "RequestRejectedError",
+    "ServerBusyError",
+    "ServerResponseError",
+    "ServerUnavailableError",
+    "WarmupCompileError",
+    "WarmupError",
+    "WarmupTimeoutError",
+]
+
+
+class ClientError(KCacheError):
+    """Root of the errors the client raises on purpose."""
+
+
+class ServerUnavailableError(ClientError, ConnectionError):
+    """The server at ``url`` could not be reached after the bounded retries."""
+
+    def __init__(self, url: str, cause: str) -> None:
+        super().__init__(f"kcache server {url} is unreachable: {cause}")
+        self.url = url
+        self.cause = cause
+
+
+class ServerBusyError(ServerUnavailableError):
+    """The server kept answering 429/503 (overloaded) until the retry budget was spent."""
+
+    def __init__(self, url: str, status: int, retry_after: float | None) -> None:
+        hint = f" (last Retry-After {retry_after:g}s)" if retry_after is not None else ""
+        super().__init__(url, f"overloaded, HTTP {status}{hint}")
+        self.status = status
+        self.retry_after = retry_after
+
+
+class ServerResponseError(ClientError):
+    """The server answered ``status`` with the JSON error ``code`` and ``detail``."""
+
+    def __init__(self, url: str, status: int, code: str, detail: str) -> None:
+        super().__init__(f"{url}: HTTP {status} {code}: {detail}")
+        self.url = url
+        self.status = status
+        self.code = code
+        self.detail = detail
+
+
+class AuthenticationError(ServerResponseError, PermissionError):
+    """401/403: no token, a wrong token, or a token without the needed scope (KCACHE_TOKEN)."""
+
+
+class RequestRejectedError(ServerResponseError, ValueError):
+    """400/413/422: the server refused the request's input; ``detail`` says which field."""
+
+
+class RemoteNotFoundError(ServerResponseError, ArtifactNotFoundError):
+    """404: the server knows no artifact for this key or digest (and was not asked to compile)."""
+
+
+class RemoteCompileError(CompileError, ClientError):
+    """The server's NVRTC/nvJitLink rejected the recipe; ``log`` is the compiler's log."""
+
+    def __init__(self, recipe_key: str | None, log: str, *, detail: str = "") -> None:
+        super().__init__(recipe_key, log or detail)
+        self.detail = detail
+
+
+class DigestMismatchError(ClientError):
+    """Bytes received from ``url`` hash to ``actual``, not the ``expected`` digest."""
+
+    def __init__(self, url: str, expected: str, actual: str) -> None:
+        super().__init__(f"bytes from {url} hash to {actual}, expected {expected}; refused")
+        self.url = url
+        self.expected = expected
+        self.actual = actual
+
+
+class NoDeviceError(ClientError, RuntimeError):
+    """``target="auto"`` needs a CUDA device, and none could be queried."""
+
+
+class WarmupError(ClientError):
+    """A multi-rank warmup failed. Every rank raises one with the same fields.
+
+    ``kind`` is the class name of the leader's original error, ``recipe_key`` and
+    ``log`` are set when one recipe was the cause, ``leader`` is the failing rank.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str = "",
+        recipe_key: str | None = None,
+        log: str = "",
+        leader: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+        self.recipe_key = recipe_key
+        self.log = log
+        self.leader = leader
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain form that crosses process boundaries (pickled exceptions with fields do not)."""
+        return {
+            "class": type(self).__name__,
+            "message": self.message,
+            "kind": self.kind,
+            "recipe_key": self.recipe_key,
+            "log": self.log,
+            "leader": self.leader,
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> WarmupError:
+        """Inverse of :meth:`to_dict`, picking the same subclass."""
+        cls: type[WarmupError] = {
+            "WarmupCompileError": WarmupCompileError,
+            "WarmupTimeoutError": WarmupTimeoutError,
+        }.get(str(data.get("class")), WarmupError)
+        return cls(
+            str(data["message"]),
+            kind=str(data.get("kind", "")),
+            recipe_key=data.get("recipe_key"),
+            log=str(data.get("log", "")),
+            leader=int(data.get("leader", 0)),
+        )
+
+
+class WarmupCompileError(WarmupError, CompileError):
+    """A warmup recipe does not compile; ``except CompileError`` catches it on every rank."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str = "",
+        recipe_key: str | None = None,
+        log: str = "",
+        leader: int = 0,
+    ) -> None:
+        CompileError.__init__(self, recipe_key, log or message)
+        self.args = (message,)
+        self.message = message
+        self.kind = kind
+        self.log = log
+        self.leader = leader
+
+
+class WarmupTimeoutError(WarmupError, TimeoutError):
+    """A warmup did not finish within its timeout (the leader was slow, lost, or died)."""

@@ -1,0 +1,190 @@
+"""``create_app(settings)``: the FastAPI application.
+
+Start-up order: open the database, refuse an out-of-date schema (a brand-new
+SQLite file is created at the head revision, so ``kcache serve`` works out of the
+box), refuse an unsafe bind, build the backends; the lifespan then starts the
+compile workers and the audit writer, and stops them on shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kcache.errors import KCacheError
+from kcache_server import migrate
+from kcache_server.audit import AuditLog
+from kcache_server.auditing.install import install_auditing
+from kcache_server.auth import TokenStore
+from kcache_server.backends import open_backends, open_settings_database
+from kcache_server.db import is_sqlite
+from kcache_server.errors import (
+    BadRequestError,
+    InsecureBindError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    error_body,
+    error_info,
+)
+from kcache_server.routes import ROUTERS
+from kcache_server.service import ServerState
+from kcache_server.settings import Settings
+
+__all__ = ["SETTINGS_ENV", "check_bind", "create_app", "create_app_from_env"]
+
+#: ``kcache serve --workers N`` hands its settings to each uvicorn worker through this variable.
+SETTINGS_ENV = "KCACHE_SERVER_SETTINGS_JSON"
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def check_bind(settings: Settings, tokens: TokenStore) -> None:
+    """Refuse a non-loopback bind that no token protects, unless ``force_insecure``."""
+    if settings.loopback or settings.force_insecure or tokens.any_active():
+        return
+    raise InsecureBindError(
+        f"refusing to serve on {settings.host} without tokens: anyone who can reach it could compile code "
+        "here. Create a token with `kcache token create NAME --scope compile` (clients send it as "
+        "KCACHE_TOKEN), or bind 127.0.0.1, or pass --force-insecure (KCACHE_FORCE_INSECURE=1) if a "
+        "proxy in front authenticates"
+    )
+
+
+class _BodyLimit:
+    """413 for request bodies over the limit, by Content-Length or by counting a streamed body."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                exc = PayloadTooLargeError(
+                    f"the request body is {int(value)} bytes; the limit is {self.limit} (max_request_bytes)"
+                )
+                await JSONResponse(error_body(exc), 413)(scope, receive, send)
+                return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise PayloadTooLargeError(
+                    f"the request body is over the limit of {self.limit} bytes (max_request_bytes)"
+                )
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    info = error_info(exc)
+    headers = {"Retry-After": str(getattr(exc, "retry_after", 5))} if info.retry else None
+    return JSONResponse(error_body(exc), info.status, headers=headers)
+
+
+async def _kcache_error(_: Request, exc: Exception) -> JSONResponse:
+    return _error_response(exc)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first: dict[str, Any] = dict(errors[0]) if errors else {"type": "invalid", "loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return _error_response(
+            BadRequestError(f"the body is not valid JSON: {ctx.get('error', first.get('msg'))}")
+        )
+    loc = [str(p) for p in tuple(first.get("loc", ())) if p != "body"]
+    field = ".".join(loc) or "body"
+    message = str(first.get("msg", "invalid"))
+    if first.get("type") == "extra_forbidden":
+        message = "unknown field"
+    elif not loc:
+        message = "the body must be a JSON object (sent with Content-Type: application/json)"
+    return _error_response(InvalidRequestError(field, message))
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc.__cause__, KCacheError):  # FastAPI wraps errors raised while reading the body
+        return _error_response(exc.__cause__)
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return JSONResponse(
+        {"error": codes.get(exc.status_code, "http_error"), "detail": str(exc.detail)},
+        exc.status_code,
+        headers=exc.headers,
+    )
+
+
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"error": "internal_error", "detail": f"{type(exc).__name__}: {exc}"}, 500)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The kcache server application for ``settings`` (default: from the environment)."""
+    settings = settings or Settings()
+    db = open_settings_database(settings)
+    url = settings.database_url
+    if is_sqlite(db) and not migrate.has_tables(db):
+        migrate.upgrade(url)  # the embedded default starts from nothing: create it
+    migrate.check_schema(db, url)
+    tokens = TokenStore(db, settings.auth_cache_s)
+    check_bind(settings, tokens)
+    backends = open_backends(settings, db)
+    state = ServerState(settings, backends, AuditLog(db, settings.audit_flush_s), tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.limiter = anyio.CapacityLimiter(settings.request_threads)
+        await anyio.to_thread.run_sync(backends.compiler.start)
+        state.audit.start()
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(state.audit.close)
+            await anyio.to_thread.run_sync(backends.compiler.close)
+            db.dispose()
+
+    app = FastAPI(
+        title="kcache",
+        version="0.1.0",
+        summary="Content-addressed JIT CUDA kernel cache",
+        description="Resolve recipes to cubins compiled once with NVRTC; fetch them by recipe key or digest.",
+        lifespan=lifespan,
+    )
+    app.state.kcache = state
+    for router in ROUTERS:
+        app.include_router(router)
+    install_auditing(app, state)  # /v1/events, /v1/stats, /metrics, /dashboard
+    app.add_exception_handler(KCacheError, _kcache_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(_BodyLimit, limit=settings.max_request_bytes)
+    return app
+
+
+def create_app_from_env() -> FastAPI:
+    """Factory for uvicorn workers: settings from ``$KCACHE_SERVER_SETTINGS_JSON``, else the environment."""
+    raw = os.environ.get(SETTINGS_ENV)
+    return create_app(Settings.model_validate(json.loads(raw)) if raw else Settings())

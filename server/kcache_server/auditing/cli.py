@@ -1,0 +1,240 @@
+"""``kcache stats``: the ``/v1/stats`` summary as tables in a terminal.
+
+With ``--server`` (or ``$KCACHE_URL``) it asks a running server; otherwise it reads
+the database named by ``--db-url``/``--data-dir`` (or the ``KCACHE_*`` environment)
+directly, so an operator can look without a server. ``--json`` prints the raw answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+__all__ = ["format_stats", "register"]
+
+_OUTCOMES = ("hit", "local_hit", "compiled", "waited", "miss", "error")
+
+
+def _pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate * 100:.1f}%"
+
+
+def _secs(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], numeric: set[int] | None = None
+) -> str:
+    """A plain-text table whose columns fit their widest cell."""
+    numeric = numeric or set()
+    cells = [[str(c) for c in headers]] + [
+        [("-" if c is None else str(c)) for c in row] for row in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in numeric else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def _clip(text: str | None, width: int) -> str:
+    text = text or "-"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_stats(stats: dict[str, Any], width: int = 100) -> str:
+    """The summary a person reads: headline numbers, tiers, groups, missed kernels, divergence."""
+    since = stats.get("since")
+    until = stats.get("until")
+    window = " .. ".join(
+        datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds") if t else "any"
+        for t in (since, until)
+    )
+    parts = [
+        f"window        {window}",
+        f"lookups       {stats['lookups']}",
+        f"hit rate      {_pct(stats['hit_rate'])}  ({stats['hits']} hits)",
+        f"compile saved {_secs(stats['compile_seconds_saved'])}",
+        "",
+        _table(
+            ["tier", *_OUTCOMES, "total"],
+            [
+                [tier, *(counts.get(o, 0) for o in _OUTCOMES), sum(counts.values())]
+                for tier, counts in sorted(stats["by_tier"].items())
+            ]
+            + [["all", *(stats["totals"].get(o, 0) for o in _OUTCOMES), stats["lookups"]]],
+            numeric=set(range(1, len(_OUTCOMES) + 2)),
+        ),
+    ]
+    if stats.get("groups"):
+        parts += [
+            "",
+            f"by {stats['group_by']}",
+            _table(
+                [str(stats["group_by"]), "lookups", "hits", "misses", "hit rate", "saved", "ranks"],
+                [
+                    [
+                        _clip(str(g["key"]), width // 3)
+                        + (" DIVERGED" if g.get("divergent") else ""),
+                        g["total"],
+                        g["hits"],
+                        g["misses"],
+                        _pct(g["hit_rate"]),
+                        _secs(g["compile_seconds_saved"]),
+                        ",".join(str(r["rank"]) for r in g["ranks"]) if g.get("ranks") else "",
+                    ]
+                    for g in stats["groups"]
+                ],
+                numeric={1, 2, 3, 4, 5},
+            ),
+        ]
+    if stats.get("top_missed"):
+        parts += [
+            "",
+            "top missed kernels",
+            _table(
+                ["kernel", "misses", "errors", "last miss reason"],
+                [
+                    [
+                        _clip(m["kernel"], width // 3),
+                        m["misses"],
+                        m["errors"],
+                        _clip(m["last_miss_reason"], width // 2),
+                    ]
+                    for m in stats["top_missed"]
+                ],
+                numeric={1, 2},
+            ),
+        ]
+    if stats.get("divergence"):
+        parts += [
+            "",
+            "DIVERGENCE: ranks of one job resolved the same recipe to different digests",
+            _table(
+                ["job", "kernel", "target", "ranks -> digest"],
+                [
+                    [
+                        d["job_id"],
+                        _clip(d["kernel"], width // 4),
+                        d["target"],
+                        " ".join(f"{r}:{digest[:12]}" for r, digest in d["ranks"].items()),
+                    ]
+                    for d in stats["divergence"]
+                ],
+            ),
+        ]
+    return "\n".join(parts)
+
+
+def _params(args: argparse.Namespace) -> dict[str, str]:
+    names = ("since", "until", "job_id", "client_id", "kernel", "target", "group_by", "top")
+    return {n: str(getattr(args, n)) for n in names if getattr(args, n) is not None}
+
+
+def _remote(url: str, token: str | None, params: dict[str, str]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url.rstrip("/") + "/v1/stats?" + urllib.parse.urlencode(params),
+        headers={
+            "Accept": "application/json",
+            **({"Authorization": f"Bearer {token}"} if token else {}),
+        },
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            data: dict[str, Any] = json.load(response)
+            return data
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = json.load(exc).get("detail", exc.reason)
+        except ValueError:
+            detail = exc.reason
+        raise SystemExit(f"kcache stats: {url} answered {exc.code}: {detail}") from None
+    except urllib.error.URLError as exc:
+        raise SystemExit(f"kcache stats: cannot reach {url}: {exc.reason}") from None
+
+
+def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:
+    from kcache_server import migrate
+    from kcache_server.auditing.stats import StatsQuery, compute_stats, parse_time
+    from kcache_server.db import open_database
+    from kcache_server.settings import Settings
+
+    overrides = {n: getattr(args, n) for n in ("data_dir", "db_url") if getattr(args, n)}
+    settings = Settings(**overrides)
+    engine = open_database(settings.database_url)
+    try:
+        migrate.check_schema(engine, settings.database_url)
+        query = StatsQuery(
+            since=parse_time(params.get("since"), "--since"),
+            until=parse_time(params.get("until"), "--until"),
+            job_id=args.job_id,
+            client_id=args.client_id,
+            kernel=args.kernel,
+            target=args.target,
+            group_by=args.group_by,
+            top=args.top,
+        )
+        return compute_stats(engine, query).model_dump()
+    finally:
+        engine.dispose()
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    params = _params(args)
+    url = args.server or (None if (args.data_dir or args.db_url) else os.environ.get("KCACHE_URL"))
+    if url:
+        stats = _remote(url, args.token or os.environ.get("KCACHE_TOKEN"), params)
+    else:
+        stats = _local(args, params)
+    if args.json:
+        json.dump(stats, sys.stdout, indent=2)
+        print()
+    else:
+        print(format_stats(stats, shutil.get_terminal_size((100, 20)).columns))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``kcache stats`` (entry point of the ``kcache.commands`` group)."""
+    p = subparsers.add_parser(
+        "stats", help="hit rate, outcomes, missed kernels and rank divergence"
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--server", help="ask this kcache server (default $KCACHE_URL)")
+    where.add_argument("--data-dir", help="read this server data directory's database instead")
+    where.add_argument("--db-url", help="read this database instead")
+    p.add_argument("--token", help="bearer token for --server (default $KCACHE_TOKEN)")
+    p.add_argument(
+        "--since", default="24h", help="unix seconds, ISO 8601 or a span: 15m, 6h, 7d (default 24h)"
+    )
+    p.add_argument("--until", help="window end (default now)")
+    p.add_argument("--job", dest="job_id", help="only this job id")
+    p.add_argument("--client", dest="client_id", help="only this client id")
+    p.add_argument("--kernel", help="only this kernel")
+    p.add_argument("--target", help="only this target, e.g. sm_90")
+    p.add_argument(
+        "--group-by", choices=["kernel", "target", "client", "job", "rank"], default="job"
+    )
+    p.add_argument("--top", type=int, default=10, help="how many missed kernels to list")
+    p.add_argument("--json", action="store_true", help="print the /v1/stats JSON")
+    p.set_defaults(func=_cmd_stats)

@@ -1,0 +1,145 @@
+"""Client audit events (``POST /v1/events``): their schema and their batched insert.
+
+A client's memory and node-tier hits never reach the server, so the client sends
+them afterwards in batches. A batch is validated as a whole (a bad event names its
+index and field) and inserted with one ``executemany`` in one transaction, so a
+batch is either recorded entirely or not at all, and ingestion costs one round
+trip per batch rather than per event.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any, Literal, cast
+
+import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict, Field
+
+from kcache_server.errors import InvalidRequestError
+from kcache_server.models import Artifact, AuditEvent
+
+__all__ = [
+    "CLIENT_OUTCOMES",
+    "CLIENT_TIERS",
+    "ClientEvent",
+    "EventBatch",
+    "IngestResult",
+    "ingest_events",
+]
+
+#: What a client can observe on its own; every other outcome is the server's to record.
+CLIENT_OUTCOMES = ("local_hit",)
+#: The client's tiers: its in-process memory and the node-local directory.
+CLIENT_TIERS = ("memory", "node")
+
+_HEX64 = r"^[0-9a-f]{64}$"
+_events = cast(sa.Table, AuditEvent.__table__)
+_artifacts = cast(sa.Table, Artifact.__table__)
+
+
+class ClientEvent(BaseModel):
+    """One lookup a client served itself."""
+
+    # A newer client may send more fields; dropping them beats refusing its audit trail.
+    model_config = ConfigDict(extra="ignore")
+
+    time: float = Field(gt=0, description="when, in unix seconds")
+    outcome: Literal["local_hit"] = Field(description="only local_hit: the server records the rest")
+    tier: Literal["memory", "node"]
+    recipe_key: str | None = Field(default=None, pattern=_HEX64)
+    base_key: str | None = Field(default=None, pattern=_HEX64)
+    digest: str | None = Field(default=None, pattern=_HEX64)
+    kernel: str | None = Field(default=None, max_length=1024)
+    target: str | None = Field(default=None, max_length=32)
+    toolchain: str | None = Field(default=None, max_length=128)
+    client_id: str | None = Field(default=None, max_length=256)
+    host: str | None = Field(default=None, max_length=256)
+    pid: int | None = Field(default=None, ge=0)
+    job_id: str | None = Field(default=None, max_length=256)
+    rank: int | None = Field(default=None, ge=0)
+    world_size: int | None = Field(default=None, ge=1)
+    latency_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+
+class EventBatch(BaseModel):
+    """Body of ``POST /v1/events``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    events: list[ClientEvent]
+
+
+class IngestResult(BaseModel):
+    """Answer of ``POST /v1/events``."""
+
+    accepted: int
+
+
+def _compile_seconds(conn: sa.Connection, digests: set[str]) -> dict[str, float]:
+    # A local hit saved what the artifact cost to compile; the client does not know
+    # that figure, the artifacts table does.
+    if not digests:
+        return {}
+    rows = conn.execute(
+        sa.select(_artifacts.c.digest, _artifacts.c.compile_seconds).where(
+            _artifacts.c.digest.in_(sorted(digests))
+        )
+    )
+    return {row.digest: float(row.compile_seconds) for row in rows}
+
+
+def _row(event: ClientEvent, saved: dict[str, float]) -> dict[str, Any]:
+    return {
+        "at": datetime.fromtimestamp(event.time, timezone.utc),
+        "outcome": event.outcome,
+        "tier": event.tier,
+        "route": "events",
+        "recipe_key": event.recipe_key,
+        "base_key": event.base_key,
+        "digest": event.digest,
+        "kernel": event.kernel,
+        "target": event.target,
+        "toolchain": event.toolchain,
+        "error": None,
+        "client_id": event.client_id,
+        "host": event.host,
+        "pid": event.pid,
+        "job_id": event.job_id,
+        "rank": event.rank,
+        "world_size": event.world_size,
+        "latency_ms": event.latency_ms,
+        "compile_seconds_saved": saved.get(event.digest, 0.0) if event.digest else 0.0,
+    }
+
+
+def check_batch(
+    events: Sequence[ClientEvent], *, max_events: int, max_skew_s: float, now: float | None = None
+) -> None:
+    """Refuse a batch over ``max_events``, or with an event time too far in the future."""
+    if len(events) > max_events:
+        raise InvalidRequestError(
+            "events", f"{len(events)} events in one batch; at most {max_events} are accepted"
+        )
+    limit = (time.time() if now is None else now) + max_skew_s
+    for i, event in enumerate(events):
+        if not math.isfinite(event.time) or event.time > limit:
+            raise InvalidRequestError(
+                f"events[{i}].time",
+                f"{event.time} is more than {max_skew_s:.0f} s in the future (check the client's clock)",
+            )
+
+
+def ingest_events(engine: sa.Engine, events: Sequence[ClientEvent]) -> int:
+    """Insert ``events`` in one transaction; returns how many rows were written."""
+    if not events:
+        return 0
+    # Read before the write transaction: on SQLite a transaction that reads first
+    # cannot upgrade to the write lock once another writer has committed meanwhile.
+    with engine.connect() as conn:
+        saved = _compile_seconds(conn, {e.digest for e in events if e.digest})
+    with engine.begin() as conn:
+        conn.execute(sa.insert(_events), [_row(e, saved) for e in events])
+    return len(events)

@@ -1,0 +1,566 @@
+"""``GET /v1/stats``: aggregates over audit events (and the hourly roll-ups of old ones).
+
+Counts come from one ``UNION ALL`` of raw events (weight 1) and roll-up rows
+(weight ``count``), so a window that reaches past the retention horizon still adds
+up; what needs single events (the last miss of a kernel and its reason, rank
+divergence) reads raw events only. Every aggregate is computed in SQL, so the cost
+grows with the number of groups, not of events.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, Literal, cast
+
+import sqlalchemy as sa
+from pydantic import BaseModel, Field
+
+from kcache_server.errors import InvalidRequestError
+from kcache_server.models import AuditEvent, AuditRollup
+
+__all__ = [
+    "GROUP_BY",
+    "HIT_OUTCOMES",
+    "MISS_OUTCOMES",
+    "OUTCOMES",
+    "Divergence",
+    "GroupStats",
+    "MissedKernel",
+    "SeriesPoint",
+    "Stats",
+    "StatsQuery",
+    "compute_stats",
+    "parse_time",
+]
+
+#: Every outcome, in the order they are shown.
+OUTCOMES = ("hit", "local_hit", "compiled", "waited", "miss", "error")
+#: Lookups the cache answered.
+HIT_OUTCOMES = frozenset({"hit", "local_hit"})
+#: Lookups it did not: compiled (or joined a compile), absent, or failed.
+MISS_OUTCOMES = frozenset({"compiled", "waited", "miss", "error"})
+
+GroupBy = Literal["kernel", "target", "client", "job", "rank"]
+#: ``group_by`` value -> column of ``audit_events``.
+GROUP_BY: dict[str, str] = {
+    "kernel": "kernel",
+    "target": "target",
+    "client": "client_id",
+    "job": "job_id",
+    "rank": "rank",
+}
+
+_events = cast(sa.Table, AuditEvent.__table__)
+_rollups = cast(sa.Table, AuditRollup.__table__)
+_RELATIVE = re.compile(r"^-?(\d+(?:\.\d+)?)([smhdw])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+# Chart bucket widths: a handful of round numbers reads better than 37-second steps.
+_STEPS_S = (1, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+_ERROR_REASONS = {
+    "compile_error": "compile error",
+    "compile_timeout": "compile timed out",
+    "compiler_crashed": "compiler crashed",
+    "overloaded": "server overloaded",
+    "lock_timeout": "timed out waiting for another compile",
+    "invalid_recipe": "invalid recipe",
+    "store_full": "artifact store full",
+}
+
+
+def parse_time(value: str | None, field: str, now: float | None = None) -> datetime | None:
+    """A query's time: unix seconds, ISO 8601, or a span back from now (``15m``, ``-2h``, ``7d``)."""
+    if value is None or value == "":
+        return None
+    text = value.strip()
+    now = time.time() if now is None else now
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(seconds) or seconds < 0:
+            raise InvalidRequestError(field, f"{value!r} is not a time (unix seconds >= 0)")
+        return datetime.fromtimestamp(seconds, timezone.utc)
+    match = _RELATIVE.match(text)
+    if match:
+        return datetime.fromtimestamp(now - float(match[1]) * _UNIT_S[match[2]], timezone.utc)
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidRequestError(
+            field, f"{value!r} is not unix seconds, ISO 8601, or a span like 15m, 2h, 7d"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class StatsQuery:
+    """What ``/v1/stats`` is asked for."""
+
+    since: datetime | None = None
+    until: datetime | None = None
+    job_id: str | None = None
+    client_id: str | None = None
+    kernel: str | None = None
+    target: str | None = None
+    group_by: GroupBy | None = None
+    top: int = 10
+    limit: int = 200
+    buckets: int = 60
+
+
+class OutcomeCounts(BaseModel):
+    """Counts of one group (or bucket) by outcome, with its hit rate."""
+
+    total: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float | None = Field(
+        default=None, description="(hit + local_hit) / lookups; null with none"
+    )
+    outcomes: dict[str, int] = Field(default_factory=dict)
+
+
+class RankStats(OutcomeCounts):
+    """One rank of a job (``group_by=job``)."""
+
+    rank: int | None
+
+
+class GroupStats(OutcomeCounts):
+    """One value of the ``group_by`` dimension."""
+
+    key: str | int | None
+    compile_seconds_saved: float = 0.0
+    world_size: int | None = Field(
+        default=None, description="group_by=job: the largest world size seen"
+    )
+    ranks: list[RankStats] | None = Field(default=None, description="group_by=job: per-rank counts")
+    divergent: bool = Field(
+        default=False, description="group_by=job: ranks resolved one recipe differently"
+    )
+
+
+class MissedKernel(BaseModel):
+    """A kernel that missed often, and why it missed last."""
+
+    kernel: str | None
+    misses: int
+    errors: int
+    outcomes: dict[str, int]
+    last_miss_at: float | None = Field(default=None, description="unix seconds")
+    last_miss_outcome: str | None = None
+    last_miss_reason: str | None = None
+    target: str | None = None
+    recipe_key: str | None = None
+
+
+class Divergence(BaseModel):
+    """Ranks of one job whose same recipe (base key and target) resolved to different digests."""
+
+    job_id: str
+    base_key: str
+    target: str | None
+    kernel: str | None
+    digests: list[str]
+    ranks: dict[str, str] = Field(description="rank -> the digest it got last")
+
+
+class SeriesPoint(OutcomeCounts):
+    """One chart bucket, starting at ``t`` (unix seconds)."""
+
+    t: float
+
+
+class Stats(BaseModel):
+    """Body of ``GET /v1/stats``."""
+
+    since: float | None
+    until: float | None
+    lookups: int
+    hits: int
+    totals: dict[str, int] = Field(description="outcome -> count")
+    by_tier: dict[str, dict[str, int]] = Field(description="tier -> outcome -> count")
+    hit_rate: float | None = Field(description="(hit + local_hit) / all lookups; null with none")
+    compile_seconds_saved: float
+    group_by: str | None
+    groups: list[GroupStats]
+    top_missed: list[MissedKernel]
+    divergence: list[Divergence]
+    bucket_seconds: int
+    series: list[SeriesPoint]
+
+
+# ---------------------------------------------------------------------- SQL pieces
+def _filters(
+    query: StatsQuery, cols: Any, at: sa.ColumnElement[Any]
+) -> list[sa.ColumnElement[bool]]:
+    conds: list[sa.ColumnElement[bool]] = []
+    if query.since is not None:
+        conds.append(at >= query.since)
+    if query.until is not None:
+        conds.append(at < query.until)
+    for name in ("job_id", "client_id", "kernel", "target"):
+        value = getattr(query, name)
+        if value is not None:
+            conds.append(cols[name] == value)
+    return conds
+
+
+def _source(query: StatsQuery) -> sa.Subquery:
+    """Raw events and roll-ups as one relation with a weight ``n``."""
+    names = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank")
+    ev, ru = _events.c, _rollups.c
+    raw = sa.select(
+        ev.at.label("at"),
+        *(ev[n] for n in names),
+        sa.literal(1, sa.BigInteger).label("n"),
+        ev.compile_seconds_saved.label("saved"),
+    ).where(*_filters(query, ev, ev.at))
+    rolled = sa.select(
+        ru.bucket.label("at"),
+        *(ru[n] for n in names),
+        ru["count"].label("n"),
+        ru.compile_seconds_saved.label("saved"),
+    ).where(*_filters(query, ru, ru.bucket))
+    return sa.union_all(raw, rolled).subquery("src")
+
+
+def _epoch(dialect: str, column: Any) -> sa.ColumnElement[Any]:
+    # SQLite stores these timestamps as ISO text; PostgreSQL as timestamptz.
+    if dialect == "sqlite":
+        return sa.cast(sa.func.strftime("%s", column), sa.BigInteger)
+    return sa.func.floor(sa.extract("epoch", column))
+
+
+def _counts(outcomes: Mapping[str, int]) -> dict[str, Any]:
+    total = sum(outcomes.values())
+    hits = sum(v for k, v in outcomes.items() if k in HIT_OUTCOMES)
+    return {
+        "total": total,
+        "hits": hits,
+        "misses": sum(v for k, v in outcomes.items() if k in MISS_OUTCOMES),
+        "hit_rate": hits / total if total else None,
+        "outcomes": dict(outcomes),
+    }
+
+
+def _epoch_of(value: datetime | None) -> float | None:
+    return value.timestamp() if value is not None else None
+
+
+def _step(span_s: float, buckets: int) -> int:
+    want = max(span_s / max(buckets, 1), 1.0)
+    return next((s for s in _STEPS_S if s >= want), math.ceil(want / 86400) * 86400)
+
+
+# ---------------------------------------------------------------------- the pieces of Stats
+def _totals(
+    conn: sa.Connection, src: sa.Subquery
+) -> tuple[dict[str, int], dict[str, dict[str, int]], float]:
+    rows = conn.execute(
+        sa.select(
+            src.c.outcome, src.c.tier, sa.func.sum(src.c.n), sa.func.sum(src.c.saved)
+        ).group_by(src.c.outcome, src.c.tier)
+    ).all()
+    totals = dict.fromkeys(OUTCOMES, 0)
+    by_tier: dict[str, dict[str, int]] = {}
+    saved = 0.0
+    for outcome, tier, n, s in rows:
+        totals[outcome] = totals.get(outcome, 0) + int(n)
+        by_tier.setdefault(tier, dict.fromkeys(OUTCOMES, 0))
+        by_tier[tier][outcome] = by_tier[tier].get(outcome, 0) + int(n)
+        saved += float(s or 0.0)
+    return totals, by_tier, saved
+
+
+def _groups(
+    conn: sa.Connection, src: sa.Subquery, query: StatsQuery, divergent_jobs: set[str]
+) -> list[GroupStats]:
+    if query.group_by is None:
+        return []
+    col = src.c[GROUP_BY[query.group_by]]
+    rows = conn.execute(
+        sa.select(col, src.c.outcome, sa.func.sum(src.c.n), sa.func.sum(src.c.saved)).group_by(
+            col, src.c.outcome
+        )
+    ).all()
+    outcomes: dict[Any, dict[str, int]] = defaultdict(dict)
+    saved: dict[Any, float] = defaultdict(float)
+    for key, outcome, n, s in rows:
+        outcomes[key][outcome] = int(n)
+        saved[key] += float(s or 0.0)
+    keys = sorted(outcomes, key=lambda k: (-sum(outcomes[k].values()), str(k)))[: query.limit]
+    groups = [
+        GroupStats(key=k, compile_seconds_saved=saved[k], **_counts(outcomes[k])) for k in keys
+    ]
+    if query.group_by == "job":
+        _add_ranks(conn, src, groups, divergent_jobs)
+    return groups
+
+
+def _add_ranks(
+    conn: sa.Connection, src: sa.Subquery, groups: list[GroupStats], divergent_jobs: set[str]
+) -> None:
+    jobs = [g.key for g in groups if g.key is not None]
+    if not jobs:
+        return
+    rows = conn.execute(
+        sa.select(src.c.job_id, src.c.rank, src.c.outcome, sa.func.sum(src.c.n))
+        .where(src.c.job_id.in_(jobs))
+        .group_by(src.c.job_id, src.c.rank, src.c.outcome)
+    ).all()
+    per: dict[Any, dict[Any, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
+    for job, rank, outcome, n in rows:
+        per[job][rank][outcome] = int(n)
+    sizes = dict(
+        conn.execute(
+            sa.select(_events.c.job_id, sa.func.max(_events.c.world_size))
+            .where(_events.c.job_id.in_(jobs))
+            .group_by(_events.c.job_id)
+        ).all()
+    )
+    for group in groups:
+        if group.key is None:
+            continue
+        ranks = per.get(group.key, {})
+        group.ranks = [
+            RankStats(rank=r, **_counts(ranks[r]))
+            for r in sorted(ranks, key=lambda r: (r is None, r or 0))
+        ]
+        group.world_size = sizes.get(group.key)
+        group.divergent = group.key in divergent_jobs
+
+
+def _top_missed(conn: sa.Connection, src: sa.Subquery, query: StatsQuery) -> list[MissedKernel]:
+    misses = sa.func.sum(src.c.n).label("misses")
+    top = conn.execute(
+        sa.select(src.c.kernel, misses)
+        .where(src.c.outcome.in_(sorted(MISS_OUTCOMES)))
+        .group_by(src.c.kernel)
+        .order_by(misses.desc(), src.c.kernel)
+        .limit(query.top)
+    ).all()
+    result = []
+    for kernel, n in top:
+        outcomes = {
+            o: int(c)
+            for o, c in conn.execute(
+                sa.select(src.c.outcome, sa.func.sum(src.c.n))
+                .where(
+                    src.c.kernel.is_not_distinct_from(kernel),
+                    src.c.outcome.in_(sorted(MISS_OUTCOMES)),
+                )
+                .group_by(src.c.outcome)
+            )
+        }
+        item = MissedKernel(
+            kernel=kernel, misses=int(n), errors=outcomes.get("error", 0), outcomes=outcomes
+        )
+        _last_miss(conn, query, item)
+        result.append(item)
+    return result
+
+
+def _last_miss(conn: sa.Connection, query: StatsQuery, item: MissedKernel) -> None:
+    ev = _events.c
+    last = conn.execute(
+        sa.select(ev.id, ev.at, ev.outcome, ev.error, ev.recipe_key, ev.base_key, ev.target)
+        .where(
+            *_filters(query, ev, ev.at),
+            ev.kernel.is_not_distinct_from(item.kernel),
+            ev.outcome.in_(sorted(MISS_OUTCOMES)),
+        )
+        .order_by(ev.at.desc(), ev.id.desc())
+        .limit(1)
+    ).first()
+    if last is None:  # only rolled-up misses in this window
+        rolled = conn.execute(
+            sa.select(_rollups.c.last_at, _rollups.c.outcome, _rollups.c.last_error)
+            .where(
+                _rollups.c.kernel.is_not_distinct_from(item.kernel),
+                _rollups.c.outcome.in_(sorted(MISS_OUTCOMES)),
+            )
+            .order_by(_rollups.c.last_at.desc())
+            .limit(1)
+        ).first()
+        if rolled is not None:
+            item.last_miss_at = rolled.last_at.timestamp()
+            item.last_miss_outcome = rolled.outcome
+            item.last_miss_reason = _reason(rolled.outcome, rolled.last_error, None)
+        return
+    item.last_miss_at = last.at.timestamp()
+    item.last_miss_outcome = last.outcome
+    item.target = last.target
+    item.recipe_key = last.recipe_key
+    item.last_miss_reason = _reason(last.outcome, last.error, _history(conn, last))
+
+
+def _history(conn: sa.Connection, last: Any) -> str | None:
+    """Why a compile was needed, from what was seen before it: ``evicted``, ``headers`` or None."""
+    if last.outcome not in ("compiled", "waited") or last.recipe_key is None:
+        return None
+    ev = _events.c
+    before = ev.at <= last.at, ev.id < last.id
+    served = conn.execute(
+        sa.select(ev.id)
+        .where(
+            *before,
+            ev.recipe_key == last.recipe_key,
+            ev.outcome.in_(("hit", "local_hit", "compiled")),
+        )
+        .limit(1)
+    ).first()
+    if served is not None:
+        return "evicted"
+    if last.base_key is not None:
+        sibling = conn.execute(
+            sa.select(ev.id)
+            .where(
+                *before,
+                ev.base_key == last.base_key,
+                ev.target.is_not_distinct_from(last.target),
+                ev.recipe_key != last.recipe_key,
+            )
+            .limit(1)
+        ).first()
+        if sibling is not None:
+            return "headers"
+    return None
+
+
+def _reason(outcome: str, error: str | None, history: str | None) -> str:
+    """A short sentence a person can act on."""
+    if outcome == "error":
+        return _ERROR_REASONS.get(error or "", (error or "error").replace("_", " "))
+    if outcome == "miss":
+        return "not cached, and the caller did not ask to compile"
+    joined = " (joined another request's compile)" if outcome == "waited" else ""
+    if history == "evicted":
+        return f"served before, then evicted or garbage-collected{joined}"
+    if history == "headers":
+        return f"header contents changed since an earlier build{joined}"
+    return f"first build of this recipe{joined}"
+
+
+def _divergence(conn: sa.Connection, query: StatsQuery) -> list[Divergence]:
+    ev = _events.c
+    scope = [
+        *_filters(query, ev, ev.at),
+        ev.job_id.is_not(None),
+        ev.base_key.is_not(None),
+        ev.digest.is_not(None),
+    ]
+    suspects = conn.execute(
+        sa.select(ev.job_id, ev.base_key, ev.target)
+        .where(*scope)
+        .group_by(ev.job_id, ev.base_key, ev.target)
+        .having(sa.func.count(sa.distinct(ev.digest)) > 1)
+        .order_by(ev.job_id, ev.base_key)
+        .limit(query.limit)
+    ).all()
+    found = []
+    for job_id, base_key, target in suspects:
+        rows = conn.execute(
+            sa.select(ev.rank, ev.digest, ev.kernel)
+            .where(
+                *scope,
+                ev.job_id == job_id,
+                ev.base_key == base_key,
+                ev.target.is_not_distinct_from(target),
+            )
+            .order_by(ev.at, ev.id)
+        ).all()
+        ranks = {("-" if r.rank is None else str(r.rank)): r.digest for r in rows}  # last one wins
+        found.append(
+            Divergence(
+                job_id=job_id,
+                base_key=base_key,
+                target=target,
+                kernel=next((r.kernel for r in rows if r.kernel), None),
+                digests=sorted({r.digest for r in rows}),
+                ranks=dict(
+                    sorted(
+                        ranks.items(),
+                        key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0),
+                    )
+                ),
+            )
+        )
+    return found
+
+
+def _series(
+    conn: sa.Connection, src: sa.Subquery, query: StatsQuery
+) -> tuple[int, list[SeriesPoint]]:
+    dialect = conn.dialect.name
+    epoch = _epoch(dialect, src.c.at)
+    lo: float | None = _epoch_of(query.since)
+    hi: float | None = _epoch_of(query.until)
+    if lo is None or hi is None:
+        first, last = conn.execute(sa.select(sa.func.min(epoch), sa.func.max(epoch))).one()
+        if first is None:
+            return 0, []
+        lo = float(first) if lo is None else lo
+        hi = float(last) + 1 if hi is None else hi
+    step = _step(max(hi - lo, 1.0), query.buckets)
+    # Integer floor division in SQL (SQLAlchemy's "/" is true division): rows of one
+    # bucket must group together.
+    bucket = (
+        (sa.cast(epoch, sa.BigInteger) // step).label("b")
+        if dialect == "sqlite"
+        else sa.func.floor(epoch / step).label("b")
+    )
+    rows = conn.execute(
+        sa.select(bucket, src.c.outcome, sa.func.sum(src.c.n)).group_by(bucket, src.c.outcome)
+    ).all()
+    per: dict[int, dict[str, int]] = defaultdict(dict)
+    for b, outcome, n in rows:
+        per[int(b)][outcome] = per[int(b)].get(outcome, 0) + int(n)
+    first_b, last_b = int(lo // step), math.ceil(hi / step) - 1
+    points = [
+        SeriesPoint(t=float(b * step), **_counts(per.get(b, {})))
+        for b in range(first_b, max(last_b, first_b) + 1)
+    ]
+    return step, points
+
+
+def compute_stats(engine: sa.Engine, query: StatsQuery) -> Stats:
+    """Everything ``GET /v1/stats`` answers, read in one snapshot-ish pass."""
+    src = _source(query)
+    with engine.connect() as conn:
+        totals, by_tier, saved = _totals(conn, src)
+        divergence = _divergence(conn, query)
+        groups = _groups(conn, src, query, {d.job_id for d in divergence})
+        top_missed = _top_missed(conn, src, query)
+        step, series = _series(conn, src, query)
+    lookups = sum(totals.values())
+    hits = sum(v for k, v in totals.items() if k in HIT_OUTCOMES)
+    return Stats(
+        since=_epoch_of(query.since),
+        until=_epoch_of(query.until),
+        lookups=lookups,
+        hits=hits,
+        totals=totals,
+        by_tier=by_tier,
+        hit_rate=hits / lookups if lookups else None,
+        compile_seconds_saved=saved,
+        group_by=query.group_by,
+        groups=groups,
+        top_missed=top_missed,
+        divergence=divergence,
+        bucket_seconds=step,
+        series=series,
+    )
+
+
+def default_window(hours: float = 24.0) -> tuple[datetime, datetime]:
+    """The last ``hours`` up to now (what the dashboard opens with)."""
+    now = datetime.now(timezone.utc)
+    return now - timedelta(hours=hours), now

@@ -1,0 +1,179 @@
+"""Bearer tokens with scopes ``read`` < ``compile`` < ``admin``.
+
+Tokens are random, shown once at creation, and stored as their sha256; a presented
+token is hashed and compared with ``hmac.compare_digest``. With no active token in
+the database the server is open (the loopback development default; a non-loopback
+bind without tokens is refused at start-up unless forced).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import cast
+
+import sqlalchemy as sa
+
+from kcache_server.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
+from kcache_server.models import Token, utcnow
+
+__all__ = ["SCOPES", "Principal", "TokenInfo", "TokenStore", "hash_token"]
+
+#: Scopes, weakest first; each includes the ones before it.
+SCOPES = ("read", "compile", "admin")
+_RANK = {scope: i for i, scope in enumerate(SCOPES)}
+_tokens = cast(sa.Table, Token.__table__)
+
+
+def hash_token(token: str) -> str:
+    """sha256 hex of a token (what the database stores)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a token's name and scopes (name None when the server is open)."""
+
+    name: str | None
+    scopes: frozenset[str]
+
+    def allows(self, scope: str) -> bool:
+        """True when one of the scopes includes ``scope``."""
+        return any(_RANK[s] >= _RANK[scope] for s in self.scopes if s in _RANK)
+
+    def require(self, scope: str, what: str) -> None:
+        """Raise :class:`PermissionDeniedError` unless ``scope`` is allowed."""
+        if not self.allows(scope):
+            raise PermissionDeniedError(
+                f"token {self.name!r} has scopes {', '.join(sorted(self.scopes))}; {what} needs {scope!r}"
+            )
+
+
+OPEN = Principal(None, frozenset({"admin"}))
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A token as ``kcache token list`` shows it (never the token itself)."""
+
+    name: str
+    scopes: tuple[str, ...]
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+
+class TokenStore:
+    """Create, list, revoke and check tokens; checks are cached for ``cache_s`` seconds."""
+
+    def __init__(self, engine: sa.Engine, cache_s: float = 2.0) -> None:
+        self.engine = engine
+        self.cache_s = cache_s
+        self._lock = threading.Lock()
+        self._any: tuple[float, bool] | None = None
+        self._cache: dict[str, tuple[float, Principal | None]] = {}
+
+    # ------------------------------------------------------------------ management
+    def create(self, name: str, scopes: Iterable[str]) -> str:
+        """Store a new token and return it (the only time it is visible)."""
+        scope_set = sorted(set(scopes), key=_RANK.__getitem__) if set(scopes) <= set(_RANK) else None
+        if not scope_set:
+            raise InvalidRequestError("scope", f"choose from {', '.join(SCOPES)}")
+        if not name or len(name) > 256:
+            raise InvalidRequestError("name", "a token name is 1 to 256 characters")
+        token = "kc_" + secrets.token_urlsafe(32)
+        with self.engine.begin() as conn:
+            exists = conn.execute(sa.select(_tokens.c.id).where(_tokens.c.name == name)).first()
+            if exists is not None:
+                raise InvalidRequestError("name", f"a token named {name!r} exists; revoke it or pick another name")
+            conn.execute(
+                sa.insert(_tokens).values(
+                    name=name, token_hash=hash_token(token), scopes=" ".join(scope_set), created_at=utcnow()
+                )
+            )
+        self._invalidate()
+        return token
+
+    def list(self) -> list[TokenInfo]:
+        """Every token, revoked ones included."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(_tokens).order_by(_tokens.c.id)).all()
+        return [
+            TokenInfo(r.name, tuple(r.scopes.split()), r.created_at, r.last_used_at, r.revoked_at) for r in rows
+        ]
+
+    def revoke(self, name: str) -> bool:
+        """Revoke the token called ``name``; False if there is no such active token."""
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                sa.update(_tokens)
+                .where(_tokens.c.name == name, _tokens.c.revoked_at.is_(None))
+                .values(revoked_at=utcnow())
+            )
+        self._invalidate()
+        return bool(result.rowcount)
+
+    def any_active(self) -> bool:
+        """True when at least one unrevoked token exists (then every request needs one)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._any is not None and now - self._any[0] < self.cache_s:
+                return self._any[1]
+        with self.engine.connect() as conn:
+            found = conn.execute(sa.select(_tokens.c.id).where(_tokens.c.revoked_at.is_(None)).limit(1)).first()
+        with self._lock:
+            self._any = (now, found is not None)
+        return found is not None
+
+    def _invalidate(self) -> None:
+        with self._lock:
+            self._any = None
+            self._cache.clear()
+
+    # ------------------------------------------------------------------ checking
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The principal for an ``Authorization`` header, or AuthenticationError."""
+        if not self.any_active():
+            return OPEN
+        if not authorization:
+            raise AuthenticationError(
+                "this server needs a bearer token: send 'Authorization: Bearer <token>' "
+                "(an admin creates one with `kcache token create NAME --scope read`)"
+            )
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthenticationError("the Authorization header must be 'Bearer <token>'")
+        digest = hash_token(token.strip())
+        now = time.monotonic()
+        with self._lock:
+            cached = self._cache.get(digest)
+        if cached is not None and now - cached[0] < self.cache_s:
+            principal = cached[1]
+        else:
+            principal = self._check(digest)
+            with self._lock:
+                if len(self._cache) > 10_000:
+                    self._cache.clear()  # a flood of random tokens must not grow memory
+                self._cache[digest] = (now, principal)
+        if principal is None:
+            raise AuthenticationError("the bearer token is unknown or revoked")
+        return principal
+
+    def _check(self, digest: str) -> Principal | None:
+        with self.engine.begin() as conn:
+            row = conn.execute(
+                sa.select(_tokens.c.name, _tokens.c.token_hash, _tokens.c.scopes).where(
+                    _tokens.c.token_hash == digest, _tokens.c.revoked_at.is_(None)
+                )
+            ).first()
+            # Constant-time comparison of the stored hash, defence in depth behind the lookup.
+            if row is None or not hmac.compare_digest(row.token_hash, digest):
+                return None
+            conn.execute(sa.update(_tokens).where(_tokens.c.token_hash == digest).values(last_used_at=utcnow()))
+        return Principal(row.name, frozenset(row.scopes.split()))

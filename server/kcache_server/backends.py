@@ -1,0 +1,76 @@
+"""The one place where the server picks its backends from settings.
+
+    store     LocalArtifactStore(data_dir)              (a shared POSIX dir for several replicas)
+    index     SqlIndex(SQLite | PostgreSQL)
+    lock      SingleFlight(PgAdvisoryKeyLock)            on PostgreSQL: across replicas
+              SingleFlight(FileKeyLock(data_dir))        on SQLite: across processes on one host
+    compiler  ProcessPoolCompiler                        NVRTC in worker processes with limits
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from kcache.engine import Engine
+from kcache.include_sets import IncludeSets
+from kcache.locks import FileKeyLock, KeyLock, SingleFlight
+from kcache.store.local import LocalArtifactStore
+from kcache.toolchain import Toolchain, load_toolchain
+from kcache_server.db import is_postgres, open_database
+from kcache_server.index import SqlIndex
+from kcache_server.locks import PgAdvisoryKeyLock
+from kcache_server.settings import Settings
+from kcache_server.workers import ProcessPoolCompiler
+
+__all__ = ["Backends", "open_backends", "open_settings_database"]
+
+
+@dataclass
+class Backends:
+    """The engine and the parts it runs over."""
+
+    db: sa.Engine
+    store: LocalArtifactStore
+    index: SqlIndex
+    lock: KeyLock
+    compiler: ProcessPoolCompiler
+    engine: Engine
+    toolchain: Toolchain
+
+
+def open_settings_database(settings: Settings) -> sa.Engine:
+    """The database ``settings`` name (creating the data directory for SQLite)."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return open_database(
+        settings.database_url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow
+    )
+
+
+def _key_lock(settings: Settings, db: sa.Engine) -> KeyLock:
+    if is_postgres(db):
+        return SingleFlight(PgAdvisoryKeyLock(db))
+    return SingleFlight(FileKeyLock(settings.data_dir))
+
+
+def open_backends(settings: Settings, db: sa.Engine) -> Backends:
+    """Build every backend; the compile pool is created but not started."""
+    toolchain = load_toolchain(settings.toolchain_dir)
+    include_sets = IncludeSets(settings.include_sets)
+    store = LocalArtifactStore(settings.data_dir)
+    index = SqlIndex(db)
+    lock = _key_lock(settings, db)
+    compiler = ProcessPoolCompiler(
+        toolchain,
+        include_sets,
+        workers=settings.compile_workers,
+        timeout_s=settings.compile_timeout_s,
+        memory_mb=settings.compile_memory_mb,
+        queue_limit=settings.compile_queue_limit,
+        tmp_dir=settings.data_dir / "tmp",
+        toolchain_dir=settings.toolchain_dir,
+        retry_after_s=settings.retry_after_s,
+    )
+    engine = Engine(store, index, lock, compiler, lock_timeout=settings.lock_timeout_s)
+    return Backends(db, store, index, lock, compiler, engine, toolchain)

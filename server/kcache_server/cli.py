@@ -1,0 +1,152 @@
+"""``kcache serve``, ``kcache db upgrade|current`` and ``kcache token create|list|revoke``.
+
+Registered on the core's ``kcache`` command through the ``kcache.commands`` entry
+point group (see :mod:`kcache.cli`). Flags override the ``KCACHE_*`` environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from kcache_server.settings import Settings
+
+__all__ = ["register"]
+
+
+def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
+    overrides = {
+        name: getattr(args, name)
+        for name in ("host", "port", "data_dir", "db_url", "workers")
+        if getattr(args, name, None) is not None
+    }
+    if getattr(args, "force_insecure", False):
+        overrides["force_insecure"] = True
+    return Settings(**overrides, **extra)
+
+
+def _add_db_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", help="data directory (default $KCACHE_DATA_DIR or ./.kcache)")
+    parser.add_argument("--db-url", help="database URL (default $KCACHE_DB_URL or SQLite in the data dir)")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kcache_server.app import SETTINGS_ENV, create_app
+
+    settings = _settings(args)
+    if settings.workers > 1:
+        # Each uvicorn worker process builds its own app (and compile pool) from these settings.
+        create_app(settings)  # fail here, once, with a clear message, rather than in every worker
+        os.environ[SETTINGS_ENV] = settings.model_dump_json()
+        uvicorn.run(
+            "kcache_server.app:create_app_from_env",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+        )
+    else:
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port)
+    return 0
+
+
+def _cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from kcache_server import migrate
+    from kcache_server.backends import open_settings_database
+
+    settings = _settings(args)
+    open_settings_database(settings).dispose()  # creates the data directory for SQLite
+    migrate.upgrade(settings.database_url, args.revision)
+    print(f"database at {', '.join(sorted(migrate.head_revisions(settings.database_url)))}")
+    return 0
+
+
+def _cmd_db_current(args: argparse.Namespace) -> int:
+    from kcache_server import migrate
+    from kcache_server.backends import open_settings_database
+
+    settings = _settings(args)
+    db = open_settings_database(settings)
+    have = migrate.current_revisions(db)
+    need = migrate.head_revisions(settings.database_url)
+    print(json.dumps({"current": sorted(have), "head": sorted(need), "up_to_date": have == need}))
+    return 0 if have == need else 1
+
+
+def _tokens(args: argparse.Namespace) -> Any:
+    from kcache_server import migrate
+    from kcache_server.auth import TokenStore
+    from kcache_server.backends import open_settings_database
+
+    settings = _settings(args)
+    db = open_settings_database(settings)
+    migrate.check_schema(db, settings.database_url)
+    return TokenStore(db, cache_s=0)
+
+
+def _cmd_token_create(args: argparse.Namespace) -> int:
+    token = _tokens(args).create(args.name, args.scope or ["read"])
+    print(token)
+    print(f"kcache: created token {args.name!r}; it is shown only now, store it (KCACHE_TOKEN)", file=sys.stderr)
+    return 0
+
+
+def _cmd_token_list(args: argparse.Namespace) -> int:
+    for info in _tokens(args).list():
+        state = f"revoked {info.revoked_at:%Y-%m-%d %H:%M}" if info.revoked_at else "active"
+        used = f"{info.last_used_at:%Y-%m-%d %H:%M}" if info.last_used_at else "never"
+        print(f"{info.name}\t{','.join(info.scopes)}\tcreated {info.created_at:%Y-%m-%d %H:%M}\tused {used}\t{state}")
+    return 0
+
+
+def _cmd_token_revoke(args: argparse.Namespace) -> int:
+    if _tokens(args).revoke(args.name):
+        print(f"revoked {args.name}")
+        return 0
+    print(f"kcache: no active token named {args.name!r}", file=sys.stderr)
+    return 1
+
+
+def register(subparsers: Any) -> None:
+    """Add ``serve``, ``db`` and ``token`` to the ``kcache`` command."""
+    serve = subparsers.add_parser("serve", help="run the kcache server")
+    serve.add_argument("--host", help="address to bind (default $KCACHE_HOST or 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default $KCACHE_PORT or 8470)")
+    _add_db_options(serve)
+    serve.add_argument("--workers", type=int, help="uvicorn worker processes (default 1)")
+    serve.add_argument(
+        "--force-insecure", action="store_true", help="allow a non-loopback bind with no tokens configured"
+    )
+    serve.set_defaults(func=_cmd_serve)
+
+    db = subparsers.add_parser("db", help="manage the server database")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    upgrade = db_sub.add_parser("upgrade", help="run the database migrations")
+    _add_db_options(upgrade)
+    upgrade.add_argument("revision", nargs="?", default="head", help="target revision (default head)")
+    upgrade.set_defaults(func=_cmd_db_upgrade)
+    current = db_sub.add_parser("current", help="show the schema revision; exit 1 if out of date")
+    _add_db_options(current)
+    current.set_defaults(func=_cmd_db_current)
+
+    token = subparsers.add_parser("token", help="manage bearer tokens")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    create = token_sub.add_parser("create", help="create a token and print it (once)")
+    create.add_argument("name")
+    create.add_argument(
+        "--scope", action="append", choices=["read", "compile", "admin"], help="repeatable (default read)"
+    )
+    _add_db_options(create)
+    create.set_defaults(func=_cmd_token_create)
+    listing = token_sub.add_parser("list", help="list tokens (never their values)")
+    _add_db_options(listing)
+    listing.set_defaults(func=_cmd_token_list)
+    revoke = token_sub.add_parser("revoke", help="revoke a token by name")
+    revoke.add_argument("name")
+    _add_db_options(revoke)
+    revoke.set_defaults(func=_cmd_token_revoke)

@@ -1,0 +1,160 @@
+"""Server errors, and the one table that maps every error to an HTTP status.
+
+Hierarchy (the core's errors are in :mod:`kcache.errors`)::
+
+    KCacheError
+    └── ServerError
+        ├── BadRequestError (ValueError)            400: malformed JSON, a bad key in a path
+        ├── InvalidRequestError (ValueError)        422: a request field is wrong (names it)
+        ├── AuthenticationError                     401: no token, or an unknown one
+        ├── PermissionDeniedError                   403: the token lacks the scope
+        ├── PayloadTooLargeError                    413: body over max_request_bytes
+        ├── OverloadedError                         503 + Retry-After: compile queue full
+        ├── CompileWorkerCrashedError (ToolchainError)  500: the worker died mid-compile
+        ├── SchemaOutOfDateError                    start-up refusal: run `kcache db upgrade`
+        └── InsecureBindError                       start-up refusal: tokens or loopback
+
+The core never imports FastAPI; status codes live here only (:data:`ERROR_TABLE`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kcache.errors import (
+    ArtifactNotFoundError,
+    CompileError,
+    CompileTimeoutError,
+    CorruptArtifactError,
+    InvalidArtifactError,
+    KCacheError,
+    LockTimeoutError,
+    RecipeError,
+    StoreFullError,
+    ToolchainError,
+    UnresolvedRecipeError,
+)
+
+__all__ = [
+    "ERROR_TABLE",
+    "AuthenticationError",
+    "BadRequestError",
+    "CompileWorkerCrashedError",
+    "ErrorInfo",
+    "InsecureBindError",
+    "InvalidRequestError",
+    "OverloadedError",
+    "PayloadTooLargeError",
+    "PermissionDeniedError",
+    "SchemaOutOfDateError",
+    "ServerError",
+    "error_body",
+    "error_info",
+]
+
+
+class ServerError(KCacheError):
+    """Root of the server's own errors."""
+
+
+class BadRequestError(ServerError, ValueError):
+    """The request cannot be read at all (malformed JSON, a path key that is not hex)."""
+
+
+class InvalidRequestError(ServerError, ValueError):
+    """A request field is wrong; ``field`` names it."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+        self.detail = detail
+
+
+class AuthenticationError(ServerError):
+    """No bearer token, or one that is unknown or revoked."""
+
+
+class PermissionDeniedError(ServerError):
+    """The token is valid but lacks the scope the request needs."""
+
+
+class PayloadTooLargeError(ServerError):
+    """The request body is over ``max_request_bytes``."""
+
+
+class OverloadedError(ServerError):
+    """Too many compiles are queued; the client should retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class CompileWorkerCrashedError(ServerError, ToolchainError):
+    """The compile worker process died while compiling; it was replaced."""
+
+
+class SchemaOutOfDateError(ServerError):
+    """The database schema is not at the revision this server needs."""
+
+
+class InsecureBindError(ServerError):
+    """A non-loopback bind with no tokens configured and no ``--force-insecure``."""
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """How one error type is answered: status and the ``error`` code of the JSON body."""
+
+    status: int
+    code: str
+    retry: bool = False  # send Retry-After
+
+
+#: The one mapping from error types to HTTP answers. Looked up along the MRO, so a
+#: subclass listed here wins over its base (CompileTimeoutError over CompileError).
+ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
+    BadRequestError: ErrorInfo(400, "bad_request"),
+    UnresolvedRecipeError: ErrorInfo(400, "unresolved_recipe"),
+    InvalidRequestError: ErrorInfo(422, "invalid_request"),
+    RecipeError: ErrorInfo(422, "invalid_recipe"),
+    CompileTimeoutError: ErrorInfo(422, "compile_timeout"),
+    CompileError: ErrorInfo(422, "compile_error"),
+    AuthenticationError: ErrorInfo(401, "unauthorized"),
+    PermissionDeniedError: ErrorInfo(403, "forbidden"),
+    ArtifactNotFoundError: ErrorInfo(404, "not_found"),
+    PayloadTooLargeError: ErrorInfo(413, "too_large"),
+    OverloadedError: ErrorInfo(503, "overloaded", retry=True),
+    LockTimeoutError: ErrorInfo(503, "lock_timeout", retry=True),
+    StoreFullError: ErrorInfo(507, "store_full"),
+    CompileWorkerCrashedError: ErrorInfo(500, "compiler_crashed"),
+    InvalidArtifactError: ErrorInfo(500, "invalid_artifact"),
+    CorruptArtifactError: ErrorInfo(500, "corrupt_artifact"),
+    ToolchainError: ErrorInfo(500, "toolchain_error"),
+    KCacheError: ErrorInfo(500, "internal_error"),
+}
+
+_INTERNAL = ErrorInfo(500, "internal_error")
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """The table entry for ``exc`` (nearest class in its MRO), else a 500."""
+    for cls in type(exc).__mro__:
+        info = ERROR_TABLE.get(cls)
+        if info is not None:
+            return info
+    return _INTERNAL
+
+
+def error_body(exc: BaseException) -> dict[str, Any]:
+    """The JSON body for ``exc``: ``error`` and ``detail``, plus the fields the error carries."""
+    info = error_info(exc)
+    body: dict[str, Any] = {"error": info.code, "detail": str(exc)}
+    if isinstance(exc, RecipeError | InvalidRequestError):
+        body["field"] = exc.field
+    if isinstance(exc, CompileError):
+        body["log"] = exc.log
+        body["recipe_key"] = exc.recipe_key
+        body["cached"] = exc.cached
+    return body

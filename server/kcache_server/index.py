@@ -1,0 +1,196 @@
+"""``SqlIndex``: the core ``Index`` over SQLAlchemy (SQLite embedded, PostgreSQL scaled out).
+
+Writes issue their statements before any read in the same transaction: on SQLite a
+transaction that read first cannot take the write lock when another writer
+committed meanwhile, while one that writes first simply waits its turn. Concurrent
+writers of the same rows are made idempotent with ON CONFLICT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any, cast
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from kcache.artifact import ArtifactMeta, CompileFailure, ManifestEntry
+from kcache.deps import Dependency
+from kcache.index.base import MANIFEST_LIMIT
+from kcache.keys import canonical_json, is_hex_key, sha256_hex
+from kcache_server.models import Artifact, ManifestRow, NegativeEntry, RecipeAlias, utcnow
+
+__all__ = ["SqlIndex"]
+
+_artifacts = cast(sa.Table, Artifact.__table__)
+_aliases = cast(sa.Table, RecipeAlias.__table__)
+_manifests = cast(sa.Table, ManifestRow.__table__)
+_negatives = cast(sa.Table, NegativeEntry.__table__)
+
+
+def _check(key: str) -> str:
+    if not is_hex_key(key):
+        raise ValueError(f"{key!r} is not a sha256 key")
+    return key
+
+
+def _stamp(epoch: float) -> datetime:
+    return datetime.fromtimestamp(epoch, timezone.utc) if epoch else utcnow()
+
+
+def _deps_json(deps: Sequence[Dependency]) -> list[dict[str, str]]:
+    return [d.to_dict() for d in deps]
+
+
+def _deps(data: Sequence[dict[str, str]]) -> tuple[Dependency, ...]:
+    return tuple(Dependency(d["name"], d["sha256"]) for d in data)
+
+
+def _meta(row: sa.Row[Any]) -> ArtifactMeta:
+    return ArtifactMeta(
+        digest=row.digest,
+        size=row.size,
+        kind=row.kind,
+        target=row.target,
+        toolchain=row.toolchain,
+        lowered_names=dict(row.lowered_names),
+        compile_seconds=row.compile_seconds,
+        log=row.log,
+        dependencies=_deps(row.dependencies),
+        dependencies_exact=row.dependencies_exact,
+        kernel=row.kernel,
+        created_at=row.created_at.timestamp(),
+    )
+
+
+class SqlIndex:
+    """An :class:`~kcache.index.base.Index` in the server's SQL database."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        dialect = engine.dialect.name
+        if dialect == "postgresql":
+            self._insert: Any = postgresql.insert
+        elif dialect == "sqlite":
+            self._insert = sqlite.insert
+        else:
+            raise ValueError(f"SqlIndex supports SQLite and PostgreSQL, not {dialect}")
+
+    # ------------------------------------------------------------------ reads
+    def lookup(self, recipe_key: str) -> ArtifactMeta | CompileFailure | None:
+        """The artifact the alias points at, else the negative entry, else None."""
+        _check(recipe_key)
+        query = sa.select(_artifacts).join(_aliases, _aliases.c.digest == _artifacts.c.digest)
+        with self.engine.connect() as conn:
+            row = conn.execute(query.where(_aliases.c.recipe_key == recipe_key)).first()
+            if row is not None:
+                return _meta(row)
+            neg = conn.execute(sa.select(_negatives).where(_negatives.c.recipe_key == recipe_key)).first()
+        if neg is not None:
+            return CompileFailure(neg.recipe_key, neg.log, neg.created_at.timestamp())
+        return None
+
+    def artifact(self, digest: str) -> ArtifactMeta | None:
+        """Metadata by digest."""
+        _check(digest)
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(_artifacts).where(_artifacts.c.digest == digest)).first()
+        return _meta(row) if row is not None else None
+
+    def manifest(self, base_key: str) -> list[ManifestEntry]:
+        """Entries newest first, at most MANIFEST_LIMIT."""
+        _check(base_key)
+        query = (
+            sa.select(_manifests.c.digest, _manifests.c.dependencies, _manifests.c.created_at)
+            .where(_manifests.c.base_key == base_key)
+            .order_by(_manifests.c.created_at.desc(), _manifests.c.id.desc())
+            .limit(MANIFEST_LIMIT)
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [ManifestEntry(r.digest, _deps(r.dependencies), r.created_at.timestamp()) for r in rows]
+
+    # ------------------------------------------------------------------ writes
+    def record_artifact(self, recipe_key: str, base_key: str, meta: ArtifactMeta) -> None:
+        """Artifact row, manifest entry (pruned to the limit) and alias, in one transaction."""
+        _check(recipe_key)
+        _check(base_key)
+        _check(meta.digest)
+        now = utcnow()
+        deps = _deps_json(meta.dependencies)
+        with self.engine.begin() as conn:
+            conn.execute(
+                self._insert(_artifacts)
+                .values(
+                    digest=meta.digest,
+                    size=meta.size,
+                    kind=meta.kind,
+                    target=meta.target,
+                    toolchain=meta.toolchain,
+                    kernel=meta.kernel,
+                    lowered_names=dict(meta.lowered_names),
+                    compile_seconds=meta.compile_seconds,
+                    log=meta.log,
+                    dependencies=deps,
+                    dependencies_exact=meta.dependencies_exact,
+                    created_at=_stamp(meta.created_at),
+                )
+                .on_conflict_do_nothing(index_elements=["digest"])
+            )
+            upsert = self._insert(_manifests).values(
+                base_key=base_key,
+                dependencies_hash=sha256_hex(canonical_json(deps)),
+                digest=meta.digest,
+                dependencies=deps,
+                created_at=now,
+            )
+            conn.execute(
+                upsert.on_conflict_do_update(
+                    index_elements=["base_key", "dependencies_hash"],
+                    set_={"digest": upsert.excluded.digest, "created_at": upsert.excluded.created_at},
+                )
+            )
+            keep = (
+                sa.select(_manifests.c.id)
+                .where(_manifests.c.base_key == base_key)
+                .order_by(_manifests.c.created_at.desc(), _manifests.c.id.desc())
+                .limit(MANIFEST_LIMIT)
+            )
+            conn.execute(
+                sa.delete(_manifests).where(_manifests.c.base_key == base_key, _manifests.c.id.not_in(keep))
+            )
+            self._alias(conn, recipe_key, meta.digest, now)
+
+    def record_alias(self, recipe_key: str, digest: str) -> None:
+        """``recipe_key`` -> ``digest`` (replacing a negative entry, if any)."""
+        _check(recipe_key)
+        _check(digest)
+        with self.engine.begin() as conn:
+            self._alias(conn, recipe_key, digest, utcnow())
+
+    def _alias(self, conn: sa.Connection, recipe_key: str, digest: str, now: datetime) -> None:
+        stmt = self._insert(_aliases).values(recipe_key=recipe_key, digest=digest, created_at=now)
+        conn.execute(stmt.on_conflict_do_update(index_elements=["recipe_key"], set_={"digest": digest}))
+        conn.execute(sa.delete(_negatives).where(_negatives.c.recipe_key == recipe_key))
+
+    def record_failure(self, failure: CompileFailure) -> None:
+        """A negative entry under the failed recipe's key."""
+        _check(failure.recipe_key)
+        stmt = self._insert(_negatives).values(
+            recipe_key=failure.recipe_key, log=failure.log, created_at=_stamp(failure.created_at)
+        )
+        with self.engine.begin() as conn:
+            conn.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=["recipe_key"],
+                    set_={"log": stmt.excluded.log, "created_at": stmt.excluded.created_at},
+                )
+            )
+
+    def forget(self, recipe_key: str) -> None:
+        """Remove the alias and the negative entry of ``recipe_key``."""
+        _check(recipe_key)
+        with self.engine.begin() as conn:
+            conn.execute(sa.delete(_aliases).where(_aliases.c.recipe_key == recipe_key))
+            conn.execute(sa.delete(_negatives).where(_negatives.c.recipe_key == recipe_key))

@@ -1,0 +1,137 @@
+"""Prometheus metrics of one server process, on its own registry.
+
+Each app gets its own :class:`ServerMetrics` (never the global default registry),
+so tests can build many apps in one process and every ``/metrics`` answer counts
+only what its app did. With several uvicorn workers each process exports its own
+counters; Prometheus sums them per instance as usual.
+
+What is measured:
+
+- ``kcache_http_requests_total{route,method,status}`` and a latency histogram, by
+  route template (``/v1/recipes/{recipe_key}``), never by raw path, so label
+  cardinality stays bounded whatever clients send;
+- ``kcache_lookups_total{outcome,tier}``: every audit event (server lookups and
+  client-reported local hits);
+- ``kcache_compile_duration_seconds``: wall time of lookups that compiled;
+- ``kcache_compiles_in_flight``, ``kcache_compile_queue_depth``: the compile pool, read at
+  scrape time;
+- ``kcache_store_bytes``, ``kcache_store_artifacts``: the artifacts the index knows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "MetricsMiddleware", "ServerMetrics"]
+
+# Compiles range from tens of milliseconds (a vector add) to minutes (CCCL templates).
+_COMPILE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
+
+
+class ServerMetrics:
+    """The metrics of one app; pass ``registry`` to share one, else a private one is made."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kcache_http_requests",
+            "HTTP requests by route template, method and status code",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "kcache_http_request_duration_seconds",
+            "HTTP request latency by route template",
+            ["route"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.lookups = Counter(
+            "kcache_lookups",
+            "Lookups by outcome (hit, local_hit, compiled, waited, miss, error) and tier",
+            ["outcome", "tier"],
+            registry=r,
+        )
+        self.compile_seconds = Histogram(
+            "kcache_compile_duration_seconds",
+            "Wall time of lookups that compiled (queueing, NVRTC/nvJitLink, publishing)",
+            buckets=_COMPILE_BUCKETS,
+            registry=r,
+        )
+        self.compiles_in_flight = Gauge(
+            "kcache_compiles_in_flight", "Compiles running or queued in this process", registry=r
+        )
+        self.queue_depth = Gauge(
+            "kcache_compile_queue_depth", "Compiles waiting for a free worker", registry=r
+        )
+        self.store_bytes = Gauge(
+            "kcache_store_bytes", "Bytes of artifacts in the store", registry=r
+        )
+        self.store_artifacts = Gauge("kcache_store_artifacts", "Artifacts in the store", registry=r)
+        self.events_ingested = Counter(
+            "kcache_audit_events_ingested",
+            "Client audit events accepted through POST /v1/events",
+            registry=r,
+        )
+        self._samplers: list[Callable[[], None]] = []
+
+    def lookup(self, outcome: str, tier: str, *, latency_ms: float = 0.0, n: int = 1) -> None:
+        """Count ``n`` lookups; a ``compiled`` one also observes its wall time as a compile."""
+        self.lookups.labels(outcome=outcome, tier=tier).inc(n)
+        if outcome == "compiled":
+            self.compile_seconds.observe(latency_ms / 1000.0)
+
+    def add_sampler(self, sampler: Callable[[], None]) -> None:
+        """Run ``sampler`` before every scrape (it sets gauges from live state)."""
+        self._samplers.append(sampler)
+
+    def render(self) -> bytes:
+        """The text exposition format, gauges refreshed first."""
+        for sampler in self._samplers:
+            sampler()
+        return bytes(generate_latest(self.registry))
+
+
+def _route_template(scope: dict[str, Any]) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    # Unmatched paths (404 scans) share one label instead of one series each.
+    return path if isinstance(path, str) else "(unmatched)"
+
+
+class MetricsMiddleware:
+    """Pure ASGI middleware counting every HTTP request by route template and status."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Pass the request on, then count it (also when the app raised)."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = _route_template(scope)
+            self.metrics.requests.labels(
+                route=route, method=scope["method"], status=str(status)
+            ).inc()
+            self.metrics.request_seconds.labels(route=route).observe(time.perf_counter() - started)

@@ -1,0 +1,217 @@
+"""SQLAlchemy models: one ``metadata``, one ``DeclarativeBase``.
+
+Tables: ``artifacts`` (metadata by digest), ``recipe_aliases`` (recipe_key ->
+digest), ``manifests`` (base_key -> dependency list -> digest), ``negative_entries``
+(failed recipes with their log), ``audit_events`` (one row per lookup outcome) and
+``tokens`` (sha256 of bearer tokens with scopes). Alembic migrations under
+``migrations/`` must agree with these; a test checks it on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Annotated
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+__all__ = [
+    "Artifact",
+    "AuditEvent",
+    "Base",
+    "ManifestRow",
+    "NegativeEntry",
+    "RecipeAlias",
+    "Token",
+    "UTCDateTime",
+    "metadata",
+    "utcnow",
+]
+
+
+def utcnow() -> datetime:
+    """Now, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC timestamps on every backend (SQLite stores them naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Store UTC."""
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime; use kcache_server.models.utcnow()")
+        return value.astimezone(timezone.utc)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Read back aware UTC."""
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value
+
+
+# Autoincrement needs INTEGER PRIMARY KEY (the rowid) on SQLite, BIGINT elsewhere.
+_BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+Hex64 = Annotated[str, mapped_column(String(64))]
+Name = Annotated[str, mapped_column(String(256))]
+Stamp = Annotated[datetime, mapped_column(UTCDateTime())]
+OptStamp = Annotated[datetime | None, mapped_column(UTCDateTime(), nullable=True)]
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+
+class Base(DeclarativeBase):
+    """The declarative base of every model."""
+
+    metadata = metadata
+
+
+class Artifact(Base):
+    """A published blob's metadata (the ``artifact`` object of API responses)."""
+
+    __tablename__ = "artifacts"
+
+    digest: Mapped[Hex64] = mapped_column(primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(16))
+    target: Mapped[str] = mapped_column(String(32))
+    toolchain: Mapped[str] = mapped_column(String(128))
+    kernel: Mapped[str] = mapped_column(String(1024), default="")
+    lowered_names: Mapped[dict[str, str]] = mapped_column(JSON)
+    compile_seconds: Mapped[float] = mapped_column(Float)
+    log: Mapped[str] = mapped_column(Text, default="")
+    dependencies: Mapped[list[dict[str, str]]] = mapped_column(JSON)
+    dependencies_exact: Mapped[bool]
+    created_at: Mapped[Stamp]
+    last_used_at: Mapped[OptStamp]
+
+
+class RecipeAlias(Base):
+    """recipe_key -> the artifact it resolves to (exactly, or through a manifest match)."""
+
+    __tablename__ = "recipe_aliases"
+
+    recipe_key: Mapped[Hex64] = mapped_column(primary_key=True)
+    digest: Mapped[Hex64] = mapped_column(ForeignKey("artifacts.digest", ondelete="CASCADE"), index=True)
+    created_at: Mapped[Stamp]
+
+
+class ManifestRow(Base):
+    """Under a base key: the headers one compile read (with hashes) -> its artifact."""
+
+    __tablename__ = "manifests"
+    __table_args__ = (UniqueConstraint("base_key", "dependencies_hash"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    base_key: Mapped[Hex64] = mapped_column(index=True)
+    dependencies_hash: Mapped[Hex64]
+    digest: Mapped[Hex64] = mapped_column(ForeignKey("artifacts.digest", ondelete="CASCADE"), index=True)
+    dependencies: Mapped[list[dict[str, str]]] = mapped_column(JSON)
+    created_at: Mapped[Stamp]
+
+
+class NegativeEntry(Base):
+    """A recipe that failed to compile, with the compiler's log."""
+
+    __tablename__ = "negative_entries"
+
+    recipe_key: Mapped[Hex64] = mapped_column(primary_key=True)
+    log: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[Stamp]
+
+
+class AuditEvent(Base):
+    """One lookup outcome: ``hit``, ``local_hit``, ``compiled``, ``waited``, ``miss`` or ``error``."""
+
+    __tablename__ = "audit_events"
+    __table_args__ = (Index(None, "outcome", "at"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    at: Mapped[Stamp] = mapped_column(index=True)
+    outcome: Mapped[str] = mapped_column(String(16))
+    tier: Mapped[str] = mapped_column(String(16))
+    route: Mapped[str] = mapped_column(String(32))
+    recipe_key: Mapped[str | None] = mapped_column(String(64), index=True)
+    base_key: Mapped[str | None] = mapped_column(String(64))
+    digest: Mapped[str | None] = mapped_column(String(64))
+    kernel: Mapped[str | None] = mapped_column(String(1024), index=True)
+    target: Mapped[str | None] = mapped_column(String(32))
+    toolchain: Mapped[str | None] = mapped_column(String(128))
+    error: Mapped[str | None] = mapped_column(String(64))
+    client_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    host: Mapped[str | None] = mapped_column(String(256))
+    pid: Mapped[int | None]
+    job_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    rank: Mapped[int | None]
+    world_size: Mapped[int | None]
+    latency_ms: Mapped[float]
+    compile_seconds_saved: Mapped[float]
+
+
+class Token(Base):
+    """A bearer token, stored as its sha256 (the token itself is shown once, at creation)."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    name: Mapped[Name] = mapped_column(unique=True)
+    token_hash: Mapped[Hex64] = mapped_column(unique=True)
+    scopes: Mapped[str] = mapped_column(String(64))  # space-separated
+    created_at: Mapped[Stamp]
+    last_used_at: Mapped[OptStamp]
+    revoked_at: Mapped[OptStamp]
+
+
+
+
+class AuditRollup(Base):
+    """Audit events older than the retention window, counted per hour instead of kept one by one.
+
+    Rows are only ever inserted (never merged), so several roll-ups of the same hour
+    simply add up in queries; that keeps concurrent roll-ups on several replicas safe
+    without a unique constraint over nullable columns.
+    """
+
+    __tablename__ = "audit_rollups"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    bucket: Mapped[Stamp] = mapped_column(index=True)
+    outcome: Mapped[str] = mapped_column(String(16))
+    tier: Mapped[str] = mapped_column(String(16))
+    kernel: Mapped[str | None] = mapped_column(String(1024))
+    target: Mapped[str | None] = mapped_column(String(32))
+    client_id: Mapped[str | None] = mapped_column(String(256))
+    job_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    rank: Mapped[int | None]
+    count: Mapped[int] = mapped_column(BigInteger)
+    latency_ms_sum: Mapped[float]
+    compile_seconds_saved: Mapped[float]
+    last_at: Mapped[Stamp]
+    last_error: Mapped[str | None] = mapped_column(String(64))

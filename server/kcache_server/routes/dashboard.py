@@ -1,0 +1,49 @@
+"""``GET /dashboard``: the cache-hit auditing page, plain HTML, CSS and JavaScript.
+
+The page is static and holds no data (so it needs no token); its script reads
+``/v1/stats`` with the token the user enters, if the server asks for one. The
+files are read once at import: no build step, nothing fetched from the network.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse, Response
+
+from kcache.errors import ArtifactNotFoundError
+
+router = APIRouter(tags=["dashboard"])
+
+_STATIC = files("kcache_server") / "static" / "dashboard"
+_ASSETS = {
+    "dashboard.css": "text/css; charset=utf-8",
+    "dashboard.js": "text/javascript; charset=utf-8",
+}
+# A page that runs only its own script: no inline code, nothing from elsewhere.
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; frame-ancestors 'none'"
+)
+
+
+def _read(name: str) -> str:
+    return (_STATIC / name).read_text(encoding="utf-8")
+
+
+@router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
+async def dashboard() -> HTMLResponse:
+    """The dashboard page."""
+    return HTMLResponse(
+        _read("index.html"), headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-cache"}
+    )
+
+
+@router.get("/dashboard/{name}", include_in_schema=False)
+async def dashboard_asset(name: str) -> Response:
+    """The page's stylesheet and script (a fixed list: a path is never built from the URL)."""
+    media_type = _ASSETS.get(name)
+    if media_type is None:
+        raise ArtifactNotFoundError(f"no dashboard file {name!r}")
+    return Response(_read(name), media_type=media_type, headers={"Cache-Control": "no-cache"})

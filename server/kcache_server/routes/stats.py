@@ -1,0 +1,56 @@
+"""``GET /v1/stats``: hit rate, outcomes by tier, groups, top missed kernels, rank divergence."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from kcache_server.auditing.stats import GroupBy, Stats, StatsQuery, compute_stats, parse_time
+from kcache_server.routes._deps import ERRORS, Reader, State
+from kcache_server.service import ServerState
+
+router = APIRouter(prefix="/v1/stats", tags=["audit"])
+
+_TIME_DOC = "unix seconds, ISO 8601, or a span back from now: 15m, 6h, 7d"
+
+
+def _stats(state: ServerState, query: StatsQuery) -> Stats:
+    # Read-your-writes for this process: events still queued in the audit writer
+    # would otherwise be missing from the answer for up to audit_flush_s.
+    state.audit.flush()
+    return compute_stats(state.backends.db, query)
+
+
+@router.get("", response_model=Stats, responses=ERRORS)
+async def get_stats(
+    _: Reader,
+    state: State,
+    since: Annotated[str | None, Query(description=f"window start: {_TIME_DOC}")] = None,
+    until: Annotated[str | None, Query(description=f"window end (exclusive): {_TIME_DOC}")] = None,
+    job_id: Annotated[str | None, Query(max_length=256)] = None,
+    client_id: Annotated[str | None, Query(max_length=256)] = None,
+    kernel: Annotated[str | None, Query(max_length=1024)] = None,
+    target: Annotated[str | None, Query(max_length=32)] = None,
+    group_by: GroupBy | None = None,
+    top: Annotated[int, Query(ge=1, le=100, description="how many missed kernels")] = 10,
+    limit: Annotated[
+        int, Query(ge=1, le=10_000, description="most groups and divergence rows")
+    ] = 200,
+    buckets: Annotated[int, Query(ge=1, le=1000, description="about how many series buckets")] = 60,
+) -> Stats:
+    """Aggregates over the audit events of a window, filtered and grouped as asked."""
+    query = StatsQuery(
+        since=parse_time(since, "query.since"),
+        until=parse_time(until, "query.until"),
+        job_id=job_id,
+        client_id=client_id,
+        kernel=kernel,
+        target=target,
+        group_by=group_by,
+        top=top,
+        limit=limit,
+        buckets=buckets,
+    )
+    result: Stats = await state.run(_stats, state, query)
+    return result

@@ -1,0 +1,66 @@
+"""``Settings``: the server's configuration, read from ``KCACHE_*`` environment variables.
+
+Built in :func:`kcache_server.create_app` (never at import), so tests and the
+``kcache serve`` flags inject their own values.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "is_loopback"]
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to anything
+
+
+class Settings(BaseSettings):
+    """Everything ``kcache serve`` can be told; each field is ``KCACHE_<NAME>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="KCACHE_", extra="ignore")
+
+    data_dir: Path = Field(default=Path(".kcache"), description="blob store, SQLite database, locks, compile scratch")
+    db_url: str | None = Field(default=None, description="SQLAlchemy URL; default SQLite in the data dir")
+    host: str = Field(default="127.0.0.1", description="address to bind")
+    port: int = Field(default=8470, ge=0, le=65535)
+    workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
+    force_insecure: bool = Field(default=False, description="allow a non-loopback bind with no tokens")
+    include_sets: dict[str, Path] = Field(default_factory=dict, description="name -> directory")
+    toolchain_dir: Path | None = Field(default=None, description="where NVRTC's bundled headers are extracted")
+    compile_workers: int = Field(default=2, ge=1, description="NVRTC worker processes per server process")
+    compile_timeout_s: float = Field(default=120.0, gt=0, description="a compile past this is killed")
+    compile_memory_mb: int = Field(default=8192, ge=256, description="address-space limit of a compile worker")
+    compile_queue_limit: int = Field(default=64, ge=0, description="compiles waiting for a worker before 503")
+    lock_timeout_s: float = Field(default=900.0, gt=0, description="how long to wait for another's compile")
+    request_threads: int = Field(default=64, ge=1, description="engine calls running at once")
+    max_request_bytes: int = Field(default=32 << 20, ge=1024, description="request bodies above this get 413")
+    max_batch: int = Field(default=1024, ge=1, description="recipes per /v1/resolve/batch")
+    blob_cache_bytes: int = Field(default=256 << 20, ge=0, description="hot blobs kept in memory")
+    auth_cache_s: float = Field(default=2.0, ge=0, description="how long token checks are cached")
+    audit_flush_s: float = Field(default=0.5, gt=0, description="audit events are written in batches this often")
+    db_pool_size: int = Field(default=16, ge=1, description="PostgreSQL connections kept open")
+    db_max_overflow: int = Field(default=64, ge=0, description="further PostgreSQL connections under load")
+    retry_after_s: int = Field(default=5, ge=1, description="the Retry-After sent with 503")
+
+    @property
+    def database_url(self) -> str:
+        """``db_url``, or SQLite at ``<data_dir>/kcache.db``."""
+        if self.db_url:
+            return self.db_url
+        return f"sqlite:///{(self.data_dir / 'kcache.db').resolve()}"
+
+    @property
+    def loopback(self) -> bool:
+        """True when ``host`` is a loopback address."""
+        return is_loopback(self.host)

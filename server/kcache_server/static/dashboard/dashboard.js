@@ -1,0 +1,381 @@
+// kcache dashboard: reads GET /v1/stats and draws it. Plain DOM and <canvas>, no
+// dependencies, nothing fetched from anywhere but this server. Text from the server
+// is only ever set through textContent, never parsed as HTML.
+"use strict";
+
+(function () {
+  const WINDOWS = { "15m": 900, "1h": 3600, "6h": 21600, "24h": 86400, "7d": 604800, "30d": 2592000 };
+  const OUTCOMES = ["hit", "local_hit", "compiled", "waited", "miss", "error"];
+  const LABELS = {
+    hit: "hit", local_hit: "local hit", compiled: "compiled", waited: "waited", miss: "miss", error: "error",
+  };
+  const REFRESH_MS = Number(new URLSearchParams(location.search).get("refresh") || 10) * 1000;
+
+  const $ = (id) => document.getElementById(id);
+  const css = getComputedStyle(document.documentElement);
+  const color = (name) => css.getPropertyValue("--" + name).trim();
+
+  let windowName = (location.hash.match(/window=(\w+)/) || [])[1] || "24h";
+  if (!(windowName in WINDOWS)) windowName = "24h";
+  let token = localStorage.getItem("kcache.token") || "";
+  let timer = null;
+  let lastStats = null;
+  let loads = 0;
+
+  // ------------------------------------------------------------------ formatting
+  const int = (n) => Number(n || 0).toLocaleString("en-US");
+  const pct = (r) => (r === null || r === undefined ? "–" : (r * 100).toFixed(1) + "%");
+  function duration(s) {
+    s = Number(s || 0);
+    if (s < 60) return s.toFixed(1) + " s";
+    if (s < 3600) return (s / 60).toFixed(1) + " min";
+    if (s < 86400 * 2) return (s / 3600).toFixed(1) + " h";
+    return (s / 86400).toFixed(1) + " d";
+  }
+  function ago(t) {
+    if (!t) return "";
+    const d = Math.max(0, Date.now() / 1000 - t);
+    if (d < 60) return Math.round(d) + " s ago";
+    if (d < 3600) return Math.round(d / 60) + " min ago";
+    if (d < 86400) return Math.round(d / 3600) + " h ago";
+    return Math.round(d / 86400) + " d ago";
+  }
+  const short = (digest) => (digest ? digest.slice(0, 12) : "–");
+
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === "class") node.className = v;
+      else if (k === "title") node.title = v;
+      else node.setAttribute(k, v);
+    }
+    for (const child of children) {
+      if (child === null || child === undefined) continue;
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+  function setValue(id, text, value) {
+    const node = $(id);
+    node.textContent = text;
+    node.dataset.value = value === null || value === undefined ? "" : String(value);
+  }
+
+  // ------------------------------------------------------------------ loading
+  async function load() {
+    const until = Date.now() / 1000;
+    const since = until - WINDOWS[windowName];
+    const url = `/v1/stats?since=${since.toFixed(3)}&until=${until.toFixed(3)}&group_by=job&buckets=60&top=10`;
+    const headers = token ? { Authorization: "Bearer " + token } : {};
+    let response;
+    try {
+      response = await fetch(url, { headers, cache: "no-store" });
+    } catch (err) {
+      showError("cannot reach the server: " + err);
+      return;
+    }
+    if (response.status === 401 || response.status === 403) {
+      $("auth").hidden = false;
+      showError(response.status === 401 ? "a token is needed" : "this token lacks the read scope");
+      return;
+    }
+    if (!response.ok) {
+      let detail = response.statusText;
+      try { detail = (await response.json()).detail || detail; } catch (_) { /* not JSON */ }
+      showError(`GET /v1/stats answered ${response.status}: ${detail}`);
+      return;
+    }
+    $("auth").hidden = true;
+    $("error").hidden = true;
+    lastStats = await response.json();
+    render(lastStats);
+    loads += 1;
+    document.body.dataset.loads = String(loads);
+    document.body.dataset.window = windowName;
+    $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+  }
+  function showError(text) {
+    const node = $("error");
+    node.textContent = text;
+    node.hidden = false;
+  }
+  function schedule() {
+    clearInterval(timer);
+    timer = $("auto-refresh").checked ? setInterval(load, REFRESH_MS) : null;
+  }
+
+  // ------------------------------------------------------------------ rendering
+  function render(s) {
+    setValue("kpi-hit-rate", pct(s.hit_rate), s.hit_rate);
+    $("kpi-hits").textContent = `${int(s.hits)} of ${int(s.lookups)} served from cache`;
+    setValue("kpi-lookups", int(s.lookups), s.lookups);
+    $("kpi-lookups-sub").textContent =
+      `${int(s.totals.hit)} server · ${int(s.totals.local_hit)} local`;
+    setValue("kpi-saved", duration(s.compile_seconds_saved), s.compile_seconds_saved);
+    setValue("kpi-errors", int(s.totals.error), s.totals.error);
+    $("kpi-misses").textContent =
+      `${int(s.totals.compiled)} compiled · ${int(s.totals.waited)} waited · ${int(s.totals.miss)} missed`;
+    setValue("kpi-divergence", int(s.divergence.length), s.divergence.length);
+    $("kpi-divergence-card").classList.toggle("alarm", s.divergence.length > 0);
+
+    renderTiers(s);
+    renderDivergence(s.divergence);
+    renderMissed(s.top_missed);
+    renderJobs(s.groups, new Set(s.divergence.map((d) => d.job_id)));
+    drawChart(s);
+  }
+
+  function renderTiers(s) {
+    const box = $("tiers");
+    box.replaceChildren();
+    const tiers = Object.keys(s.by_tier).sort();
+    if (!tiers.length) box.append(el("p", { class: "muted" }, "no lookups in this window"));
+    for (const tier of tiers) {
+      const counts = s.by_tier[tier];
+      const total = Object.values(counts).reduce((a, b) => a + b, 0);
+      const hits = (counts.hit || 0) + (counts.local_hit || 0);
+      const bar = el("div", { class: "bar" });
+      const list = el("div", { class: "tier-counts" });
+      for (const outcome of OUTCOMES) {
+        const n = counts[outcome] || 0;
+        if (!n) continue;
+        const seg = el("div", { class: "seg", title: `${LABELS[outcome]}: ${n}` });
+        seg.style.width = (100 * n) / total + "%";
+        seg.style.background = color(outcome);
+        bar.append(seg);
+        list.append(el("span", { "data-tier": tier, "data-outcome": outcome, "data-value": n },
+          LABELS[outcome] + " ", el("b", {}, int(n))));
+      }
+      box.append(el("div", { class: "tier", "data-tier": tier },
+        el("div", { class: "tier-head" },
+          el("span", { class: "tier-name" }, tier),
+          el("span", { class: "muted" }, `${int(total)} lookups · ${pct(total ? hits / total : null)} hits`)),
+        bar, list));
+    }
+    const legend = $("outcome-legend");
+    if (!legend.childElementCount) {
+      for (const outcome of OUTCOMES) {
+        const sw = el("i", { class: "sw" });
+        sw.style.background = color(outcome);
+        legend.append(el("span", {}, sw, LABELS[outcome]));
+      }
+    }
+  }
+
+  function emptyRow(tbody, cols, text) {
+    tbody.append(el("tr", {}, el("td", { class: "empty", colspan: cols }, text)));
+  }
+
+  function renderDivergence(rows) {
+    const tbody = $("divergence").tBodies[0];
+    tbody.replaceChildren();
+    if (!rows.length) emptyRow(tbody, 5, "every rank of every job got the same artifact");
+    for (const d of rows) {
+      const ranks = el("div", { class: "ranks" });
+      for (const [rank, digest] of Object.entries(d.ranks)) {
+        ranks.append(el("span", { class: "chip", title: digest }, "rank " + rank + " → ",
+          el("span", { class: "digest" }, short(digest))));
+      }
+      tbody.append(el("tr", { class: "divergent", "data-job": d.job_id, "data-base-key": d.base_key },
+        el("td", {}, d.job_id, el("span", { class: "badge" }, "diverged")),
+        el("td", { class: "kernel" }, d.kernel || "–"),
+        el("td", {}, d.target || "–"),
+        el("td", { class: "digest", title: d.base_key }, short(d.base_key)),
+        el("td", {}, ranks)));
+    }
+  }
+
+  function renderMissed(rows) {
+    const tbody = $("top-missed").tBodies[0];
+    tbody.replaceChildren();
+    if (!rows.length) emptyRow(tbody, 5, "no misses in this window");
+    for (const m of rows) {
+      const isError = m.last_miss_outcome === "error";
+      tbody.append(el("tr", { "data-kernel": m.kernel || "" },
+        el("td", { class: "kernel" }, m.kernel || "(unnamed)"),
+        el("td", { class: "num", "data-value": m.misses }, int(m.misses)),
+        el("td", { class: "num", "data-value": m.errors }, int(m.errors)),
+        el("td", { class: "reason" + (isError ? " error" : "") }, m.last_miss_reason || "–"),
+        el("td", { class: "muted" }, ago(m.last_miss_at))));
+    }
+  }
+
+  function renderJobs(groups, divergent) {
+    const tbody = $("jobs").tBodies[0];
+    tbody.replaceChildren();
+    const jobs = groups.filter((g) => g.key !== null);
+    if (!jobs.length) emptyRow(tbody, 5, "no job ids in this window");
+    for (const g of jobs) {
+      const ranks = el("div", { class: "ranks" });
+      for (const r of g.ranks || []) {
+        const dot = el("i", { class: "dot" });
+        dot.style.background = r.hit_rate === null ? color("muted") : mix(r.hit_rate);
+        ranks.append(el("span", { class: "chip", "data-rank": r.rank === null ? "" : r.rank,
+          title: `${r.total} lookups, ${pct(r.hit_rate)} hits` }, dot, "r" + (r.rank === null ? "?" : r.rank)));
+      }
+      const size = g.world_size ? ` of ${g.world_size}` : "";
+      const row = el("tr", { "data-job": g.key, class: g.divergent || divergent.has(g.key) ? "divergent" : "" },
+        el("td", {}, String(g.key), g.divergent ? el("span", { class: "badge" }, "diverged") : null),
+        el("td", { class: "num", "data-value": g.total }, int(g.total)),
+        el("td", { class: "num", "data-value": g.hit_rate === null ? "" : g.hit_rate }, pct(g.hit_rate)),
+        el("td", { class: "num" }, duration(g.compile_seconds_saved)),
+        el("td", {}, ranks, el("span", { class: "muted" }, ` ${(g.ranks || []).length} rank(s)${size}`)));
+      tbody.append(row);
+    }
+  }
+
+  // Red below 50 %, amber to green above: a rank's dot reads at a glance.
+  function mix(rate) {
+    if (rate >= 0.9) return color("hit");
+    if (rate >= 0.5) return color("miss");
+    return color("error");
+  }
+
+  // ------------------------------------------------------------------ the chart
+  let chartGeometry = null;
+
+  function drawChart(s) {
+    const canvas = $("hit-chart");
+    const dpr = window.devicePixelRatio || 1;
+    const width = canvas.clientWidth || 600;
+    const height = canvas.clientHeight || 260;
+    canvas.width = Math.round(width * dpr);
+    canvas.height = Math.round(height * dpr);
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, width, height);
+
+    const pad = { left: 44, right: 46, top: 12, bottom: 28 };
+    const w = width - pad.left - pad.right;
+    const h = height - pad.top - pad.bottom;
+    const pts = s.series || [];
+    const n = Math.max(pts.length, 1);
+    const maxTotal = Math.max(1, ...pts.map((p) => p.total));
+    const x = (i) => pad.left + (w * (i + 0.5)) / n;
+    const y = (rate) => pad.top + h * (1 - rate);
+
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.textBaseline = "middle";
+    // Grid and the left axis (hit rate).
+    for (const r of [0, 0.25, 0.5, 0.75, 1]) {
+      ctx.strokeStyle = "#1e2943";
+      ctx.lineWidth = 1;
+      ctx.beginPath();
+      ctx.moveTo(pad.left, Math.round(y(r)) + 0.5);
+      ctx.lineTo(pad.left + w, Math.round(y(r)) + 0.5);
+      ctx.stroke();
+      ctx.fillStyle = color("muted");
+      ctx.textAlign = "right";
+      ctx.fillText(Math.round(r * 100) + "%", pad.left - 8, y(r));
+    }
+    // Right axis: lookups per bucket.
+    ctx.textAlign = "left";
+    ctx.fillText(int(maxTotal), pad.left + w + 8, y(1));
+    ctx.fillText("0", pad.left + w + 8, y(0));
+
+    // Volume bars behind the line.
+    const bw = Math.max(1, (w / n) * 0.7);
+    ctx.fillStyle = "#22304f";
+    pts.forEach((p, i) => {
+      if (!p.total) return;
+      const bh = (h * p.total) / maxTotal;
+      ctx.fillRect(x(i) - bw / 2, pad.top + h - bh, bw, bh);
+    });
+
+    // Hit rate: an area and a line through the buckets that had lookups.
+    const drawn = pts.map((p, i) => [p, i]).filter(([p]) => p.hit_rate !== null);
+    if (drawn.length) {
+      const accent = color("accent");
+      const grad = ctx.createLinearGradient(0, pad.top, 0, pad.top + h);
+      grad.addColorStop(0, "rgba(94, 234, 212, .28)");
+      grad.addColorStop(1, "rgba(94, 234, 212, 0)");
+      ctx.beginPath();
+      drawn.forEach(([p, i], k) => (k ? ctx.lineTo(x(i), y(p.hit_rate)) : ctx.moveTo(x(i), y(p.hit_rate))));
+      ctx.lineTo(x(drawn[drawn.length - 1][1]), y(0));
+      ctx.lineTo(x(drawn[0][1]), y(0));
+      ctx.closePath();
+      ctx.fillStyle = grad;
+      ctx.fill();
+      ctx.beginPath();
+      drawn.forEach(([p, i], k) => (k ? ctx.lineTo(x(i), y(p.hit_rate)) : ctx.moveTo(x(i), y(p.hit_rate))));
+      ctx.strokeStyle = accent;
+      ctx.lineWidth = 2;
+      ctx.lineJoin = "round";
+      ctx.stroke();
+      ctx.fillStyle = accent;
+      for (const [p, i] of drawn) {
+        ctx.beginPath();
+        ctx.arc(x(i), y(p.hit_rate), drawn.length > 40 ? 1.5 : 3, 0, Math.PI * 2);
+        ctx.fill();
+      }
+    } else {
+      ctx.fillStyle = color("muted");
+      ctx.textAlign = "center";
+      ctx.fillText("no lookups in this window", pad.left + w / 2, pad.top + h / 2);
+    }
+
+    // Time labels: about six, aligned with their buckets.
+    ctx.fillStyle = color("muted");
+    ctx.textAlign = "center";
+    ctx.textBaseline = "top";
+    const long = (s.bucket_seconds || 60) >= 3600;
+    const every = Math.max(1, Math.ceil(n / 6));
+    pts.forEach((p, i) => {
+      if (i % every) return;
+      const d = new Date(p.t * 1000);
+      const label = long
+        ? d.toLocaleDateString(undefined, { month: "short", day: "numeric" }) + " " +
+          d.toLocaleTimeString(undefined, { hour: "2-digit", minute: "2-digit" })
+        : d.toLocaleTimeString(undefined, { hour: "2-digit", minute: "2-digit" });
+      ctx.fillText(label, x(i), pad.top + h + 8);
+    });
+
+    chartGeometry = { pts, x, n, pad, w };
+    canvas.dataset.points = String(drawn.length);
+    canvas.dataset.buckets = String(pts.length);
+  }
+
+  function onHover(event) {
+    const tip = $("chart-tip");
+    if (!chartGeometry || !chartGeometry.pts.length) return;
+    const canvas = $("hit-chart");
+    const rect = canvas.getBoundingClientRect();
+    const { pts, n, pad, w } = chartGeometry;
+    const i = Math.floor(((event.clientX - rect.left - pad.left) / w) * n);
+    const p = pts[i];
+    if (!p) { tip.hidden = true; return; }
+    tip.textContent = `${new Date(p.t * 1000).toLocaleString()} · ${pct(p.hit_rate)} of ${int(p.total)}`;
+    tip.style.left = Math.min(event.clientX - rect.left + 24, rect.width - 200) + "px";
+    tip.style.top = "48px";
+    tip.hidden = false;
+  }
+
+  // ------------------------------------------------------------------ wiring
+  function selectWindow(name) {
+    windowName = name;
+    history.replaceState(null, "", "#window=" + name);
+    for (const b of document.querySelectorAll("#windows button")) {
+      b.classList.toggle("active", b.dataset.window === name);
+    }
+    load();
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    for (const b of document.querySelectorAll("#windows button")) {
+      b.addEventListener("click", () => selectWindow(b.dataset.window));
+    }
+    $("auto-refresh").addEventListener("change", schedule);
+    $("auth-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      token = $("token").value.trim();
+      localStorage.setItem("kcache.token", token);
+      load();
+    });
+    const canvas = $("hit-chart");
+    canvas.addEventListener("mousemove", onHover);
+    canvas.addEventListener("mouseleave", () => { $("chart-tip").hidden = true; });
+    window.addEventListener("resize", () => lastStats && drawChart(lastStats));
+    selectWindow(windowName);
+    schedule();
+  });
+})();

@@ -1,0 +1,52 @@
+"""``kcache stats``: the same summary as ``/v1/stats``, as tables in a terminal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.audit.conftest import Workload
+
+KCACHE = str(Path(sys.executable).with_name("kcache"))
+
+
+def _run(*args: str) -> str:
+    result = subprocess.run(
+        [KCACHE, "stats", *args], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_stats_from_a_server_prints_the_summary(workload: Workload) -> None:
+    out = _run("--server", workload.server.url)
+    assert "hit rate      45.5%  (5 hits)" in out
+    assert "lookups       11" in out
+    tiers = {
+        line.split()[0]: line.split()[1:]
+        for line in out.splitlines()
+        if line.split()[:1] in (["server"], ["node"], ["memory"], ["all"])
+    }
+    #           hit local_hit compiled waited miss error total
+    assert tiers["server"] == ["2", "0", "3", "0", "1", "2", "8"]
+    assert tiers["node"] == ["0", "2", "0", "0", "0", "0", "2"]
+    assert tiers["all"] == ["2", "3", "3", "0", "1", "2", "11"]
+    assert "job-b DIVERGED" in out
+    assert "DIVERGENCE: ranks of one job" in out
+    assert f"0:{workload.divergent['0'][:12]} 1:{workload.divergent['1'][:12]}" in out
+    assert "compile error" in out
+
+
+def test_json_output_is_the_api_answer(workload: Workload) -> None:
+    data = json.loads(_run("--server", workload.server.url, "--json", "--job", "job-b"))
+    assert data["totals"]["compiled"] == 2 and data["lookups"] == 2
+    assert data["divergence"][0]["ranks"] == workload.divergent
+
+
+def test_stats_read_the_database_directly_without_a_server(workload: Workload) -> None:
+    workload.server.state.audit.flush()
+    data = json.loads(_run("--data-dir", str(workload.server.settings.data_dir), "--json"))
+    assert data["lookups"] == 11
+    assert data["totals"] == {o: workload.totals.get(o, 0) for o in data["totals"]}

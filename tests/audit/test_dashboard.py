@@ -1,0 +1,185 @@
+"""``GET /dashboard`` in real headless Chromium: its numbers match ``/v1/stats``, the chart is
+drawn, the divergent job is flagged in red, the window selector and auto-refresh work.
+
+Chromium is Debian's (``apt-get install chromium``), driven by Playwright's Python
+package; Playwright never downloads a browser here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.audit.conftest import Workload
+
+CHROMIUM = os.environ.get("KCACHE_TEST_CHROMIUM", "/usr/bin/chromium")
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+pytestmark = pytest.mark.skipif(
+    not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
+    reason="Chromium is not installed (scripts/ensure-services installs it)",
+)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Chromium for the module."""
+    os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    """A fresh page at a desktop size; fails the test on any script error."""
+    context = browser.new_context(viewport={"width": 1440, "height": 1100}, device_scale_factor=1)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    yield page
+    context.close()
+    assert errors == [], f"the dashboard logged errors: {errors}"
+
+
+def _stats(w: Workload) -> dict[str, Any]:
+    with w.server.client() as http:
+        return http.get("/v1/stats", params={"group_by": "job"}).json()
+
+
+def _open(page: Any, w: Workload, query: str = "") -> None:
+    page.goto(f"{w.server.url}/dashboard{query}")
+    page.wait_for_function("() => Number(document.body.dataset.loads || 0) >= 1", timeout=15_000)
+
+
+def test_numbers_match_the_stats_api(page: Any, workload: Workload, artifacts_dir: Path) -> None:
+    _open(page, workload)
+    stats = _stats(workload)
+    assert page.text_content("#kpi-hit-rate") == f"{stats['hit_rate'] * 100:.1f}%" == "45.5%"
+    assert page.get_attribute("#kpi-lookups", "data-value") == str(stats["lookups"]) == "11"
+    assert page.text_content("#kpi-lookups") == "11"
+    assert float(page.get_attribute("#kpi-saved", "data-value")) == pytest.approx(
+        stats["compile_seconds_saved"]
+    )
+    assert page.text_content("#kpi-errors") == str(stats["totals"]["error"]) == "2"
+    assert page.text_content("#kpi-divergence") == "1"
+    # Outcomes by tier: every non-zero count shown, and nothing else.
+    shown = {
+        (el.get_attribute("data-tier"), el.get_attribute("data-outcome")): int(
+            el.get_attribute("data-value")
+        )
+        for el in page.query_selector_all("#tiers [data-outcome]")
+    }
+    assert shown == {(t, o): n for t, c in stats["by_tier"].items() for o, n in c.items() if n}
+    # Top missed kernels with their last miss reason.
+    rows = page.query_selector_all("#top-missed tbody tr")
+    missed = {r.get_attribute("data-kernel"): r.query_selector_all("td") for r in rows}
+    for m in stats["top_missed"]:
+        cells = missed[m["kernel"]]
+        assert cells[1].text_content() == str(m["misses"])
+        assert cells[3].text_content() == m["last_miss_reason"]
+    # Per-job table with ranks.
+    jobs = {r.get_attribute("data-job"): r for r in page.query_selector_all("#jobs tbody tr")}
+    assert set(jobs) == {"job-a", "job-b"}
+    for group in stats["groups"]:
+        row = jobs[group["key"]]
+        assert row.query_selector("td.num").text_content() == str(group["total"])
+        ranks = [c.get_attribute("data-rank") for c in row.query_selector_all(".chip")]
+        assert ranks == [str(r["rank"]) for r in group["ranks"]]
+    page.screenshot(path=str(artifacts_dir / "dashboard.png"), full_page=True)
+
+
+def test_the_divergent_job_is_flagged_in_red(page: Any, workload: Workload) -> None:
+    _open(page, workload)
+    rows = page.query_selector_all("#divergence tbody tr")
+    assert len(rows) == 1
+    row = rows[0]
+    assert row.get_attribute("data-job") == "job-b"
+    assert "divergent" in row.get_attribute("class")
+    for digest in workload.divergent.values():
+        assert digest[:12] in row.text_content()
+    # The computed colours, not just a class name: a reddish background and text.
+    bg = page.eval_on_selector(
+        "#divergence tbody tr td", "td => getComputedStyle(td).backgroundColor"
+    )
+    red, green, blue, *_ = (float(v) for v in bg[bg.index("(") + 1 : -1].split(","))
+    assert red > 200 and green < 100 and blue < 100, bg
+    job_b = page.query_selector('#jobs tr[data-job="job-b"]')
+    job_a = page.query_selector('#jobs tr[data-job="job-a"]')
+    assert "divergent" in job_b.get_attribute("class") and "divergent" not in (
+        job_a.get_attribute("class") or ""
+    )
+    assert "alarm" in page.get_attribute("#kpi-divergence-card", "class")
+
+
+def test_the_chart_is_drawn(page: Any, workload: Workload) -> None:
+    _open(page, workload)
+    assert int(page.get_attribute("#hit-chart", "data-points")) >= 1
+    assert int(page.get_attribute("#hit-chart", "data-buckets")) >= 40
+    # Count pixels in the chart's accent colour (the hit-rate line and dots).
+    accent = page.evaluate(
+        """() => {
+          const c = document.getElementById('hit-chart');
+          const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+          let n = 0;
+          for (let i = 0; i < d.length; i += 4) {
+            if (d[i] < 130 && d[i + 1] > 200 && d[i + 2] > 180 && d[i + 3] > 200) n++;
+          }
+          return n;
+        }"""
+    )
+    assert accent > 20
+
+
+def test_window_selector_and_auto_refresh(page: Any, workload: Workload) -> None:
+    _open(page, workload, "?refresh=0.5")
+    assert page.get_attribute("body", "data-window") == "24h"
+    page.click('#windows button[data-window="1h"]')
+    page.wait_for_function("() => document.body.dataset.window === '1h'")
+    assert "active" in page.get_attribute('#windows button[data-window="1h"]', "class")
+    assert page.url.endswith("#window=1h")
+    loads = int(page.get_attribute("body", "data-loads"))
+    page.wait_for_function(
+        "n => Number(document.body.dataset.loads) >= n", arg=loads + 2, timeout=10_000
+    )
+    # Switching auto-refresh off stops the reloads.
+    page.uncheck("#auto-refresh")
+    settled = int(page.get_attribute("body", "data-loads"))
+    page.wait_for_timeout(1500)
+    assert int(page.get_attribute("body", "data-loads")) == settled
+
+
+def test_the_page_loads_nothing_from_elsewhere(page: Any, workload: Workload) -> None:
+    urls: list[str] = []
+    page.on("request", lambda request: urls.append(request.url))
+    _open(page, workload)
+    assert urls and all(u.startswith(workload.server.url) for u in urls), urls
+    with workload.server.client() as http:
+        r = http.get("/dashboard")
+    assert "default-src 'none'" in r.headers["content-security-policy"]
+    assert http_status(workload, "/dashboard/../../etc/passwd") == 404
+
+
+def http_status(w: Workload, path: str) -> int:
+    """The status of ``GET path`` sent verbatim."""
+    with w.server.client() as http:
+        return http.get(path).status_code

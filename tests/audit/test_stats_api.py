@@ -1,0 +1,101 @@
+"""``GET /v1/stats`` after a scripted workload: every count equals what the workload did."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.audit.conftest import Workload
+
+
+def _stats(w: Workload, **params: str) -> dict:
+    with w.server.client() as http:
+        r = http.get("/v1/stats", params=params)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_totals_and_tiers_equal_the_workload(workload: Workload) -> None:
+    stats = _stats(workload)
+    expected = {
+        o: workload.totals.get(o, 0)
+        for o in ("hit", "local_hit", "compiled", "waited", "miss", "error")
+    }
+    assert stats["totals"] == expected
+    # 2 hits, 3 local hits, 3 compiles, 1 miss, 2 errors: the script says so independently.
+    assert expected == {"hit": 2, "local_hit": 3, "compiled": 3, "waited": 0, "miss": 1, "error": 2}
+    assert {t: {o: n for o, n in c.items() if n} for t, c in stats["by_tier"].items()} == {
+        t: dict(c) for t, c in workload.by_tier.items()
+    }
+    assert stats["lookups"] == 11
+    assert stats["hit_rate"] == pytest.approx(5 / 11)
+    assert stats["compile_seconds_saved"] == pytest.approx(workload.saved)
+    assert workload.saved > 0
+
+
+def test_groups_by_job_carry_their_ranks(workload: Workload) -> None:
+    stats = _stats(workload, group_by="job")
+    groups = {g["key"]: g for g in stats["groups"]}
+    assert set(groups) == {"job-a", "job-b"}
+    for job, counts in workload.by_job.items():
+        assert groups[job]["outcomes"] == dict(counts)
+        assert groups[job]["total"] == sum(counts.values())
+        ranks = {r["rank"]: r["outcomes"] for r in groups[job]["ranks"]}
+        assert ranks == {rank: dict(c) for (j, rank), c in workload.by_rank.items() if j == job}
+        assert groups[job]["world_size"] == 2
+    assert groups["job-b"]["divergent"] is True
+    assert groups["job-a"]["divergent"] is False
+
+
+def test_filters_and_other_groupings(workload: Workload) -> None:
+    only_b = _stats(workload, job_id="job-b")
+    assert only_b["totals"]["compiled"] == 2 and only_b["lookups"] == 2
+    by_rank = {g["key"]: g["total"] for g in _stats(workload, group_by="rank")["groups"]}
+    assert by_rank == {
+        rank: sum(sum(c.values()) for (_, r), c in workload.by_rank.items() if r == rank)
+        for rank in (0, 1)
+    }
+    by_client = {g["key"] for g in _stats(workload, group_by="client")["groups"]}
+    assert by_client == {"job-a-r0", "job-a-r1", "job-b-r0", "job-b-r1"}
+    # A window that ended before the workload started holds nothing.
+    empty = _stats(workload, until="1000")
+    assert empty["lookups"] == 0 and empty["hit_rate"] is None and empty["divergence"] == []
+
+
+def test_divergence_names_the_job_the_recipe_and_each_ranks_digest(workload: Workload) -> None:
+    (row,) = _stats(workload)["divergence"]
+    assert row["job_id"] == "job-b"
+    assert row["target"] == "sm_80"
+    assert row["kernel"] == "scaled"
+    assert row["ranks"] == workload.divergent
+    assert row["digests"] == sorted(workload.divergent.values())
+
+
+def test_top_missed_gives_the_last_miss_reason(workload: Workload) -> None:
+    missed = {m["kernel"]: m for m in _stats(workload)["top_missed"]}
+    assert missed["broken"]["misses"] == 2 and missed["broken"]["errors"] == 2
+    assert missed["broken"]["last_miss_reason"] == "compile error"
+    # vadd: one compile and one compile=false miss; the miss came last.
+    assert missed["vadd"]["misses"] == 2
+    assert missed["vadd"]["last_miss_reason"] == "not cached, and the caller did not ask to compile"
+    # scaled was compiled twice; the second time only a header differed.
+    assert missed["scaled"]["last_miss_reason"] == "header contents changed since an earlier build"
+
+
+def test_series_adds_up_to_the_totals(workload: Workload) -> None:
+    until = time.time() + 1
+    stats = _stats(workload, since=str(until - 3600), until=str(until))
+    assert stats["bucket_seconds"] == 60
+    assert 60 <= len(stats["series"]) <= 61
+    assert sum(p["total"] for p in stats["series"]) == stats["lookups"] == 11
+    assert sum(p["hits"] for p in stats["series"]) == 5
+
+
+def test_bad_parameters_are_refused_precisely(workload: Workload) -> None:
+    with workload.server.client() as http:
+        r = http.get("/v1/stats", params={"since": "yesterday"})
+        assert r.status_code == 422
+        assert r.json()["error"] == "invalid_request" and r.json()["field"] == "query.since"
+        r = http.get("/v1/stats", params={"group_by": "color"})
+        assert r.status_code == 422 and r.json()["field"] == "query.group_by"

@@ -1,0 +1,289 @@
+"""Real HTTP servers for the client tests: the kcache server as a subprocess, a counting
+(and fault-injecting) reverse proxy in front of it, and a scripted server for retry tests.
+
+Nothing here mocks HTTP: every request crosses a real socket.
+"""
+
+from __future__ import annotations
+
+import http.server
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kcache import Recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+KCACHE = Path(sys.executable).with_name("kcache")
+
+
+def free_port() -> int:
+    """A port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerUnavailable(Exception):
+    """The kcache server package is not installed or cannot start here."""
+
+
+class KcacheServer:
+    """``kcache serve`` on a free loopback port with its own data directory."""
+
+    def __init__(self, data_dir: Path, *, env: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = data_dir.parent / f"server-{self.port}.log"
+        self._env = {**os.environ, **(env or {})}
+        self._env.pop("KCACHE_TOKEN", None)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> KcacheServer:
+        """Start and wait for ``/healthz``; ServerUnavailable when there is no ``serve`` command."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        cmd = [
+            sys.executable,
+            "-m",
+            "kcache.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(self.data_dir),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env, cwd=self.data_dir
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                text = self.log_path.read_text(errors="replace")
+                raise ServerUnavailable(
+                    f"kcache serve exited {self.proc.returncode}: {text[-2000:]}"
+                )
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise ServerUnavailable(f"kcache serve did not answer /healthz within {timeout}s")
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it lingers."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@dataclass
+class Seen:
+    """One request a proxy or scripted server received."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        """The body parsed as JSON."""
+        return json.loads(self.body)
+
+
+@dataclass
+class Faults:
+    """What a :class:`Proxy` does to traffic.
+
+    ``busy``: answer that many next requests 503 with ``Retry-After: retry_after``.
+    ``corrupt``: flip one byte of that many next responses whose path starts with
+    ``corrupt_prefix``. ``cut_after``: once a request whose path starts with this
+    prefix has been answered, drop every later connection without a reply (the
+    server is lost).
+    """
+
+    busy: int = 0
+    retry_after: str = "0"
+    corrupt: int = 0
+    corrupt_prefix: str = "/v1/blobs/"
+    cut_after: str | None = None
+    cut: bool = False
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _HTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        del format, args  # keep test output clean
+
+    def _handle(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        seen = Seen(self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body)
+        self.server.owner._record(seen)
+        status, headers, payload = self.server.owner._respond(seen)
+        if status < 0:  # drop the connection without an answer
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        self.send_response(status)
+        for name, value in headers.items():
+            if name.lower() not in (
+                "content-length",
+                "transfer-encoding",
+                "connection",
+                "content-encoding",
+            ):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(payload)
+
+    do_GET = do_POST = do_HEAD = do_PUT = do_DELETE = _handle
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    owner: _Base
+
+
+class _Base:
+    def __init__(self) -> None:
+        self._httpd = _HTTPServer(("127.0.0.1", 0), _Handler)
+        self._httpd.owner = self
+        self.port = int(self._httpd.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.seen: list[Seen] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def _record(self, seen: Seen) -> None:
+        with self._lock:
+            self.seen.append(seen)
+
+    def _respond(self, seen: Seen) -> tuple[int, dict[str, str], bytes]:
+        raise NotImplementedError
+
+    def count(self, method: str | None = None, prefix: str = "") -> int:
+        """Requests seen with this method (any if None) whose path starts with ``prefix``."""
+        with self._lock:
+            return sum(
+                1
+                for s in self.seen
+                if (method is None or s.method == method) and s.path.startswith(prefix)
+            )
+
+    def paths(self, method: str, prefix: str) -> Counter[str]:
+        """How often each path under ``prefix`` was requested."""
+        with self._lock:
+            return Counter(
+                s.path for s in self.seen if s.method == method and s.path.startswith(prefix)
+            )
+
+    def close(self) -> None:
+        """Stop listening."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+class Proxy(_Base):
+    """A counting reverse proxy in front of ``upstream`` that can inject :class:`Faults`."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.faults = Faults()
+        self._client = httpx.Client(base_url=upstream, timeout=600.0)
+        super().__init__()
+
+    def _respond(self, seen: Seen) -> tuple[int, dict[str, str], bytes]:
+        with self._lock:
+            f = self.faults
+            if f.cut:
+                return -1, {}, b""
+            if f.busy > 0:
+                f.busy -= 1
+                body = json.dumps(
+                    {"error": "overloaded", "detail": "injected by the test proxy"}
+                ).encode()
+                return 503, {"Retry-After": f.retry_after, "Content-Type": "application/json"}, body
+        headers = {k: v for k, v in seen.headers.items() if k not in ("host", "content-length")}
+        response = self._client.request(seen.method, seen.path, content=seen.body, headers=headers)
+        payload = response.content
+        with self._lock:
+            f = self.faults
+            if (
+                f.corrupt > 0
+                and seen.path.startswith(f.corrupt_prefix)
+                and response.status_code == 200
+                and payload
+            ):
+                f.corrupt -= 1
+                payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
+            if f.cut_after is not None and seen.path.startswith(f.cut_after):
+                f.cut = True
+        return response.status_code, dict(response.headers), payload
+
+
+class Scripted(_Base):
+    """Answers every request with ``route(seen) -> (status, headers, body)``."""
+
+    def __init__(self, route: Callable[[Seen], tuple[int, dict[str, str], bytes]]) -> None:
+        self.route = route
+        super().__init__()
+
+    def _respond(self, seen: Seen) -> tuple[int, dict[str, str], bytes]:
+        return self.route(seen)
+
+
+def json_response(status: int, body: Any, **headers: str) -> tuple[int, dict[str, str], bytes]:
+    """A JSON answer for :class:`Scripted` routes."""
+    return status, {"Content-Type": "application/json", **headers}, json.dumps(body).encode()
+
+
+_counter = itertools.count()
+
+
+def start_server(data_dir: Path) -> KcacheServer:
+    """A fresh server, or a skip when the server package cannot run here."""
+    try:
+        return KcacheServer(data_dir).start()
+    except ServerUnavailable as exc:
+        pytest.skip(f"kcache server not available: {exc}")
+
+
+def kernels(n: int, tag: str = "", *, target: str = "auto") -> list[Recipe]:
+    """``n`` distinct small kernels nobody has compiled yet in this session."""
+    run = next(_counter)
+    out = []
+    for i in range(n):
+        name = f"k{tag.replace('-', '_')}_{run}_{i}"
+        src = f'extern "C" __global__ void {name}(float* x) {{ x[threadIdx.x] *= {i + 2}.0f; }}\n'
+        out.append(Recipe(source=src, target=target))
+    return out

@@ -1,0 +1,178 @@
+"""Retries, Retry-After, error mapping and audit-event batching, against real scripted HTTP servers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from client_harness import Scripted, Seen, free_port, json_response
+from kcache_client import (
+    AuthenticationError,
+    EventSink,
+    RemoteCompileError,
+    RemoteNotFoundError,
+    RequestRejectedError,
+    RetryPolicy,
+    ServerBusyError,
+    ServerUnavailableError,
+)
+from kcache_client._http import Transport, parse_retry_after
+
+from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError
+
+FAST = RetryPolicy(attempts=4, base_s=0.01, cap_s=0.05, budget_s=5.0)
+
+
+def test_503_with_retry_after_is_waited_out_then_succeeds() -> None:
+    answers = iter([json_response(503, {"error": "busy"}, **{"Retry-After": "1"})])
+
+    def route(seen: Seen) -> tuple[int, dict[str, str], bytes]:
+        return next(answers, json_response(200, {"ok": True}))
+
+    server = Scripted(route)
+    try:
+        transport = Transport(server.url, retry=FAST)
+        started = time.monotonic()
+        assert transport.request("GET", "/v1/toolchains").json() == {"ok": True}
+        # Retry-After: 1 was honoured (the jittered backoff alone would be < 0.05 s).
+        assert time.monotonic() - started >= 0.95
+        assert server.count("GET") == 2
+        assert transport.requests == 2
+    finally:
+        server.close()
+
+
+def test_429_forever_gives_a_busy_error_after_bounded_attempts() -> None:
+    server = Scripted(lambda s: json_response(429, {"error": "slow_down"}, **{"Retry-After": "0"}))
+    try:
+        with pytest.raises(ServerBusyError) as info:
+            Transport(server.url, retry=FAST).request("POST", "/v1/resolve", json={})
+        assert server.count("POST") == FAST.attempts
+        assert info.value.status == 429
+        assert server.url in str(info.value)
+        assert isinstance(info.value, ServerUnavailableError)  # callers fall back the same way
+    finally:
+        server.close()
+
+
+def test_retry_budget_bounds_a_long_retry_after() -> None:
+    server = Scripted(lambda s: json_response(503, {"error": "busy"}, **{"Retry-After": "3600"}))
+    policy = RetryPolicy(attempts=5, budget_s=1.0, max_retry_after_s=30.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServerBusyError):
+            Transport(server.url, retry=policy).request("GET", "/x")
+        assert time.monotonic() - started < 1.0  # did not sleep an hour, nor 30 s
+        assert server.count() == 1
+    finally:
+        server.close()
+
+
+def test_connection_refused_names_the_url_and_cause() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerUnavailableError) as info:
+        Transport(url, retry=FAST).request("GET", "/v1/toolchains")
+    assert url in str(info.value)
+    assert "ConnectError" in info.value.cause
+    assert isinstance(info.value, ConnectionError) and isinstance(info.value, KCacheError)
+
+
+def test_error_statuses_map_to_typed_errors_and_the_token_is_sent() -> None:
+    def route(seen: Seen) -> tuple[int, dict[str, str], bytes]:
+        if seen.headers.get("authorization") != "Bearer s3cret":
+            return json_response(401, {"error": "unauthorized", "detail": "no token"})
+        return {
+            "/compile": json_response(
+                422,
+                {
+                    "error": "compile_error",
+                    "detail": "1 error",
+                    "log": "kernel.cu(1): error: x",
+                    "recipe_key": "k",
+                },
+            ),
+            "/bad": json_response(
+                422, {"error": "invalid_recipe", "detail": "flags[0]: -I is not allowed"}
+            ),
+            "/missing": json_response(404, {"error": "not_found", "detail": "no such recipe"}),
+        }[seen.path]
+
+    server = Scripted(route)
+    try:
+        with pytest.raises(AuthenticationError) as auth:
+            Transport(server.url, retry=FAST).request("GET", "/bad")
+        assert auth.value.status == 401 and isinstance(auth.value, PermissionError)
+        transport = Transport(server.url, "s3cret", retry=FAST)
+        with pytest.raises(RemoteCompileError) as comp:
+            transport.request("POST", "/compile")
+        assert isinstance(comp.value, CompileError)
+        assert comp.value.log == "kernel.cu(1): error: x" and comp.value.recipe_key == "k"
+        with pytest.raises(RequestRejectedError) as bad:
+            transport.request("POST", "/bad")
+        assert bad.value.detail == "flags[0]: -I is not allowed" and isinstance(
+            bad.value, ValueError
+        )
+        with pytest.raises(RemoteNotFoundError) as missing:
+            transport.request("GET", "/missing")
+        assert isinstance(missing.value, ArtifactNotFoundError)
+        assert server.count() == 4  # errors other than 429/503 are not retried
+    finally:
+        server.close()
+
+
+def test_retry_after_parses_seconds_and_http_dates() -> None:
+    assert parse_retry_after("7") == 7.0
+    assert parse_retry_after(None) is None
+    assert parse_retry_after("soon") is None
+    date = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 30))
+    assert 25.0 <= (parse_retry_after(date) or 0.0) <= 31.0
+
+
+def test_events_are_batched_in_the_background_and_flushed_on_close() -> None:
+    release = threading.Event()
+
+    def route(seen: Seen) -> tuple[int, dict[str, str], bytes]:
+        release.wait(5)  # a slow server must not slow the recording side
+        return json_response(202, {"accepted": len(seen.json()["events"])})
+
+    server = Scripted(route)
+    try:
+        sink = EventSink(Transport(server.url, retry=FAST), batch_size=100, interval_s=0.05)
+        started = time.perf_counter()
+        for i in range(250):
+            sink.record({"outcome": "local_hit", "i": i})
+        assert time.perf_counter() - started < 0.5  # recording never waited on the slow server
+        release.set()
+        sink.close(timeout=10)
+        posted = [e["i"] for s in server.seen for e in s.json()["events"]]
+        assert sorted(posted) == list(range(250))  # nothing lost, nothing sent twice
+        assert all(len(s.json()["events"]) <= 100 for s in server.seen)
+        assert sink.sent == 250 and sink.pending() == 0
+    finally:
+        release.set()
+        server.close()
+
+
+def test_events_survive_a_server_outage_and_go_out_with_the_next_batch() -> None:
+    up = threading.Event()
+    accepted: list[int] = []
+
+    def route(seen: Seen) -> tuple[int, dict[str, str], bytes]:
+        if not up.is_set():
+            return json_response(503, {"error": "down"}, **{"Retry-After": "0"})
+        accepted.extend(e["i"] for e in seen.json()["events"])
+        return json_response(202, {})
+
+    server = Scripted(route)
+    try:
+        sink = EventSink(Transport(server.url, retry=FAST), batch_size=10, interval_s=0.05)
+        for i in range(5):
+            sink.record({"i": i})
+        assert not sink.flush(timeout=1)  # refused: kept, not dropped
+        assert sink.pending() == 5 and sink.dropped == 0
+        up.set()
+        sink.close()
+        assert accepted == [0, 1, 2, 3, 4]  # in order, once each
+    finally:
+        server.close()

@@ -1,0 +1,140 @@
+"""The compile worker pool (timeouts, crashes, the bounded queue) and PostgreSQL advisory locks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kcache.errors import CompileTimeoutError, LockTimeoutError, ToolchainError
+from kcache.include_sets import IncludeSets
+from kcache.recipe import Recipe
+from kcache.toolchain import load_toolchain
+from tests.server.conftest import unique, upgrade, vector_add
+
+SLOW = (
+    "template <int N, unsigned long long K> struct X {\n"
+    "  enum : unsigned long long { v = X<N - 1, K * 2>::v + X<N - 1, K * 2 + 1>::v };\n"
+    "};\n"
+    "template <unsigned long long K> struct X<0, K> { enum : unsigned long long { v = K }; };\n"
+    "__global__ void k(unsigned long long* o) { *o = X<60, 1>::v; }\n"
+)
+
+
+def _pool(tmp_path: Path, **kwargs: object):  # type: ignore[no-untyped-def]
+    from kcache_server.workers import ProcessPoolCompiler
+
+    options: dict[str, object] = {"workers": 1, "timeout_s": 30.0, "memory_mb": 8192, "queue_limit": 0}
+    options.update(kwargs)
+    return ProcessPoolCompiler(load_toolchain(), IncludeSets(), tmp_dir=tmp_path / "tmp", **options)  # type: ignore[arg-type]
+
+
+def _recipe(source: str) -> Recipe:
+    return Recipe(source=source, target="sm_80", toolchain=load_toolchain().id)
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[object]:
+    p = _pool(tmp_path, timeout_s=30.0)
+    p.start()
+    yield p
+    p.close()
+
+
+def test_a_crashing_worker_fails_one_compile_and_is_replaced(pool) -> None:  # type: ignore[no-untyped-def]
+    from kcache_server.errors import CompileWorkerCrashedError
+
+    errors: list[BaseException] = []
+
+    def compile_slow() -> None:
+        try:
+            pool.compile(_recipe(f"// {unique()}\n{SLOW}"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker_pid = next(iter(pool._all)).process.pid
+    thread = threading.Thread(target=compile_slow)
+    thread.start()
+    time.sleep(0.5)
+    os.kill(worker_pid, signal.SIGKILL)  # what a segfault in NVRTC looks like from outside
+    thread.join(timeout=30)
+    assert len(errors) == 1 and isinstance(errors[0], CompileWorkerCrashedError)
+    assert "died while compiling" in str(errors[0])
+    output = pool.compile(_recipe(vector_add(unique())["source"]))
+    assert output.data.startswith(b"\x7fELF") and pool.restarts == 1
+
+
+def test_timeout_kills_the_worker_and_the_queue_is_bounded(tmp_path: Path) -> None:
+    from kcache_server.errors import OverloadedError
+
+    pool = _pool(tmp_path, timeout_s=2.0, queue_limit=0)
+    pool.start()
+    try:
+        results: list[BaseException] = []
+
+        def compile_slow() -> None:
+            try:
+                pool.compile(_recipe(SLOW))
+            except BaseException as exc:
+                results.append(exc)
+
+        thread = threading.Thread(target=compile_slow)
+        thread.start()
+        time.sleep(0.5)
+        with pytest.raises(OverloadedError) as overloaded:  # one worker busy, no queue: refused at once
+            pool.compile(_recipe(vector_add(unique())["source"]))
+        assert overloaded.value.retry_after == 5 and "compile_queue_limit=0" in str(overloaded.value)
+        thread.join(timeout=30)
+        assert isinstance(results[0], CompileTimeoutError)
+        assert pool.compile(_recipe(vector_add(unique())["source"])).data.startswith(b"\x7fELF")
+    finally:
+        pool.close()
+
+
+def test_a_memory_limit_too_small_for_nvrtc_says_so(tmp_path: Path) -> None:
+    pool = _pool(tmp_path, memory_mb=256)
+    with pytest.raises(ToolchainError, match="compile_memory_mb=256"):
+        pool.start()
+    pool.close()
+
+
+@pytest.mark.postgres
+def test_pg_advisory_lock_reports_waiting_and_times_out(pg_url: str) -> None:
+    from kcache_server.db import open_database
+    from kcache_server.locks import PgAdvisoryKeyLock, advisory_id
+
+    upgrade(pg_url)
+    engine = open_database(pg_url)
+    # Two lock objects on separate pools behave like two replicas.
+    other = open_database(pg_url)
+    first, second = PgAdvisoryKeyLock(engine), PgAdvisoryKeyLock(other)
+    key = "ab" * 32
+    assert advisory_id(key) == advisory_id(key) and -(2**63) <= advisory_id(key) < 2**63
+    try:
+        with first.hold(key, 5) as waited:
+            assert waited is False
+            started = time.monotonic()
+            with pytest.raises(LockTimeoutError), second.hold(key, 0.5):
+                pass
+            assert 0.4 < time.monotonic() - started < 5
+            outcome: list[bool] = []
+            waiter = threading.Thread(target=lambda: outcome.append(_hold(second, key)))
+            waiter.start()
+            time.sleep(0.5)
+        waiter.join(timeout=10)
+        assert outcome == [True]  # it had to wait for the first holder
+        with second.hold(key, 1) as waited:
+            assert waited is False  # released again
+    finally:
+        engine.dispose()
+        other.dispose()
+
+
+def _hold(lock: object, key: str) -> bool:
+    with lock.hold(key, 10) as waited:  # type: ignore[attr-defined]
+        return bool(waited)
