@@ -122,10 +122,14 @@ def _install_headers(dest: Path) -> str:
             return marker.read_text().strip()
         staging = dest.parent / f".staging-{dest.name}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        _check(
-            nvrtc.nvrtcInstallBundledHeaders(str(staging / "include").encode(), 0),
-            "nvrtcInstallBundledHeaders",
-        )
+        try:
+            result = nvrtc.nvrtcInstallBundledHeaders(str(staging / "include").encode(), 0)
+        except Exception as exc:  # cuda-bindings raises its own type when the symbol is absent
+            raise ToolchainError(
+                "this NVRTC has no bundled headers (nvrtcInstallBundledHeaders needs CUDA >= 13.3): "
+                "pip install -U 'nvidia-cuda-nvrtc>=13.3' 'cuda-bindings>=13.3'"
+            ) from exc
+        _check(result, "nvrtcInstallBundledHeaders")
         tree = _tree_hash(staging / "include")
         (staging / "tree.sha256").write_text(tree + "\n")
         shutil.rmtree(dest, ignore_errors=True)
