@@ -22,7 +22,13 @@ from pathlib import Path
 from kcache.include_sets import IncludeSets
 from kcache.keys import sha256_hex
 
-__all__ = ["Dependency", "dependencies_from_trace", "superset_dependencies", "unchanged"]
+__all__ = [
+    "Dependency",
+    "dependencies_from_trace",
+    "include_set_files_unchanged",
+    "superset_dependencies",
+    "unchanged",
+]
 
 _BUILTIN = "__nv_nvrtc_builtin_header.h"
 
@@ -120,5 +126,20 @@ def unchanged(
             if set_name not in usable or include_sets.file_hash(set_name, relative) != dep.sha256:
                 return False
         elif header_hashes.get(dep.name) != dep.sha256:
+            return False
+    return True
+
+
+def include_set_files_unchanged(
+    dependencies: Iterable[Dependency], include_sets: IncludeSets
+) -> bool:
+    """True when every include-set file among ``dependencies`` still has its hash.
+
+    A recipe key covers in-memory headers but not the files of include sets, so an
+    exact-key hit must re-check these (cheap: hashes are memoised by stat).
+    """
+    for dep in dependencies:
+        set_name, sep, relative = dep.name.partition(":")
+        if sep and include_sets.file_hash(set_name, relative) != dep.sha256:
             return False
     return True

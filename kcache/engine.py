@@ -15,7 +15,7 @@ from typing import Literal
 from kcache.artifact import ArtifactMeta, CompileFailure, CompileOutput
 from kcache.compiler import kernel_name
 from kcache.compilers import Compiler
-from kcache.deps import unchanged
+from kcache.deps import include_set_files_unchanged, unchanged
 from kcache.errors import (
     ArtifactNotFoundError,
     CompileError,
@@ -128,7 +128,7 @@ class Engine:
         entry = self.index.lookup(key)
         if isinstance(entry, CompileFailure):
             raise CompileError(key, entry.log, cached=True)
-        if entry is not None and self._usable(entry, recipe, header_hashes):
+        if entry is not None and self._usable(entry):
             return entry
         for candidate in self.index.manifest(base):
             if not unchanged(
@@ -144,13 +144,10 @@ class Engine:
                 return meta
         return None
 
-    def _usable(self, meta: ArtifactMeta, recipe: Recipe, header_hashes: dict[str, str]) -> bool:
-        # The key covers in-memory headers; include-set files must be re-checked.
-        if recipe.include_sets and not unchanged(
-            meta.dependencies, header_hashes, recipe.include_sets, self.compiler.include_sets
-        ):
-            return False
-        return self.store.has(meta.digest)
+    def _usable(self, meta: ArtifactMeta) -> bool:
+        return include_set_files_unchanged(
+            meta.dependencies, self.compiler.include_sets
+        ) and self.store.has(meta.digest)
 
     def _link_inputs(self, recipe: Recipe) -> list[bytes]:
         inputs = []

@@ -16,6 +16,7 @@ from anyio import to_thread
 
 from kcache.artifact import ArtifactMeta, CompileFailure
 from kcache.compiler import kernel_name
+from kcache.deps import include_set_files_unchanged
 from kcache.engine import Resolution
 from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError, RecipeError
 from kcache.keys import is_hex_key
@@ -37,7 +38,9 @@ _MAX_CACHED_BLOB = 16 << 20
 def check_key(value: str, what: str) -> str:
     """``value`` if it is a sha256 hex key, else a 400 naming ``what``."""
     if not is_hex_key(value):
-        raise BadRequestError(f"{what} must be 64 lowercase hex digits (a sha256), got {value[:80]!r}")
+        raise BadRequestError(
+            f"{what} must be 64 lowercase hex digits (a sha256), got {value[:80]!r}"
+        )
     return value
 
 
@@ -52,7 +55,9 @@ def _check_supported(recipe: Recipe, backends: Backends, where: str = "") -> Non
     target = recipe.parsed_target
     if not toolchain.supports(target.sm):
         supported = ", ".join(f"sm_{sm}" for sm in toolchain.supported_sms)
-        raise RecipeError(f"{where}target", f"{target.text} is not supported by this server's NVRTC ({supported})")
+        raise RecipeError(
+            f"{where}target", f"{target.text} is not supported by this server's NVRTC ({supported})"
+        )
     for i, item in enumerate(recipe.link):
         if item.recipe is not None:
             _check_supported(item.recipe, backends, f"{where}link[{i}].recipe.")
@@ -69,16 +74,6 @@ def prepare_recipe(data: Mapping[str, Any], backends: Backends) -> Recipe:
     recipe = backends.engine.prepare(recipe)
     _check_supported(recipe, backends)
     return recipe
-
-
-def _include_sets_unchanged(meta: ArtifactMeta, backends: Backends) -> bool:
-    # A recipe key covers in-memory headers but not files of include sets: re-check those.
-    sets = backends.compiler.include_sets
-    for dep in meta.dependencies:
-        set_name, sep, relative = dep.name.partition(":")
-        if sep and sets.file_hash(set_name, relative) != dep.sha256:
-            return False
-    return True
 
 
 @dataclass
@@ -102,7 +97,9 @@ class ServerState:
         return await to_thread.run_sync(lambda: func(*args, **kwargs), limiter=self.limiter)
 
     # ------------------------------------------------------------------ resolving
-    def resolve(self, recipe: Recipe, compile: bool, context: Context, route: str) -> dict[str, Any]:
+    def resolve(
+        self, recipe: Recipe, compile: bool, context: Context, route: str
+    ) -> dict[str, Any]:
         """Resolve one prepared recipe, record the audit event, and return the response body."""
         started = time.perf_counter()
         try:
@@ -118,7 +115,9 @@ class ServerState:
         self._audit(recipe, context, route, started, result.status, result=result)
         return result.to_dict()
 
-    def resolve_or_error(self, recipe: Recipe, compile: bool, context: Context, route: str) -> dict[str, Any]:
+    def resolve_or_error(
+        self, recipe: Recipe, compile: bool, context: Context, route: str
+    ) -> dict[str, Any]:
         """Like :meth:`resolve`, but an error becomes a ``{"status": "error", ...}`` result."""
         try:
             return self.resolve(recipe, compile, context, route)
@@ -166,7 +165,7 @@ class ServerState:
             if isinstance(entry, CompileFailure):
                 raise CompileError(recipe_key, entry.log, cached=True)
             meta = entry
-        if not _include_sets_unchanged(meta, self.backends):
+        if not include_set_files_unchanged(meta.dependencies, self.backends.compiler.include_sets):
             self.metas.discard(recipe_key)
             raise ArtifactNotFoundError(
                 f"the artifact for recipe {recipe_key} read include-set files that have changed since; "
@@ -186,7 +185,9 @@ class ServerState:
                 self.blobs.put(digest, data)
         return data
 
-    def record_fetch(self, recipe_key: str, meta: ArtifactMeta | None, started: float, outcome: str) -> None:
+    def record_fetch(
+        self, recipe_key: str, meta: ArtifactMeta | None, started: float, outcome: str
+    ) -> None:
         """Audit a ``GET /v1/recipes/{key}/artifact``."""
         self.audit.record(
             AuditRecord(
