@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from kcache.dirs import data_dir, toolchain_dir
 from kcache.errors import CompileError, KCacheError, RecipeError
 from kcache.recipe import Recipe
 
@@ -137,11 +138,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from kcache.index.file import FileIndex
-    from kcache.local import default_data_dir
     from kcache.maintenance import verify_store
     from kcache.store.local import LocalArtifactStore
 
-    root = Path(args.data_dir) if args.data_dir else default_data_dir()
+    root = data_dir(args.data_dir)
     report = verify_store(LocalArtifactStore(root), FileIndex(root))
     print(
         json.dumps(
@@ -153,21 +153,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     from kcache.index.file import FileIndex
-    from kcache.local import default_data_dir
     from kcache.maintenance import collect_garbage
     from kcache.store.local import LocalArtifactStore
 
-    root = Path(args.data_dir) if args.data_dir else default_data_dir()
+    root = data_dir(args.data_dir)
     report = collect_garbage(LocalArtifactStore(root), FileIndex(root), grace_seconds=args.grace)
     print(json.dumps(vars(report)))
     return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from kcache.local import default_data_dir
-    from kcache.toolchain import default_toolchain_dir, load_toolchain
+    from kcache.toolchain import load_toolchain
 
-    root = Path(args.data_dir) if args.data_dir else default_data_dir()
+    root = data_dir(args.data_dir)
     checks: dict[str, object] = {"data_dir": str(root.resolve())}
     status = 0
     try:
@@ -178,7 +176,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     except KCacheError as exc:
         checks["toolchain"] = f"unusable: {exc}"
         status = 1
-    checks["toolchain_dir"] = str(default_toolchain_dir())
+    checks["toolchain_dir"] = str(toolchain_dir())
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / ".doctor-probe"

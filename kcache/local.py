@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kcache.compilers import InProcessCompiler
+from kcache.dirs import data_dir as default_data_dir
 from kcache.engine import Engine
 from kcache.include_sets import IncludeSets
 from kcache.index.file import FileIndex
@@ -14,12 +15,7 @@ from kcache.locks import FileKeyLock, SingleFlight
 from kcache.store.local import LocalArtifactStore
 from kcache.toolchain import load_toolchain
 
-__all__ = ["default_data_dir", "open_local_engine"]
-
-
-def default_data_dir() -> Path:
-    """``$KCACHE_DATA_DIR``, else ``./.kcache``."""
-    return Path(os.environ.get("KCACHE_DATA_DIR") or ".kcache")
+__all__ = ["open_local_engine"]
 
 
 def open_local_engine(
@@ -29,7 +25,7 @@ def open_local_engine(
     toolchain_dir: Path | None = None,
 ) -> Engine:
     """An engine with a directory store, JSON index, file locks and in-process NVRTC."""
-    root = Path(data_dir) if data_dir is not None else default_data_dir()
+    root = default_data_dir(data_dir)
     return Engine(
         store=LocalArtifactStore(root),
         index=FileIndex(root),

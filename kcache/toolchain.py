@@ -19,9 +19,10 @@ from pathlib import Path
 import filelock
 
 from kcache._fsutil import atomic_write
+from kcache.dirs import toolchain_dir
 from kcache.errors import ToolchainError
 
-__all__ = ["Toolchain", "default_toolchain_dir", "load_toolchain"]
+__all__ = ["Toolchain", "load_toolchain"]
 
 
 @dataclass(frozen=True)
@@ -52,15 +53,6 @@ class Toolchain:
             "nvjitlink_version": self.nvjitlink_version,
             "targets": [f"sm_{sm}" for sm in self.supported_sms],
         }
-
-
-def default_toolchain_dir() -> Path:
-    """``$KCACHE_TOOLCHAIN_DIR``, else ``$XDG_CACHE_HOME/kcache/toolchains``."""
-    explicit = os.environ.get("KCACHE_TOOLCHAIN_DIR")
-    if explicit:
-        return Path(explicit)
-    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache_home) / "kcache" / "toolchains"
 
 
 def _file_sha256(path: Path) -> str:
@@ -148,7 +140,7 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
             "NVRTC is not installed: pip install 'kcache[nvrtc]' "
             "(cuda-bindings, nvidia-cuda-nvrtc, nvidia-nvjitlink)"
         ) from exc
-    root = root or default_toolchain_dir()
+    root = root or toolchain_dir()
     try:
         nvrtc_lib = Path(load_nvidia_dynamic_lib("nvrtc").abs_path)
         jitlink_lib = Path(load_nvidia_dynamic_lib("nvJitLink").abs_path)

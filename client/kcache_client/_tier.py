@@ -21,6 +21,7 @@ from typing import Any
 
 from kcache._fsutil import atomic_write
 from kcache.artifact import ArtifactMeta, CompileFailure
+from kcache.dirs import user_cache_dir
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
 from kcache.index.file import FileIndex
 from kcache.keys import sha256_hex
@@ -32,11 +33,7 @@ __all__ = ["NodeTier", "default_cache_dir"]
 
 def default_cache_dir() -> Path:
     """``$KCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kcache/client`` (``~/.cache/kcache/client``)."""
-    explicit = os.environ.get("KCACHE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache_home) / "kcache" / "client"
+    return user_cache_dir("client", "KCACHE_CACHE_DIR")
 
 
 class NodeTier:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kcache_server.errors import InvalidRequestError
 from kcache_server.models import Artifact, AuditEvent
+from kcache_server.schemas import Context
 
 __all__ = [
     "CLIENT_OUTCOMES",
@@ -40,8 +41,8 @@ _events = cast(sa.Table, AuditEvent.__table__)
 _artifacts = cast(sa.Table, Artifact.__table__)
 
 
-class ClientEvent(BaseModel):
-    """One lookup a client served itself."""
+class ClientEvent(Context):
+    """One lookup a client served itself: who asked (the resolve ``Context``) plus what it found."""
 
     # A newer client may send more fields; dropping them beats refusing its audit trail.
     model_config = ConfigDict(extra="ignore")
@@ -55,12 +56,6 @@ class ClientEvent(BaseModel):
     kernel: str | None = Field(default=None, max_length=1024)
     target: str | None = Field(default=None, max_length=32)
     toolchain: str | None = Field(default=None, max_length=128)
-    client_id: str | None = Field(default=None, max_length=256)
-    host: str | None = Field(default=None, max_length=256)
-    pid: int | None = Field(default=None, ge=0)
-    job_id: str | None = Field(default=None, max_length=256)
-    rank: int | None = Field(default=None, ge=0)
-    world_size: int | None = Field(default=None, ge=1)
     latency_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
