@@ -42,9 +42,14 @@ http {{ access_log off; sendfile on; tcp_nopush on;
   server {{ listen 127.0.0.1:{port}; root {directory}; }} }}
 """
     )
+    # Run as root, nginx's workers drop to ``nobody``: the temp dirs (0700) must be readable.
+    for path in (directory.parent, directory):
+        path.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o644)
     proc = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(directory.parent)])
     try:
-        wait_http(f"http://127.0.0.1:{port}/blob")
+        wait_http(f"http://127.0.0.1:{port}/blob", timeout=15)
         yield f"http://127.0.0.1:{port}/blob"
     finally:
         proc.terminate()
