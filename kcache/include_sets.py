@@ -2,7 +2,12 @@
 
 Recipes name them (``"include_sets": ["cutlass"]``), never give paths. Files read
 from them are dependencies like in-memory headers; their hashes are memoised by
-``(size, mtime_ns, inode)`` so a lookup does not re-read an unchanged tree.
+``(size, mtime_ns, ctime_ns, inode)`` so a lookup does not re-read an unchanged tree.
+
+A file's timestamps only move in clock ticks, so an edit made within a tick of the
+hashing can leave every stat field as it was (same size, same mtime). As git does
+for its "racy" index entries, a memo is trusted only for files whose last change is
+older than ``RACY_SECONDS`` before they were hashed; younger ones are re-read.
 """
 
 from __future__ import annotations
@@ -10,13 +15,17 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from kcache.errors import RecipeError
 
-__all__ = ["IncludeSet", "IncludeSets"]
+__all__ = ["RACY_SECONDS", "IncludeSet", "IncludeSets"]
+
+#: A file changed less than this long before it was hashed is always re-hashed.
+RACY_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ class IncludeSets:
         for item in self._sets.values():
             if not item.root.is_dir():
                 raise ValueError(f"include set {item.name!r}: {item.root} is not a directory")
-        self._memo: dict[Path, tuple[tuple[int, int, int], str]] = {}
+        self._memo: dict[Path, tuple[tuple[int, int, int, int], str]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -93,12 +102,14 @@ class IncludeSets:
             st = path.stat()
         except OSError:
             return None
-        stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
         with self._lock:
             cached = self._memo.get(path)
         if cached and cached[0] == stamp:
             return cached[1]
+        hashed_at = time.time_ns()
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        with self._lock:
-            self._memo[path] = (stamp, digest)
+        if max(st.st_mtime_ns, st.st_ctime_ns) < hashed_at - int(RACY_SECONDS * 1e9):
+            with self._lock:
+                self._memo[path] = (stamp, digest)
         return digest

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
 from typing import cast
 
 import sqlalchemy as sa
@@ -49,7 +50,19 @@ class AuditRecord:
     rank: int | None = None
     world_size: int | None = None
     compile_seconds_saved: float = 0.0
+    count: int = 1
     at: datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class _Tally:
+    """Identical lookups gathered between two flushes; written as one row with ``count``."""
+
+    record: AuditRecord
+    count: int = 0
+    latency_ms_sum: float = 0.0
+    saved: float = 0.0
+    last: float = 0.0
 
 
 class AuditLog:
@@ -62,6 +75,8 @@ class AuditLog:
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._tallies: dict[Hashable, _Tally] = {}
+        self._tally_lock = threading.Lock()
         # Called with every record (e.g. Prometheus counters); must be quick and not raise.
         self.listeners: list[Callable[[AuditRecord], None]] = []
 
@@ -70,6 +85,41 @@ class AuditLog:
         self._queue.put(event)
         for listener in self.listeners:
             listener(event)
+
+    def tally(
+        self, key: Hashable, make: Callable[[], AuditRecord], latency_ms: float, saved: float
+    ) -> None:
+        """Count one more lookup identical to the others under ``key`` (``make`` builds the first).
+
+        The hot path (warm fetches by recipe key, tens of thousands a second) would
+        otherwise write one row per request; identical ones within a flush interval
+        become one row whose ``count`` says how many lookups it stands for, with the
+        mean latency and the summed compile time saved. Nothing is dropped.
+        """
+        with self._tally_lock:
+            entry = self._tallies.get(key)
+            if entry is None:
+                entry = self._tallies[key] = _Tally(make())
+            entry.count += 1
+            entry.latency_ms_sum += latency_ms
+            entry.saved += saved
+            entry.last = time.time()
+        for listener in self.listeners:
+            listener(entry.record)
+
+    def _drain_tallies(self) -> list[AuditRecord]:
+        with self._tally_lock:
+            tallies, self._tallies = self._tallies, {}
+        return [
+            replace(
+                t.record,
+                count=t.count,
+                latency_ms=t.latency_ms_sum / t.count,
+                compile_seconds_saved=t.saved,
+                at=datetime.fromtimestamp(t.last, timezone.utc),
+            )
+            for t in tallies.values()
+        ]
 
     def start(self) -> None:
         """Start the background writer."""
@@ -93,7 +143,7 @@ class AuditLog:
     def flush(self) -> int:
         """Write every queued event now; returns how many."""
         with self._flush_lock:
-            batch: list[AuditRecord] = []
+            batch: list[AuditRecord] = self._drain_tallies()
             while True:
                 try:
                     batch.append(self._queue.get_nowait())

@@ -137,6 +137,30 @@ class TokenStore:
             self._cache.clear()
 
     # ------------------------------------------------------------------ checking
+    def authenticate_cached(self, authorization: str | None) -> Principal | None:
+        """The principal when memory alone decides it (no database round trip), else None.
+
+        The hot paths call this on the event loop and fall back to :meth:`authenticate`
+        on a worker thread when it returns None (cache cold or expired, or a bad token,
+        whose precise error the slow path produces).
+        """
+        now = time.monotonic()
+        with self._lock:
+            any_active = self._any
+            if any_active is None or now - any_active[0] >= self.cache_s:
+                return None
+            if not any_active[1]:
+                return OPEN
+            if not authorization:
+                return None
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                return None
+            cached = self._cache.get(hash_token(token.strip()))
+        if cached is None or now - cached[0] >= self.cache_s:
+            return None
+        return cached[1]
+
     def authenticate(self, authorization: str | None) -> Principal:
         """The principal for an ``Authorization`` header, or AuthenticationError."""
         if not self.any_active():

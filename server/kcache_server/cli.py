@@ -36,7 +36,7 @@ def _add_db_options(parser: argparse.ArgumentParser) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kcache_server.app import SETTINGS_ENV, create_app
+    from kcache_server.app import SETTINGS_ENV, create_app, serving_app
 
     settings = _settings(args)
     if settings.workers > 1:
@@ -49,9 +49,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             host=settings.host,
             port=settings.port,
             workers=settings.workers,
+            access_log=settings.access_log,
         )
     else:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port)
+        uvicorn.run(serving_app(create_app(settings)), host=settings.host, port=settings.port, access_log=settings.access_log)
     return 0
 
 

@@ -81,10 +81,17 @@ class ServerMetrics:
             registry=r,
         )
         self._samplers: list[Callable[[], None]] = []
+        # labels() costs microseconds per call; the hot path counts every warm fetch.
+        self._lookup_children: dict[tuple[str, str], Any] = {}
 
     def lookup(self, outcome: str, tier: str, *, latency_ms: float = 0.0, n: int = 1) -> None:
         """Count ``n`` lookups; a ``compiled`` one also observes its wall time as a compile."""
-        self.lookups.labels(outcome=outcome, tier=tier).inc(n)
+        child = self._lookup_children.get((outcome, tier))
+        if child is None:
+            child = self._lookup_children[(outcome, tier)] = self.lookups.labels(
+                outcome=outcome, tier=tier
+            )
+        child.inc(n)
         if outcome == "compiled":
             self.compile_seconds.observe(latency_ms / 1000.0)
 

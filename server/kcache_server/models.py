@@ -171,8 +171,10 @@ class AuditEvent(Base):
     job_id: Mapped[str | None] = mapped_column(String(256), index=True)
     rank: Mapped[int | None]
     world_size: Mapped[int | None]
-    latency_ms: Mapped[float]
-    compile_seconds_saved: Mapped[float]
+    latency_ms: Mapped[float]  # the mean, when the row stands for several lookups
+    compile_seconds_saved: Mapped[float]  # the sum over the row's lookups
+    # How many identical lookups this row stands for: warm fetches are tallied per flush.
+    count: Mapped[int] = mapped_column(BigInteger, default=1, server_default="1")
 
 
 class Token(Base):

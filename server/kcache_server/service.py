@@ -155,18 +155,31 @@ class ServerState:
         )
 
     # ------------------------------------------------------------------ the fetch path
+    def warm_artifact(self, recipe_key: str) -> ArtifactMeta | None:
+        """The memoised metadata for ``recipe_key`` if it is still valid, without I/O on the index.
+
+        Valid means its include-set files are unchanged: a recipe key does not cover them.
+        """
+        meta = self.metas.get(recipe_key)
+        if meta is not None and not include_set_files_unchanged(
+            meta.dependencies, self.backends.compiler.include_sets
+        ):
+            self.metas.discard(recipe_key)
+            return None
+        return meta
+
     def artifact_for_key(self, recipe_key: str) -> ArtifactMeta:
         """Metadata of the artifact recorded for ``recipe_key`` (memoised; include sets re-checked)."""
-        meta = self.metas.get(recipe_key)
-        if meta is None:
-            entry = self.backends.index.lookup(recipe_key)
-            if entry is None:
-                raise ArtifactNotFoundError(f"no artifact for recipe {recipe_key}")
-            if isinstance(entry, CompileFailure):
-                raise CompileError(recipe_key, entry.log, cached=True)
-            meta = entry
+        meta = self.warm_artifact(recipe_key)
+        if meta is not None:
+            return meta
+        entry = self.backends.index.lookup(recipe_key)
+        if entry is None:
+            raise ArtifactNotFoundError(f"no artifact for recipe {recipe_key}")
+        if isinstance(entry, CompileFailure):
+            raise CompileError(recipe_key, entry.log, cached=True)
+        meta = entry
         if not include_set_files_unchanged(meta.dependencies, self.backends.compiler.include_sets):
-            self.metas.discard(recipe_key)
             raise ArtifactNotFoundError(
                 f"the artifact for recipe {recipe_key} read include-set files that have changed since; "
                 "resolve the recipe again"
@@ -188,17 +201,24 @@ class ServerState:
     def record_fetch(
         self, recipe_key: str, meta: ArtifactMeta | None, started: float, outcome: str
     ) -> None:
-        """Audit a ``GET /v1/recipes/{key}/artifact``."""
-        self.audit.record(
-            AuditRecord(
+        """Audit a ``GET /v1/recipes/{key}/artifact`` (identical hits are tallied, not rowed)."""
+        latency_ms = (time.perf_counter() - started) * 1000.0
+
+        def make() -> AuditRecord:
+            return AuditRecord(
                 outcome=outcome,
                 route="fetch",
-                latency_ms=(time.perf_counter() - started) * 1000.0,
+                latency_ms=latency_ms,
                 recipe_key=recipe_key,
                 digest=meta.digest if meta else None,
                 kernel=meta.kernel if meta else None,
                 target=meta.target if meta else None,
                 toolchain=meta.toolchain if meta else None,
-                compile_seconds_saved=meta.compile_seconds if meta and outcome == "hit" else 0.0,
             )
-        )
+
+        if meta is not None and outcome == "hit":
+            self.audit.tally(
+                ("fetch", recipe_key, meta.digest), make, latency_ms, meta.compile_seconds
+            )
+        else:
+            self.audit.record(make())

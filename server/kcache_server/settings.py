@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     port: int = Field(default=8470, ge=0, le=65535)
     workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
     force_insecure: bool = Field(default=False, description="allow a non-loopback bind with no tokens")
+    access_log: bool = Field(default=False, description="uvicorn's per-request log (audit events record every lookup)")
     include_sets: dict[str, Path] = Field(default_factory=dict, description="name -> directory")
     toolchain_dir: Path | None = Field(default=None, description="where NVRTC's bundled headers are extracted")
     compile_workers: int = Field(default=2, ge=1, description="NVRTC worker processes per server process")

@@ -126,3 +126,26 @@ def test_stale_header_case_scale_one_to_two(engine: Engine) -> None:
     assert engine.resolve(two).status == "compiled"
     assert _stored_constant(engine, two) == 18
     assert engine.resolve(two).artifact.digest != engine.resolve(one).artifact.digest
+
+
+def test_include_set_hash_memo_never_hides_an_edit(tmp_path: Path) -> None:
+    """Same size, same mtime: a memo keyed on stat alone would serve the old hash."""
+    import os
+
+    from kcache.include_sets import IncludeSets
+
+    header = tmp_path / "h.h"
+    header.write_text("#define X 1\n")
+    sets = IncludeSets({"s": tmp_path})
+    first = sets.file_hash("s", "h.h")
+    st = header.stat()
+    header.write_text("#define X 2\n")  # same size, within the same clock tick or not
+    os.utime(header, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert sets.file_hash("s", "h.h") != first  # a young file is never served from the memo
+
+    old = st.st_mtime_ns - 3_600 * 10**9
+    os.utime(header, ns=(old, old))
+    settled = sets.file_hash("s", "h.h")  # an old file is memoised...
+    header.write_text("#define X 3\n")
+    os.utime(header, ns=(old, old))  # ...but an edit still moves its ctime
+    assert sets.file_hash("s", "h.h") not in (settled, first)

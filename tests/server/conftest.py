@@ -54,6 +54,7 @@ class ServerThread:
 
     def __init__(self, settings: Any) -> None:
         from kcache_server import create_app
+        from kcache_server.app import serving_app
 
         self.settings = settings
         self.app = create_app(settings)
@@ -62,7 +63,7 @@ class ServerThread:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+        config = uvicorn.Config(serving_app(self.app), log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()

@@ -50,7 +50,12 @@ def _roll_chunk(engine: sa.Engine, cutoff: datetime) -> int:
             sa.delete(_events)
             .where(ev.id.in_(oldest.scalar_subquery()))
             .returning(
-                ev.at, ev.error, ev.latency_ms, ev.compile_seconds_saved, *(ev[k] for k in _KEYS)
+                ev.at,
+                ev.error,
+                ev.latency_ms,
+                ev.compile_seconds_saved,
+                ev["count"],
+                *(ev[k] for k in _KEYS),
             )
         ).all()
         if not rows:
@@ -69,8 +74,8 @@ def _roll_chunk(engine: sa.Engine, cutoff: datetime) -> int:
                     "last_at": row.at,
                     "last_error": row.error,
                 }
-            group["count"] += 1
-            group["latency_ms_sum"] += row.latency_ms
+            group["count"] += row.count
+            group["latency_ms_sum"] += row.latency_ms * row.count  # a tallied row holds the mean
             group["compile_seconds_saved"] += row.compile_seconds_saved
             if row.at >= group["last_at"]:
                 group["last_at"] = row.at

@@ -220,7 +220,7 @@ def _source(query: StatsQuery) -> sa.Subquery:
     raw = sa.select(
         ev.at.label("at"),
         *(ev[n] for n in names),
-        sa.literal(1, sa.BigInteger).label("n"),
+        ev["count"].label("n"),
         ev.compile_seconds_saved.label("saved"),
     ).where(*_filters(query, ev, ev.at))
     rolled = sa.select(

@@ -29,7 +29,9 @@ async def caller(
     """The principal behind the request's bearer token (raises 401 when one is needed)."""
     state = get_state(request)
     header = request.headers.get("authorization")
-    principal: Principal = await run_in_threadpool(state.tokens.authenticate, header)
+    principal = state.tokens.authenticate_cached(header)
+    if principal is None:  # the database must answer: off the event loop
+        principal = await run_in_threadpool(state.tokens.authenticate, header)
     return principal
 
 

@@ -21,13 +21,17 @@ def blob_headers(digest: str, size: int) -> dict[str, str]:
     return {"ETag": f'"{digest}"', "Cache-Control": IMMUTABLE, "X-Kcache-Digest": digest, "X-Kcache-Size": str(size)}
 
 
-def not_modified(request: Request, digest: str) -> bool:
-    """True when ``If-None-Match`` names this digest (or ``*``)."""
-    header = request.headers.get("if-none-match")
-    if not header:
+def etag_matches(if_none_match: str | None, digest: str) -> bool:
+    """True when an ``If-None-Match`` header value names this digest (or ``*``)."""
+    if not if_none_match:
         return False
-    tags = {t.strip().removeprefix("W/").strip('"') for t in header.split(",")}
+    tags = {t.strip().removeprefix("W/").strip('"') for t in if_none_match.split(",")}
     return digest in tags or "*" in tags
+
+
+def not_modified(request: Request, digest: str) -> bool:
+    """True when the request's ``If-None-Match`` names this digest (or ``*``)."""
+    return etag_matches(request.headers.get("if-none-match"), digest)
 
 
 _RESPONSES: dict[int | str, dict[str, Any]] = {

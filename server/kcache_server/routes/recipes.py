@@ -43,7 +43,7 @@ async def recipe_artifact(
     started = time.perf_counter()
     check_key(recipe_key, "recipe_key")
     try:
-        meta = state.metas.get(recipe_key) or await state.run(state.artifact_for_key, recipe_key)
+        meta = state.warm_artifact(recipe_key) or await state.run(state.artifact_for_key, recipe_key)
         headers = blob_headers(meta.digest, meta.size)
         if not_modified(request, meta.digest):
             state.record_fetch(recipe_key, meta, started, "hit")

@@ -1,0 +1,107 @@
+"""The hot path "fetch a cubin by recipe", answered below the framework when it can be.
+
+``GET /v1/recipes/{recipe_key}/artifact`` is what every rank of every job sends. When
+the key's metadata and the blob are already in this process's memory caches, and the
+caller's token is decided by the token cache, this ASGI middleware answers with two
+``send`` calls: no routing, dependency injection, thread hop or response object.
+It still audits the fetch and counts it in the request metrics, exactly as the
+FastAPI route (``routes/recipes.py``) does; anything else (a cold key, a token the
+database must check, an error) goes to that route unchanged, which also fills the
+caches for next time.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from kcache_server.metrics import ServerMetrics
+from kcache_server.routes.blobs import blob_headers, etag_matches
+from kcache_server.service import ServerState
+
+__all__ = ["ArtifactFastPath"]
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+_PATH = re.compile(r"^/v1/recipes/([0-9a-f]{64})/artifact$")
+#: The route template the metrics label this path with (the FastAPI route's own).
+ROUTE = "/v1/recipes/{recipe_key}/artifact"
+
+
+class ArtifactFastPath:
+    """Pure ASGI middleware in front of the app; see the module docstring."""
+
+    def __init__(
+        self,
+        app: Callable[[Scope, Receive, Send], Awaitable[None]],
+        state: ServerState,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.app = app
+        self.state = state
+        self.ok = metrics.requests.labels(route=ROUTE, method="GET", status="200")
+        self.not_modified = metrics.requests.labels(route=ROUTE, method="GET", status="304")
+        self.seconds = metrics.request_seconds.labels(route=ROUTE)
+        # Response headers per digest, encoded once (a digest's headers never change).
+        self._headers: dict[str, list[tuple[bytes, bytes]]] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer from memory, or hand the request to the app."""
+        if scope["type"] == "http" and scope["method"] == "GET":
+            match = _PATH.match(scope["path"])
+            if match is not None and await self._serve(match.group(1), scope, send):
+                return
+        await self.app(scope, receive, send)
+
+    async def _serve(self, recipe_key: str, scope: Scope, send: Send) -> bool:
+        started = time.perf_counter()
+        state = self.state
+        meta = state.warm_artifact(recipe_key)
+        if meta is None:
+            return False
+        data = state.blobs.get(meta.digest)
+        if data is None:
+            return False
+        authorization = if_none_match = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"if-none-match":
+                if_none_match = value.decode("latin-1")
+        principal = state.tokens.authenticate_cached(authorization)
+        if principal is None or not principal.allows("read"):
+            return False  # the route produces the precise 401/403
+        headers = self._headers.get(meta.digest)
+        if headers is None:
+            if len(self._headers) > 100_000:
+                self._headers.clear()  # bounded like the blob cache; rebuilt on demand
+            headers = self._headers[meta.digest] = [
+                (name.lower().encode(), value.encode())
+                for name, value in blob_headers(meta.digest, meta.size).items()
+            ]
+        if etag_matches(if_none_match, meta.digest):
+            await send({"type": "http.response.start", "status": 304, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            counter = self.not_modified
+        else:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        *headers,
+                        (b"content-type", b"application/octet-stream"),
+                        (b"content-length", str(len(data)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": data})
+            counter = self.ok
+        state.record_fetch(recipe_key, meta, started, "hit")
+        counter.inc()
+        self.seconds.observe(time.perf_counter() - started)
+        return True

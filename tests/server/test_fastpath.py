@@ -1,0 +1,111 @@
+"""The fetch-by-key fast path: answered below the framework when warm, the route otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from kcache_server.fastpath import ROUTE, ArtifactFastPath
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import audit_rows, unique, vector_add
+
+
+class _Inner:
+    """Stands in for the app behind the fast path; records what reached it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.calls.append(scope["path"])
+        await send({"type": "http.response.start", "status": 599, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+
+def _call(app: Any, path: str, headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, dict[bytes, bytes], bytes]:
+    messages: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    scope = {"type": "http", "method": "GET", "path": path, "headers": headers or []}
+    asyncio.run(app(scope, receive, send))
+    return messages[0]["status"], dict(messages[0]["headers"]), messages[1]["body"]
+
+
+def test_warm_fetches_skip_the_app_and_are_all_audited(make_settings: Any, serve: Any) -> None:
+    server = serve(make_settings(auth_cache_s=60.0))
+    with server.client() as client:
+        body = client.post("/v1/resolve", json={"recipe": vector_add(unique())}).json()
+        key, digest = body["recipe_key"], body["artifact"]["digest"]
+        assert client.get(f"/v1/recipes/{key}/artifact").status_code == 200  # the route warms the caches
+        for _ in range(20):  # through real uvicorn, answered by the fast path
+            reply = client.get(f"/v1/recipes/{key}/artifact")
+            assert reply.status_code == 200 and hashlib.sha256(reply.content).hexdigest() == digest
+            assert reply.headers["etag"] == f'"{digest}"' and reply.headers["x-kcache-digest"] == digest
+        metrics = client.get("/metrics").text
+
+    inner = _Inner()
+    fast = ArtifactFastPath(inner, server.state, server.app.state.auditing.metrics)
+    status, headers, data = _call(fast, f"/v1/recipes/{key}/artifact")
+    assert (status, inner.calls) == (200, [])
+    assert hashlib.sha256(data).hexdigest() == digest and headers[b"content-length"] == str(len(data)).encode()
+    status, _, data = _call(fast, f"/v1/recipes/{key}/artifact", [(b"if-none-match", f'"{digest}"'.encode())])
+    assert (status, data, inner.calls) == (304, b"", [])
+    cold = "0" * 64
+    assert _call(fast, f"/v1/recipes/{cold}/artifact")[0] == 599 and inner.calls == [f"/v1/recipes/{cold}/artifact"]
+
+    requests = {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "kcache_http_requests"
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    assert requests[(("method", "GET"), ("route", ROUTE), ("status", "200"))] == 21
+    server.stop()  # flushes the audit log
+    rows = audit_rows(server.settings.database_url, route="fetch", outcome="hit", recipe_key=key)
+    # Identical warm fetches are tallied into few rows; together they count every lookup.
+    assert sum(row.count for row in rows) == 23 and len(rows) < 23
+
+
+def test_tokens_the_cache_cannot_decide_go_to_the_route(make_settings: Any, serve: Any) -> None:
+    server = serve(make_settings(auth_cache_s=60.0))
+    with server.client() as open_client:
+        key = open_client.post("/v1/resolve", json={"recipe": vector_add(unique())}).json()["recipe_key"]
+        open_client.get(f"/v1/recipes/{key}/artifact")
+    token = server.state.tokens.create("reader", ["read"])
+    with server.client() as anonymous:
+        denied = anonymous.get(f"/v1/recipes/{key}/artifact")
+    assert denied.status_code == 401 and denied.json()["error"] == "unauthorized"
+    with server.client(token) as reader:
+        assert reader.get(f"/v1/recipes/{key}/artifact").status_code == 200
+        assert reader.get(f"/v1/recipes/{key}/artifact").status_code == 200
+    with server.client("not-a-token") as wrong:
+        assert wrong.get(f"/v1/recipes/{key}/artifact").status_code == 401
+
+
+def test_a_changed_include_set_file_is_never_served_from_memory(
+    make_settings: Any, serve: Any, tmp_path: Path
+) -> None:
+    library = tmp_path / "lib"
+    library.mkdir()
+    (library / "scale.h").write_text("#define SCALE 2\n")
+    server = serve(make_settings(auth_cache_s=60.0, include_sets={"lib": library}))
+    recipe = {
+        "source": f'// {unique()}\n#include <scale.h>\nextern "C" __global__ void k(int* o) {{ o[0] = SCALE; }}',
+        "target": "sm_80",
+        "include_sets": ["lib"],
+    }
+    with server.client() as client:
+        key = client.post("/v1/resolve", json={"recipe": recipe}).json()["recipe_key"]
+        assert client.get(f"/v1/recipes/{key}/artifact").status_code == 200
+        (library / "scale.h").write_text("#define SCALE 3\n")
+        stale = client.get(f"/v1/recipes/{key}/artifact")
+    assert stale.status_code == 404 and "include-set files that have changed" in stale.json()["detail"]
