@@ -6,6 +6,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, Literal
 
 from kcache.errors import RecipeError, UnresolvedRecipeError
@@ -109,16 +110,25 @@ class Recipe:
     lto: bool = False
     toolchain: str | None = None
     include_sets: Sequence[str] = ()
+    # Keys and derived copies, computed once: every container above is frozen.
+    _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _validate(self)
-        # Freeze the containers so a recipe cannot change under its key.
-        object.__setattr__(self, "headers", dict(sorted(self.headers.items())))
+        # Freeze every container: a recipe cannot change under its key, so the keys
+        # (and the defaults-filled copy) can be computed once per object and memoised.
+        object.__setattr__(self, "headers", MappingProxyType(dict(sorted(self.headers.items()))))
         object.__setattr__(self, "flags", tuple(self.flags))
         object.__setattr__(self, "name_expressions", tuple(self.name_expressions))
-        object.__setattr__(self, "specialization", normalize_specialization(self.specialization))
+        object.__setattr__(
+            self, "specialization", MappingProxyType(normalize_specialization(self.specialization))
+        )
         object.__setattr__(self, "link", tuple(self.link))
         object.__setattr__(self, "include_sets", tuple(self.include_sets))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Mapping proxies do not pickle; the JSON form round-trips exactly.
+        return (Recipe.from_dict, (self.to_dict(),))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -159,7 +169,9 @@ class Recipe:
             "target": self.target,
             "output": self.output,
             "name_expressions": list(self.name_expressions),
-            "specialization": dict(self.specialization),
+            "specialization": {
+                k: list(v) if isinstance(v, tuple) else v for k, v in self.specialization.items()
+            },
             "link": [item.to_dict() for item in self.link],
             "lto": self.lto,
             "include_sets": list(self.include_sets),
@@ -170,6 +182,13 @@ class Recipe:
 
     def with_defaults(self, *, target: str | None = None, toolchain: str | None = None) -> Recipe:
         """Return a copy with ``target="auto"`` and a missing toolchain filled in (recursively)."""
+        memo_key = ("with_defaults", target, toolchain)
+        cached: Recipe | None = self._memo.get(memo_key)
+        if cached is None:
+            cached = self._memo[memo_key] = self._with_defaults(target, toolchain)
+        return cached
+
+    def _with_defaults(self, target: str | None, toolchain: str | None) -> Recipe:
         new_target = target if self.target == "auto" and target is not None else self.target
         new_toolchain = self.toolchain if self.toolchain is not None else toolchain
         link = tuple(
@@ -195,8 +214,13 @@ class Recipe:
         return "cubin" if self.lto else self.output
 
     def header_hashes(self) -> dict[str, str]:
-        """Include name -> sha256 of the header text."""
-        return {name: sha256_hex(text) for name, text in self.headers.items()}
+        """Include name -> sha256 of the header text (a fresh dict; computed once per recipe)."""
+        hashes: dict[str, str] | None = self._memo.get("header_hashes")
+        if hashes is None:
+            hashes = self._memo["header_hashes"] = {
+                name: sha256_hex(text) for name, text in self.headers.items()
+            }
+        return dict(hashes)
 
     def macro_flags(self) -> list[str]:
         """The ``-D`` options rendered from ``specialization``."""
@@ -215,7 +239,9 @@ class Recipe:
             "target": self.target,
             "output": self.output,
             "name_expressions": list(self.name_expressions),
-            "specialization": dict(self.specialization),
+            "specialization": {
+                k: list(v) if isinstance(v, tuple) else v for k, v in self.specialization.items()
+            },
             # Nested recipes enter with their full key: manifests match outer headers only.
             "link": [
                 {"recipe_key": item.recipe.key()}
@@ -231,11 +257,18 @@ class Recipe:
 
     def key(self) -> str:
         """``recipe_key``: sha256 of the canonical JSON of everything, headers by their hash."""
-        return sha256_hex(canonical_json(self.key_material()))
+        key: str | None = self._memo.get("key")
+        if key is None:
+            key = self._memo["key"] = sha256_hex(canonical_json(self.key_material()))
+        return key
 
     def base_key(self) -> str:
         """``base_key``: the same without header contents (names only); indexes manifests."""
-        return sha256_hex(canonical_json(self.key_material(with_header_contents=False)))
+        key: str | None = self._memo.get("base_key")
+        if key is None:
+            material = self.key_material(with_header_contents=False)
+            key = self._memo["base_key"] = sha256_hex(canonical_json(material))
+        return key
 
     def _require_resolved(self) -> None:
         if self.target == "auto":

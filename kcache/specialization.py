@@ -16,7 +16,7 @@ from kcache.errors import RecipeError
 __all__ = ["DTYPES", "SpecValue", "canonical_dtype", "normalize_specialization", "render_macros"]
 
 SpecScalar = bool | int | float | str
-SpecValue = SpecScalar | list[SpecScalar]
+SpecValue = SpecScalar | tuple[SpecScalar, ...]
 
 DTYPES: dict[str, str] = {
     "float32": "float",
@@ -91,13 +91,13 @@ def normalize_specialization(spec: Mapping[str, object]) -> dict[str, SpecValue]
         elif isinstance(value, list | tuple):
             if len(value) > _MAX_LIST:
                 raise RecipeError(field, f"at most {_MAX_LIST} elements")
-            out[key] = [_check_scalar(f"{field}[{i}]", v) for i, v in enumerate(value)]
+            out[key] = tuple(_check_scalar(f"{field}[{i}]", v) for i, v in enumerate(value))
         elif key in ("shape", "strides"):
             raise RecipeError(field, "must be a list of integers")
         else:
             out[key] = _check_scalar(field, value)
         value_list = out[key]
-        if key in ("shape", "strides") and isinstance(value_list, list):
+        if key in ("shape", "strides") and isinstance(value_list, tuple):
             for i, v in enumerate(value_list):
                 if not isinstance(v, int) or isinstance(v, bool):
                     raise RecipeError(f"{field}[{i}]", "must be an integer")
@@ -120,13 +120,13 @@ def render_macros(spec: Mapping[str, SpecValue]) -> list[tuple[str, str]]:
         if key == "dtype":
             pairs.append(("KC_DTYPE", DTYPES[str(value)]))
         elif key == "shape":
-            assert isinstance(value, list)
+            assert isinstance(value, tuple)
             pairs.append(("KC_NDIM", str(len(value))))
             pairs.extend((f"KC_SHAPE_{i}", _literal(v)) for i, v in enumerate(value))
         elif key == "strides":
-            assert isinstance(value, list)
+            assert isinstance(value, tuple)
             pairs.extend((f"KC_STRIDE_{i}", _literal(v)) for i, v in enumerate(value))
-        elif isinstance(value, list):
+        elif isinstance(value, tuple):
             pairs.extend((f"KC_{key.upper()}_{i}", _literal(v)) for i, v in enumerate(value))
         else:
             pairs.append((f"KC_{key.upper()}", _literal(value)))

@@ -168,3 +168,21 @@ def test_bad_fields_are_named(change: dict[str, object], field: str) -> None:
 def test_round_trip_through_json() -> None:
     recipe = Recipe.from_dict(BASE)
     assert Recipe.from_json(json.dumps(recipe.to_dict())) == recipe
+
+
+def test_recipes_are_immutable_so_memoised_keys_stay_true() -> None:
+    import pickle
+
+    recipe = Recipe.from_dict(BASE)
+    key = recipe.key()
+    with pytest.raises(TypeError):
+        recipe.headers["a.cuh"] = "#define A 2\n"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        recipe.specialization["num_warps"] = 8  # type: ignore[index]
+    assert recipe.key() == key == Recipe.from_dict(BASE).key()
+    clone = pickle.loads(pickle.dumps(recipe))
+    assert clone == recipe and clone.key() == key
+    assert recipe.with_defaults(toolchain="other") is recipe  # toolchain already set: no copy
+    bare = Recipe(source=VECTOR_ADD, target="sm_90")
+    assert bare.with_defaults(toolchain="tc1") is bare.with_defaults(toolchain="tc1")
+    assert bare.with_defaults(toolchain="tc1").key() != bare.with_defaults(toolchain="tc2").key()
