@@ -50,6 +50,10 @@ _FIELDS = {
     "include_sets",
 }
 _INCLUDE_NAME_RE = re.compile(r"^[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*$")
+# Every rule of check_include_name at once: safe characters, no empty, "." or ".." part.
+_GOOD_INCLUDE_NAME_RE = re.compile(
+    r"^(?!(?:.*/)?\.\.?(?:/|$))(?!.*//)[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*(?<!/)$"
+)
 _SET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
 _TOOLCHAIN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+\-]{0,127}$")
 
@@ -112,9 +116,13 @@ class Recipe:
     include_sets: Sequence[str] = ()
     # Keys and derived copies, computed once: every container above is frozen.
     _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Set only by with_defaults, for a copy of a recipe that was validated already.
+    _validated: bool = field(default=False, repr=False, compare=False, kw_only=True)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        if not self._validated:
+            _validate(self)
+        object.__setattr__(self, "_validated", False)
         # Freeze every container: a recipe cannot change under its key, so the keys
         # (and the defaults-filled copy) can be computed once per object and memoised.
         object.__setattr__(self, "headers", MappingProxyType(dict(sorted(self.headers.items()))))
@@ -199,7 +207,11 @@ class Recipe:
         )
         if (new_target, new_toolchain, link) == (self.target, self.toolchain, self.link):
             return self
-        return replace(self, target=new_target, toolchain=new_toolchain, link=link)
+        # Only these three fields change; check them alone instead of re-validating
+        # every header of an already validated recipe.
+        copy = replace(self, _validated=True, target=new_target, toolchain=new_toolchain, link=link)
+        _validate_target_and_toolchain(copy)
+        return copy
 
     # ------------------------------------------------------------------ derived
     @property
@@ -298,13 +310,20 @@ def _check_text(field_name: str, value: object, limit: int) -> str:
         raise RecipeError(field_name, f"must be a string, not {type(value).__name__}")
     if "\x00" in value:
         raise RecipeError(field_name, "contains a NUL byte")
-    if len(value.encode("utf-8", "surrogatepass")) > limit:
+    # UTF-8 takes at most 4 bytes a character: encode only when the limit could be reached.
+    if len(value) * 4 > limit and len(value.encode("utf-8", "surrogatepass")) > limit:
         raise RecipeError(field_name, f"is larger than the limit of {limit} bytes")
     return value
 
 
 def check_include_name(field_name: str, name: object) -> str:
     """Include names are relative, free of ``..``, and made of safe characters."""
+    if (
+        isinstance(name, str)
+        and len(name) <= LIMITS.name_chars
+        and _GOOD_INCLUDE_NAME_RE.match(name)
+    ):
+        return name  # the common case in one regex; the checks below say what is wrong
     if not isinstance(name, str) or not name:
         raise RecipeError(field_name, "include names are non-empty strings")
     if "\x00" in name:
@@ -350,10 +369,6 @@ def _validate(recipe: Recipe) -> None:
                 "output) are refused, -arch comes from `target`, -dlto from `output`/`lto`; "
                 "use `include_sets` for registered include directories",
             )
-    if not isinstance(recipe.target, str):
-        raise RecipeError("target", "must be a string")
-    if recipe.target != "auto":
-        parse_target(recipe.target)
     if recipe.output not in _OUTPUTS:
         raise RecipeError("output", f"{recipe.output!r} is not one of {', '.join(_OUTPUTS)}")
     if isinstance(recipe.name_expressions, str) or not isinstance(
@@ -381,12 +396,6 @@ def _validate(recipe: Recipe) -> None:
         raise RecipeError(
             "output", '"lto": true compiles to LTO-IR and links a cubin; leave output "cubin"'
         )
-    if recipe.toolchain is not None and (
-        not isinstance(recipe.toolchain, str) or not _TOOLCHAIN_RE.match(recipe.toolchain)
-    ):
-        raise RecipeError(
-            "toolchain", "must be a toolchain id such as the server's GET /v1/toolchains lists"
-        )
     if isinstance(recipe.include_sets, str) or not isinstance(recipe.include_sets, Sequence):
         raise RecipeError("include_sets", "must be a list of registered include set names")
     if len(recipe.include_sets) > LIMITS.include_sets:
@@ -394,6 +403,21 @@ def _validate(recipe: Recipe) -> None:
     for i, set_name in enumerate(recipe.include_sets):
         if not isinstance(set_name, str) or not _SET_NAME_RE.match(set_name):
             raise RecipeError(f"include_sets[{i}]", "names are letters, digits, _ and -")
+    _validate_target_and_toolchain(recipe)
+
+
+def _validate_target_and_toolchain(recipe: Recipe) -> None:
+    """The checks of the two fields ``with_defaults`` fills in."""
+    if not isinstance(recipe.target, str):
+        raise RecipeError("target", "must be a string")
+    if recipe.target != "auto":
+        parse_target(recipe.target)
+    if recipe.toolchain is not None and (
+        not isinstance(recipe.toolchain, str) or not _TOOLCHAIN_RE.match(recipe.toolchain)
+    ):
+        raise RecipeError(
+            "toolchain", "must be a toolchain id such as the server's GET /v1/toolchains lists"
+        )
     if (
         recipe.target != "auto"
         and recipe.output == "cubin"

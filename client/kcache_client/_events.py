@@ -1,6 +1,9 @@
 """Audit events for hits the server never sees (memory and node-tier hits).
 
-``record()`` only appends to a queue, so ``get()`` never waits on the network. A
+``record()`` only appends to a queue, so ``get()`` never waits on the network.
+Identical hits (same recipe, digest, tier and outcome) waiting in the queue are
+tallied into one event with a ``count`` and their mean latency: a training loop
+that calls ``get()`` a million times sends a handful of events, not a million. A
 daemon thread sends batches to ``POST /v1/events`` when a batch fills or every
 ``interval_s``. ``close()`` (also run at interpreter exit) sends what is left, with
 a bounded wait, so a clean shutdown loses nothing. If the server is down, events
@@ -25,6 +28,10 @@ __all__ = ["EventSink"]
 _EVENT_RETRY = RetryPolicy(attempts=3, base_s=0.2, cap_s=2.0, budget_s=5.0, max_retry_after_s=5.0)
 
 
+def _tally_key(event: dict[str, Any]) -> tuple[Any, ...]:
+    return (event.get("recipe_key"), event.get("digest"), event.get("tier"), event.get("outcome"))
+
+
 class EventSink:
     """A background batcher of audit events for one server."""
 
@@ -40,6 +47,8 @@ class EventSink:
         self._batch_size = batch_size
         self._interval_s = interval_s
         self._pending: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_pending)
+        # Queued events that later identical ones are tallied into, until they are taken.
+        self._open: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -49,12 +58,25 @@ class EventSink:
 
     def record(self, event: dict[str, Any]) -> None:
         """Queue one event; never blocks on I/O."""
+        tally = _tally_key(event)
         with self._cond:
             if self._closed:
                 return
+            open_event = self._open.get(tally) if event.get("recipe_key") else None
+            if open_event is not None:
+                count = open_event.get("count", 1)
+                latency = open_event.get("latency_ms", 0.0) * count + event.get("latency_ms", 0.0)
+                open_event["count"] = count + 1
+                open_event["latency_ms"] = latency / (count + 1)
+                open_event["time"] = event.get("time", open_event.get("time"))
+                return
             if len(self._pending) == self._pending.maxlen:
-                self.dropped += 1
+                self.dropped += self._pending[0].get("count", 1)
+                self._open.pop(_tally_key(self._pending[0]), None)
+            event.setdefault("count", 1)
             self._pending.append(event)
+            if event.get("recipe_key"):
+                self._open[tally] = event
             if self._thread is None:
                 # Started lazily: a process that never hits the tiers never gets a thread.
                 self._thread = threading.Thread(target=self._run, name="kcache-events", daemon=True)
@@ -63,9 +85,9 @@ class EventSink:
                 self._cond.notify()
 
     def pending(self) -> int:
-        """Events not yet delivered."""
+        """Lookups not yet delivered (a tallied event counts for each lookup it stands for)."""
         with self._cond:
-            return len(self._pending)
+            return sum(e.get("count", 1) for e in self._pending)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Send everything queued now, from the calling thread; True if the queue emptied."""
@@ -92,6 +114,9 @@ class EventSink:
             batch = [
                 self._pending.popleft() for _ in range(min(self._batch_size, len(self._pending)))
             ]
+            for event in batch:  # on its way out: later hits start a new event
+                if self._open.get(_tally_key(event)) is event:
+                    del self._open[_tally_key(event)]
         return batch
 
     def _send_one_batch(self) -> bool:
@@ -111,9 +136,9 @@ class EventSink:
         except ClientError:
             # The server refused the batch itself (auth, validation): resending cannot help.
             self.failures += 1
-            self.dropped += len(batch)
+            self.dropped += sum(e.get("count", 1) for e in batch)
             return False
-        self.sent += len(batch)
+        self.sent += sum(e.get("count", 1) for e in batch)
         return True
 
     def _run(self) -> None:

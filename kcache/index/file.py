@@ -1,7 +1,8 @@
 """``FileIndex``: the index as JSON files, for the CLI's data directory and the client's node tier.
 
-Layout under ``<root>/index/``: ``recipes/ab/<recipe_key>.json`` (alias or negative
-entry), ``artifacts/ab/<digest>.json`` (metadata), ``manifests/ab/<base_key>.json``.
+Layout under ``<root>/index/``: ``recipes/ab/<recipe_key>.json`` (alias, with a copy
+of the artifact's metadata so a hit reads one small file, or a negative entry),
+``artifacts/ab/<digest>.json`` (metadata), ``manifests/ab/<base_key>.json``.
 Every file is published atomically (temp, fsync, rename), and the alias is written
 last, so a crash leaves at worst an unreferenced artifact record.
 """
@@ -30,15 +31,21 @@ class FileIndex:
         self.root = Path(root) / "index"
         for sub in ("recipes", "artifacts", "manifests", ".locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._root_str = str(self.root)
 
     def _path(self, kind: str, key: str) -> Path:
+        return Path(self._path_str(kind, key))
+
+    def _path_str(self, kind: str, key: str) -> str:
+        # String joins: pathlib costs tens of microseconds on a node-tier hit.
         if not is_hex_key(key):
             raise ValueError(f"{key!r} is not a sha256 key")
-        return self.root / kind / key[:2] / f"{key}.json"
+        return f"{self._root_str}/{kind}/{key[:2]}/{key}.json"
 
     def _read(self, kind: str, key: str) -> Any:
         try:
-            return json.loads(self._path(kind, key).read_text())
+            with open(self._path_str(kind, key), "rb") as handle:
+                return json.loads(handle.read())
         except FileNotFoundError:
             return None
         except ValueError:
@@ -54,6 +61,8 @@ class FileIndex:
             return None
         if "failure" in entry:
             return CompileFailure.from_dict(entry["failure"])
+        if "artifact" in entry:
+            return ArtifactMeta.from_dict(entry["artifact"])
         return self.artifact(entry["digest"])
 
     def artifact(self, digest: str) -> ArtifactMeta | None:
@@ -76,11 +85,12 @@ class FileIndex:
             entries = [e for e in self.manifest(base_key) if e.dependencies != entry.dependencies]
             entries = [entry, *entries][:MANIFEST_LIMIT]
             self._write("manifests", base_key, [e.to_dict() for e in entries])
-        self.record_alias(recipe_key, meta.digest)
+        self._write("recipes", recipe_key, {"digest": meta.digest, "artifact": meta.to_dict()})
 
     def record_alias(self, recipe_key: str, digest: str) -> None:
-        """``recipe_key`` -> ``digest``."""
-        self._write("recipes", recipe_key, {"digest": digest})
+        """``recipe_key`` -> ``digest`` (with the artifact's metadata when it is recorded)."""
+        meta = self._read("artifacts", digest)
+        self._write("recipes", recipe_key, {"digest": digest, **({"artifact": meta} if meta else {})})
 
     def record_failure(self, failure: CompileFailure) -> None:
         """A negative entry under the failed recipe's key."""

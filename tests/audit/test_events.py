@@ -88,3 +88,19 @@ def test_unknown_fields_from_newer_clients_are_ignored(workload: Workload) -> No
         r = http.post("/v1/events", json={"events": [_event(job_id="job-new", local_rank=3)]})
     assert r.status_code == 200 and r.json() == {"accepted": 1}
     assert _count(workload, "job-new") == 1
+
+
+def test_a_tallied_event_counts_every_lookup_it_stands_for(workload: Workload) -> None:
+    digest, seconds = next(iter(workload.compile_seconds.items()))
+    with workload.server.client() as http:
+        r = http.post(
+            "/v1/events",
+            json={"events": [_event(job_id="job-tally", digest=digest, count=1000), _event(job_id="job-tally")]},
+        )
+        assert r.status_code == 200, r.text
+        stats = http.get("/v1/stats", params={"job_id": "job-tally"}).json()
+        refused = http.post("/v1/events", json={"events": [_event(job_id="job-tally", count=0)]})
+    assert _count(workload, "job-tally") == 2  # two rows...
+    assert stats["totals"]["local_hit"] == 1001  # ...standing for 1001 lookups
+    assert stats["compile_seconds_saved"] == pytest.approx(1000 * seconds)
+    assert refused.status_code == 422 and refused.json()["field"] == "events.0.count"

@@ -19,7 +19,8 @@ from kcache_server.auditing.retention import RetentionWorker
 from kcache_server.db import open_database
 
 NOW = datetime.now(timezone.utc).replace(microsecond=0)
-OLD = NOW - timedelta(days=3)
+# On the hour, so events at +0 and +10 minutes share an hourly bucket at any time of day.
+OLD = (NOW - timedelta(days=3)).replace(minute=0, second=0)
 D1, D2 = "1" * 64, "2" * 64
 BASE = "b" * 64
 

@@ -176,3 +176,26 @@ def test_events_survive_a_server_outage_and_go_out_with_the_next_batch() -> None
         assert accepted == [0, 1, 2, 3, 4]  # in order, once each
     finally:
         server.close()
+
+
+def test_identical_hits_are_tallied_into_one_event_per_batch() -> None:
+    posted: list[dict[str, object]] = []
+
+    def route(seen: Seen) -> tuple[int, dict[str, str], bytes]:
+        posted.extend(seen.json()["events"])
+        return json_response(202, {})
+
+    server = Scripted(route)
+    try:
+        sink = EventSink(Transport(server.url, retry=FAST), batch_size=100, interval_s=60)
+        hit = {"outcome": "local_hit", "tier": "memory", "recipe_key": "a" * 64, "digest": "b" * 64}
+        for i in range(1000):
+            sink.record({**hit, "time": 1000.0 + i, "latency_ms": 0.002 if i % 2 else 0.004})
+        sink.record({**hit, "tier": "node", "time": 3000.0, "latency_ms": 0.05})
+        assert sink.pending() == 1001  # lookups, not rows
+        sink.close(timeout=10)
+        assert [(e["tier"], e["count"]) for e in posted] == [("memory", 1000), ("node", 1)]
+        assert posted[0]["time"] == 1999.0 and abs(posted[0]["latency_ms"] - 0.003) < 1e-9  # type: ignore[operator]
+        assert sink.sent == 1001 and sink.pending() == 0
+    finally:
+        server.close()

@@ -56,6 +56,7 @@ class ClientEvent(Context):
     kernel: str | None = Field(default=None, max_length=1024)
     target: str | None = Field(default=None, max_length=32)
     toolchain: str | None = Field(default=None, max_length=128)
+    count: int = Field(default=1, ge=1, le=1_000_000_000, description="identical lookups this event stands for")
     latency_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
@@ -106,7 +107,8 @@ def _row(event: ClientEvent, saved: dict[str, float]) -> dict[str, Any]:
         "rank": event.rank,
         "world_size": event.world_size,
         "latency_ms": event.latency_ms,
-        "compile_seconds_saved": saved.get(event.digest, 0.0) if event.digest else 0.0,
+        "count": event.count,
+        "compile_seconds_saved": event.count * saved.get(event.digest, 0.0) if event.digest else 0.0,
     }
 
 
