@@ -320,6 +320,10 @@ class KernelCache:
         RemoteNotFoundError when absent and ``compile`` is false, ServerUnavailableError
         (naming the URL and cause) when only the unreachable server could have answered.
         """
+        return self.obtain(recipe, compile).artifact
+
+    def obtain(self, recipe: Recipe, compile: bool = True) -> Resolved:
+        """Like :meth:`get`, also saying where the artifact came from (``local_hit`` for the tiers)."""
         started = time.perf_counter()
         concrete = self.prepare(recipe)
         key = concrete.key()
@@ -327,12 +331,12 @@ class KernelCache:
         if hit is not None:
             self.stats.add("memory_hits")
             self._event(hit, "memory", started)
-            return hit
+            return Resolved("local_hit", hit)
         art = self._tier_get(key, concrete)
         if art is not None:
             self.stats.add("node_hits")
             self._event(art, "node", started)
-            return art
+            return Resolved("local_hit", art)
         offline: ServerUnavailableError
         # The per-key lock makes the node download once however many ranks ask.
         with self.tier.hold(key):
@@ -340,13 +344,13 @@ class KernelCache:
             if art is not None:
                 self.stats.add("node_hits")
                 self._event(art, "node", started)
-                return art
+                return Resolved("local_hit", art)
             try:
-                return self._fetch(concrete, key, compile).artifact
+                return self._fetch(concrete, key, compile)
             except ServerUnavailableError as exc:
                 offline = exc
         # Outside the lock: the local engine takes the same per-key lock itself.
-        return self._compile_locally(concrete, key, compile, offline).artifact
+        return self._compile_locally(concrete, key, compile, offline)
 
     def resolve(self, recipe: Recipe, compile: bool = True) -> Resolved:
         """Ask the server (``POST /v1/resolve``) even if the tiers have it; fill the tier.

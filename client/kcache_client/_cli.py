@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kcache.cli import add_recipe_arguments, recipe_from_args
 from kcache.errors import RecipeError
 from kcache.recipe import Recipe
 from kcache_client._cache import KernelCache
@@ -96,8 +97,33 @@ def compile_remote(args: argparse.Namespace, recipe: Recipe) -> int:
     return 0
 
 
+def _cmd_get(args: argparse.Namespace) -> int:
+    recipe = recipe_from_args(args)
+    with _cache_from_args(args, server=args.server) as cache:
+        resolved = cache.obtain(recipe, compile=args.compile)
+        art = resolved.artifact
+        path = art.path
+        if args.o:
+            path = Path(args.o)
+            path.write_bytes(art.data)
+        print(_line(resolved.status, art.recipe_key, art.digest, path))
+    return 0
+
+
 def register(subparsers: Any) -> None:
-    """Entry point of the ``kcache.commands`` group: adds ``kcache warmup``."""
+    """Entry point of the ``kcache.commands`` group: adds ``kcache warmup`` and ``kcache get``."""
+    get = subparsers.add_parser(
+        "get", help="fetch a recipe's artifact (node tier, then the server; no compile by default)"
+    )
+    add_recipe_arguments(get)
+    get.add_argument("-o", metavar="FILE", help="also write the artifact to FILE")
+    get.add_argument("--server", help="server URL (default $KCACHE_URL)")
+    get.add_argument("--token", help="bearer token (default $KCACHE_TOKEN)")
+    get.add_argument("--cache-dir", help="node-local tier (default $KCACHE_CACHE_DIR)")
+    get.add_argument("--auto-target", help='what target "auto" means (default: this GPU)')
+    get.add_argument("--compile", action="store_true", help="let the server compile it if absent")
+    get.set_defaults(func=_cmd_get)
+
     warm = subparsers.add_parser(
         "warmup", help="resolve a list of recipes into the server and the node tier"
     )

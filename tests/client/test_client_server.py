@@ -221,3 +221,36 @@ def test_cli_warmup_and_compile_through_the_server(kserver: object, tmp_path: Pa
         [str(KCACHE), "compile", str(bad), "--server", url], capture_output=True, text=True, env=env
     )
     assert failed.returncode == 1 and "nope" in failed.stderr
+
+
+def test_cli_get_reads_the_tier_then_the_server_and_never_compiles_unasked(
+    kserver: object, tmp_path: Path
+) -> None:
+    url = kserver.url  # type: ignore[attr-defined]
+    known, unknown = kernels(2, "cli-get", target="sm_80")
+    env = {**os.environ, "KCACHE_CACHE_DIR": str(tmp_path / "tier")}
+    files = []
+    for i, recipe in enumerate((known, unknown)):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(recipe.to_dict()))
+    with KernelCache(url, cache_dir=tmp_path / "other-node") as cache:
+        digest = cache.get(known).digest  # compiled on the server, not in this node's tier
+
+    def get(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(KCACHE), "get", str(path), "--server", url, *extra],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+
+    fetched = get(files[0], "-o", str(tmp_path / "k.cubin"))
+    assert fetched.returncode == 0, fetched.stderr
+    assert json.loads(fetched.stdout)["status"] == "hit"
+    assert hashlib.sha256((tmp_path / "k.cubin").read_bytes()).hexdigest() == digest
+    again = get(files[0])
+    assert json.loads(again.stdout)["status"] == "local_hit"  # from this node's tier now
+    missing = get(files[1])
+    assert missing.returncode != 0 and json.loads(missing.stdout or "{}") == {}
+    compiled = get(files[1], "--compile")
+    assert compiled.returncode == 0 and json.loads(compiled.stdout)["status"] == "compiled"
