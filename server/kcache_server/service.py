@@ -113,6 +113,22 @@ class ServerState:
             self._audit(recipe, context, route, started, "error", error=error_info(exc).code)
             raise
         self._audit(recipe, context, route, started, result.status, result=result)
+        self.metas.put(result.recipe_key, result.artifact)
+        return result.to_dict()
+
+    def resolve_warm(self, recipe: Recipe, context: Context, route: str) -> dict[str, Any] | None:
+        """A hit answered from memory (no worker thread, no database), or None to ask the engine.
+
+        The memo holds what the engine or the index answered for this exact key; its
+        include-set files are re-checked and its blob must still be in the store.
+        """
+        started = time.perf_counter()
+        key = recipe.key()
+        meta = self.warm_artifact(key)
+        if meta is None or not self.backends.store.has(meta.digest):
+            return None
+        result = Resolution("hit", key, recipe.base_key(), meta, recipe, 0.0)
+        self._audit(recipe, context, route, started, "hit", result=result)
         return result.to_dict()
 
     def resolve_or_error(
@@ -137,11 +153,14 @@ class ServerState:
     ) -> None:
         meta = result.artifact if result is not None else None
         saved = meta.compile_seconds if meta is not None and outcome in ("hit", "waited") else 0.0
-        self.audit.record(
-            AuditRecord(
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        who = context.model_dump()
+
+        def make() -> AuditRecord:
+            return AuditRecord(
                 outcome=outcome,
                 route=route,
-                latency_ms=(time.perf_counter() - started) * 1000.0,
+                latency_ms=latency_ms,
                 recipe_key=recipe.key(),
                 base_key=recipe.base_key(),
                 digest=meta.digest if meta is not None else None,
@@ -150,9 +169,15 @@ class ServerState:
                 toolchain=recipe.toolchain,
                 error=error,
                 compile_seconds_saved=saved,
-                **context.model_dump(),
+                **who,
             )
-        )
+
+        if outcome == "hit" and meta is not None:
+            # Repeated hits of one recipe by one caller become one counted row per flush.
+            tally = (route, recipe.key(), meta.digest, *who.values())
+            self.audit.tally(tally, make, latency_ms, saved)
+        else:
+            self.audit.record(make())
 
     # ------------------------------------------------------------------ the fetch path
     def warm_artifact(self, recipe_key: str) -> ArtifactMeta | None:

@@ -109,3 +109,27 @@ def test_a_changed_include_set_file_is_never_served_from_memory(
         (library / "scale.h").write_text("#define SCALE 3\n")
         stale = client.get(f"/v1/recipes/{key}/artifact")
     assert stale.status_code == 404 and "include-set files that have changed" in stale.json()["detail"]
+
+
+def test_warm_resolve_hits_still_notice_a_lost_blob_and_an_edited_include_set(
+    make_settings: Any, serve: Any, tmp_path: Path
+) -> None:
+    library = tmp_path / "lib2"
+    library.mkdir()
+    (library / "v.h").write_text("#define V 1\n")
+    server = serve(make_settings(include_sets={"lib": library}))
+    recipe = {
+        "source": f'// {unique()}\n#include <v.h>\nextern "C" __global__ void k(int* o) {{ o[0] = V; }}',
+        "target": "sm_80",
+        "include_sets": ["lib"],
+    }
+    with server.client() as client:
+        first = client.post("/v1/resolve", json={"recipe": recipe}).json()
+        assert first["status"] == "compiled"
+        assert client.post("/v1/resolve", json={"recipe": recipe}).json()["status"] == "hit"
+        server.state.backends.store.delete(first["artifact"]["digest"])  # gc'd, or lost
+        again = client.post("/v1/resolve", json={"recipe": recipe}).json()
+        assert again["status"] == "compiled" and again["artifact"]["digest"] == first["artifact"]["digest"]
+        (library / "v.h").write_text("#define V 2\n")
+        edited = client.post("/v1/resolve", json={"recipe": recipe}).json()
+    assert edited["status"] == "compiled" and edited["artifact"]["digest"] != first["artifact"]["digest"]

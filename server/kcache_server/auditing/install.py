@@ -35,10 +35,15 @@ class Auditing:
     retention: RetentionWorker
 
 
-def get_auditing(request: Request) -> Auditing:
+def auditing_of(request: Request) -> Auditing:
     """The app's :class:`Auditing`."""
     auditing: Auditing = request.app.state.auditing
     return auditing
+
+
+async def get_auditing(request: Request) -> Auditing:
+    """:func:`auditing_of` as a dependency (async: FastAPI runs sync dependencies on threads)."""
+    return auditing_of(request)
 
 
 def _store_sampler(db: sa.Engine, metrics: ServerMetrics) -> Any:

@@ -17,17 +17,22 @@ __all__ = ["ERRORS", "Reader", "State", "caller", "get_state", "require_read"]
 _bearer = HTTPBearer(auto_error=False, description="a token from `kcache token create`")
 
 
-def get_state(request: Request) -> ServerState:
+def state_of(request: Request) -> ServerState:
     """The per-process :class:`ServerState`."""
     state: ServerState = request.app.state.kcache
     return state
+
+
+async def get_state(request: Request) -> ServerState:
+    """:func:`state_of` as a dependency (async: FastAPI runs sync dependencies on threads)."""
+    return state_of(request)
 
 
 async def caller(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Principal:
     """The principal behind the request's bearer token (raises 401 when one is needed)."""
-    state = get_state(request)
+    state = state_of(request)
     header = request.headers.get("authorization")
     principal = state.tokens.authenticate_cached(header)
     if principal is None:  # the database must answer: off the event loop

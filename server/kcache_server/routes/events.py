@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from kcache_server.auditing.events import EventBatch, IngestResult, check_batch, ingest_events
-from kcache_server.auditing.install import get_auditing
+from kcache_server.auditing.install import auditing_of
 from kcache_server.routes._deps import ERRORS, Reader, State
 
 router = APIRouter(prefix="/v1/events", tags=["audit"])
@@ -14,7 +14,7 @@ router = APIRouter(prefix="/v1/events", tags=["audit"])
 @router.post("", response_model=IngestResult, responses=ERRORS)
 async def post_events(body: EventBatch, request: Request, _: Reader, state: State) -> IngestResult:
     """Record a batch of client events in one transaction (all of it, or none on an error)."""
-    auditing = get_auditing(request)
+    auditing = auditing_of(request)
     check_batch(
         body.events,
         max_events=auditing.settings.max_events_per_batch,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kcache_server.auditing.install import get_auditing
+from kcache_server.auditing.install import auditing_of
 from kcache_server.metrics import CONTENT_TYPE_LATEST
 from kcache_server.routes._deps import ERRORS, Reader, State
 
@@ -19,5 +19,5 @@ router = APIRouter(tags=["metrics"])
 )
 async def metrics(request: Request, _: Reader, state: State) -> Response:
     """The process's metrics; gauges (compile pool, store size) are sampled now."""
-    body = await state.run(get_auditing(request).metrics.render)
+    body = await state.run(auditing_of(request).metrics.render)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

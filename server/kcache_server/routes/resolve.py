@@ -28,7 +28,9 @@ async def resolve(
     if body.compile:
         principal.require("compile", "a resolve with compile true")
     recipe = prepare_recipe(body.recipe, state.backends)
-    result = await state.run(state.resolve, recipe, body.compile, body.context, "resolve")
+    result = state.resolve_warm(recipe, body.context, "resolve") or await state.run(
+        state.resolve, recipe, body.compile, body.context, "resolve"
+    )
     return JSONResponse(result)
 
 
@@ -53,7 +55,9 @@ async def resolve_batch(
             results[i] = {"status": "error", **error_body(exc)}
 
     async def one(i: int, recipe: Recipe) -> None:
-        results[i] = await state.run(state.resolve_or_error, recipe, body.compile, body.context, "batch")
+        results[i] = state.resolve_warm(recipe, body.context, "batch") or await state.run(
+            state.resolve_or_error, recipe, body.compile, body.context, "batch"
+        )
 
     async with anyio.create_task_group() as group:
         for i, recipe in prepared:
