@@ -241,31 +241,21 @@ class Recipe:
     def key_material(self, *, with_header_contents: bool = True) -> dict[str, Any]:
         """The canonical object hashed into the keys."""
         self._require_resolved()
-        headers: Any = self.header_hashes() if with_header_contents else sorted(self.headers)
-        return {
-            "schema": KEY_SCHEMA,
-            "source": self.source,
-            "name": self.name,
-            "headers": headers,
-            "flags": list(self.flags),
-            "target": self.target,
-            "output": self.output,
-            "name_expressions": list(self.name_expressions),
-            "specialization": {
-                k: list(v) if isinstance(v, tuple) else v for k, v in self.specialization.items()
-            },
+        material = self.to_dict()  # every field, so a new field cannot be left out of the keys
+        material.update(
+            schema=KEY_SCHEMA,
+            headers=self.header_hashes() if with_header_contents else sorted(self.headers),
             # Nested recipes enter with their full key: manifests match outer headers only.
-            "link": [
+            link=[
                 {"recipe_key": item.recipe.key()}
                 if item.recipe is not None
                 else {"digest": item.digest}
                 for item in self.link
             ],
-            "lto": self.lto,
-            "toolchain": self.toolchain,
-            "include_sets": list(self.include_sets),
-            "kind": "recipe" if with_header_contents else "base",
-        }
+            toolchain=self.toolchain,
+            kind="recipe" if with_header_contents else "base",
+        )
+        return material
 
     def key(self) -> str:
         """``recipe_key``: sha256 of the canonical JSON of everything, headers by their hash."""
