@@ -138,10 +138,11 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from kcache.index.file import FileIndex
-    from kcache.maintenance import verify_store
+    from kcache.maintenance import check_file_indexed, verify_store
     from kcache.store.local import LocalArtifactStore
 
     root = data_dir(args.data_dir)
+    check_file_indexed(root)
     report = verify_store(LocalArtifactStore(root), FileIndex(root))
     print(
         json.dumps(
@@ -153,10 +154,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     from kcache.index.file import FileIndex
-    from kcache.maintenance import collect_garbage
+    from kcache.maintenance import check_file_indexed, collect_garbage
     from kcache.store.local import LocalArtifactStore
 
     root = data_dir(args.data_dir)
+    check_file_indexed(root)
     report = collect_garbage(LocalArtifactStore(root), FileIndex(root), grace_seconds=args.grace)
     print(json.dumps(vars(report)))
     return 0

@@ -12,12 +12,16 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from kcache.errors import CorruptArtifactError
+from kcache.errors import CorruptArtifactError, KCacheError
 from kcache.index.file import FileIndex
 from kcache.store.local import LocalArtifactStore
 
-__all__ = ["GcReport", "VerifyReport", "collect_garbage", "verify_store"]
+__all__ = ["GcReport", "VerifyReport", "check_file_indexed", "collect_garbage", "verify_store"]
+
+#: A server's data directory holds its SQLite database under this name.
+_SERVER_DB = "kcache.db"
 
 
 @dataclass
@@ -41,6 +45,21 @@ class GcReport:
     temp_files: int = 0
     blobs: int = 0
     bytes_freed: int = 0
+
+
+def check_file_indexed(root: Path) -> None:
+    """Refuse a directory whose blobs are indexed elsewhere (a server's SQL database).
+
+    Garbage collection keeps only blobs that the JSON index names; run on a server's
+    data directory it would see no references and delete the whole store.
+    """
+    if (root / _SERVER_DB).exists() or (
+        (root / "blobs").is_dir() and not (root / "index").is_dir()
+    ):
+        raise KCacheError(
+            f"{root} is a kcache server's data directory (its index is in SQL, not in {root}/index); "
+            "`kcache gc`/`verify` here work on CLI and client-tier directories only"
+        )
 
 
 def _indexed_digests(index: FileIndex) -> set[str]:

@@ -62,3 +62,17 @@ def test_doctor_reports_the_toolchain(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout
     report = json.loads(result.stdout)
     assert report["cuda_fp16.h"] is True and "sm_90" in report["toolchain"]["targets"]
+
+
+def test_gc_refuses_a_server_data_directory(tmp_path: Path) -> None:
+    server_dir = tmp_path / "server"
+    (server_dir / "blobs" / "ab" / "cd").mkdir(parents=True)
+    blob = server_dir / "blobs" / "ab" / "cd" / ("ab" + "cd" + "0" * 60)
+    blob.write_bytes(b"indexed in SQL")
+    (server_dir / "kcache.db").write_bytes(b"")
+    past = time.time() - 7200
+    os.utime(blob, (past, past))
+    for command in ("gc", "verify"):
+        result = _run(command, "--data-dir", str(server_dir))
+        assert result.returncode == 2 and "server's data directory" in result.stderr
+    assert blob.exists()  # nothing was collected
