@@ -154,12 +154,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     from kcache.index.file import FileIndex
-    from kcache.maintenance import check_file_indexed, collect_garbage
+    from kcache.maintenance import check_file_indexed, collect_garbage, file_index_references
     from kcache.store.local import LocalArtifactStore
 
     root = data_dir(args.data_dir)
     check_file_indexed(root)
-    report = collect_garbage(LocalArtifactStore(root), FileIndex(root), grace_seconds=args.grace)
+    referenced = file_index_references(FileIndex(root))
+    report = collect_garbage(LocalArtifactStore(root), referenced, grace_seconds=args.grace)
     print(json.dumps(vars(report)))
     return 0
 

@@ -18,7 +18,14 @@ from kcache.errors import CorruptArtifactError, KCacheError
 from kcache.index.file import FileIndex
 from kcache.store.local import LocalArtifactStore
 
-__all__ = ["GcReport", "VerifyReport", "check_file_indexed", "collect_garbage", "verify_store"]
+__all__ = [
+    "GcReport",
+    "VerifyReport",
+    "check_file_indexed",
+    "collect_garbage",
+    "file_index_references",
+    "verify_store",
+]
 
 #: A server's data directory holds its SQLite database under this name.
 _SERVER_DB = "kcache.db"
@@ -79,21 +86,30 @@ def verify_store(store: LocalArtifactStore, index: FileIndex) -> VerifyReport:
     return report
 
 
-def collect_garbage(
-    store: LocalArtifactStore, index: FileIndex, *, grace_seconds: float = 3600.0
-) -> GcReport:
-    """Remove old staging files and old blobs that no index record names."""
-    report = GcReport()
-    for path in store.stale_temp_files(grace_seconds):
-        report.bytes_freed += path.stat().st_size
-        path.unlink(missing_ok=True)
-        report.temp_files += 1
+def file_index_references(index: FileIndex) -> set[str]:
+    """Every digest a JSON index names (artifact records and manifest entries)."""
     referenced = _indexed_digests(index)
     for manifest in (index.root / "manifests").glob("*/*.json"):
         try:
             referenced.update(e["digest"] for e in json.loads(manifest.read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    return referenced
+
+
+def collect_garbage(
+    store: LocalArtifactStore, referenced: set[str], *, grace_seconds: float = 3600.0
+) -> GcReport:
+    """Remove old staging files and old blobs whose digest is not in ``referenced``.
+
+    ``referenced`` comes from whichever index owns the store: the JSON files
+    (:func:`file_index_references`) or a server's SQL database.
+    """
+    report = GcReport()
+    for path in store.stale_temp_files(grace_seconds):
+        report.bytes_freed += path.stat().st_size
+        path.unlink(missing_ok=True)
+        report.temp_files += 1
     cutoff = time.time() - grace_seconds
     for digest in list(store.digests()):
         if digest in referenced:

@@ -79,6 +79,24 @@ def _cmd_db_current(args: argparse.Namespace) -> int:
     return 0 if have == need else 1
 
 
+def _cmd_db_gc(args: argparse.Namespace) -> int:
+    from kcache.maintenance import collect_garbage
+    from kcache.store.local import LocalArtifactStore
+    from kcache_server import migrate
+    from kcache_server.backends import open_settings_database
+    from kcache_server.index import SqlIndex
+
+    settings = _settings(args)
+    db = open_settings_database(settings)
+    migrate.check_schema(db, settings.database_url)
+    # Blobs are published before their row is committed: the grace period keeps a
+    # blob whose compile is still recording it.
+    referenced = SqlIndex(db).digests()
+    report = collect_garbage(LocalArtifactStore(settings.data_dir), referenced, grace_seconds=args.grace)
+    print(json.dumps(vars(report)))
+    return 0
+
+
 def _tokens(args: argparse.Namespace) -> Any:
     from kcache_server import migrate
     from kcache_server.auth import TokenStore
@@ -134,6 +152,10 @@ def register(subparsers: Any) -> None:
     current = db_sub.add_parser("current", help="show the schema revision; exit 1 if out of date")
     _add_db_options(current)
     current.set_defaults(func=_cmd_db_current)
+    gc = db_sub.add_parser("gc", help="remove store blobs no artifact row names, and stale staging files")
+    _add_db_options(gc)
+    gc.add_argument("--grace", type=float, default=3600.0, help="only touch files older than this (s)")
+    gc.set_defaults(func=_cmd_db_gc)
 
     token = subparsers.add_parser("token", help="manage bearer tokens")
     token_sub = token.add_subparsers(dest="token_command", required=True)

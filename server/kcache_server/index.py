@@ -91,6 +91,11 @@ class SqlIndex:
             return CompileFailure(neg.recipe_key, neg.log, neg.created_at.timestamp())
         return None
 
+    def digests(self) -> set[str]:
+        """Every digest an artifact row names (what garbage collection must keep)."""
+        with self.engine.connect() as conn:
+            return set(conn.execute(sa.select(_artifacts.c.digest)).scalars())
+
     def artifact(self, digest: str) -> ArtifactMeta | None:
         """Metadata by digest."""
         _check(digest)
