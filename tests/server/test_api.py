@@ -116,7 +116,8 @@ def test_64_concurrent_identical_requests_compile_once(make_settings: Any, serve
     server.state.audit.flush()
     key = responses[0].json()["recipe_key"]
     assert len(audit_rows(settings.database_url, recipe_key=key, outcome="compiled")) == 1
-    assert len(audit_rows(settings.database_url, recipe_key=key)) == 64
+    # Every request is one lookup; identical hits may share a row whose count says how many.
+    assert sum(row.count for row in audit_rows(settings.database_url, recipe_key=key)) == 64
 
 
 def test_batch_compiles_misses_and_reports_each_result(make_settings: Any, serve: Any) -> None:
