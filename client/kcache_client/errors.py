@@ -129,6 +129,12 @@ class WarmupError(ClientError):
         leader: int = 0,
     ) -> None:
         super().__init__(message)
+        self._set_fields(message, kind, recipe_key, log, leader)
+
+    def _set_fields(
+        self, message: str, kind: str, recipe_key: str | None, log: str, leader: int
+    ) -> None:
+        self.args = (message,)
         self.message = message
         self.kind = kind
         self.recipe_key = recipe_key
@@ -174,12 +180,10 @@ class WarmupCompileError(WarmupError, CompileError):
         log: str = "",
         leader: int = 0,
     ) -> None:
+        # CompileError's constructor takes (recipe_key, log), not a message: call it
+        # directly, then set the warmup fields as WarmupError does.
         CompileError.__init__(self, recipe_key, log or message)
-        self.args = (message,)
-        self.message = message
-        self.kind = kind
-        self.log = log
-        self.leader = leader
+        self._set_fields(message, kind, recipe_key, log, leader)
 
 
 class WarmupTimeoutError(WarmupError, TimeoutError):
