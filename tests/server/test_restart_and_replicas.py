@@ -67,12 +67,10 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
     raise AssertionError(f"{url} did not become ready")
 
 
-@pytest.mark.postgres
-def test_two_replicas_sharing_postgres_compile_each_recipe_once(tmp_path: Path, pg_url: str) -> None:
-    upgrade(pg_url)
-    data_dir = tmp_path / "shared-data"
+def _two_replicas_compile_each_recipe_once(data_dir: Path, db_url: str) -> None:
+    upgrade(db_url)
     ports = [free_port(), free_port()]
-    processes = [_start(port, data_dir, pg_url) for port in ports]
+    processes = [_start(port, data_dir, db_url) for port in ports]
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         for url, process in zip(urls, processes, strict=True):
@@ -98,7 +96,19 @@ def test_two_replicas_sharing_postgres_compile_each_recipe_once(tmp_path: Path, 
         for process in processes:
             process.wait(timeout=30)
     # The audit trail (flushed on shutdown) agrees: 20 compiles, 40 answers, no errors.
-    rows = audit_rows(pg_url)
+    rows = audit_rows(db_url)
     keys = {r.recipe_key for r in rows if r.outcome == "compiled"}
     assert len([r for r in rows if r.outcome == "compiled"]) == 20 and len(keys) == 20
     assert sum(r.count for r in rows) == 40 and not [r for r in rows if r.outcome == "error"]
+
+
+@pytest.mark.postgres
+def test_two_replicas_sharing_postgres_compile_each_recipe_once(tmp_path: Path, pg_url: str) -> None:
+    _two_replicas_compile_each_recipe_once(tmp_path / "shared-data", pg_url)
+
+
+def test_two_processes_sharing_sqlite_compile_each_recipe_once(tmp_path: Path) -> None:
+    """On the embedded default the cooperating-writer lock is a file lock in the data dir."""
+    data_dir = tmp_path / "shared-data"
+    data_dir.mkdir()
+    _two_replicas_compile_each_recipe_once(data_dir, f"sqlite:///{data_dir / 'kcache.db'}")
