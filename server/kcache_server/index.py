@@ -48,20 +48,13 @@ def _deps(data: Sequence[dict[str, str]]) -> tuple[Dependency, ...]:
 
 
 def _meta(row: sa.Row[Any]) -> ArtifactMeta:
-    return ArtifactMeta(
-        digest=row.digest,
-        size=row.size,
-        kind=row.kind,
-        target=row.target,
-        toolchain=row.toolchain,
-        lowered_names=dict(row.lowered_names),
-        compile_seconds=row.compile_seconds,
-        log=row.log,
-        dependencies=_deps(row.dependencies),
-        dependencies_exact=row.dependencies_exact,
-        kernel=row.kernel,
-        created_at=row.created_at.timestamp(),
-    )
+    # The artifacts table mirrors ArtifactMeta's JSON form, timestamps aside, so one
+    # conversion (ArtifactMeta.from_dict/to_dict) serves both directions.
+    return ArtifactMeta.from_dict({**row._mapping, "created_at": row.created_at.timestamp()})
+
+
+def _artifact_row(meta: ArtifactMeta) -> dict[str, Any]:
+    return {**meta.to_dict(), "created_at": _stamp(meta.created_at)}
 
 
 class SqlIndex:
@@ -127,20 +120,7 @@ class SqlIndex:
         with self.engine.begin() as conn:
             conn.execute(
                 self._insert(_artifacts)
-                .values(
-                    digest=meta.digest,
-                    size=meta.size,
-                    kind=meta.kind,
-                    target=meta.target,
-                    toolchain=meta.toolchain,
-                    kernel=meta.kernel,
-                    lowered_names=dict(meta.lowered_names),
-                    compile_seconds=meta.compile_seconds,
-                    log=meta.log,
-                    dependencies=deps,
-                    dependencies_exact=meta.dependencies_exact,
-                    created_at=_stamp(meta.created_at),
-                )
+                .values(**_artifact_row(meta))
                 .on_conflict_do_nothing(index_elements=["digest"])
             )
             upsert = self._insert(_manifests).values(
