@@ -1,7 +1,7 @@
 """Shared pieces of the benchmarks: ports, a real kcache server, wrk, JSON lines.
 
 Every figure is a ratio against an anchor measured in the same run on the same
-machine (BENCHMARKS.md); nothing here asserts a time.
+machine (bench/README.md); nothing here asserts a time.
 """
 
 from __future__ import annotations
