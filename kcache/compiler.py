@@ -1,7 +1,32 @@
 """Compiling a recipe with NVRTC, and linking with nvJitLink.
 
 This is the only module that talks to NVRTC and nvJitLink. Vendor errors are
-translated here into :class:`CompileError` carrying the full log.
+translated here into :class:`CompileError` carrying the compiler's log.
+
+A compile reads exactly its inputs (see :mod:`kcache.deps`):
+
+- NVRTC runs with ``-no-source-include``, so a quoted include is never looked up
+  next to the program name, which for an in-memory program means the compiling
+  process's working directory. (In-process compiles cannot ``chdir`` into a scratch
+  directory in a threaded process; server workers do that as well, see
+  ``kcache_server._worker``.)
+- After a successful compile every file in the dependency trace must be an input,
+  otherwise :class:`UnlistedIncludeError`; nothing is stored.
+- NVRTC writes no trace when the compile fails, so the log is read instead: a message
+  located in a file that is not an input, or "cannot open source file", refuses the
+  recipe with the same :class:`UnlistedIncludeError` whether the file exists or not
+  (a missing file, an unreadable one and one read from the host look the same).
+- The log a caller gets (and a negative entry keeps) holds NVRTC's messages about the
+  recipe's own files and the bundled headers only, with the compiling host's
+  directories replaced by ``<nvrtc>/`` and ``<set>:``; other messages are counted,
+  not shown.
+- ``__has_include`` answers by opening a file but leaves no trace event, so the
+  recipe's own text may use it only with a literal, relative operand without ``..``;
+  anything else (an absolute path, an escape, a computed operand) is refused before
+  compiling. Token pasting can still build the operator where no text scan sees it:
+  in an unconfined compile that leaves an existence oracle, which the Landlock
+  confinement of server workers closes (a file outside the allowed roots cannot be
+  opened, so it answers false like a missing one).
 """
 
 from __future__ import annotations
@@ -13,16 +38,33 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kcache.artifact import CompileOutput
-from kcache.deps import dependencies_from_trace
+from kcache.deps import CompileInputs, dependencies_from_trace
 from kcache.elf import validate_cubin
-from kcache.errors import CompileError, RecipeError, ToolchainError
+from kcache.errors import CompileError, RecipeError, ToolchainError, UnlistedIncludeError
 from kcache.include_sets import IncludeSets
 from kcache.recipe import Recipe
 from kcache.toolchain import Toolchain
 
-__all__ = ["compile_recipe", "kernel_name"]
+__all__ = ["check_has_include", "compile_recipe", "kernel_name", "recipe_log"]
 
 _GLOBAL_RE = re.compile(r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)")
+
+# NVRTC's log: "<file>(<line>): <severity>...", indented continuation lines (the source
+# line, the caret, "detected during ..."), and a few fixed lines.
+_MESSAGE_RE = re.compile(
+    r"^(?P<file>.+?)\((?P<line>\d+)\): (?P<text>(?:catastrophic error|error|warning|remark|note)\b.*)$"
+)
+_END_OF_SOURCE_RE = re.compile(r"^At end of source: ")
+_FIXED_LINE_RE = re.compile(
+    r"^(?:\d+ (?:catastrophic )?errors? detected in the compilation of \"(?P<program>.*)\"\."
+    r"|Compilation terminated\."
+    r"|Remark: The warnings can be suppressed with \"-diag-suppress <warning-number>\""
+    r"|nvrtc: (?:error|warning): .*)$"
+)
+_CANNOT_OPEN_RE = re.compile(r"cannot open (?:source|include) file \"(?P<name>.*)\"")
+_HAS_INCLUDE_RE = re.compile(r"\b__has_include\w*")
+_LITERAL_OPERAND_RE = re.compile(r'\s*\(\s*(?:"(?P<quoted>[^"\n]*)"|<(?P<angled>[^>\n]*)>)\s*\)')
+_DEFINED_BEFORE_RE = re.compile(r"(?:\bdefined\s*\(?|#\s*(?:ifdef|ifndef|elifdef|elifndef))\s*$")
 
 
 def kernel_name(recipe: Recipe) -> str:
@@ -58,6 +100,99 @@ def _program_log(prog: object) -> str:
         .rstrip(b"\x00")
         .decode("utf-8", "replace")
     )
+
+
+def _escapes(path: str) -> bool:
+    return path.startswith("/") or "\\" in path or ".." in path.split("/")
+
+
+def check_has_include(recipe: Recipe) -> None:
+    """Refuse ``__has_include`` uses in the recipe's text that could test files outside its inputs.
+
+    Allowed: a literal, relative operand without ``..`` (it is looked up among the
+    in-memory headers and the ``-I`` directories, all inputs), and ``defined``/``#ifdef``
+    tests of the operator itself. Refused: an absolute or escaping operand
+    (:class:`UnlistedIncludeError`), and a computed one or an alias of the operator
+    (:class:`RecipeError`), since no text scan can tell where those point.
+    """
+    texts = [("source", recipe.source)]
+    texts += [(f'headers["{name}"]', text) for name, text in recipe.headers.items()]
+    for field, text in texts:
+        for match in _HAS_INCLUDE_RE.finditer(text):
+            operand = _LITERAL_OPERAND_RE.match(text, match.end())
+            if operand is not None:
+                path = operand.group("quoted")
+                path = operand.group("angled") if path is None else path
+                if _escapes(path):
+                    raise UnlistedIncludeError(path, field)
+                continue
+            if _DEFINED_BEFORE_RE.search(text, max(0, match.start() - 64), match.start()):
+                continue
+            raise RecipeError(
+                field,
+                f"{match.group(0)} needs a string or <...> literal naming a header by a relative "
+                "path; a computed operand or an alias of the operator could test for files "
+                "outside the recipe's inputs",
+            )
+
+
+def recipe_log(log: str, inputs: CompileInputs) -> tuple[str, list[str]]:
+    """NVRTC's ``log`` reduced to messages about the recipe's inputs, and the includes it names
+    that are not inputs (as written, in order).
+
+    A message located in a file that is no input is dropped (with its continuation
+    lines) and its file counted as an unlisted include; so is the target of "cannot
+    open source file". Lines of no known form are dropped too. Kept lines show the
+    bundled headers as ``<nvrtc>/...`` and set files as ``<set>:...``, never a
+    directory of the compiling host. A last line says how many messages were dropped.
+    """
+    replacements = sorted(inputs.display_prefixes().items(), key=lambda kv: -len(kv[0]))
+    kept: list[str] = []
+    unlisted: list[str] = []
+    dropped = 0
+    keeping = False
+    # split("\n") and not splitlines(): a form feed or other separator in a quoted
+    # source line must not start a line of its own that escapes its message.
+    for line in log.split("\n"):
+        if not line.strip():
+            continue
+        if line[0] in " \t":
+            if keeping:
+                kept.append(_rewrite(line, replacements))
+            continue
+        match = _MESSAGE_RE.match(line)
+        if match is not None:
+            origin = inputs.origin(match.group("file"))
+            keeping = origin is not None
+            if origin is None:
+                unlisted.append(inputs.as_written(match.group("file")))
+                dropped += 1
+                continue
+            opened = _CANNOT_OPEN_RE.search(match.group("text"))
+            if opened is not None:
+                unlisted.append(opened.group("name"))
+            kept.append(
+                f"{origin.display}({match.group('line')}): {_rewrite(match.group('text'), replacements)}"
+            )
+            continue
+        fixed = _FIXED_LINE_RE.match(line)
+        keeping = _END_OF_SOURCE_RE.match(line) is not None
+        if keeping or (fixed is not None and fixed.group("program") in (None, inputs.program)):
+            kept.append(_rewrite(line, replacements))
+        else:
+            dropped += 1
+    if dropped:
+        kept.append(
+            f"({dropped} compiler message{'s' if dropped != 1 else ''} about files outside the "
+            "recipe's inputs left out)"
+        )
+    return "\n".join(kept), unlisted
+
+
+def _rewrite(line: str, replacements: list[tuple[str, str]]) -> str:
+    for prefix, shown in replacements:
+        line = line.replace(prefix, shown)
+    return line
 
 
 def _link(recipe: Recipe, own_ltoir: bytes, link_inputs: Sequence[bytes]) -> tuple[bytes, str]:
@@ -121,6 +256,10 @@ def compile_recipe(
     set_dirs = [
         include_sets.get(name, f"include_sets[{i}]") for i, name in enumerate(recipe.include_sets)
     ]
+    check_has_include(recipe)
+    inputs = CompileInputs(
+        recipe.name, recipe.headers, recipe.include_sets, include_sets, toolchain.include_dir
+    )
     wants_ltoir = recipe.lto or recipe.output == "ltoir"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kcache-trace-") as trace_dir:
@@ -128,6 +267,9 @@ def compile_recipe(
         options = [
             f"-arch={target.text}",
             *(["-dlto"] if wants_ltoir else []),
+            # Never look next to the program name: for an in-memory program that is the
+            # working directory, which is no input of the recipe.
+            "-no-source-include",
             *toolchain.include_flags,
             *(f"-I{item.root}" for item in set_dirs),
             *recipe.macro_flags(),
@@ -152,9 +294,14 @@ def compile_recipe(
                         "name_expressions", f"NVRTC refused the name expression {expr!r}"
                     )
             result = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
-            log = _program_log(prog)
+            log, unlisted = recipe_log(_program_log(prog), inputs)
+            if unlisted:
+                raise UnlistedIncludeError(unlisted[0])
             if not _ok(result):
                 raise CompileError(None, log or f"NVRTC failed with {result[0]!r} and no log")
+            # Before anything is read out: a compile that read a file outside its inputs
+            # must not produce an artifact.
+            deps = dependencies_from_trace(trace_base.with_suffix(".json"), inputs)
             lowered: dict[str, str] = {}
             for expr in recipe.name_expressions:
                 res = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
@@ -169,13 +316,6 @@ def compile_recipe(
                 data = _get_bytes(prog, nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
-        deps, exact = dependencies_from_trace(
-            trace_base.with_suffix(".json"),
-            dict(recipe.headers),
-            recipe.include_sets,
-            include_sets,
-            toolchain.include_dir,
-        )
     if recipe.lto:
         data, link_log = _link(recipe, data, link_inputs)
         log = "\n".join(part for part in (log, link_log) if part.strip())
@@ -190,6 +330,6 @@ def compile_recipe(
         log=log,
         lowered_names=lowered,
         dependencies=deps,
-        dependencies_exact=exact,
+        dependencies_exact=True,  # every file the compile read is attributed, or it was refused
         compile_seconds=time.perf_counter() - started,
     )

@@ -1,36 +1,49 @@
-"""Dependencies: which headers a compile actually read, and whether a recipe still matches them.
+"""Dependencies: which files a compile read, each attributed to one of the recipe's inputs.
 
-NVRTC has no ``-M``. Its ``--fdevice-time-trace`` JSON has one "Processing Header
-File" event per header it opened, nested ones included, in-memory headers under
-their include names and files under their paths. That list is exact. If the trace
-is missing or holds a path we cannot attribute, discovery falls back to a safe
-superset (every supplied header and every file of every include set used): it
-may miss the cache, never serve a stale artifact.
+A compile may read exactly its inputs: the source, the in-memory ``headers``, the
+toolchain's bundled headers and the files of the include sets the recipe names.
+:class:`CompileInputs` decides, for a path NVRTC reports, which input it is, or that it
+is none of them.
+
+NVRTC has no ``-M``. Its ``--fdevice-time-trace`` JSON has one "Processing Header File"
+event per header it opened, nested ones included: in-memory headers under their include
+names, files under the path NVRTC opened (an ``-I`` directory joined with the include as
+written, or an absolute path as written). That list is exact, and every entry must be
+attributed: :func:`dependencies_from_trace` refuses the recipe
+(:class:`~kcache.errors.UnlistedIncludeError`) on the first file that is not an input,
+and refuses to record anything when the trace is missing. There is no "superset"
+fallback any more: a dependency list that does not name everything the compile read is
+how a changed working-directory header was once answered with the old artifact.
 
 A dependency is ``(name, sha256)``: ``name`` is the include name of an in-memory
-header, or ``<set>:<relative path>`` for a file of a registered include set (a
-colon never occurs in an include name).
+header, or ``<set>:<relative path>`` for a file of a registered include set (a colon
+never occurs in an include name). Bundled headers are covered by the toolchain id.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kcache.errors import RecipeError, ToolchainError, UnlistedIncludeError
 from kcache.include_sets import IncludeSets
 from kcache.keys import sha256_hex
 
 __all__ = [
+    "BUILTIN_HEADER",
+    "CompileInputs",
     "Dependency",
+    "Origin",
     "dependencies_from_trace",
     "include_set_files_unchanged",
-    "superset_dependencies",
     "unchanged",
 ]
 
-_BUILTIN = "__nv_nvrtc_builtin_header.h"
+#: The header NVRTC injects itself; it is part of the toolchain.
+BUILTIN_HEADER = "__nv_nvrtc_builtin_header.h"
 
 
 @dataclass(frozen=True, order=True)
@@ -43,6 +56,117 @@ class Dependency:
     def to_dict(self) -> dict[str, str]:
         """JSON form."""
         return {"name": self.name, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Which input a path NVRTC reported belongs to.
+
+    ``kind`` is ``source`` (the program itself), ``header`` (an in-memory header),
+    ``set`` (a file of a named include set; ``set_name`` and ``relative`` say which),
+    ``toolchain`` (a bundled header or NVRTC's builtin one). ``display`` is how a
+    compile log shows it: no directory of the compiling host appears there.
+    """
+
+    kind: str
+    display: str
+    set_name: str = ""
+    relative: str = ""
+
+
+def _strictly_inside(path: str, root: str) -> str | None:
+    """``path`` relative to ``root`` when it lies strictly below it, else None."""
+    if path.startswith(root + "/") and len(path) > len(root) + 1:
+        return path[len(root) + 1 :]
+    return None
+
+
+class CompileInputs:
+    """The inputs of one compile, and the attribution of paths NVRTC reports to them."""
+
+    def __init__(
+        self,
+        program: str,
+        headers: Mapping[str, str],
+        set_names: Iterable[str],
+        include_sets: IncludeSets,
+        toolchain_include: Path,
+    ) -> None:
+        self.program = program
+        self.headers = headers
+        self.include_sets = include_sets
+        self.sets = [include_sets.get(name) for name in dict.fromkeys(set_names)]
+        # NVRTC reports files under the -I directory as given; symlinks are resolved separately.
+        self._toolchain_given = os.path.normpath(toolchain_include)
+        self._toolchain_real = os.path.realpath(toolchain_include)
+        # -I directories, longest first, to show an include as it was written.
+        self._search_dirs = sorted(
+            {self._toolchain_given, os.path.join(self._toolchain_given, "cccl")}
+            | {str(item.root) for item in self.sets},
+            key=len,
+            reverse=True,
+        )
+
+    def display_prefixes(self) -> dict[str, str]:
+        """Directory prefixes of the compiling host -> how a compile log shows them."""
+        shown = {self._toolchain_given + "/": "<nvrtc>/", self._toolchain_real + "/": "<nvrtc>/"}
+        shown.update({f"{item.root}/": f"{item.name}:" for item in self.sets})
+        return shown
+
+    def as_written(self, path: str) -> str:
+        """``path`` with the ``-I`` directory NVRTC joined it to removed: the include as written."""
+        for directory in self._search_dirs:
+            rest = _strictly_inside(path, directory)
+            if rest is not None:
+                return rest
+        return path
+
+    def origin(self, path: str) -> Origin | None:
+        """The input ``path`` (as NVRTC reports it) belongs to, or None when it is none of them.
+
+        A file of an include set must lie strictly inside the set's root both as
+        written and after resolving symlinks, so neither ``..`` nor a link that
+        points out of the root (nor an absolute path to a link that points into it)
+        is attributed to the set.
+        """
+        if path == BUILTIN_HEADER:
+            return Origin("toolchain", path)
+        if path in self.headers:
+            return Origin("header", path)
+        if path == self.program:
+            return Origin("source", path)
+        if not path.startswith("/"):
+            return None  # a relative path that no input has: read from the working directory
+        lexical = os.path.normpath(path)
+        resolved = os.path.realpath(path)
+        inside = _strictly_inside(lexical, self._toolchain_given)
+        if inside is None:
+            inside = _strictly_inside(lexical, self._toolchain_real)
+        if inside is not None and _strictly_inside(resolved, self._toolchain_real) is not None:
+            return Origin("toolchain", f"<nvrtc>/{inside}")
+        for item in self.sets:
+            root = str(item.root)
+            if _strictly_inside(lexical, root) is None:
+                continue
+            relative = _strictly_inside(resolved, root)
+            if relative is not None:
+                return Origin("set", f"{item.name}:{relative}", item.name, relative)
+        return None
+
+    def dependency(self, origin: Origin) -> Dependency | None:
+        """The dependency ``origin`` records (None for the program and toolchain files)."""
+        if origin.kind == "header":
+            return Dependency(origin.display, sha256_hex(self.headers[origin.display]))
+        if origin.kind == "set":
+            digest = self.include_sets.file_hash(origin.set_name, origin.relative)
+            if digest is None:
+                raise RecipeError(
+                    "include_sets",
+                    f"{origin.display} changed or vanished while the recipe was compiling; "
+                    "resolve it again",
+                )
+            return Dependency(origin.display, digest)
+        return None
 
 
 def _trace_headers(trace_file: Path) -> list[str] | None:
@@ -58,58 +182,33 @@ def _trace_headers(trace_file: Path) -> list[str] | None:
         for e in events
         if isinstance(e, dict)
         and e.get("name") == "Processing Header File"
-        and "detail" in e.get("args", {})
+        and isinstance(e.get("args"), dict)
+        and "detail" in e["args"]
     ]
 
 
-def superset_dependencies(
-    headers: dict[str, str], set_names: Iterable[str], include_sets: IncludeSets
-) -> tuple[Dependency, ...]:
-    """Every supplied header and every file of every include set used: never too few."""
-    deps = {Dependency(name, sha256_hex(text)) for name, text in headers.items()}
-    for set_name in set_names:
-        for relative in include_sets.get(set_name).all_files():
-            digest = include_sets.file_hash(set_name, relative)
-            if digest is not None:
-                deps.add(Dependency(f"{set_name}:{relative}", digest))
-    return tuple(sorted(deps))
+def dependencies_from_trace(trace_file: Path, inputs: CompileInputs) -> tuple[Dependency, ...]:
+    """The exact dependency list of a successful compile, every file attributed to an input.
 
-
-def dependencies_from_trace(
-    trace_file: Path,
-    headers: dict[str, str],
-    set_names: Iterable[str],
-    include_sets: IncludeSets,
-    toolchain_include: Path,
-) -> tuple[tuple[Dependency, ...], bool]:
-    """The exact dependency list from a trace, and whether it was exact.
-
-    Headers under ``toolchain_include`` are part of the toolchain id, not dependencies.
+    Raises :class:`~kcache.errors.UnlistedIncludeError` for the first file that is
+    not an input (named as written), and :class:`~kcache.errors.ToolchainError` when
+    NVRTC left no readable trace: then nothing about the compile can be trusted.
     """
-    set_names = list(set_names)
     seen = _trace_headers(trace_file)
     if seen is None:
-        return superset_dependencies(headers, set_names, include_sets), False
-    toolchain_root = str(toolchain_include.resolve())
+        raise ToolchainError(
+            "NVRTC wrote no dependency trace for a successful compile, so what it read is "
+            "unknown; nothing was stored (is the compile scratch directory writable?)"
+        )
     deps: set[Dependency] = set()
-    for detail in seen:
-        if detail == _BUILTIN or detail.startswith(toolchain_root + "/"):
-            continue
-        if detail in headers:
-            deps.add(Dependency(detail, sha256_hex(headers[detail])))
-            continue
-        for set_name in set_names:
-            relative = include_sets.get(set_name).relative_name(detail)
-            if relative is not None:
-                digest = include_sets.file_hash(set_name, relative)
-                if digest is None:
-                    return superset_dependencies(headers, set_names, include_sets), False
-                deps.add(Dependency(f"{set_name}:{relative}", digest))
-                break
-        else:
-            # A header we cannot attribute: be conservative rather than wrong.
-            return superset_dependencies(headers, set_names, include_sets), False
-    return tuple(sorted(deps)), True
+    for path in seen:
+        origin = inputs.origin(path)
+        if origin is None:
+            raise UnlistedIncludeError(inputs.as_written(path))
+        dep = inputs.dependency(origin)
+        if dep is not None:
+            deps.add(dep)
+    return tuple(sorted(deps))
 
 
 def unchanged(

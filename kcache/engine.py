@@ -139,13 +139,15 @@ class Engine:
             ):
                 continue
             meta = self.index.artifact(candidate.digest)
-            if meta is not None and self.store.has(meta.digest):
+            if meta is not None and meta.dependencies_exact and self.store.has(meta.digest):
                 self.index.record_alias(key, meta.digest)
                 return meta
         return None
 
     def _usable(self, meta: ArtifactMeta) -> bool:
-        return include_set_files_unchanged(
+        # An artifact whose dependency list may miss a file it read (recorded before every
+        # read was attributed) is never served: a changed file would not be noticed.
+        return meta.dependencies_exact and include_set_files_unchanged(
             meta.dependencies, self.compiler.include_sets
         ) and self.store.has(meta.digest)
 

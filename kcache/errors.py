@@ -4,7 +4,8 @@ Hierarchy::
 
     KCacheError
     ├── RecipeError (ValueError)              bad recipe input; names the field and the limit
-    │   └── UnresolvedRecipeError             target "auto" or no toolchain at keying time
+    │   ├── UnresolvedRecipeError             target "auto" or no toolchain at keying time
+    │   └── UnlistedIncludeError              the compile reached a file that is not a recipe input
     ├── ToolchainError (RuntimeError)         NVRTC/nvJitLink missing or unusable
     ├── CompileError                          NVRTC or nvJitLink rejected the recipe; carries the log
     │   └── CompileTimeoutError (TimeoutError)  the compile ran past its time limit
@@ -31,6 +32,7 @@ __all__ = [
     "RecipeError",
     "StoreFullError",
     "ToolchainError",
+    "UnlistedIncludeError",
     "UnresolvedRecipeError",
 ]
 
@@ -54,6 +56,26 @@ class RecipeError(KCacheError, ValueError):
 
 class UnresolvedRecipeError(RecipeError):
     """The recipe still says ``target="auto"`` or names no toolchain, so it has no key yet."""
+
+
+class UnlistedIncludeError(RecipeError):
+    """An include reached a file that is not one of the recipe's inputs.
+
+    The inputs are the source, the in-memory ``headers``, the toolchain's bundled
+    headers and the include sets the recipe names. ``include`` is the include as
+    written (a path string, never the file's content). The text is the same whether
+    the file exists or not, so the error is no existence oracle.
+    """
+
+    def __init__(self, include: str, field: str = "source") -> None:
+        shown = include if len(include) <= 200 else include[:200] + "..."
+        super().__init__(
+            field,
+            f"#include {shown!r} is not one of the recipe's inputs (the source, `headers`, the "
+            "toolchain's headers and the named include sets); give it in `headers` or register "
+            "an include set",
+        )
+        self.include = include
 
 
 class ToolchainError(KCacheError, RuntimeError):

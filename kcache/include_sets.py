@@ -3,6 +3,12 @@
 Recipes name them (``"include_sets": ["cutlass"]``), never give paths. Files read
 from them are dependencies like in-memory headers; their hashes are memoised by
 ``(size, mtime_ns, ctime_ns, inode)`` so a lookup does not re-read an unchanged tree.
+A file belongs to a set only when it lies strictly inside the root, after resolving
+symlinks: a link in the tree that points elsewhere is not part of the set (a compile
+that reads through it is refused, see :mod:`kcache.deps`). A set's root is an ``-I``
+directory, so its headers include each other by their path from the root (as CUTLASS
+and CCCL do); NVRTC's ``-no-source-include`` turns off the lookup next to the
+including file.
 
 A file's timestamps only move in clock ticks, so an edit made within a tick of the
 hashing can leave every stat field as it was (same size, same mtime). As git does
@@ -13,7 +19,6 @@ older than ``RACY_SECONDS`` before they were hashed; younger ones are re-read.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -38,28 +43,9 @@ class IncludeSet:
     def resolve(self, relative: str) -> Path | None:
         """The file ``relative`` inside this set, or None if it is absent or escapes the root."""
         path = (self.root / relative).resolve()
-        if not path.is_relative_to(self.root) or not path.is_file():
+        if path == self.root or not path.is_relative_to(self.root) or not path.is_file():
             return None
         return path
-
-    def relative_name(self, absolute: str) -> str | None:
-        """``absolute`` as a path relative to this set, or None if it lies elsewhere."""
-        path = Path(os.path.normpath(absolute))
-        try:
-            return path.relative_to(self.root).as_posix()
-        except ValueError:
-            resolved = path.resolve()
-            return (
-                resolved.relative_to(self.root).as_posix()
-                if resolved.is_relative_to(self.root)
-                else None
-            )
-
-    def all_files(self) -> list[str]:
-        """Every file in the set (the conservative dependency list when discovery fails)."""
-        return sorted(
-            p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file()
-        )
 
 
 class IncludeSets:
