@@ -12,7 +12,8 @@ __all__ = ["KEY_SCHEMA", "canonical_json", "is_hex_key", "sha256_hex"]
 #: Bumped whenever the canonical form changes, so old keys never alias new ones.
 KEY_SCHEMA = 1
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# Matched with fullmatch: "$" would also accept a trailing newline.
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def canonical_json(value: Any) -> bytes:
@@ -27,4 +28,4 @@ def sha256_hex(data: bytes | str) -> str:
 
 def is_hex_key(text: str) -> bool:
     """True when ``text`` is exactly 64 lowercase hex digits (a key or digest)."""
-    return bool(_HEX64.match(text))
+    return isinstance(text, str) and _HEX64.fullmatch(text) is not None

@@ -30,6 +30,7 @@ class _Limits:
     flag_chars: int = 4096
     name_expressions: int = 256
     link_inputs: int = 32
+    link_depth: int = 4  # link recipes inside link recipes: bounded, like JSON nesting
     include_sets: int = 8
 
 
@@ -49,19 +50,23 @@ _FIELDS = {
     "toolchain",
     "include_sets",
 }
-_INCLUDE_NAME_RE = re.compile(r"^[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*$")
+# Every pattern here is applied with fullmatch ("$" would accept a trailing newline),
+# with ASCII classes (a Unicode "\d" accepts "٩٠" as 90).
+_INCLUDE_NAME_RE = re.compile(r"[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*")
 # Every rule of check_include_name at once: safe characters, no empty, "." or ".." part.
 _GOOD_INCLUDE_NAME_RE = re.compile(
-    r"^(?!(?:.*/)?\.\.?(?:/|$))(?!.*//)[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*(?<!/)$"
+    r"(?!(?:.*/)?\.\.?(?:/|\Z))(?!.*//)[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*(?<!/)"
 )
-_SET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
-_TOOLCHAIN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+\-]{0,127}$")
+_SET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
+_TOOLCHAIN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]{0,127}")
+# Flags and name expressions are single lines of printable text.
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 # NVRTC options a recipe may carry. Everything else is refused: options that read or
 # write files (-I, PCH, traces, output), options that the recipe's own fields own
 # (-arch is `target`, -dlto is `output`/`lto`), and anything unknown.
 _ALLOWED_FLAGS = re.compile(
-    r"^(?:"
+    r"(?:"
     r"-D\S.*|--define-macro=.+|-U\S+|--undefine-macro=\S+"
     r"|-std=c\+\+(?:03|11|14|17|20)|--std=c\+\+(?:03|11|14|17|20)"
     r"|-G|--device-debug|-lineinfo|--generate-line-info"
@@ -76,7 +81,8 @@ _ALLOWED_FLAGS = re.compile(
     r"|--?diag-(?:suppress|error|warn)=[0-9,]+|--?split-compile=\d{1,2}|-minimal|--minimal"
     r"|-fdevice-syntax-only|--fdevice-syntax-only|--?Ofast-compile=(?:0|min|mid|max)"
     r"|--?modify-stack-limit=(?:true|false)|--?no-source-include"
-    r")$"
+    r")",
+    re.ASCII,
 )
 
 
@@ -142,6 +148,10 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Recipe:
         """Build a recipe from its JSON object; unknown fields are refused."""
+        return cls._from_dict(data, 0)
+
+    @classmethod
+    def _from_dict(cls, data: Mapping[str, Any], depth: int) -> Recipe:
         if not isinstance(data, Mapping):
             raise RecipeError("recipe", "must be a JSON object")
         unknown = sorted(set(data) - _FIELDS)
@@ -155,7 +165,9 @@ class Recipe:
         link = kwargs.get("link", ())
         if not isinstance(link, list | tuple):
             raise RecipeError("link", "must be a list")
-        kwargs["link"] = tuple(_link_from_dict(i, item) for i, item in enumerate(link))
+        if len(link) > LIMITS.link_inputs:
+            raise RecipeError("link", f"at most {LIMITS.link_inputs} inputs")
+        kwargs["link"] = tuple(_link_from_dict(i, item, depth) for i, item in enumerate(link))
         return cls(**kwargs)
 
     @classmethod
@@ -283,13 +295,17 @@ class Recipe:
             )
 
 
-def _link_from_dict(index: int, item: object) -> LinkInput:
+def _link_from_dict(index: int, item: object, depth: int) -> LinkInput:
     field_name = f"link[{index}]"
     if not isinstance(item, Mapping) or len(item) != 1 or not ({"recipe", "digest"} & set(item)):
         raise RecipeError(field_name, 'must be {"recipe": {...}} or {"digest": "<sha256>"}')
     if "recipe" in item:
+        if depth >= LIMITS.link_depth:
+            raise RecipeError(
+                f"{field_name}.recipe", f"link recipes nest at most {LIMITS.link_depth} deep"
+            )
         try:
-            return LinkInput(recipe=Recipe.from_dict(item["recipe"]))
+            return LinkInput(recipe=Recipe._from_dict(item["recipe"], depth + 1))
         except RecipeError as exc:
             raise RecipeError(f"{field_name}.{exc.field}", exc.detail) from exc
     return LinkInput(digest=item["digest"])
@@ -300,10 +316,32 @@ def _check_text(field_name: str, value: object, limit: int) -> str:
         raise RecipeError(field_name, f"must be a string, not {type(value).__name__}")
     if "\x00" in value:
         raise RecipeError(field_name, "contains a NUL byte")
-    # UTF-8 takes at most 4 bytes a character: encode only when the limit could be reached.
-    if len(value) * 4 > limit and len(value.encode("utf-8", "surrogatepass")) > limit:
+    if value.isascii():  # the common case: no surrogate possible, one byte a character
+        size = len(value)
+    else:
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800") is not text
+            raise RecipeError(
+                field_name,
+                f"holds a lone UTF-16 surrogate ({value[exc.start]!r} at character {exc.start}); "
+                "send valid Unicode text",
+            ) from None
+    if size > limit:
         raise RecipeError(field_name, f"is larger than the limit of {limit} bytes")
     return value
+
+
+def _check_line(field_name: str, value: object, limit: int) -> str:
+    """A single line of text: :func:`_check_text` without control characters."""
+    text = _check_text(field_name, value, limit)
+    control = _CONTROL_RE.search(text)
+    if control is not None:
+        raise RecipeError(
+            field_name,
+            f"holds the control character {control.group()!r} at character {control.start()}",
+        )
+    return text
 
 
 def check_include_name(field_name: str, name: object) -> str:
@@ -311,7 +349,7 @@ def check_include_name(field_name: str, name: object) -> str:
     if (
         isinstance(name, str)
         and len(name) <= LIMITS.name_chars
-        and _GOOD_INCLUDE_NAME_RE.match(name)
+        and _GOOD_INCLUDE_NAME_RE.fullmatch(name)
     ):
         return name  # the common case in one regex; the checks below say what is wrong
     if not isinstance(name, str) or not name:
@@ -324,7 +362,7 @@ def check_include_name(field_name: str, name: object) -> str:
         raise RecipeError(field_name, f"{name!r} must be a relative name, not an absolute path")
     if any(part in ("..", ".", "") for part in name.split("/")):
         raise RecipeError(field_name, f"{name!r} must not contain '..', '.' or empty path parts")
-    if not _INCLUDE_NAME_RE.match(name):
+    if not _INCLUDE_NAME_RE.fullmatch(name):
         raise RecipeError(field_name, f"{name!r} may hold only letters, digits and _.+-/")
     return name
 
@@ -351,8 +389,8 @@ def _validate(recipe: Recipe) -> None:
     if len(recipe.flags) > LIMITS.flag_count:
         raise RecipeError("flags", f"at most {LIMITS.flag_count} flags")
     for i, flag in enumerate(recipe.flags):
-        _check_text(f"flags[{i}]", flag, LIMITS.flag_chars)
-        if not _ALLOWED_FLAGS.match(flag):
+        _check_line(f"flags[{i}]", flag, LIMITS.flag_chars)
+        if not _ALLOWED_FLAGS.fullmatch(flag):
             raise RecipeError(
                 f"flags[{i}]",
                 f"{flag!r} is not allowed: options that read or write files (-I, PCH, traces, "
@@ -368,7 +406,7 @@ def _validate(recipe: Recipe) -> None:
     if len(recipe.name_expressions) > LIMITS.name_expressions:
         raise RecipeError("name_expressions", f"at most {LIMITS.name_expressions} entries")
     for i, expr in enumerate(recipe.name_expressions):
-        _check_text(f"name_expressions[{i}]", expr, 1024)
+        _check_line(f"name_expressions[{i}]", expr, 1024)
     if not isinstance(recipe.specialization, Mapping):
         raise RecipeError("specialization", "must be an object")
     if not isinstance(recipe.lto, bool):
@@ -391,7 +429,7 @@ def _validate(recipe: Recipe) -> None:
     if len(recipe.include_sets) > LIMITS.include_sets:
         raise RecipeError("include_sets", f"at most {LIMITS.include_sets} include sets")
     for i, set_name in enumerate(recipe.include_sets):
-        if not isinstance(set_name, str) or not _SET_NAME_RE.match(set_name):
+        if not isinstance(set_name, str) or not _SET_NAME_RE.fullmatch(set_name):
             raise RecipeError(f"include_sets[{i}]", "names are letters, digits, _ and -")
     _validate_target_and_toolchain(recipe)
 
@@ -403,7 +441,7 @@ def _validate_target_and_toolchain(recipe: Recipe) -> None:
     if recipe.target != "auto":
         parse_target(recipe.target)
     if recipe.toolchain is not None and (
-        not isinstance(recipe.toolchain, str) or not _TOOLCHAIN_RE.match(recipe.toolchain)
+        not isinstance(recipe.toolchain, str) or not _TOOLCHAIN_RE.fullmatch(recipe.toolchain)
     ):
         raise RecipeError(
             "toolchain", "must be a toolchain id such as the server's GET /v1/toolchains lists"

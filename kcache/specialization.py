@@ -13,7 +13,16 @@ from collections.abc import Mapping
 
 from kcache.errors import RecipeError
 
-__all__ = ["DTYPES", "SpecValue", "canonical_dtype", "normalize_specialization", "render_macros"]
+__all__ = [
+    "DTYPES",
+    "MAX_KEYS",
+    "MAX_LIST",
+    "MAX_RENDERED_BYTES",
+    "SpecValue",
+    "canonical_dtype",
+    "normalize_specialization",
+    "render_macros",
+]
 
 SpecScalar = bool | int | float | str
 SpecValue = SpecScalar | tuple[SpecScalar, ...]
@@ -42,9 +51,18 @@ _DTYPE_ALIASES = {
     "fp32": "float32",
     "fp64": "float64",
 }
-_KEY_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
-_STRING_VALUE_RE = re.compile(r"^[A-Za-z0-9_ :<>,.*+\-()]{0,256}$")
-_MAX_LIST = 64
+# Applied with fullmatch: "$" would accept a trailing newline, i.e. a line break in a -D flag.
+_KEY_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+_STRING_VALUE_RE = re.compile(r"[A-Za-z0-9_ :<>,.*+\-()]{0,256}")
+
+# The limits that keep one recipe's specialization cheap to check, key and compile.
+# Values are scalars or flat lists of scalars: nothing nests deeper than one list.
+#: Keys in one specialization.
+MAX_KEYS = 256
+#: Elements in one list value.
+MAX_LIST = 64
+#: Bytes of all the rendered ``-D`` flags together.
+MAX_RENDERED_BYTES = 64 << 10
 
 
 def canonical_dtype(value: object) -> str:
@@ -68,29 +86,45 @@ def _check_scalar(field: str, value: object) -> SpecScalar:
             raise RecipeError(field, "must be a finite number")
         return value
     if isinstance(value, str):
-        if not _STRING_VALUE_RE.match(value):
+        if not _STRING_VALUE_RE.fullmatch(value):
             raise RecipeError(
                 field,
                 "strings may hold letters, digits, spaces and _:<>,.*+-() (at most 256 characters)",
             )
         return value
+    if isinstance(value, list | tuple | Mapping):
+        raise RecipeError(field, "values nest at most one list deep (a list of numbers or strings)")
     raise RecipeError(
         field, f"must be a number, a string or a list of them, not {type(value).__name__}"
     )
 
 
 def normalize_specialization(spec: Mapping[str, object]) -> dict[str, SpecValue]:
-    """Validate ``spec`` and return it with canonical values (dtype names normalised)."""
+    """Validate ``spec`` and return it with canonical values (dtype names normalised).
+
+    Refused, naming the field: more than :data:`MAX_KEYS` keys, a list longer than
+    :data:`MAX_LIST`, a list inside a list, and rendered macros over
+    :data:`MAX_RENDERED_BYTES` in all.
+    """
+    if len(spec) > MAX_KEYS:  # checked before looking at any key: a million keys cost nothing
+        raise RecipeError("specialization", f"at most {MAX_KEYS} keys, got {len(spec)}")
     out: dict[str, SpecValue] = {}
     for key, value in spec.items():
+        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+            # Named in the field when it reads as a name; a long or unprintable key is
+            # named in the detail, escaped.
+            plain = isinstance(key, str) and len(key) <= 64 and key.isprintable()
+            shown = repr(key) if len(repr(key)) <= 80 else repr(key)[:77] + "..."
+            raise RecipeError(
+                f"specialization.{key}" if plain else "specialization",
+                f"key {shown} is not an identifier: a letter, then up to 63 letters, digits or _",
+            )
         field = f"specialization.{key}"
-        if not isinstance(key, str) or not _KEY_RE.match(key):
-            raise RecipeError(field, "keys are identifiers: a letter, then letters, digits or _")
         if key == "dtype":
             out[key] = canonical_dtype(value)
         elif isinstance(value, list | tuple):
-            if len(value) > _MAX_LIST:
-                raise RecipeError(field, f"at most {_MAX_LIST} elements")
+            if len(value) > MAX_LIST:
+                raise RecipeError(field, f"at most {MAX_LIST} elements, got {len(value)}")
             out[key] = tuple(_check_scalar(f"{field}[{i}]", v) for i, v in enumerate(value))
         elif key in ("shape", "strides"):
             raise RecipeError(field, "must be a list of integers")
@@ -101,7 +135,13 @@ def normalize_specialization(spec: Mapping[str, object]) -> dict[str, SpecValue]
             for i, v in enumerate(value_list):
                 if not isinstance(v, int) or isinstance(v, bool):
                     raise RecipeError(f"{field}[{i}]", "must be an integer")
-    render_macros(out)  # raises when two keys collide on one macro name
+    rendered = render_macros(out)  # raises when two keys collide on one macro name
+    size = sum(len(macro) + len(literal) + 3 for macro, literal in rendered)  # "-D" and "="
+    if size > MAX_RENDERED_BYTES:
+        raise RecipeError(
+            "specialization",
+            f"renders to {size} bytes of -D flags; the limit is {MAX_RENDERED_BYTES}",
+        )
     return out
 
 

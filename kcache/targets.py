@@ -9,7 +9,8 @@ from kcache.errors import RecipeError
 
 __all__ = ["Target", "parse_target"]
 
-_TARGET_RE = re.compile(r"^(sm|compute)_(\d{2,3})([af]?)$")
+# fullmatch, ASCII digits only: "sm_90\n" or "sm_٩٠" must not name sm_90 under another key.
+_TARGET_RE = re.compile(r"(sm|compute)_([0-9]{2,3})([af]?)")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Target:
 
 def parse_target(text: str, field: str = "target") -> Target:
     """Parse ``text`` or raise a :class:`RecipeError` naming ``field``."""
-    match = _TARGET_RE.match(text)
+    match = _TARGET_RE.fullmatch(text) if isinstance(text, str) else None
     if match is None:
         raise RecipeError(
             field,

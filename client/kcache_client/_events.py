@@ -15,6 +15,7 @@ run out of memory over audit records.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Any
@@ -22,7 +23,12 @@ from typing import Any
 from kcache_client._http import RetryPolicy, Transport
 from kcache_client.errors import ClientError, ServerUnavailableError
 
-__all__ = ["EventSink"]
+__all__ = ["MAX_EVENT_COUNT", "EventSink"]
+
+log = logging.getLogger(__name__)
+
+# The most lookups one event may stand for (the server refuses more: its limit too).
+MAX_EVENT_COUNT = 1_000_000
 
 # Events go out in the background; a short, bounded retry keeps the thread responsive.
 _EVENT_RETRY = RetryPolicy(attempts=3, base_s=0.2, cap_s=2.0, budget_s=5.0, max_retry_after_s=5.0)
@@ -63,7 +69,7 @@ class EventSink:
             if self._closed:
                 return
             open_event = self._open.get(tally) if event.get("recipe_key") else None
-            if open_event is not None:
+            if open_event is not None and open_event.get("count", 1) < MAX_EVENT_COUNT:
                 count = open_event.get("count", 1)
                 latency = open_event.get("latency_ms", 0.0) * count + event.get("latency_ms", 0.0)
                 open_event["count"] = count + 1
@@ -133,8 +139,11 @@ class EventSink:
             with self._cond:  # keep them, in order, for the next attempt
                 self._pending.extendleft(reversed(batch))
             return False
-        except ClientError:
+        except ClientError as exc:
             # The server refused the batch itself (auth, validation): resending cannot help.
+            # A token without the report scope (a read-only one) lands here every time.
+            if not self.failures:
+                log.warning("audit events refused by the server, dropped: %s", exc)
             self.failures += 1
             self.dropped += sum(e.get("count", 1) for e in batch)
             return False

@@ -2,14 +2,22 @@
 
 Start-up order: open the database, refuse an out-of-date schema (a brand-new
 SQLite file is created at the head revision, so ``kcache serve`` works out of the
-box), refuse an unsafe bind, build the backends; the lifespan then starts the
-compile workers and the audit writer, and stops them on shutdown.
+box) or a lost one (blobs but no tables: ``--recreate-index``), refuse an unsafe
+bind, build the backends; the lifespan then starts the compile workers and the
+audit writer, and stops them on shutdown.
+
+Every request passes, outermost first: :class:`_RequestIds` (an id on every
+response; an unexpected exception becomes a 500 carrying only that id, its
+traceback logged under it), the request metrics, :class:`~kcache_server.auth.AuthGate`
+(the token, checked before any body is read), :class:`_BodyLimit` (bodies counted
+against ``max_request_bytes`` as they stream in), then the routes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
@@ -24,19 +32,18 @@ from kcache.errors import KCacheError
 from kcache_server import migrate
 from kcache_server.audit import AuditLog
 from kcache_server.auditing.install import install_auditing
-from kcache_server.auth import TokenStore
+from kcache_server.auth import AuthGate, TokenStore
 from kcache_server.backends import open_backends, open_settings_database
-from kcache_server.db import is_sqlite
 from kcache_server.errors import (
-    BadRequestError,
     InsecureBindError,
-    InvalidRequestError,
     PayloadTooLargeError,
     error_body,
     error_info,
 )
 from kcache_server.fastpath import ArtifactFastPath
+from kcache_server.request_ids import HEADER, new_request_id, request_id_var
 from kcache_server.routes import ROUTERS
+from kcache_server.schemas import invalid_request
 from kcache_server.service import ServerState
 from kcache_server.settings import Settings
 
@@ -49,6 +56,9 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger(__name__)
 
 
 def check_bind(settings: Settings, tokens: TokenStore) -> None:
@@ -63,10 +73,51 @@ def check_bind(settings: Settings, tokens: TokenStore) -> None:
     )
 
 
-class _BodyLimit:
-    """413 for request bodies over the limit, by Content-Length or by counting a streamed body."""
+class _RequestIds:
+    """An ``X-Request-ID`` on every response; an unhandled exception becomes a bare 500.
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], limit: int) -> None:
+    The id is also the context variable :data:`~kcache_server.request_ids.request_id_var`
+    while the request runs, so error bodies and log lines anywhere can name it.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = new_request_id()
+        token = request_id_var.set(request_id)
+        header = (HEADER, request_id.encode())
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            body = error_body(exc)  # logs the traceback under the request id
+            if not started:
+                await JSONResponse(body, error_info(exc).status)(scope, receive, send_with_id)
+            # Handled here: re-raising would log the same traceback again, without the id.
+        finally:
+            request_id_var.reset(token)
+
+
+class _BodyLimit:
+    """413 for request bodies over the limit, by Content-Length or by counting a streamed body.
+
+    A chunked body (no Content-Length) is counted as it arrives and refused at the
+    first byte past the limit, so no request holds more than ``limit`` bytes.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
         self.limit = limit
 
@@ -108,21 +159,7 @@ async def _kcache_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    first: dict[str, Any] = dict(errors[0]) if errors else {"type": "invalid", "loc": (), "msg": "invalid request"}
-    if first.get("type") == "json_invalid":
-        ctx = first.get("ctx") or {}
-        return _error_response(
-            BadRequestError(f"the body is not valid JSON: {ctx.get('error', first.get('msg'))}")
-        )
-    loc = [str(p) for p in tuple(first.get("loc", ())) if p != "body"]
-    field = ".".join(loc) or "body"
-    message = str(first.get("msg", "invalid"))
-    if first.get("type") == "extra_forbidden":
-        message = "unknown field"
-    elif not loc:
-        message = "the body must be a JSON object (sent with Content-Type: application/json)"
-    return _error_response(InvalidRequestError(field, message))
+    return _error_response(invalid_request(exc.errors()))
 
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
@@ -138,17 +175,15 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse({"error": "internal_error", "detail": f"{type(exc).__name__}: {exc}"}, 500)
+    # Reached only for an exception raised outside _RequestIds (it handles the rest).
+    return JSONResponse(error_body(exc), 500)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The kcache server application for ``settings`` (default: from the environment)."""
     settings = settings or Settings()
     db = open_settings_database(settings)
-    url = settings.database_url
-    if is_sqlite(db) and not migrate.has_tables(db):
-        migrate.upgrade(url)  # the embedded default starts from nothing: create it
-    migrate.check_schema(db, url)
+    migrate.prepare_database(settings, db)  # creates a first SQLite database; refuses a lost index
     tokens = TokenStore(db, settings.auth_cache_s)
     check_bind(settings, tokens)
     backends = open_backends(settings, db)
@@ -176,12 +211,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.kcache = state
     for router in ROUTERS:
         app.include_router(router)
+    # Middleware added first runs innermost: the body limit, then the token gate
+    # (before any body is read), then install_auditing's request metrics, then ids.
+    app.add_middleware(_BodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(AuthGate, tokens=tokens)
     install_auditing(app, state)  # /v1/events, /v1/stats, /metrics, /dashboard
+    app.add_middleware(_RequestIds)
     app.add_exception_handler(KCacheError, _kcache_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
-    app.add_middleware(_BodyLimit, limit=settings.max_request_bytes)
     return app
 
 

@@ -1,33 +1,63 @@
-"""Bearer tokens with scopes ``read`` < ``compile`` < ``admin``.
+"""Bearer tokens with scopes ``read`` < ``report`` < ``compile`` < ``admin``, and the gate that checks them.
 
 Tokens are random, shown once at creation, and stored as their sha256; a presented
 token is hashed and compared with ``hmac.compare_digest``. With no active token in
 the database the server is open (the loopback development default; a non-loopback
 bind without tokens is refused at start-up unless forced).
+
+Each scope includes the ones before it. ``report`` (post client audit events)
+sits above ``read``: a reporting worker also fetches, but a token that may only
+read cannot add figures to the dashboard. ``compile`` includes ``report``, so a
+job's compile token keeps reporting its node-tier hits as before.
+
+:class:`AuthGate` checks the token at the ASGI level, before anything reads the
+request body: an unauthenticated request is answered 401 having read none of its
+body, whatever it claims to send.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import cast
+from typing import Any, cast
 
+import anyio
 import sqlalchemy as sa
 
-from kcache_server.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
+from kcache_server.errors import (
+    AuthenticationError,
+    BadRequestError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    ServerError,
+    error_body,
+    error_info,
+)
 from kcache_server.models import Token, utcnow
 
-__all__ = ["SCOPES", "Principal", "TokenInfo", "TokenStore", "hash_token"]
+__all__ = [
+    "PRINCIPAL_KEY",
+    "SCOPES",
+    "AuthGate",
+    "Principal",
+    "TokenInfo",
+    "TokenStore",
+    "authorization_header",
+    "hash_token",
+]
 
 #: Scopes, weakest first; each includes the ones before it.
-SCOPES = ("read", "compile", "admin")
+SCOPES = ("read", "report", "compile", "admin")
 _RANK = {scope: i for i, scope in enumerate(SCOPES)}
+# Token names are printed by `kcache token list`: printable, no control characters.
+_TOKEN_NAME = re.compile(r"[^\x00-\x1f\x7f-\x9f\ud800-\udfff]{1,256}")
 _tokens = cast(sa.Table, Token.__table__)
 
 
@@ -82,19 +112,28 @@ class TokenStore:
     # ------------------------------------------------------------------ management
     def create(self, name: str, scopes: Iterable[str]) -> str:
         """Store a new token and return it (the only time it is visible)."""
-        scope_set = sorted(set(scopes), key=_RANK.__getitem__) if set(scopes) <= set(_RANK) else None
+        scope_set = (
+            sorted(set(scopes), key=_RANK.__getitem__) if set(scopes) <= set(_RANK) else None
+        )
         if not scope_set:
             raise InvalidRequestError("scope", f"choose from {', '.join(SCOPES)}")
-        if not name or len(name) > 256:
-            raise InvalidRequestError("name", "a token name is 1 to 256 characters")
+        if not isinstance(name, str) or not _TOKEN_NAME.fullmatch(name):
+            raise InvalidRequestError(
+                "name", "a token name is 1 to 256 printable characters (no control characters)"
+            )
         token = "kc_" + secrets.token_urlsafe(32)
         with self.engine.begin() as conn:
             exists = conn.execute(sa.select(_tokens.c.id).where(_tokens.c.name == name)).first()
             if exists is not None:
-                raise InvalidRequestError("name", f"a token named {name!r} exists; revoke it or pick another name")
+                raise InvalidRequestError(
+                    "name", f"a token named {name!r} exists; revoke it or pick another name"
+                )
             conn.execute(
                 sa.insert(_tokens).values(
-                    name=name, token_hash=hash_token(token), scopes=" ".join(scope_set), created_at=utcnow()
+                    name=name,
+                    token_hash=hash_token(token),
+                    scopes=" ".join(scope_set),
+                    created_at=utcnow(),
                 )
             )
         self._invalidate()
@@ -105,7 +144,8 @@ class TokenStore:
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(_tokens).order_by(_tokens.c.id)).all()
         return [
-            TokenInfo(r.name, tuple(r.scopes.split()), r.created_at, r.last_used_at, r.revoked_at) for r in rows
+            TokenInfo(r.name, tuple(r.scopes.split()), r.created_at, r.last_used_at, r.revoked_at)
+            for r in rows
         ]
 
     def revoke(self, name: str) -> bool:
@@ -126,7 +166,9 @@ class TokenStore:
             if self._any is not None and now - self._any[0] < self.cache_s:
                 return self._any[1]
         with self.engine.connect() as conn:
-            found = conn.execute(sa.select(_tokens.c.id).where(_tokens.c.revoked_at.is_(None)).limit(1)).first()
+            found = conn.execute(
+                sa.select(_tokens.c.id).where(_tokens.c.revoked_at.is_(None)).limit(1)
+            ).first()
         with self._lock:
             self._any = (now, found is not None)
         return found is not None
@@ -199,5 +241,78 @@ class TokenStore:
             # Constant-time comparison of the stored hash, defence in depth behind the lookup.
             if row is None or not hmac.compare_digest(row.token_hash, digest):
                 return None
-            conn.execute(sa.update(_tokens).where(_tokens.c.token_hash == digest).values(last_used_at=utcnow()))
+            conn.execute(
+                sa.update(_tokens)
+                .where(_tokens.c.token_hash == digest)
+                .values(last_used_at=utcnow())
+            )
         return Principal(row.name, frozenset(row.scopes.split()))
+
+
+# ---------------------------------------------------------------------- the ASGI gate
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+#: Where the gate leaves the request's :class:`Principal` in the ASGI scope.
+PRINCIPAL_KEY = "kcache.principal"
+# Probes, the dashboard page (it asks for a token itself) and the API docs need none.
+_PUBLIC = frozenset({"/healthz", "/readyz", "/dashboard", "/openapi.json", "/docs", "/redoc"})
+_PUBLIC_PREFIXES = ("/dashboard/", "/docs/")
+
+
+def authorization_header(scope: Scope) -> str | None:
+    """The request's one ``Authorization`` header; two or more are a :class:`BadRequestError`.
+
+    Two headers are ambiguous (a proxy may have added one, and frameworks disagree
+    on which wins), so the request is refused rather than guessed at.
+    """
+    found: str | None = None
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            if found is not None:
+                raise BadRequestError(
+                    "the request has more than one Authorization header; send exactly one"
+                )
+            found = value.decode("latin-1")
+    return found
+
+
+async def _answer(exc: ServerError, scope: Scope, receive: Receive, send: Send) -> None:
+    # Imported here: starlette is the web layer, the token store above is used without it.
+    from starlette.responses import JSONResponse
+
+    await JSONResponse(error_body(exc), error_info(exc).status)(scope, receive, send)
+
+
+class AuthGate:
+    """Pure ASGI middleware: the bearer token is checked before the body is read.
+
+    The principal is left in ``scope[PRINCIPAL_KEY]`` for the routes (each route
+    then requires its scope); public paths pass with none.
+    """
+
+    def __init__(
+        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], tokens: TokenStore
+    ) -> None:
+        self.app = app
+        self.tokens = tokens
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Authenticate, then pass the request on (its body still unread)."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            header = authorization_header(scope)
+            path: str = scope["path"]
+            if path not in _PUBLIC and not path.startswith(_PUBLIC_PREFIXES):
+                principal = self.tokens.authenticate_cached(header)
+                if principal is None:  # the database must answer: off the event loop
+                    principal = await anyio.to_thread.run_sync(self.tokens.authenticate, header)
+                scope[PRINCIPAL_KEY] = principal
+        except (AuthenticationError, BadRequestError) as exc:
+            await _answer(exc, scope, receive, send)
+            return
+        await self.app(scope, receive, send)

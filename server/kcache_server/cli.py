@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+from kcache_server.auth import SCOPES
 from kcache_server.settings import Settings
 
 __all__ = ["register"]
@@ -162,7 +163,11 @@ def register(subparsers: Any) -> None:
     create = token_sub.add_parser("create", help="create a token and print it (once)")
     create.add_argument("name")
     create.add_argument(
-        "--scope", action="append", choices=["read", "compile", "admin"], help="repeatable (default read)"
+        "--scope",
+        action="append",
+        choices=list(SCOPES),
+        help="repeatable (default read); each includes the ones before it: "
+        "read < report (post client audit events) < compile < admin",
     )
     _add_db_options(create)
     create.set_defaults(func=_cmd_token_create)

@@ -19,6 +19,7 @@ The core never imports FastAPI; status codes live here only (:data:`ERROR_TABLE`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from kcache.errors import (
     ToolchainError,
     UnresolvedRecipeError,
 )
+from kcache_server.request_ids import current_request_id
 
 __all__ = [
     "ERROR_TABLE",
@@ -147,9 +149,32 @@ def error_info(exc: BaseException) -> ErrorInfo:
     return _INTERNAL
 
 
+_log = logging.getLogger("kcache_server.errors")
+
+
 def error_body(exc: BaseException) -> dict[str, Any]:
-    """The JSON body for ``exc``: ``error`` and ``detail``, plus the fields the error carries."""
+    """The JSON body for ``exc``: ``error`` and ``detail``, plus the fields the error carries.
+
+    A 500 says only its code and the request id: its text may hold SQL, paths or
+    other callers' data. The traceback is logged here, under that id (one record),
+    so no caller of this function can forget to.
+    """
     info = error_info(exc)
+    if info.status == 500:
+        request_id = current_request_id()
+        _log.error(
+            "request %s failed with %s: %s: %s",
+            request_id,
+            info.code,
+            type(exc).__name__,
+            exc,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        return {
+            "error": info.code,
+            "detail": f"internal error; the server log has the details under request id {request_id}",
+            "request_id": request_id,
+        }
     body: dict[str, Any] = {"error": info.code, "detail": str(exc)}
     if isinstance(exc, RecipeError | InvalidRequestError):
         body["field"] = exc.field

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kcache_server.metrics import ServerMetrics
+from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.routes.blobs import blob_headers, etag_matches
 from kcache_server.service import ServerState
 
@@ -27,7 +28,8 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-_PATH = re.compile(r"^/v1/recipes/([0-9a-f]{64})/artifact$")
+# fullmatch: "$" would also take ".../artifact\n".
+_PATH = re.compile(r"/v1/recipes/([0-9a-f]{64})/artifact")
 #: The route template the metrics label this path with (the FastAPI route's own).
 ROUTE = "/v1/recipes/{recipe_key}/artifact"
 
@@ -52,7 +54,7 @@ class ArtifactFastPath:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer from memory, or hand the request to the app."""
         if scope["type"] == "http" and scope["method"] == "GET":
-            match = _PATH.match(scope["path"])
+            match = _PATH.fullmatch(scope["path"])
             if match is not None and await self._serve(match.group(1), scope, send):
                 return
         await self.app(scope, receive, send)
@@ -69,6 +71,8 @@ class ArtifactFastPath:
         authorization = if_none_match = None
         for name, value in scope["headers"]:
             if name == b"authorization":
+                if authorization is not None:
+                    return False  # two of them: the app answers 400, as for every route
                 authorization = value.decode("latin-1")
             elif name == b"if-none-match":
                 if_none_match = value.decode("latin-1")
@@ -83,8 +87,11 @@ class ArtifactFastPath:
                 (name.lower().encode(), value.encode())
                 for name, value in blob_headers(meta.digest, meta.size).items()
             ]
+        request_id = (HEADER, new_request_id().encode())
         if etag_matches(if_none_match, meta.digest):
-            await send({"type": "http.response.start", "status": 304, "headers": headers})
+            await send(
+                {"type": "http.response.start", "status": 304, "headers": [*headers, request_id]}
+            )
             await send({"type": "http.response.body", "body": b""})
             counter = self.not_modified
         else:
@@ -94,6 +101,7 @@ class ArtifactFastPath:
                     "status": 200,
                     "headers": [
                         *headers,
+                        request_id,
                         (b"content-type", b"application/octet-stream"),
                         (b"content-length", str(len(data)).encode()),
                     ],

@@ -15,7 +15,9 @@ What is measured:
 - ``kcache_compile_duration_seconds``: wall time of lookups that compiled;
 - ``kcache_compiles_in_flight``, ``kcache_compile_queue_depth``: the compile pool, read at
   scrape time;
-- ``kcache_store_bytes``, ``kcache_store_artifacts``: the artifacts the index knows.
+- ``kcache_store_bytes``, ``kcache_store_artifacts``: the artifacts the index knows;
+- ``kcache_audit_rows_dropped_total{reason}``: audit rows the database refused
+  (``refused``) or that found the writer's queue full (``queue_full``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ class ServerMetrics:
         self.events_ingested = Counter(
             "kcache_audit_events_ingested",
             "Client audit events accepted through POST /v1/events",
+            registry=r,
+        )
+        self.audit_rows_dropped = Counter(
+            "kcache_audit_rows_dropped",
+            "Audit rows dropped: refused by the database, or the writer's queue was full",
+            ["reason"],
             registry=r,
         )
         self._samplers: list[Callable[[], None]] = []

@@ -218,7 +218,10 @@ class ServerState:
         """The verified bytes of a blob (hot ones from memory)."""
         data = self.blobs.get(digest)
         if data is None:
-            data = self.backends.store.get(digest)
+            try:
+                data = self.backends.store.get(digest)
+            except ArtifactNotFoundError:  # the store's message names its directory: not for callers
+                raise ArtifactNotFoundError(f"no blob {digest}") from None
             if len(data) <= _MAX_CACHED_BLOB:
                 self.blobs.put(digest, data)
         return data

@@ -2,7 +2,12 @@
 
 With ``--server`` (or ``$KCACHE_URL``) it asks a running server; otherwise it reads
 the database named by ``--db-url``/``--data-dir`` (or the ``KCACHE_*`` environment)
-directly, so an operator can look without a server. ``--json`` prints the raw answer.
+directly, so an operator can look without a server. ``--json`` prints the raw answer
+(JSON escapes control characters itself).
+
+Every string the tables show came from some client (kernel names, job ids, error
+reasons); control characters and ANSI escapes among them are printed escaped
+(``\x1b``), never sent raw to the terminal.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+import unicodedata
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -22,6 +28,20 @@ from typing import Any
 __all__ = ["format_stats", "register"]
 
 _OUTCOMES = ("hit", "local_hit", "compiled", "waited", "miss", "error")
+
+
+def _printable(text: str) -> str:
+    """``text`` with control, format and separator characters escaped (``\x1b``, ``\u202e``).
+
+    Those are what a terminal interprets (colours, cursor moves, a title, bidi
+    reordering); a stored kernel name or job id must show as text, not act.
+    """
+    if text.isprintable():
+        return text
+    return "".join(
+        ascii(ch)[1:-1] if unicodedata.category(ch)[0] == "C" or ch in "\u2028\u2029" else ch
+        for ch in text
+    )
 
 
 def _pct(rate: float | None) -> str:
@@ -41,8 +61,8 @@ def _table(
 ) -> str:
     """A plain-text table whose columns fit their widest cell."""
     numeric = numeric or set()
-    cells = [[str(c) for c in headers]] + [
-        [("-" if c is None else str(c)) for c in row] for row in rows
+    cells = [[_printable(str(c)) for c in headers]] + [
+        [("-" if c is None else _printable(str(c))) for c in row] for row in rows
     ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
@@ -70,11 +90,17 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
         datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds") if t else "any"
         for t in (since, until)
     )
+    observed: dict[str, int] = stats["totals"]
+    reported: dict[str, int] = stats.get("reported", {})
+    every = {o: observed.get(o, 0) + reported.get(o, 0) for o in _OUTCOMES}
     parts = [
         f"window        {window}",
-        f"lookups       {stats['lookups']}",
-        f"hit rate      {_pct(stats['hit_rate'])}  ({stats['hits']} hits)",
-        f"compile saved {_secs(stats['compile_seconds_saved'])}",
+        f"lookups       {stats['lookups']}  ({sum(observed.values())} seen by the server, "
+        f"{sum(reported.values())} reported by clients)",
+        f"hit rate      {_pct(stats['hit_rate'])}  ({stats['hits']} hits; "
+        f"server-observed alone {_pct(stats.get('server_hit_rate'))})",
+        f"compile saved {_secs(stats['compile_seconds_saved'])}  "
+        f"(+ {_secs(stats.get('reported_compile_seconds_saved', 0.0))} reported by clients)",
         "",
         _table(
             ["tier", *_OUTCOMES, "total"],
@@ -82,7 +108,7 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
                 [tier, *(counts.get(o, 0) for o in _OUTCOMES), sum(counts.values())]
                 for tier, counts in sorted(stats["by_tier"].items())
             ]
-            + [["all", *(stats["totals"].get(o, 0) for o in _OUTCOMES), stats["lookups"]]],
+            + [["all", *(every[o] for o in _OUTCOMES), stats["lookups"]]],
             numeric=set(range(1, len(_OUTCOMES) + 2)),
         ),
     ]
@@ -134,7 +160,7 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
                 ["job", "kernel", "target", "ranks -> digest"],
                 [
                     [
-                        d["job_id"],
+                        d["job_id"] + (" (reported by clients)" if d.get("reported") else ""),
                         _clip(d["kernel"], width // 4),
                         d["target"],
                         " ".join(f"{r}:{digest[:12]}" for r, digest in d["ranks"].items()),
@@ -168,7 +194,9 @@ def _remote(url: str, token: str | None, params: dict[str, str]) -> dict[str, An
             detail = json.load(exc).get("detail", exc.reason)
         except ValueError:
             detail = exc.reason
-        raise SystemExit(f"kcache stats: {url} answered {exc.code}: {detail}") from None
+        raise SystemExit(
+            f"kcache stats: {url} answered {exc.code}: {_printable(str(detail))}"
+        ) from None
     except urllib.error.URLError as exc:
         raise SystemExit(f"kcache stats: cannot reach {url}: {exc.reason}") from None
 

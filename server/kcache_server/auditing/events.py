@@ -1,7 +1,9 @@
 """Client audit events (``POST /v1/events``): their schema and their batched insert.
 
 A client's memory and node-tier hits never reach the server, so the client sends
-them afterwards in batches. A batch is validated as a whole (a bad event names its
+them afterwards in batches (with a ``report``-scope token). They are the client's
+word: every figure is bounded (``count`` at most :data:`MAX_EVENT_COUNT`), and
+``/v1/stats`` shows them apart from what the server observed itself. A batch is validated as a whole (a bad event names its
 index and field) and inserted with one ``executemany`` in one transaction, so a
 batch is either recorded entirely or not at all, and ingestion costs one round
 trip per batch rather than per event.
@@ -13,18 +15,20 @@ import math
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import sqlalchemy as sa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from kcache.keys import is_hex_key
 from kcache_server.errors import InvalidRequestError
 from kcache_server.models import Artifact, AuditEvent
-from kcache_server.schemas import Context
+from kcache_server.schemas import Context, Label32, Label128, Label1024
 
 __all__ = [
     "CLIENT_OUTCOMES",
     "CLIENT_TIERS",
+    "MAX_EVENT_COUNT",
     "ClientEvent",
     "EventBatch",
     "IngestResult",
@@ -36,7 +40,17 @@ CLIENT_OUTCOMES = ("local_hit",)
 #: The client's tiers: its in-process memory and the node-local directory.
 CLIENT_TIERS = ("memory", "node")
 
-_HEX64 = r"^[0-9a-f]{64}$"
+#: The most lookups one event may stand for (a client tallies more into several events).
+MAX_EVENT_COUNT = 1_000_000
+
+
+def _hex_key(value: str) -> str:
+    if not is_hex_key(value):  # the one full-string check of keys, shared with the core
+        raise ValueError("must be 64 lowercase hex digits (a sha256)")
+    return value
+
+
+_Hex64 = Annotated[str, AfterValidator(_hex_key)]
 _events = cast(sa.Table, AuditEvent.__table__)
 _artifacts = cast(sa.Table, Artifact.__table__)
 
@@ -47,17 +61,23 @@ class ClientEvent(Context):
     # A newer client may send more fields; dropping them beats refusing its audit trail.
     model_config = ConfigDict(extra="ignore")
 
-    time: float = Field(gt=0, description="when, in unix seconds")
+    time: float = Field(gt=0, strict=True, allow_inf_nan=False, description="when, in unix seconds")
     outcome: Literal["local_hit"] = Field(description="only local_hit: the server records the rest")
     tier: Literal["memory", "node"]
-    recipe_key: str | None = Field(default=None, pattern=_HEX64)
-    base_key: str | None = Field(default=None, pattern=_HEX64)
-    digest: str | None = Field(default=None, pattern=_HEX64)
-    kernel: str | None = Field(default=None, max_length=1024)
-    target: str | None = Field(default=None, max_length=32)
-    toolchain: str | None = Field(default=None, max_length=128)
-    count: int = Field(default=1, ge=1, le=1_000_000_000, description="identical lookups this event stands for")
-    latency_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    recipe_key: _Hex64 | None = None
+    base_key: _Hex64 | None = None
+    digest: _Hex64 | None = None
+    kernel: Label1024 | None = None
+    target: Label32 | None = None
+    toolchain: Label128 | None = None
+    count: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_EVENT_COUNT,
+        strict=True,
+        description="identical lookups this event stands for",
+    )
+    latency_ms: float = Field(default=0.0, ge=0, le=86_400_000, strict=True, allow_inf_nan=False)
 
 
 class EventBatch(BaseModel):
@@ -108,7 +128,9 @@ def _row(event: ClientEvent, saved: dict[str, float]) -> dict[str, Any]:
         "world_size": event.world_size,
         "latency_ms": event.latency_ms,
         "count": event.count,
-        "compile_seconds_saved": event.count * saved.get(event.digest, 0.0) if event.digest else 0.0,
+        "compile_seconds_saved": event.count * saved.get(event.digest, 0.0)
+        if event.digest
+        else 0.0,
     }
 
 

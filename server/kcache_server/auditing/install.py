@@ -96,6 +96,11 @@ def install_auditing(
 
     state.audit.listeners.append(count)
 
+    def dropped(_: AuditRecord, reason: str) -> None:
+        server_metrics.audit_rows_dropped.labels(reason=reason).inc()
+
+    state.audit.drop_listeners.append(dropped)
+
     # Retention runs for as long as the app serves: wrap the app's own lifespan.
     inner = app.router.lifespan_context
 

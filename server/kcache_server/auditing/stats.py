@@ -1,5 +1,12 @@
 """``GET /v1/stats``: aggregates over audit events (and the hourly roll-ups of old ones).
 
+What the server observed itself (tier ``server``) and what clients reported through
+``POST /v1/events`` (tiers ``memory`` and ``node``) are kept apart: ``totals``,
+``server_hit_rate`` and ``compile_seconds_saved`` are the server's own figures,
+``reported`` and ``reported_compile_seconds_saved`` the clients' word; ``hit_rate``
+and ``lookups`` add both, as ARCHITECTURE defines the hit rate. A divergence seen
+only in client reports is marked ``reported``.
+
 Counts come from one ``UNION ALL`` of raw events (weight 1) and roll-up rows
 (weight ``count``), so a window that reaches past the retention horizon still adds
 up; what needs single events (the last miss of a kernel and its reason, rank
@@ -29,6 +36,9 @@ __all__ = [
     "HIT_OUTCOMES",
     "MISS_OUTCOMES",
     "OUTCOMES",
+    "REPORTED_OUTCOMES",
+    "SERVER_OUTCOMES",
+    "SERVER_TIER",
     "Divergence",
     "GroupStats",
     "MissedKernel",
@@ -41,6 +51,12 @@ __all__ = [
 
 #: Every outcome, in the order they are shown.
 OUTCOMES = ("hit", "local_hit", "compiled", "waited", "miss", "error")
+#: Outcomes the server observes itself (tier ``server``).
+SERVER_OUTCOMES = ("hit", "compiled", "waited", "miss", "error")
+#: Outcomes only clients report (``POST /v1/events``).
+REPORTED_OUTCOMES = ("local_hit",)
+#: The tier of the server's own events; every other tier is client-reported.
+SERVER_TIER = "server"
 #: Lookups the cache answered.
 HIT_OUTCOMES = frozenset({"hit", "local_hit"})
 #: Lookups it did not: compiled (or joined a compile), absent, or failed.
@@ -58,7 +74,10 @@ GROUP_BY: dict[str, str] = {
 
 _events = cast(sa.Table, AuditEvent.__table__)
 _rollups = cast(sa.Table, AuditRollup.__table__)
-_RELATIVE = re.compile(r"^-?(\d+(?:\.\d+)?)([smhdw])$")
+# fullmatch, ASCII digits: "15m\n" and Unicode digits are not spans.
+_RELATIVE = re.compile(r"-?([0-9]{1,12}(?:\.[0-9]{1,6})?)([smhdw])")
+# Times a query may name: the unix epoch up to the last second of year 9999.
+_MAX_UNIX_S = 253_402_300_799.0
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 # Chart bucket widths: a handful of round numbers reads better than 37-second steps.
 _STEPS_S = (1, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
@@ -74,29 +93,45 @@ _ERROR_REASONS = {
 
 
 def parse_time(value: str | None, field: str, now: float | None = None) -> datetime | None:
-    """A query's time: unix seconds, ISO 8601, or a span back from now (``15m``, ``-2h``, ``7d``)."""
+    """A query's time: unix seconds, ISO 8601, or a span back from now (``15m``, ``-2h``, ``7d``).
+
+    Anything that is not a time between 1970 and 9999 is an
+    :class:`~kcache_server.errors.InvalidRequestError` naming ``field`` (a 422).
+    """
     if value is None or value == "":
         return None
     text = value.strip()
     now = time.time() if now is None else now
+    if len(text) > 64:
+        raise InvalidRequestError(
+            field, "is longer than 64 characters; send a time, not a document"
+        )
     try:
         seconds = float(text)
     except ValueError:
-        pass
-    else:
-        if not math.isfinite(seconds) or seconds < 0:
-            raise InvalidRequestError(field, f"{value!r} is not a time (unix seconds >= 0)")
+        seconds = None
+    if seconds is not None:
+        if not math.isfinite(seconds) or not 0 <= seconds <= _MAX_UNIX_S:
+            raise InvalidRequestError(
+                field,
+                f"{value!r} is not a time (unix seconds from 0 to {_MAX_UNIX_S:.0f}, the year 9999)",
+            )
         return datetime.fromtimestamp(seconds, timezone.utc)
-    match = _RELATIVE.match(text)
+    match = _RELATIVE.fullmatch(text)
     if match:
-        return datetime.fromtimestamp(now - float(match[1]) * _UNIT_S[match[2]], timezone.utc)
+        seconds = now - float(match[1]) * _UNIT_S[match[2]]
+        if seconds < 0:
+            raise InvalidRequestError(field, f"{value!r} reaches back before 1970")
+        return datetime.fromtimestamp(seconds, timezone.utc)
     try:
         parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
+        parsed = parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+        parsed.astimezone(timezone.utc)  # 9999-12-31T23:00-05:00 is past the year 9999 in UTC
+    except (ValueError, OverflowError):
         raise InvalidRequestError(
             field, f"{value!r} is not unix seconds, ISO 8601, or a span like 15m, 2h, 7d"
         ) from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    return parsed
 
 
 @dataclass(frozen=True)
@@ -170,6 +205,10 @@ class Divergence(BaseModel):
     kernel: str | None
     digests: list[str]
     ranks: dict[str, str] = Field(description="rank -> the digest it got last")
+    reported: bool = Field(
+        default=False,
+        description="true when only client-reported events show the ranks disagreeing",
+    )
 
 
 class SeriesPoint(OutcomeCounts):
@@ -183,12 +222,19 @@ class Stats(BaseModel):
 
     since: float | None
     until: float | None
-    lookups: int
-    hits: int
-    totals: dict[str, int] = Field(description="outcome -> count")
+    lookups: int = Field(description="all lookups: server-observed plus client-reported")
+    hits: int = Field(description="hit + local_hit")
+    totals: dict[str, int] = Field(description="server-observed: outcome -> count")
+    reported: dict[str, int] = Field(
+        description="client-reported (POST /v1/events): outcome -> count"
+    )
     by_tier: dict[str, dict[str, int]] = Field(description="tier -> outcome -> count")
     hit_rate: float | None = Field(description="(hit + local_hit) / all lookups; null with none")
-    compile_seconds_saved: float
+    server_hit_rate: float | None = Field(
+        description="hit / server-observed lookups (no client-reported figure in it); null with none"
+    )
+    compile_seconds_saved: float = Field(description="by server-observed hits")
+    reported_compile_seconds_saved: float = Field(description="by client-reported local hits")
     group_by: str | None
     groups: list[GroupStats]
     top_missed: list[MissedKernel]
@@ -263,21 +309,27 @@ def _step(span_s: float, buckets: int) -> int:
 # ---------------------------------------------------------------------- the pieces of Stats
 def _totals(
     conn: sa.Connection, src: sa.Subquery
-) -> tuple[dict[str, int], dict[str, dict[str, int]], float]:
+) -> tuple[dict[str, int], dict[str, int], dict[str, dict[str, int]], float, float]:
+    """Server-observed totals, client-reported ones, counts by tier, and the two savings."""
     rows = conn.execute(
         sa.select(
             src.c.outcome, src.c.tier, sa.func.sum(src.c.n), sa.func.sum(src.c.saved)
         ).group_by(src.c.outcome, src.c.tier)
     ).all()
-    totals = dict.fromkeys(OUTCOMES, 0)
+    totals = dict.fromkeys(SERVER_OUTCOMES, 0)
+    reported = dict.fromkeys(REPORTED_OUTCOMES, 0)
     by_tier: dict[str, dict[str, int]] = {}
-    saved = 0.0
+    saved = reported_saved = 0.0
     for outcome, tier, n, s in rows:
-        totals[outcome] = totals.get(outcome, 0) + int(n)
+        side = totals if tier == SERVER_TIER else reported
+        side[outcome] = side.get(outcome, 0) + int(n)
         by_tier.setdefault(tier, dict.fromkeys(OUTCOMES, 0))
         by_tier[tier][outcome] = by_tier[tier].get(outcome, 0) + int(n)
-        saved += float(s or 0.0)
-    return totals, by_tier, saved
+        if tier == SERVER_TIER:
+            saved += float(s or 0.0)
+        else:
+            reported_saved += float(s or 0.0)
+    return totals, reported, by_tier, saved, reported_saved
 
 
 def _groups(
@@ -457,8 +509,11 @@ def _divergence(conn: sa.Connection, query: StatsQuery) -> list[Divergence]:
         ev.base_key.is_not(None),
         ev.digest.is_not(None),
     ]
+    # Digests of the server's own events only: a divergence they do not show rests
+    # on client reports alone, and is marked so.
+    server_digests = sa.func.count(sa.distinct(sa.case((ev.tier == SERVER_TIER, ev.digest))))
     suspects = conn.execute(
-        sa.select(ev.job_id, ev.base_key, ev.target)
+        sa.select(ev.job_id, ev.base_key, ev.target, server_digests)
         .where(*scope)
         .group_by(ev.job_id, ev.base_key, ev.target)
         .having(sa.func.count(sa.distinct(ev.digest)) > 1)
@@ -466,7 +521,7 @@ def _divergence(conn: sa.Connection, query: StatsQuery) -> list[Divergence]:
         .limit(query.limit)
     ).all()
     found = []
-    for job_id, base_key, target in suspects:
+    for job_id, base_key, target, observed in suspects:
         rows = conn.execute(
             sa.select(ev.rank, ev.digest, ev.kernel)
             .where(
@@ -491,6 +546,7 @@ def _divergence(conn: sa.Connection, query: StatsQuery) -> list[Divergence]:
                         key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0),
                     )
                 ),
+                reported=int(observed) <= 1,
             )
         )
     return found
@@ -535,22 +591,26 @@ def compute_stats(engine: sa.Engine, query: StatsQuery) -> Stats:
     """Everything ``GET /v1/stats`` answers, read in one snapshot-ish pass."""
     src = _source(query)
     with engine.connect() as conn:
-        totals, by_tier, saved = _totals(conn, src)
+        totals, reported, by_tier, saved, reported_saved = _totals(conn, src)
         divergence = _divergence(conn, query)
-        groups = _groups(conn, src, query, {d.job_id for d in divergence})
+        groups = _groups(conn, src, query, {d.job_id for d in divergence if not d.reported})
         top_missed = _top_missed(conn, src, query)
         step, series = _series(conn, src, query)
-    lookups = sum(totals.values())
-    hits = sum(v for k, v in totals.items() if k in HIT_OUTCOMES)
+    server_lookups = sum(totals.values())
+    lookups = server_lookups + sum(reported.values())
+    hits = sum(v for k, v in (*totals.items(), *reported.items()) if k in HIT_OUTCOMES)
     return Stats(
         since=_epoch_of(query.since),
         until=_epoch_of(query.until),
         lookups=lookups,
         hits=hits,
         totals=totals,
+        reported=reported,
         by_tier=by_tier,
         hit_rate=hits / lookups if lookups else None,
+        server_hit_rate=totals["hit"] / server_lookups if server_lookups else None,
         compile_seconds_saved=saved,
+        reported_compile_seconds_saved=reported_saved,
         group_by=query.group_by,
         groups=groups,
         top_missed=top_missed,

@@ -17,7 +17,8 @@ _TIME_DOC = "unix seconds, ISO 8601, or a span back from now: 15m, 6h, 7d"
 
 def _stats(state: ServerState, query: StatsQuery) -> Stats:
     # Read-your-writes for this process: events still queued in the audit writer
-    # would otherwise be missing from the answer for up to audit_flush_s.
+    # would otherwise be missing from the answer for up to audit_flush_s. The flush
+    # never raises: a row the database refuses is dropped and counted, not our 500.
     state.audit.flush()
     return compute_stats(state.backends.db, query)
 
@@ -26,8 +27,12 @@ def _stats(state: ServerState, query: StatsQuery) -> Stats:
 async def get_stats(
     _: Reader,
     state: State,
-    since: Annotated[str | None, Query(description=f"window start: {_TIME_DOC}")] = None,
-    until: Annotated[str | None, Query(description=f"window end (exclusive): {_TIME_DOC}")] = None,
+    since: Annotated[
+        str | None, Query(max_length=64, description=f"window start: {_TIME_DOC}")
+    ] = None,
+    until: Annotated[
+        str | None, Query(max_length=64, description=f"window end (exclusive): {_TIME_DOC}")
+    ] = None,
     job_id: Annotated[str | None, Query(max_length=256)] = None,
     client_id: Annotated[str | None, Query(max_length=256)] = None,
     kernel: Annotated[str | None, Query(max_length=1024)] = None,

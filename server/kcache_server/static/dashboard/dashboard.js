@@ -106,22 +106,35 @@
 
   // ------------------------------------------------------------------ rendering
   function render(s) {
+    // Server-observed figures (totals) and client-reported ones (reported) are shown
+    // apart: clients post their own counts, the server only vouches for what it saw.
+    const sum = (o) => Object.values(o || {}).reduce((a, b) => a + b, 0);
+    const reported = s.reported || {};
     setValue("kpi-hit-rate", pct(s.hit_rate), s.hit_rate);
-    $("kpi-hits").textContent = `${int(s.hits)} of ${int(s.lookups)} served from cache`;
+    $("kpi-hits").textContent =
+      `${int(s.hits)} of ${int(s.lookups)} served from cache · server-observed ${pct(s.server_hit_rate)}`;
     setValue("kpi-lookups", int(s.lookups), s.lookups);
     $("kpi-lookups-sub").textContent =
-      `${int(s.totals.hit)} server · ${int(s.totals.local_hit)} local`;
+      `${int(sum(s.totals))} seen by the server · ${int(sum(reported))} reported by clients`;
     setValue("kpi-saved", duration(s.compile_seconds_saved), s.compile_seconds_saved);
+    $("kpi-saved-sub").textContent = s.reported_compile_seconds_saved
+      ? `by server hits · + ${duration(s.reported_compile_seconds_saved)} reported by clients`
+      : "by hits instead of compiles";
     setValue("kpi-errors", int(s.totals.error), s.totals.error);
     $("kpi-misses").textContent =
       `${int(s.totals.compiled)} compiled · ${int(s.totals.waited)} waited · ${int(s.totals.miss)} missed`;
-    setValue("kpi-divergence", int(s.divergence.length), s.divergence.length);
-    $("kpi-divergence-card").classList.toggle("alarm", s.divergence.length > 0);
+    const observed = s.divergence.filter((d) => !d.reported);
+    const hearsay = s.divergence.length - observed.length;
+    setValue("kpi-divergence", int(observed.length), observed.length);
+    $("kpi-divergence-sub").textContent = hearsay
+      ? `recipes resolved differently across ranks · ${int(hearsay)} more reported by clients`
+      : "recipes resolved differently across ranks";
+    $("kpi-divergence-card").classList.toggle("alarm", observed.length > 0);
 
     renderTiers(s);
     renderDivergence(s.divergence);
     renderMissed(s.top_missed);
-    renderJobs(s.groups, new Set(s.divergence.map((d) => d.job_id)));
+    renderJobs(s.groups, new Set(observed.map((d) => d.job_id)));
     drawChart(s);
   }
 
@@ -176,8 +189,9 @@
         ranks.append(el("span", { class: "chip", title: digest }, "rank " + rank + " → ",
           el("span", { class: "digest" }, short(digest))));
       }
-      tbody.append(el("tr", { class: "divergent", "data-job": d.job_id, "data-base-key": d.base_key },
-        el("td", {}, d.job_id, el("span", { class: "badge" }, "diverged")),
+      tbody.append(el("tr", { class: d.reported ? "reported-divergence" : "divergent",
+                              "data-job": d.job_id, "data-base-key": d.base_key },
+        el("td", {}, d.job_id, el("span", { class: "badge" }, d.reported ? "reported by clients" : "diverged")),
         el("td", { class: "kernel" }, d.kernel || "–"),
         el("td", {}, d.target || "–"),
         el("td", { class: "digest", title: d.base_key }, short(d.base_key)),
