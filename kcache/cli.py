@@ -165,6 +165,23 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sandbox_check() -> str:
+    """Whether `kcache serve` could confine its compile workers with Landlock here."""
+    import os
+
+    from kcache.sandbox import probe
+
+    if os.environ.get("KCACHE_COMPILE_SANDBOX", "").strip().lower() == "off":
+        return "off: KCACHE_COMPILE_SANDBOX=off, server compile workers are not confined"
+    status = probe()
+    if status.abi > 0:
+        return f"ok: {status.detail}; server compile workers will be confined"
+    return (
+        f"UNAVAILABLE: {status.detail}. `kcache serve` refuses to start on a non-loopback address "
+        "(unless compile_sandbox=best-effort) and runs its compile workers unconfined on loopback"
+    )
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from kcache.toolchain import load_toolchain
 
@@ -180,6 +197,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         checks["toolchain"] = f"unusable: {exc}"
         status = 1
     checks["toolchain_dir"] = str(toolchain_dir())
+    checks["compile_sandbox"] = _sandbox_check()
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / ".doctor-probe"

@@ -96,6 +96,7 @@ class CompileInputs:
         self.headers = headers
         self.include_sets = include_sets
         self.sets = [include_sets.get(name) for name in dict.fromkeys(set_names)]
+        self._real_dirs: dict[str, str] = {}
         # NVRTC reports files under the -I directory as given; symlinks are resolved separately.
         self._toolchain_given = os.path.normpath(toolchain_include)
         self._toolchain_real = os.path.realpath(toolchain_include)
@@ -138,7 +139,7 @@ class CompileInputs:
         if not path.startswith("/"):
             return None  # a relative path that no input has: read from the working directory
         lexical = os.path.normpath(path)
-        resolved = os.path.realpath(path)
+        resolved = self._realpath(path)
         inside = _strictly_inside(lexical, self._toolchain_given)
         if inside is None:
             inside = _strictly_inside(lexical, self._toolchain_real)
@@ -152,6 +153,21 @@ class CompileInputs:
             if relative is not None:
                 return Origin("set", f"{item.name}:{relative}", item.name, relative)
         return None
+
+    def _realpath(self, path: str) -> str:
+        """``os.path.realpath(path)``, with each directory resolved once per compile.
+
+        A cub kernel reads hundreds of headers from a few dozen directories; resolving
+        every path from the root would cost tens of milliseconds. The directory part is
+        resolved as given (not normalised first: ``link/..`` must follow the link, as
+        the kernel does), then only a final component that is a link is followed.
+        """
+        directory, name = os.path.split(path)
+        real_directory = self._real_dirs.get(directory)
+        if real_directory is None:
+            real_directory = self._real_dirs[directory] = os.path.realpath(directory)
+        candidate = os.path.join(real_directory, name)
+        return os.path.realpath(candidate) if os.path.islink(candidate) else candidate
 
     def dependency(self, origin: Origin) -> Dependency | None:
         """The dependency ``origin`` records (None for the program and toolchain files)."""
@@ -201,7 +217,7 @@ def dependencies_from_trace(trace_file: Path, inputs: CompileInputs) -> tuple[De
             "unknown; nothing was stored (is the compile scratch directory writable?)"
         )
     deps: set[Dependency] = set()
-    for path in seen:
+    for path in dict.fromkeys(seen):  # a header included from many places is listed each time
         origin = inputs.origin(path)
         if origin is None:
             raise UnlistedIncludeError(inputs.as_written(path))

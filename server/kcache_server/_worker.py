@@ -1,49 +1,193 @@
-"""The compile worker process: limits itself, loads the toolchain, then compiles on request.
+"""The compile worker process: started scrubbed, limits and confines itself, then compiles on request.
+
+Start-up (:func:`spawn`, in the server): the worker is a fresh interpreter started
+with :func:`kcache.sandbox.scrubbed_environment` (no ``KCACHE_*``, no database URL,
+no tokens: ``os.environ`` and ``/proc/self/environ`` of the worker never held them),
+not a ``multiprocessing`` child, which inherits the server's environment and cannot
+be given another. One end of a socket pair is its only link to the server.
+
+Then, in the worker (:func:`main`): address-space limit, ``chdir`` into its own empty
+scratch directory (which is also ``TMPDIR``: NVRTC's trace files live there), load
+the toolchain, compile and link one tiny program so that every library NVRTC and
+nvJitLink load lazily is mapped, and only then Landlock
+(:func:`kcache.sandbox.confine`): reads limited to the toolchain, the include-set
+roots and the interpreter, writes to the scratch directory. The worker reports
+whether confinement is in force in its ``ready`` message; the pool decides whether
+an unconfined worker may serve (``compile_sandbox``).
 
 Messages on the pipe (pickled tuples):
-  parent -> child  ("compile", recipe_dict, [link input bytes])  |  ("stop",)
-  child -> parent  ("ready", toolchain_id) | ("start_failed", text)
+  parent -> child  WorkerConfig (first) | ("compile", recipe_dict, [link input bytes]) | ("stop",)
+  child -> parent  ("ready", toolchain_id, sandbox status dict) | ("start_failed", text)
                    ("ok", CompileOutput) | ("compile_error", log) | ("recipe_error", field, detail)
-                   ("toolchain_error", text) | ("invalid_artifact", text) | ("failed", type name, text)
+                   ("unlisted_include", include, field) | ("toolchain_error", text)
+                   ("invalid_artifact", text) | ("failed", type name, text)
 Errors travel as tuples because exceptions with extra constructor arguments
 (RecipeError(field, detail)) do not survive pickling.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import resource
+import signal
+import subprocess
+import sys
 import tempfile
-from multiprocessing.connection import Connection
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 
+__all__ = ["WorkerConfig", "WorkerProcess", "main", "spawn"]
 
-def main(
-    conn: Connection,
-    toolchain_dir: str | None,
-    include_sets: dict[str, str],
-    memory_mb: int,
-    tmp_dir: str,
-) -> None:
-    """Run in a spawned process until told to stop or the pipe closes."""
-    limit = memory_mb << 20
+# Run by the fresh interpreter: the server's import path, then the worker.
+_BOOTSTRAP = (
+    "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
+    "from kcache_server._worker import _child; _child(int(sys.argv[2]))"
+)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker needs to start, sent as its first message."""
+
+    toolchain_dir: str  # the root the server's toolchain was prepared under
+    include_sets: dict[str, str] = field(default_factory=dict)
+    memory_mb: int = 8192
+    scratch: str = ""  # absolute; the worker's working directory and TMPDIR
+    confine: bool = True  # False: compile_sandbox=off, run unconfined on purpose
+
+
+class WorkerProcess:
+    """A started worker: the parts of ``multiprocessing.Process`` the pool uses."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], sentinel: int) -> None:
+        self._popen = popen
+        #: Becomes readable when the worker exits (it holds the pipe's write end).
+        self.sentinel = sentinel
+        weakref.finalize(self, os.close, sentinel)
+
+    @property
+    def pid(self) -> int:
+        """The worker's process id."""
+        return self._popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while running, else the exit status (``-N`` when killed by signal N)."""
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        """True while the process runs."""
+        return self._popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL (nothing happens when it has already exited)."""
+        self._popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the process to exit, at most ``timeout`` seconds."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout)
+
+
+def spawn(config: WorkerConfig) -> tuple[WorkerProcess, Connection]:
+    """Start a worker with a scrubbed environment; returns it and the server's end of its pipe."""
+    from kcache.sandbox import scrubbed_environment
+
+    parent, child = Pipe(duplex=True)
+    sentinel_read, sentinel_write = os.pipe()
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path), str(child.fileno())],
+            pass_fds=(child.fileno(), sentinel_write),
+            env=scrubbed_environment(Path(config.scratch)),
+            cwd=config.scratch,
+            stdin=subprocess.DEVNULL,
+        )
+    except BaseException:
+        parent.close()
+        os.close(sentinel_read)
+        raise
+    finally:
+        child.close()
+        os.close(sentinel_write)
+    parent.send(config)
+    return WorkerProcess(popen, sentinel_read), parent
+
+
+def _child(fd: int) -> None:
+    """Entry point of the fresh interpreter: read the configuration, then run :func:`main`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops its workers itself
+    conn = Connection(fd)
+    try:
+        config = conn.recv()
+    except EOFError:
+        return
+    main(conn, config)
+
+
+def _warm_up(toolchain: object) -> None:
+    """Compile to LTO-IR and link once, so NVRTC's and nvJitLink's lazy loads happen before Landlock."""
+    from kcache.compiler import compile_recipe
+    from kcache.include_sets import IncludeSets
+    from kcache.recipe import LinkInput, Recipe
+    from kcache.toolchain import Toolchain
+
+    assert isinstance(toolchain, Toolchain)
+    target = f"sm_{toolchain.supported_sms[-1]}"
+    helper = Recipe(
+        source="__device__ float kc_warm(float x) { return 2.0f * x; }",
+        target=target,
+        output="ltoir",
+        toolchain=toolchain.id,
+    )
+    ltoir = compile_recipe(helper, toolchain, IncludeSets())
+    main_recipe = Recipe(
+        source='extern __device__ float kc_warm(float); extern "C" __global__ void k(float* o) '
+        "{ o[0] = kc_warm(o[0]); }",
+        target=target,
+        flags=("-rdc=true",),
+        lto=True,
+        link=(LinkInput(recipe=helper),),
+        toolchain=toolchain.id,
+    )
+    compile_recipe(main_recipe, toolchain, IncludeSets(), [ltoir.data])
+
+
+def main(conn: Connection, config: WorkerConfig) -> None:
+    """Run in the worker process until told to stop or the pipe closes."""
+    limit = config.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    # NVRTC's trace files and any scratch stay inside the data directory.
-    os.environ["TMPDIR"] = tmp_dir
-    tempfile.tempdir = tmp_dir
+    os.chdir(config.scratch)
+    tempfile.tempdir = config.scratch
     try:
         from kcache.compiler import compile_recipe
-        from kcache.errors import CompileError, InvalidArtifactError, RecipeError, ToolchainError
+        from kcache.errors import (
+            CompileError,
+            InvalidArtifactError,
+            RecipeError,
+            ToolchainError,
+            UnlistedIncludeError,
+        )
         from kcache.include_sets import IncludeSets
         from kcache.recipe import Recipe
+        from kcache.sandbox import SandboxStatus, compile_policy, confine
         from kcache.toolchain import load_toolchain
 
-        toolchain = load_toolchain(Path(toolchain_dir) if toolchain_dir else None)
-        sets = IncludeSets(include_sets)
+        toolchain = load_toolchain(Path(config.toolchain_dir))
+        sets = IncludeSets(config.include_sets)
+        _warm_up(toolchain)
+        if config.confine:
+            status = confine(compile_policy(toolchain, sets, Path(config.scratch)))
+        else:
+            status = SandboxStatus(False, 0, "confinement turned off")
     except BaseException as exc:  # report anything, even MemoryError, instead of dying silently
         conn.send(("start_failed", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", toolchain.id))
+    conn.send(("ready", toolchain.id, status.to_dict()))
     while True:
         try:
             message = conn.recv()
@@ -55,6 +199,8 @@ def main(
         try:
             output = compile_recipe(Recipe.from_dict(recipe_dict), toolchain, sets, link_inputs)
             reply: tuple[object, ...] = ("ok", output)
+        except UnlistedIncludeError as exc:
+            reply = ("unlisted_include", exc.include, exc.field)
         except RecipeError as exc:
             reply = ("recipe_error", exc.field, exc.detail)
         except CompileError as exc:
@@ -64,7 +210,10 @@ def main(
         except InvalidArtifactError as exc:
             reply = ("invalid_artifact", str(exc))
         except MemoryError:
-            reply = ("compile_error", f"the compile ran out of memory (limit {memory_mb} MiB)")
+            reply = (
+                "compile_error",
+                f"the compile ran out of memory (limit {config.memory_mb} MiB)",
+            )
         except Exception as exc:
             reply = ("failed", type(exc).__name__, str(exc))
         conn.send(reply)

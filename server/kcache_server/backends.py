@@ -71,6 +71,7 @@ def open_backends(settings: Settings, db: sa.Engine) -> Backends:
         tmp_dir=settings.data_dir / "tmp",
         toolchain_dir=settings.toolchain_dir,
         retry_after_s=settings.retry_after_s,
+        compile_sandbox=settings.compile_sandbox_mode,
     )
     engine = Engine(store, index, lock, compiler, lock_timeout=settings.lock_timeout_s)
     return Backends(db, store, index, lock, compiler, engine, toolchain)

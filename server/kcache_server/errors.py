@@ -34,6 +34,7 @@ from kcache.errors import (
     RecipeError,
     StoreFullError,
     ToolchainError,
+    UnlistedIncludeError,
     UnresolvedRecipeError,
 )
 from kcache_server.request_ids import current_request_id
@@ -120,6 +121,7 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     BadRequestError: ErrorInfo(400, "bad_request"),
     UnresolvedRecipeError: ErrorInfo(400, "unresolved_recipe"),
     InvalidRequestError: ErrorInfo(422, "invalid_request"),
+    UnlistedIncludeError: ErrorInfo(422, "unlisted_include"),
     RecipeError: ErrorInfo(422, "invalid_recipe"),
     CompileTimeoutError: ErrorInfo(422, "compile_timeout"),
     CompileError: ErrorInfo(422, "compile_error"),

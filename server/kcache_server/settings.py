@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -42,6 +43,12 @@ class Settings(BaseSettings):
     compile_workers: int = Field(default=2, ge=1, description="NVRTC worker processes per server process")
     compile_timeout_s: float = Field(default=120.0, gt=0, description="a compile past this is killed")
     compile_memory_mb: int = Field(default=8192, ge=256, description="address-space limit of a compile worker")
+    compile_sandbox: Literal["auto", "required", "best-effort", "off"] = Field(
+        default="auto",
+        description="Landlock confinement of compile workers: required (refuse to start without it), "
+        "best-effort (run unconfined, loudly, where the kernel lacks it), off (never confine: tests, "
+        "debugging); auto is required on a non-loopback bind and best-effort on loopback",
+    )
     compile_queue_limit: int = Field(default=64, ge=0, description="compiles waiting for a worker before 503")
     lock_timeout_s: float = Field(default=900.0, gt=0, description="how long to wait for another's compile")
     request_threads: int = Field(default=64, ge=1, description="engine calls running at once")
@@ -60,6 +67,13 @@ class Settings(BaseSettings):
         if self.db_url:
             return self.db_url
         return f"sqlite:///{(self.data_dir / 'kcache.db').resolve()}"
+
+    @property
+    def compile_sandbox_mode(self) -> Literal["required", "best-effort", "off"]:
+        """``compile_sandbox`` with ``auto`` decided by the bind address."""
+        if self.compile_sandbox != "auto":
+            return self.compile_sandbox
+        return "best-effort" if self.loopback else "required"
 
     @property
     def loopback(self) -> bool:

@@ -11,6 +11,7 @@ refused with ``OverloadedError`` (503 with Retry-After).
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import queue
 import shutil
@@ -19,7 +20,6 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from kcache.artifact import CompileOutput
@@ -29,21 +29,25 @@ from kcache.errors import (
     InvalidArtifactError,
     RecipeError,
     ToolchainError,
+    UnlistedIncludeError,
 )
 from kcache.include_sets import IncludeSets
 from kcache.recipe import Recipe
+from kcache.sandbox import SandboxStatus
 from kcache.toolchain import Toolchain
 from kcache_server import _worker
 from kcache_server.errors import CompileWorkerCrashedError, OverloadedError
 
 __all__ = ["ProcessPoolCompiler"]
 
+log = logging.getLogger(__name__)
+
 _START_TIMEOUT_S = 180.0
 
 
 @dataclass(eq=False)  # identity hashing: workers live in a set
 class _Worker:
-    process: BaseProcess
+    process: _worker.WorkerProcess
     conn: Connection
     scratch: Path
 
@@ -63,6 +67,7 @@ class ProcessPoolCompiler:
         tmp_dir: Path,
         toolchain_dir: Path | None = None,
         retry_after_s: int = 5,
+        compile_sandbox: str = "best-effort",
     ) -> None:
         self.toolchain = toolchain
         self.include_sets = include_sets
@@ -73,6 +78,10 @@ class ProcessPoolCompiler:
         self.tmp_dir = tmp_dir
         self.toolchain_dir = toolchain_dir
         self.retry_after_s = retry_after_s
+        #: "required": an unconfined worker is refused; "best-effort": it serves, loudly;
+        #: "off": workers are not even asked to confine themselves.
+        self.sandbox_mode = compile_sandbox
+        self.sandbox: SandboxStatus | None = None  # what the last worker to start reported
         self._ctx = multiprocessing.get_context("spawn")
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: set[_Worker] = set()
@@ -113,25 +122,25 @@ class ProcessPoolCompiler:
             return sum(1 for w in self._all if w.process.is_alive())
 
     def _launch(self) -> _Worker:
-        parent, child = self._ctx.Pipe(duplex=True)
         # Each worker gets its own scratch directory, so a killed worker's leftovers
-        # (NVRTC trace files it had no chance to delete) can be removed with it.
-        scratch = Path(tempfile.mkdtemp(prefix="worker-", dir=self.tmp_dir))
-        process = self._ctx.Process(
-            target=_worker.main,
-            args=(
-                child,
-                str(self.toolchain_dir) if self.toolchain_dir else None,
-                self.include_sets.as_mapping(),
-                self.memory_mb,
-                str(scratch),
-            ),
-            name="kcache-compile-worker",
-            daemon=True,
+        # (NVRTC trace files it had no chance to delete) can be removed with it. It is
+        # the worker's working directory and the only place it may write.
+        scratch = Path(tempfile.mkdtemp(prefix="worker-", dir=self.tmp_dir)).resolve()
+        config = _worker.WorkerConfig(
+            # Where this server prepared its toolchain, not a default the scrubbed
+            # worker environment would compute differently.
+            toolchain_dir=str(self.toolchain.include_dir.parent.parent),
+            include_sets=self.include_sets.as_mapping(),
+            memory_mb=self.memory_mb,
+            scratch=str(scratch),
+            confine=self.sandbox_mode != "off",
         )
-        process.start()
-        child.close()
-        worker = _Worker(process, parent, scratch)
+        try:
+            process, conn = _worker.spawn(config)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        worker = _Worker(process, conn, scratch)
         with self._guard:
             self._all.add(worker)
         return worker
@@ -139,7 +148,9 @@ class ProcessPoolCompiler:
     def _await_ready(self, worker: _Worker) -> None:
         try:
             if not worker.conn.poll(_START_TIMEOUT_S):
-                raise ToolchainError(f"a compile worker did not start within {_START_TIMEOUT_S:.0f}s")
+                raise ToolchainError(
+                    f"a compile worker did not start within {_START_TIMEOUT_S:.0f}s"
+                )
             message = worker.conn.recv()
         except (EOFError, OSError) as exc:
             self._discard(worker)
@@ -157,6 +168,25 @@ class ProcessPoolCompiler:
                 f"a compile worker could not start ({detail}); compile_memory_mb={self.memory_mb} may be too small"
                 if message[0] == "start_failed"
                 else f"a compile worker loaded {detail}, not {self.toolchain.id}"
+            )
+        status = SandboxStatus.from_dict(message[2])
+        first = self.sandbox is None or self.sandbox.active != status.active
+        self.sandbox = status
+        if status.active:
+            return
+        if self.sandbox_mode == "required":
+            self._discard(worker)
+            raise ToolchainError(
+                f"refusing to compile: the compile worker could not be confined ({status.detail}). "
+                "Run on Linux >= 5.13 with Landlock enabled (lsm=...,landlock), or accept unconfined "
+                "compiles with compile_sandbox=best-effort (KCACHE_COMPILE_SANDBOX)"
+            )
+        if first:
+            log.warning(
+                "COMPILE WORKERS ARE NOT CONFINED (%s; compile_sandbox=%s): a recipe's includes are "
+                "checked after the compile, but NVRTC itself can open any file this server can read",
+                status.detail,
+                self.sandbox_mode,
             )
 
     def _discard(self, worker: _Worker) -> None:
@@ -230,6 +260,8 @@ class ProcessPoolCompiler:
             return output
         if kind == "compile_error":
             raise CompileError(None, reply[1])
+        if kind == "unlisted_include":
+            raise UnlistedIncludeError(reply[1], reply[2])
         if kind == "recipe_error":
             raise RecipeError(reply[1], reply[2])
         if kind == "invalid_artifact":

@@ -1,4 +1,4 @@
-"""``GET /healthz`` (the process answers) and ``GET /readyz`` (database, store and workers work)."""
+"""``GET /healthz`` (the process answers) and ``GET /readyz`` (database, store, workers, sandbox)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,35 @@ def _checks(state: ServerState) -> dict[str, str]:
     checks["store"] = "ok" if blobs.is_dir() and os.access(blobs, os.W_OK) else f"failed: {blobs} is not writable"
     alive = state.backends.compiler.alive
     checks["compile_workers"] = f"ok ({alive} running)" if alive else "failed: no compile worker is running"
+    checks["compile_sandbox"] = _sandbox(state)
     return checks
+
+
+def _sandbox(state: ServerState) -> str:
+    """Whether compile workers run confined by Landlock.
+
+    ``degraded`` (the operator allowed unconfined workers: compile_sandbox best-effort
+    or off) does not make the server unready, but says so on every probe; with
+    ``required`` an unconfined worker never starts, so this never reads degraded then.
+    """
+    status = state.backends.compiler.sandbox
+    if status is None:
+        return "failed: no compile worker has reported its confinement yet"
+    if status.active:
+        return f"ok ({status.detail})"
+    return (
+        f"degraded: {status.detail} (compile_sandbox={state.settings.compile_sandbox_mode}); "
+        "NVRTC in the workers can open any file this server can read"
+    )
 
 
 @router.get("/readyz", response_model=ReadyBody, responses={503: {"model": ReadyBody}})
 async def readyz(state: State) -> JSONResponse:
-    """Readiness: 200 when the database, the store and at least one compile worker work."""
+    """Readiness: 200 when the database, the store and at least one compile worker work.
+
+    ``compile_sandbox`` reads ``degraded`` where the workers run unconfined by choice;
+    that is reported, not a reason to take the server out of service.
+    """
     checks = await state.run(_checks, state)
-    ready = all(v.startswith("ok") for v in checks.values())
+    ready = all(v.startswith("ok") or v.startswith("degraded") for v in checks.values())
     return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks}, 200 if ready else 503)
