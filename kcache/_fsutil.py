@@ -1,4 +1,5 @@
-"""Atomic publishing of files: unique temp beside the destination, fsync, rename, fsync dir."""
+"""Atomic publishing of files (unique temp beside the destination, fsync, rename, fsync dir),
+and the free-space checks that turn a nearly full disk into :class:`StoreFullError`."""
 
 from __future__ import annotations
 
@@ -9,10 +10,45 @@ from pathlib import Path
 
 from kcache.errors import StoreFullError
 
-__all__ = ["TMP_PREFIX", "atomic_write", "fsync_dir"]
+__all__ = [
+    "TMP_PREFIX",
+    "atomic_write",
+    "check_free_space",
+    "free_bytes",
+    "fsync_dir",
+    "is_disk_full",
+]
 
 #: Staging files start with this prefix; readers and listings ignore them.
 TMP_PREFIX = ".tmp-"
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for the errors a full filesystem or an exhausted quota raise."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def check_free_space(path: str | os.PathLike[str], minimum: int, what: str) -> None:
+    """Raise :class:`StoreFullError` when ``path``'s filesystem has fewer than ``minimum`` bytes free.
+
+    ``what`` names the use and the setting, for the message (for example
+    ``"compile scratch (min_free_bytes)"``).
+    """
+    if minimum <= 0:
+        return
+    free = free_bytes(path)
+    if free < minimum:
+        raise StoreFullError(
+            errno.ENOSPC,
+            f"only {free} bytes are free on the filesystem of {what}; at least {minimum} are needed. "
+            "Free some space (kcache db gc removes unreferenced blobs) and retry",
+        )
 
 
 def fsync_dir(path: Path) -> None:
@@ -32,9 +68,10 @@ def atomic_write(dest: Path, data: bytes, *, verify: bytes | None = None) -> Non
     ``verify`` (catching a short write on a flaky filesystem), renamed over ``dest``,
     and the directory fsynced. On any failure the temp file is removed.
     """
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f"{TMP_PREFIX}{dest.name}-{os.getpid()}-{secrets.token_hex(6)}"
     try:
+        # Inside the try: a fan-out directory needs a block too, on a full disk.
+        dest.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -49,7 +86,7 @@ def atomic_write(dest: Path, data: bytes, *, verify: bytes | None = None) -> Non
         os.replace(tmp, dest)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if is_disk_full(exc):
             raise StoreFullError(exc.errno, f"no space left to publish {dest.name}") from exc
         raise
     except BaseException:

@@ -87,20 +87,47 @@ class ArtifactMeta:
 
 @dataclass(frozen=True)
 class CompileFailure:
-    """A negative entry: this recipe failed to compile, with the compiler's log."""
+    """A negative entry: this recipe failed to compile, with the compiler's log.
+
+    ``kind`` says how: ``error`` (the compiler rejected it; kept for good),
+    ``timeout`` (it ran past the time limit) or ``too_large`` (its output was over the
+    artifact size limit). The last two may depend on load or settings, so they carry
+    ``expires_at`` (epoch seconds), after which indexes no longer return them.
+    """
 
     recipe_key: str
     log: str
     created_at: float = field(default_factory=time.time)
+    kind: str = "error"
+    expires_at: float | None = None
+
+    def expired(self, now: float | None = None) -> bool:
+        """True once ``expires_at`` has passed (never for an entry without one)."""
+        if self.expires_at is None:
+            return False
+        return self.expires_at <= (time.time() if now is None else now)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
-        return {"recipe_key": self.recipe_key, "log": self.log, "created_at": self.created_at}
+        return {
+            "recipe_key": self.recipe_key,
+            "log": self.log,
+            "created_at": self.created_at,
+            "kind": self.kind,
+            "expires_at": self.expires_at,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CompileFailure:
         """Inverse of :meth:`to_dict`."""
-        return cls(data["recipe_key"], data["log"], float(data.get("created_at", 0.0)))
+        expires = data.get("expires_at")
+        return cls(
+            data["recipe_key"],
+            data["log"],
+            float(data.get("created_at", 0.0)),
+            str(data.get("kind", "error")),
+            None if expires is None else float(expires),
+        )
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@ The CLI, the server and a client compiling locally all run this same sequence.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Literal
 
 from kcache.artifact import ArtifactMeta, CompileFailure, CompileOutput
@@ -18,6 +20,7 @@ from kcache.compilers import Compiler
 from kcache.deps import include_set_files_unchanged, unchanged
 from kcache.errors import (
     ArtifactNotFoundError,
+    ArtifactTooLargeError,
     CompileError,
     CompileTimeoutError,
     CorruptArtifactError,
@@ -28,9 +31,22 @@ from kcache.locks import KeyLock
 from kcache.recipe import Recipe
 from kcache.store.base import ArtifactStore
 
-__all__ = ["Engine", "Resolution", "Status"]
+__all__ = ["Engine", "Resolution", "Status", "failure_error"]
 
 Status = Literal["hit", "compiled", "waited"]
+
+log = logging.getLogger(__name__)
+
+#: The error each kind of negative entry is answered with (any other kind: CompileError).
+_FAILURE_ERRORS: dict[str, type[CompileError]] = {
+    "timeout": CompileTimeoutError,
+    "too_large": ArtifactTooLargeError,
+}
+
+
+def failure_error(entry: CompileFailure) -> CompileError:
+    """The error a recorded failure is answered with (``cached`` set, the recorded log)."""
+    return _FAILURE_ERRORS.get(entry.kind, CompileError)(entry.recipe_key, entry.log, cached=True)
 
 
 @dataclass(frozen=True)
@@ -55,7 +71,14 @@ class Resolution:
 
 
 class Engine:
-    """Resolve recipes to published artifacts, compiling each missing one exactly once."""
+    """Resolve recipes to published artifacts, compiling each missing one exactly once.
+
+    ``max_artifact_bytes`` refuses compiler output over that size (nothing is stored).
+    ``failure_ttl_s`` is how long a compile that timed out, or whose output was too
+    large, is remembered as a negative entry, so repeats are answered at once instead
+    of holding a worker again; such failures may come from load or settings rather
+    than the recipe, so unlike compile errors they expire (0: not remembered).
+    """
 
     def __init__(
         self,
@@ -65,12 +88,16 @@ class Engine:
         compiler: Compiler,
         *,
         lock_timeout: float = 900.0,
+        max_artifact_bytes: int | None = None,
+        failure_ttl_s: float = 0.0,
     ) -> None:
         self.store = store
         self.index = index
         self.lock = lock
         self.compiler = compiler
         self.lock_timeout = lock_timeout
+        self.max_artifact_bytes = max_artifact_bytes
+        self.failure_ttl_s = failure_ttl_s
 
     @property
     def toolchain_id(self) -> str:
@@ -127,7 +154,7 @@ class Engine:
         header_hashes = recipe.header_hashes()
         entry = self.index.lookup(key)
         if isinstance(entry, CompileFailure):
-            raise CompileError(key, entry.log, cached=True)
+            raise failure_error(entry)
         if entry is not None and self._usable(entry):
             return entry
         for candidate in self.index.manifest(base):
@@ -147,9 +174,11 @@ class Engine:
     def _usable(self, meta: ArtifactMeta) -> bool:
         # An artifact whose dependency list may miss a file it read (recorded before every
         # read was attributed) is never served: a changed file would not be noticed.
-        return meta.dependencies_exact and include_set_files_unchanged(
-            meta.dependencies, self.compiler.include_sets
-        ) and self.store.has(meta.digest)
+        return (
+            meta.dependencies_exact
+            and include_set_files_unchanged(meta.dependencies, self.compiler.include_sets)
+            and self.store.has(meta.digest)
+        )
 
     def _link_inputs(self, recipe: Recipe) -> list[bytes]:
         inputs = []
@@ -175,12 +204,21 @@ class Engine:
         try:
             output: CompileOutput = self.compiler.compile(recipe, link_inputs)
         except CompileTimeoutError as exc:
-            exc.recipe_key = key  # not recorded: a timeout may be load, not the recipe
+            exc.recipe_key = key
+            exc.log = self._remember(key, "timeout", exc.log)
             raise
         except CompileError as exc:
             self.index.record_failure(CompileFailure(key, exc.log))
             exc.recipe_key = key
             raise
+        limit = self.max_artifact_bytes
+        if limit is not None and len(output.data) > limit:
+            detail = (
+                f"the compile produced {len(output.data)} bytes of {output.kind}; the limit is {limit} "
+                "bytes (max_artifact_bytes), so nothing was stored. Split the program into smaller "
+                "ones, or ask the operator to raise the limit"
+            )
+            raise ArtifactTooLargeError(key, self._remember(key, "too_large", detail))
         digest = self.store.put(output.data)  # blob first; an orphan blob is harmless
         meta = ArtifactMeta(
             digest=digest,
@@ -197,3 +235,21 @@ class Engine:
         )
         self.index.record_artifact(key, base, meta)
         return meta
+
+    def _remember(self, key: str, kind: str, detail: str) -> str:
+        """Record an expiring negative entry of ``kind``; returns ``detail`` noting until when."""
+        if self.failure_ttl_s <= 0:
+            return detail
+        now = time.time()
+        until = now + self.failure_ttl_s
+        noted = (
+            f"{detail}\n(this recipe is answered with this error, without compiling, until "
+            f"{datetime.fromtimestamp(until, timezone.utc):%Y-%m-%d %H:%M:%S} UTC: failure_ttl_s)"
+        )
+        try:
+            self.index.record_failure(CompileFailure(key, noted, now, kind, until))
+        except Exception:
+            # The caller's error says what happened; not remembering it only costs time.
+            log.warning("could not record the %s of recipe %s", kind, key, exc_info=True)
+            return detail
+        return noted

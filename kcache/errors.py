@@ -8,7 +8,8 @@ Hierarchy::
     │   └── UnlistedIncludeError              the compile reached a file that is not a recipe input
     ├── ToolchainError (RuntimeError)         NVRTC/nvJitLink missing or unusable
     ├── CompileError                          NVRTC or nvJitLink rejected the recipe; carries the log
-    │   └── CompileTimeoutError (TimeoutError)  the compile ran past its time limit
+    │   ├── CompileTimeoutError (TimeoutError)  the compile ran past its time limit
+    │   └── ArtifactTooLargeError             the compile's output is over the artifact size limit
     ├── InvalidArtifactError                  compiler output is not a cubin for the target
     ├── ArtifactNotFoundError (FileNotFoundError)  no artifact for a key or digest
     ├── CorruptArtifactError                  stored bytes no longer match their digest
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 __all__ = [
     "ArtifactNotFoundError",
+    "ArtifactTooLargeError",
     "CompileError",
     "CompileTimeoutError",
     "CorruptArtifactError",
@@ -99,6 +101,18 @@ class CompileError(KCacheError):
 
 class CompileTimeoutError(CompileError, TimeoutError):
     """The compile ran past its time limit and was killed."""
+
+
+class ArtifactTooLargeError(CompileError):
+    """The compile succeeded, but its output is over the artifact size limit; nothing was stored.
+
+    A refusal of this recipe (its output, not the server's state), so it is remembered
+    like a compile error, for a while; ``log`` says the size and the limit.
+    """
+
+    def __init__(self, recipe_key: str | None, log: str, *, cached: bool = False) -> None:
+        super().__init__(recipe_key, log, cached=cached)
+        self.args = (f"artifact too large: {log.splitlines()[0] if log else ''}",)
 
 
 class InvalidArtifactError(KCacheError):

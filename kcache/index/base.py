@@ -17,7 +17,7 @@ class Index(Protocol):
     """Metadata about published artifacts. Every write is atomic; blobs are written first."""
 
     def lookup(self, recipe_key: str) -> ArtifactMeta | CompileFailure | None:
-        """The artifact (or negative entry) recorded for ``recipe_key``, or None."""
+        """The artifact (or unexpired negative entry) recorded for ``recipe_key``, or None."""
         ...
 
     def artifact(self, digest: str) -> ArtifactMeta | None:
@@ -37,7 +37,11 @@ class Index(Protocol):
         ...
 
     def record_failure(self, failure: CompileFailure) -> None:
-        """Record a negative entry so the same broken recipe is not compiled again."""
+        """Record a negative entry so the same broken recipe is not compiled again.
+
+        It replaces an earlier one for the key; one with ``expires_at`` is no longer
+        returned by :meth:`lookup` once that time has passed.
+        """
         ...
 
     def forget(self, recipe_key: str) -> None:

@@ -60,7 +60,8 @@ class FileIndex:
         if entry is None:
             return None
         if "failure" in entry:
-            return CompileFailure.from_dict(entry["failure"])
+            failure = CompileFailure.from_dict(entry["failure"])
+            return None if failure.expired() else failure
         if "artifact" in entry:
             return ArtifactMeta.from_dict(entry["artifact"])
         return self.artifact(entry["digest"])
@@ -90,7 +91,9 @@ class FileIndex:
     def record_alias(self, recipe_key: str, digest: str) -> None:
         """``recipe_key`` -> ``digest`` (with the artifact's metadata when it is recorded)."""
         meta = self._read("artifacts", digest)
-        self._write("recipes", recipe_key, {"digest": digest, **({"artifact": meta} if meta else {})})
+        self._write(
+            "recipes", recipe_key, {"digest": digest, **({"artifact": meta} if meta else {})}
+        )
 
     def record_failure(self, failure: CompileFailure) -> None:
         """A negative entry under the failed recipe's key."""

@@ -5,21 +5,31 @@ A blob is published by writing a uniquely named temp file in its own directory,
 fsyncing it, checking its digest, renaming it into place and fsyncing the
 directory; readers therefore see no blob or a whole one. Two writers of the same
 bytes agree on the name, so no lock is needed for correctness.
+
+Garbage collection and reuse meet safely without a lock either: publishing bytes
+that are already stored refreshes the blob's mtime (so the collector's grace period
+covers a blob that was an orphan until now), and the collector sets a blob aside
+by rename before deleting it, keeping it when it turns out to be young or named
+after all (:meth:`LocalArtifactStore.collect`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kcache._fsutil import TMP_PREFIX, atomic_write, fsync_dir
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
 from kcache.keys import is_hex_key
 
-__all__ = ["LocalArtifactStore"]
+__all__ = ["SET_ASIDE_PREFIX", "LocalArtifactStore"]
+
+#: Blobs being garbage-collected are renamed to this prefix first; listings skip them.
+SET_ASIDE_PREFIX = ".gc-"
 
 
 def _check_digest(digest: str) -> str:
@@ -57,9 +67,13 @@ class LocalArtifactStore:
         dest = self.path(digest)
         try:
             if dest.stat().st_size == len(data):
-                return digest  # same name, same size: the same bytes (reads verify anyway)
+                # Same name, same size: the same bytes (reads verify anyway). Touch it: the
+                # blob may be an old orphan that a row is about to name, and the mtime is
+                # what garbage collection's grace period looks at.
+                os.utime(dest)
+                return digest
         except FileNotFoundError:
-            pass
+            pass  # absent, or set aside by the collector a moment ago: publish a fresh copy
         atomic_write(dest, data, verify=data)
         return digest
 
@@ -93,6 +107,53 @@ class LocalArtifactStore:
         except FileNotFoundError:
             return False
         return True
+
+    def collect(
+        self, digest: str, older_than: float, still_referenced: Callable[[str], bool]
+    ) -> int | None:
+        """Delete an unreferenced blob unless it is young or named after all; the bytes freed, or None.
+
+        Safe against a writer reusing the blob at the same moment: the blob is renamed
+        aside first (a writer that comes later finds no blob and publishes a fresh
+        copy), then its mtime is read again (a writer that came earlier refreshed it)
+        and ``still_referenced(digest)`` asks the index once more (a row committed
+        since the caller's snapshot). If either says keep, it is renamed back.
+        """
+        path = self.path(digest)
+        try:
+            if path.stat().st_mtime >= older_than:
+                return None
+            aside = path.with_name(
+                f"{SET_ASIDE_PREFIX}{digest}-{os.getpid()}-{secrets.token_hex(4)}"
+            )
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return None
+        try:
+            st = aside.stat()
+            keep = st.st_mtime >= older_than or still_referenced(digest)
+        except BaseException:
+            os.replace(aside, path)
+            raise
+        if keep:
+            os.replace(aside, path)  # a fresh copy published meanwhile has the same bytes
+            return None
+        aside.unlink()
+        return st.st_size
+
+    def restore_set_aside(self) -> int:
+        """Put back blobs a collector set aside and never finished with (it was killed); how many."""
+        restored = 0
+        for aside in self.blobs.glob(f"*/*/{SET_ASIDE_PREFIX}*"):
+            digest = aside.name[len(SET_ASIDE_PREFIX) :].split("-", 1)[0]
+            if not is_hex_key(digest):
+                continue
+            try:
+                os.replace(aside, aside.with_name(digest))
+            except FileNotFoundError:
+                continue
+            restored += 1
+        return restored
 
     def digests(self) -> Iterator[str]:
         """Published digests; staging files (``.tmp-*``) are skipped."""

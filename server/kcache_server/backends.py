@@ -1,10 +1,10 @@
 """The one place where the server picks its backends from settings.
 
-    store     LocalArtifactStore(data_dir)              (a shared POSIX dir for several replicas)
-    index     SqlIndex(SQLite | PostgreSQL)
-    lock      SingleFlight(PgAdvisoryKeyLock)            on PostgreSQL: across replicas
-              SingleFlight(FileKeyLock(data_dir))        on SQLite: across processes on one host
-    compiler  ProcessPoolCompiler                        NVRTC in worker processes with limits
+store     LocalArtifactStore(data_dir)              (a shared POSIX dir for several replicas)
+index     SqlIndex(SQLite | PostgreSQL)
+lock      SingleFlight(PgAdvisoryKeyLock)            on PostgreSQL: across replicas
+          SingleFlight(FileKeyLock(data_dir))        on SQLite: across processes on one host
+compiler  ProcessPoolCompiler                        NVRTC in worker processes with limits
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kcache.include_sets import IncludeSets
 from kcache.locks import FileKeyLock, KeyLock, SingleFlight
 from kcache.store.local import LocalArtifactStore
 from kcache.toolchain import Toolchain, load_toolchain
-from kcache_server.db import is_postgres, open_database
+from kcache_server.db import DatabaseFile, is_postgres, open_database, sqlite_path
 from kcache_server.index import SqlIndex
 from kcache_server.locks import PgAdvisoryKeyLock
 from kcache_server.settings import Settings
@@ -38,13 +38,17 @@ class Backends:
     compiler: ProcessPoolCompiler
     engine: Engine
     toolchain: Toolchain
+    # The SQLite file, watched for vanishing under the server (None on PostgreSQL).
+    db_file: DatabaseFile | None = None
 
 
 def open_settings_database(settings: Settings) -> sa.Engine:
     """The database ``settings`` name (creating the data directory for SQLite)."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     return open_database(
-        settings.database_url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow
+        settings.database_url,
+        pool_size=settings.db_pool_size,
+        max_overflow=settings.db_max_overflow,
     )
 
 
@@ -71,7 +75,21 @@ def open_backends(settings: Settings, db: sa.Engine) -> Backends:
         tmp_dir=settings.data_dir / "tmp",
         toolchain_dir=settings.toolchain_dir,
         retry_after_s=settings.retry_after_s,
+        caller_limit=settings.compile_caller_limit,
+        caller_queue_limit=settings.compile_caller_queue_limit,
+        queue_timeout_s=settings.compile_queue_timeout_s,
+        min_free_bytes=settings.min_free_bytes,
         compile_sandbox=settings.compile_sandbox_mode,
     )
-    engine = Engine(store, index, lock, compiler, lock_timeout=settings.lock_timeout_s)
-    return Backends(db, store, index, lock, compiler, engine, toolchain)
+    engine = Engine(
+        store,
+        index,
+        lock,
+        compiler,
+        lock_timeout=settings.lock_timeout_s,
+        max_artifact_bytes=settings.max_artifact_bytes,
+        failure_ttl_s=settings.failure_ttl_s,
+    )
+    path = sqlite_path(settings.database_url)
+    db_file = DatabaseFile(path) if path is not None and path.exists() else None
+    return Backends(db, store, index, lock, compiler, engine, toolchain, db_file)

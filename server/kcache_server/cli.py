@@ -24,14 +24,17 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
         for name in ("host", "port", "data_dir", "db_url", "workers")
         if getattr(args, name, None) is not None
     }
-    if getattr(args, "force_insecure", False):
-        overrides["force_insecure"] = True
+    for flag in ("force_insecure", "recreate_index"):
+        if getattr(args, flag, False):
+            overrides[flag] = True
     return Settings(**overrides, **extra)
 
 
 def _add_db_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", help="data directory (default $KCACHE_DATA_DIR or ./.kcache)")
-    parser.add_argument("--db-url", help="database URL (default $KCACHE_DB_URL or SQLite in the data dir)")
+    parser.add_argument(
+        "--db-url", help="database URL (default $KCACHE_DB_URL or SQLite in the data dir)"
+    )
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -53,7 +56,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             access_log=settings.access_log,
         )
     else:
-        uvicorn.run(serving_app(create_app(settings)), host=settings.host, port=settings.port, access_log=settings.access_log)
+        uvicorn.run(
+            serving_app(create_app(settings)),
+            host=settings.host,
+            port=settings.port,
+            access_log=settings.access_log,
+        )
     return 0
 
 
@@ -81,19 +89,42 @@ def _cmd_db_current(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_gc(args: argparse.Namespace) -> int:
-    from kcache.maintenance import collect_garbage
+    from kcache.maintenance import MIN_SAFE_GRACE_S, check_index_knows_store, collect_garbage
     from kcache.store.local import LocalArtifactStore
     from kcache_server import migrate
     from kcache_server.backends import open_settings_database
+    from kcache_server.db import sqlite_path
     from kcache_server.index import SqlIndex
 
+    if args.grace < MIN_SAFE_GRACE_S and not args.force:
+        print(
+            f"kcache: --grace {args.grace:g} is below {MIN_SAFE_GRACE_S:g}s: a compile publishes its blob "
+            "before it commits the row that names it, and a shorter grace can delete a blob a row is about "
+            "to name. Pass --force if no compile can be running",
+            file=sys.stderr,
+        )
+        return 2
     settings = _settings(args)
+    path = sqlite_path(settings.database_url)
+    if path is not None and not path.exists():  # opening it would create an empty one
+        print(
+            f"kcache: no database at {path}: nothing says which blobs are in use, so nothing is collected. "
+            "Restore the database, or start the server once with --recreate-index",
+            file=sys.stderr,
+        )
+        return 2
     db = open_settings_database(settings)
     migrate.check_schema(db, settings.database_url)
+    store = LocalArtifactStore(settings.data_dir)
+    index = SqlIndex(db)
     # Blobs are published before their row is committed: the grace period keeps a
-    # blob whose compile is still recording it.
-    referenced = SqlIndex(db).digests()
-    report = collect_garbage(LocalArtifactStore(settings.data_dir), referenced, grace_seconds=args.grace)
+    # blob whose compile is still recording it, and each deletion asks the index again.
+    referenced = index.digests()
+    if not args.force:
+        check_index_knows_store(store, referenced)
+    report = collect_garbage(
+        store, referenced, grace_seconds=args.grace, still_referenced=index.names
+    )
     print(json.dumps(vars(report)))
     return 0
 
@@ -112,7 +143,10 @@ def _tokens(args: argparse.Namespace) -> Any:
 def _cmd_token_create(args: argparse.Namespace) -> int:
     token = _tokens(args).create(args.name, args.scope or ["read"])
     print(token)
-    print(f"kcache: created token {args.name!r}; it is shown only now, store it (KCACHE_TOKEN)", file=sys.stderr)
+    print(
+        f"kcache: created token {args.name!r}; it is shown only now, store it (KCACHE_TOKEN)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -120,7 +154,9 @@ def _cmd_token_list(args: argparse.Namespace) -> int:
     for info in _tokens(args).list():
         state = f"revoked {info.revoked_at:%Y-%m-%d %H:%M}" if info.revoked_at else "active"
         used = f"{info.last_used_at:%Y-%m-%d %H:%M}" if info.last_used_at else "never"
-        print(f"{info.name}\t{','.join(info.scopes)}\tcreated {info.created_at:%Y-%m-%d %H:%M}\tused {used}\t{state}")
+        print(
+            f"{info.name}\t{','.join(info.scopes)}\tcreated {info.created_at:%Y-%m-%d %H:%M}\tused {used}\t{state}"
+        )
     return 0
 
 
@@ -140,7 +176,14 @@ def register(subparsers: Any) -> None:
     _add_db_options(serve)
     serve.add_argument("--workers", type=int, help="uvicorn worker processes (default 1)")
     serve.add_argument(
-        "--force-insecure", action="store_true", help="allow a non-loopback bind with no tokens configured"
+        "--force-insecure",
+        action="store_true",
+        help="allow a non-loopback bind with no tokens configured",
+    )
+    serve.add_argument(
+        "--recreate-index",
+        action="store_true",
+        help="the database was lost: create it afresh and index the stored blobs again (recipes compile once more)",
     )
     serve.set_defaults(func=_cmd_serve)
 
@@ -148,14 +191,28 @@ def register(subparsers: Any) -> None:
     db_sub = db.add_subparsers(dest="db_command", required=True)
     upgrade = db_sub.add_parser("upgrade", help="run the database migrations")
     _add_db_options(upgrade)
-    upgrade.add_argument("revision", nargs="?", default="head", help="target revision (default head)")
+    upgrade.add_argument(
+        "revision", nargs="?", default="head", help="target revision (default head)"
+    )
     upgrade.set_defaults(func=_cmd_db_upgrade)
     current = db_sub.add_parser("current", help="show the schema revision; exit 1 if out of date")
     _add_db_options(current)
     current.set_defaults(func=_cmd_db_current)
-    gc = db_sub.add_parser("gc", help="remove store blobs no artifact row names, and stale staging files")
+    gc = db_sub.add_parser(
+        "gc", help="remove store blobs no artifact row names, and stale staging files"
+    )
     _add_db_options(gc)
-    gc.add_argument("--grace", type=float, default=3600.0, help="only touch files older than this (s)")
+    gc.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        help="only touch files older than this (s, at least 600)",
+    )
+    gc.add_argument(
+        "--force",
+        action="store_true",
+        help="allow a grace under 600s, and collecting when the index names none of the blobs",
+    )
     gc.set_defaults(func=_cmd_db_gc)
 
     token = subparsers.add_parser("token", help="manage bearer tokens")

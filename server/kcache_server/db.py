@@ -1,12 +1,19 @@
-"""Opening the database, and the schema check the server runs before it serves.
+"""Opening the database, and noticing when its disk is full or its file vanishes.
 
 SQLite (the embedded default) runs in WAL mode with a busy timeout, so many
 threads and a CLI can share it; PostgreSQL gets a connection pool sized for
-advisory-lock holders plus index queries.
+advisory-lock holders plus index queries. On both, a statement that fails because
+the disk is full raises :class:`~kcache.errors.StoreFullError` (507) instead of the
+driver's error: one translation at the boundary, for every caller.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
+import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +21,15 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 
-__all__ = ["is_postgres", "is_sqlite", "open_database"]
+from kcache._fsutil import is_disk_full
+from kcache.errors import StoreFullError
+
+__all__ = ["DatabaseFile", "is_postgres", "is_sqlite", "open_database", "sqlite_path"]
+
+log = logging.getLogger(__name__)
+
+#: PostgreSQL's SQLSTATE for "disk full".
+_PG_DISK_FULL = "53100"
 
 
 def is_sqlite(engine: sa.Engine) -> bool:
@@ -40,13 +55,86 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
+def _disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, sqlite3.Error):
+        return getattr(
+            exc, "sqlite_errorcode", None
+        ) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
+    return getattr(exc, "sqlstate", None) == _PG_DISK_FULL or is_disk_full(exc)
+
+
+def _translate_disk_full(context: Any) -> None:
+    """``handle_error`` hook: a full disk becomes StoreFullError (SQLAlchemy has cleaned up by now)."""
+    if _disk_full(context.original_exception):
+        raise StoreFullError(
+            errno.ENOSPC,
+            "the database has no space left on its disk; nothing was written. Free some space "
+            "(`kcache db gc` removes unreferenced blobs) and retry",
+        )
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file a SQLite URL names (None for PostgreSQL or an in-memory database)."""
+    parsed = make_url(url)
+    if (
+        parsed.get_backend_name() != "sqlite"
+        or not parsed.database
+        or parsed.database == ":memory:"
+    ):
+        return None
+    return Path(parsed.database)
+
+
 def open_database(url: str, *, pool_size: int = 16, max_overflow: int = 64) -> sa.Engine:
     """A SQLAlchemy engine for ``url`` (creating the SQLite file's directory)."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        path = sqlite_path(url)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
-        return engine
-    return sa.create_engine(url, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True)
+    else:
+        engine = sa.create_engine(
+            url, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True
+        )
+    event.listen(engine, "handle_error", _translate_disk_full)
+    return engine
+
+
+class DatabaseFile:
+    """The SQLite file a server opened, watched for being deleted or replaced under it.
+
+    Open connections keep working on a deleted file (the inode lives on), so nothing
+    fails at once, but every row written from then on is lost at the next restart.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        st = path.stat()
+        self._identity = (st.st_dev, st.st_ino)
+        self._reported = False
+        self._lock = threading.Lock()
+
+    def problem(self) -> str | None:
+        """None while the file is the one opened; else what happened and what to do (logged once)."""
+        try:
+            st = os.stat(self.path)
+            problem = (
+                None
+                if (st.st_dev, st.st_ino) == self._identity
+                else "the SQLite database file was replaced while the server runs"
+            )
+        except FileNotFoundError:
+            problem = "the SQLite database file was deleted while the server runs"
+        if problem is None:
+            return None
+        problem += (
+            "; rows written from now on are lost at the next restart. Restore the file from a backup "
+            "(or restart with --recreate-index to index the stored blobs again) and restart"
+        )
+        with self._lock:
+            first, self._reported = not self._reported, True
+        if first:
+            log.error("%s (%s)", problem, self.path)
+        return problem

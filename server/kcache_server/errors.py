@@ -10,8 +10,10 @@ Hierarchy (the core's errors are in :mod:`kcache.errors`)::
         ├── PermissionDeniedError                   403: the token lacks the scope
         ├── PayloadTooLargeError                    413: body over max_request_bytes
         ├── OverloadedError                         503 + Retry-After: compile queue full
+        │   └── CompilerUnavailableError            503 + Retry-After: no compile worker is running
         ├── CompileWorkerCrashedError (ToolchainError)  500: the worker died mid-compile
         ├── SchemaOutOfDateError                    start-up refusal: run `kcache db upgrade`
+        ├── IndexMissingError                       start-up refusal: blobs but no database
         └── InsecureBindError                       start-up refusal: tokens or loopback
 
 The core never imports FastAPI; status codes live here only (:data:`ERROR_TABLE`).
@@ -25,6 +27,7 @@ from typing import Any
 
 from kcache.errors import (
     ArtifactNotFoundError,
+    ArtifactTooLargeError,
     CompileError,
     CompileTimeoutError,
     CorruptArtifactError,
@@ -44,7 +47,9 @@ __all__ = [
     "AuthenticationError",
     "BadRequestError",
     "CompileWorkerCrashedError",
+    "CompilerUnavailableError",
     "ErrorInfo",
+    "IndexMissingError",
     "InsecureBindError",
     "InvalidRequestError",
     "OverloadedError",
@@ -94,12 +99,20 @@ class OverloadedError(ServerError):
         self.retry_after = retry_after
 
 
+class CompilerUnavailableError(OverloadedError):
+    """No compile worker is running and none is starting (they died and could not be restarted)."""
+
+
 class CompileWorkerCrashedError(ServerError, ToolchainError):
     """The compile worker process died while compiling; it was replaced."""
 
 
 class SchemaOutOfDateError(ServerError):
     """The database schema is not at the revision this server needs."""
+
+
+class IndexMissingError(ServerError):
+    """The data directory holds blobs but the database has no tables: the index was lost."""
 
 
 class InsecureBindError(ServerError):
@@ -124,11 +137,13 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     UnlistedIncludeError: ErrorInfo(422, "unlisted_include"),
     RecipeError: ErrorInfo(422, "invalid_recipe"),
     CompileTimeoutError: ErrorInfo(422, "compile_timeout"),
+    ArtifactTooLargeError: ErrorInfo(422, "artifact_too_large"),
     CompileError: ErrorInfo(422, "compile_error"),
     AuthenticationError: ErrorInfo(401, "unauthorized"),
     PermissionDeniedError: ErrorInfo(403, "forbidden"),
     ArtifactNotFoundError: ErrorInfo(404, "not_found"),
     PayloadTooLargeError: ErrorInfo(413, "too_large"),
+    CompilerUnavailableError: ErrorInfo(503, "compiler_unavailable", retry=True),
     OverloadedError: ErrorInfo(503, "overloaded", retry=True),
     LockTimeoutError: ErrorInfo(503, "lock_timeout", retry=True),
     StoreFullError: ErrorInfo(507, "store_full"),

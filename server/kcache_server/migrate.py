@@ -1,7 +1,14 @@
-"""Alembic, driven from code: ``kcache db upgrade`` and the start-up schema check."""
+"""Alembic, driven from code: ``kcache db upgrade``, the start-up schema check, a lost index.
+
+A data directory whose blobs outlived their database (the SQLite file deleted, a
+new PostgreSQL database) is refused at start-up: creating an empty index silently
+would make every blob look unreferenced to ``kcache db gc``. ``--recreate-index``
+creates the schema and indexes the blobs again (:meth:`SqlIndex.recover`).
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -12,7 +19,11 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import make_url
 
-from kcache_server.errors import SchemaOutOfDateError
+from kcache.store.local import LocalArtifactStore
+from kcache_server.db import is_sqlite, sqlite_path
+from kcache_server.errors import IndexMissingError, SchemaOutOfDateError
+from kcache_server.index import SqlIndex
+from kcache_server.settings import Settings
 
 __all__ = [
     "alembic_config",
@@ -21,8 +32,11 @@ __all__ = [
     "has_tables",
     "head_revisions",
     "migrations_dir",
+    "prepare_database",
     "upgrade",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def migrations_dir() -> Path:
@@ -73,3 +87,49 @@ def check_schema(engine: sa.Engine, url: str) -> None:
             f"server needs {', '.join(sorted(need))}; run `kcache db upgrade` "
             "(with the same --db-url / KCACHE_DB_URL) and start the server again"
         )
+
+
+def prepare_database(settings: Settings, engine: sa.Engine) -> None:
+    """Make the database ready to serve, or refuse with what to do.
+
+    A database without tables is created at the head revision when it is SQLite and
+    the store is empty (a first start); with blobs in the store it is refused
+    (:class:`IndexMissingError`) unless ``settings.recreate_index``, which creates it
+    and adds a recovered row for every blob that verifies. Then the schema must be
+    at the head revision (:class:`SchemaOutOfDateError` otherwise).
+    """
+    url = settings.database_url
+    path = sqlite_path(url)
+    # Looking at a missing SQLite file through the engine would create it: check first.
+    empty = (path is not None and not path.exists()) or not has_tables(engine)
+    if empty:
+        store = LocalArtifactStore(settings.data_dir)
+        blobs = sum(1 for _ in store.digests())
+        if settings.recreate_index:
+            upgrade(url)
+            added, corrupt = SqlIndex(engine).recover(store)
+            log.warning(
+                "recreated the index of %s: %d blobs indexed again (%d corrupt ones quarantined); their "
+                "recipes are not known, so each recipe compiles once more",
+                settings.data_dir,
+                added,
+                corrupt,
+            )
+        elif blobs:
+            where = (
+                f"the SQLite file {path} is missing or empty"
+                if path
+                else "the database has no tables"
+            )
+            raise IndexMissingError(
+                f"the data directory {settings.data_dir} holds {blobs} blobs but {where}: the index of this "
+                "store was lost (or --db-url / KCACHE_DB_URL names another database). Restore the database "
+                "from a backup and start again, or start once with `kcache serve --recreate-index` "
+                "(KCACHE_RECREATE_INDEX=1) to create an empty index that keeps and indexes the blobs; recipes "
+                "cannot be recovered from blobs, so each compiles once more. Run no `kcache db gc` before that"
+            )
+        elif is_sqlite(engine):
+            upgrade(url)  # the embedded default starts from nothing: create it
+    elif settings.recreate_index:
+        log.info("--recreate-index ignored: the database already has its tables")
+    check_schema(engine, url)

@@ -15,6 +15,7 @@ from typing import Annotated
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Dialect,
     Float,
@@ -25,6 +26,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -111,6 +113,10 @@ class Artifact(Base):
     dependencies_exact: Mapped[bool]
     created_at: Mapped[Stamp]
     last_used_at: Mapped[OptStamp]
+    # True for a row `kcache serve --recreate-index` rebuilt from a blob alone (after the
+    # database was lost): only digest, size, kind and target are known; the next compile
+    # that produces these bytes replaces the rest.
+    recovered: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class RecipeAlias(Base):
@@ -138,13 +144,19 @@ class ManifestRow(Base):
 
 
 class NegativeEntry(Base):
-    """A recipe that failed to compile, with the compiler's log."""
+    """A recipe that failed to compile, with the compiler's log.
+
+    ``kind`` is ``error`` (kept for good), ``timeout`` or ``too_large``; the last two
+    carry ``expires_at``, after which the entry is ignored.
+    """
 
     __tablename__ = "negative_entries"
 
     recipe_key: Mapped[Hex64] = mapped_column(primary_key=True)
     log: Mapped[str] = mapped_column(Text)
     created_at: Mapped[Stamp]
+    kind: Mapped[str] = mapped_column(String(16), default="error", server_default="error")
+    expires_at: Mapped[OptStamp]
 
 
 class AuditEvent(Base):

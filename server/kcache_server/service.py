@@ -1,7 +1,8 @@
 """What the routes do, apart from HTTP: the server state, recipe checks, resolving with audit.
 
 The engine is synchronous (NVRTC, file and database I/O); routes call it on worker
-threads through one bounded limiter, so a burst of compiles cannot exhaust threads.
+threads through one bounded limiter, so a burst of compiles cannot exhaust threads,
+and through a per-caller share of it, so one caller's parked requests cannot either.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from anyio import to_thread
 from kcache.artifact import ArtifactMeta, CompileFailure
 from kcache.compiler import kernel_name
 from kcache.deps import include_set_files_unchanged
-from kcache.engine import Resolution
-from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError, RecipeError
+from kcache.engine import Resolution, failure_error
+from kcache.errors import ArtifactNotFoundError, KCacheError, RecipeError
 from kcache.keys import is_hex_key
 from kcache.recipe import Recipe
 from kcache_server._lru import Lru
@@ -26,6 +27,7 @@ from kcache_server.audit import AuditLog, AuditRecord
 from kcache_server.auth import TokenStore
 from kcache_server.backends import Backends
 from kcache_server.errors import BadRequestError, error_body, error_info
+from kcache_server.fairness import CallerSlots, current_caller
 from kcache_server.schemas import Context
 from kcache_server.settings import Settings
 
@@ -87,14 +89,18 @@ class ServerState:
     blobs: Lru[str, bytes] = field(init=False)
     metas: Lru[str, ArtifactMeta] = field(init=False)
     limiter: anyio.CapacityLimiter | None = None
+    caller_slots: CallerSlots = field(init=False)
 
     def __post_init__(self) -> None:
         self.blobs = Lru(self.settings.blob_cache_bytes, len)
         self.metas = Lru(100_000)
+        threads = self.settings.request_threads
+        self.caller_slots = CallerSlots(self.settings.caller_threads or max(1, threads // 2))
 
     async def run(self, func: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run a blocking call on a worker thread under the shared limiter."""
-        return await to_thread.run_sync(lambda: func(*args, **kwargs), limiter=self.limiter)
+        """Run a blocking call on a worker thread under the shared limiter and the caller's share."""
+        async with self.caller_slots.hold(current_caller.get()):
+            return await to_thread.run_sync(lambda: func(*args, **kwargs), limiter=self.limiter)
 
     # ------------------------------------------------------------------ resolving
     def resolve(
@@ -202,7 +208,7 @@ class ServerState:
         if entry is None:
             raise ArtifactNotFoundError(f"no artifact for recipe {recipe_key}")
         if isinstance(entry, CompileFailure):
-            raise CompileError(recipe_key, entry.log, cached=True)
+            raise failure_error(entry)
         meta = entry
         if not include_set_files_unchanged(meta.dependencies, self.backends.compiler.include_sets):
             raise ArtifactNotFoundError(

@@ -50,8 +50,41 @@ class Settings(BaseSettings):
         "debugging); auto is required on a non-loopback bind and best-effort on loopback",
     )
     compile_queue_limit: int = Field(default=64, ge=0, description="compiles waiting for a worker before 503")
+    compile_caller_limit: int = Field(
+        default=0,
+        ge=0,
+        description="compiles one caller (a token, or a client address on an open server) runs at once; "
+        "0: all compile workers but one, so another caller always finds one free",
+    )
+    compile_caller_queue_limit: int = Field(
+        default=16, ge=0, description="compiles one caller may have waiting for a worker before its next gets 503"
+    )
+    compile_queue_timeout_s: float = Field(
+        default=300.0, gt=0, description="longest wait for a compile worker before 503"
+    )
+    failure_ttl_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="a recipe whose compile timed out or whose output was too large is answered with that "
+        "error, without compiling, for this long (0: never remembered)",
+    )
+    max_artifact_bytes: int = Field(
+        default=32 << 20, ge=1024, description="compiler output above this is refused (422), never stored"
+    )
+    min_free_bytes: int = Field(
+        default=256 << 20,
+        ge=0,
+        description="below this much free disk under the data directory, compiles get 507 and /readyz fails",
+    )
+    recreate_index: bool = Field(
+        default=False,
+        description="start even though the database was lost: create it afresh and index the stored blobs",
+    )
     lock_timeout_s: float = Field(default=900.0, gt=0, description="how long to wait for another's compile")
     request_threads: int = Field(default=64, ge=1, description="engine calls running at once")
+    caller_threads: int = Field(
+        default=0, ge=0, description="engine calls one caller runs at once; 0: half of request_threads"
+    )
     max_request_bytes: int = Field(default=32 << 20, ge=1024, description="request bodies above this get 413")
     max_batch: int = Field(default=1024, ge=1, description="recipes per /v1/resolve/batch")
     blob_cache_bytes: int = Field(default=256 << 20, ge=0, description="hot blobs kept in memory")

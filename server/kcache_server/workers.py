@@ -4,16 +4,28 @@ NVRTC runs in spawned processes with an address-space limit, so a runaway templa
 or a crashing compile costs one request, never the server: a compile past its
 timeout has its worker killed (``CompileTimeoutError``), a worker that dies fails
 its one request (``CompileWorkerCrashedError``), and either way a fresh worker
-takes its place. Past ``workers + queue_limit`` compiles in flight, new ones are
-refused with ``OverloadedError`` (503 with Retry-After).
+takes its place. A worker that dies while idle (the OOM killer) is noticed by a
+watcher thread, and again before it is handed out, and replaced; it never gets a
+compile. Every death and replacement is logged.
+
+Workers are handed to callers through a :class:`~kcache_server.fairness.FairQueue`:
+in turn across callers (tokens), at most ``caller_limit`` at once per caller, with
+per-caller and total queue caps (503 with Retry-After past them). Every wait for a
+worker is bounded: by ``queue_timeout_s``, and at once when no worker is running or
+starting (restarts keep being retried in the background, with backoff).
+
+A compile needs scratch space: with less than ``min_free_bytes`` free there it is
+refused with ``StoreFullError`` (507), and a worker that dies on a full disk (NVRTC
+aborts when it cannot write its trace) is reported as that too, not as a crash.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import multiprocessing
-import queue
+import multiprocessing.connection
 import shutil
 import tempfile
 import threading
@@ -22,12 +34,14 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from kcache._fsutil import check_free_space, free_bytes
 from kcache.artifact import CompileOutput
 from kcache.errors import (
     CompileError,
     CompileTimeoutError,
     InvalidArtifactError,
     RecipeError,
+    StoreFullError,
     ToolchainError,
     UnlistedIncludeError,
 )
@@ -36,13 +50,18 @@ from kcache.recipe import Recipe
 from kcache.sandbox import SandboxStatus
 from kcache.toolchain import Toolchain
 from kcache_server import _worker
-from kcache_server.errors import CompileWorkerCrashedError, OverloadedError
+from kcache_server.errors import CompileWorkerCrashedError
+from kcache_server.fairness import FairQueue, current_caller
 
 __all__ = ["ProcessPoolCompiler"]
 
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 180.0
+#: Waits between attempts to start a replacement worker that failed to start.
+_RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+#: A worker that dies with less free scratch space than this is taken to have hit a full disk.
+_FULL_DISK_MARGIN = 1 << 20
 
 
 @dataclass(eq=False)  # identity hashing: workers live in a set
@@ -67,6 +86,10 @@ class ProcessPoolCompiler:
         tmp_dir: Path,
         toolchain_dir: Path | None = None,
         retry_after_s: int = 5,
+        caller_limit: int = 0,
+        caller_queue_limit: int = 16,
+        queue_timeout_s: float = 300.0,
+        min_free_bytes: int = 0,
         compile_sandbox: str = "best-effort",
     ) -> None:
         self.toolchain = toolchain
@@ -78,32 +101,49 @@ class ProcessPoolCompiler:
         self.tmp_dir = tmp_dir
         self.toolchain_dir = toolchain_dir
         self.retry_after_s = retry_after_s
+        self.queue_timeout_s = queue_timeout_s
+        self.min_free_bytes = min_free_bytes
         #: "required": an unconfined worker is refused; "best-effort": it serves, loudly;
         #: "off": workers are not even asked to confine themselves.
         self.sandbox_mode = compile_sandbox
         self.sandbox: SandboxStatus | None = None  # what the last worker to start reported
         self._ctx = multiprocessing.get_context("spawn")
-        self._idle: queue.Queue[_Worker] = queue.Queue()
-        self._all: set[_Worker] = set()
+        self._queue: FairQueue[_Worker] = FairQueue(
+            per_caller=caller_limit or max(1, workers - 1),
+            per_caller_queue=caller_queue_limit,
+            total=workers + queue_limit,
+            total_setting=f"compile_workers={workers}, compile_queue_limit={queue_limit}",
+            retry_after_s=retry_after_s,
+        )
+        self._all: set[_Worker] = set()  # started and not known dead (starting ones included)
         self._guard = threading.Lock()
-        self._pending = 0
+        self._starting = 0  # replacements being started right now
+        self._last_start_failure: str | None = None
         self._closed = False
-        self.restarts = 0  # workers replaced after a timeout or crash
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.restarts = 0  # workers replaced after a timeout, a crash or a death while idle
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start every worker (in parallel) and wait until each has loaded the toolchain."""
+        """Start every worker (in parallel), wait until each has loaded the toolchain, watch them."""
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         started = [self._launch() for _ in range(self.workers)]
         for worker in started:
             self._await_ready(worker)
-            self._idle.put(worker)
+            self._queue.put(worker)
+        self._watcher = threading.Thread(
+            target=self._watch, name="kcache-worker-watch", daemon=True
+        )
+        self._watcher.start()
 
     def close(self) -> None:
         """Stop every worker."""
         with self._guard:
             self._closed = True
             workers = list(self._all)
+        self._stop.set()
+        self._queue.wake()
         for worker in workers:
             with contextlib.suppress(OSError, ValueError):
                 worker.conn.send(("stop",))
@@ -114,12 +154,30 @@ class ProcessPoolCompiler:
                 worker.process.join(timeout=5)
             worker.conn.close()
             shutil.rmtree(worker.scratch, ignore_errors=True)
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
 
     @property
     def alive(self) -> int:
         """Workers whose process is running."""
         with self._guard:
             return sum(1 for w in self._all if w.process.is_alive())
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers believed alive (starting ones included)."""
+        with self._guard:
+            return [w.process.pid for w in self._all]
+
+    @property
+    def pending(self) -> int:
+        """Compiles running or waiting for a worker."""
+        return self._queue.pending
+
+    @property
+    def idle(self) -> int:
+        """Workers started and waiting for a compile."""
+        return self._queue.idle
 
     def _launch(self) -> _Worker:
         # Each worker gets its own scratch directory, so a killed worker's leftovers
@@ -198,62 +256,173 @@ class ProcessPoolCompiler:
         worker.conn.close()
         shutil.rmtree(worker.scratch, ignore_errors=True)
 
-    def _replace(self, worker: _Worker) -> None:
-        """Kill ``worker`` and start another in the background (the caller's request already failed)."""
+    def _replace(self, worker: _Worker, why: str) -> None:
+        """Kill ``worker`` and start another in the background (whoever held it has been answered)."""
+        with self._guard:
+            # Counted before the dead one leaves the pool, so a waiter never sees neither.
+            replacing = not self._closed
+            if replacing:
+                self._starting += 1
+        pid = worker.process.pid
         self._discard(worker)
         self.restarts += 1
+        log.warning(
+            "compile worker pid %s %s (exit code %s); %s",
+            pid,
+            why,
+            worker.process.exitcode,
+            "starting a replacement" if replacing else "the pool is closing",
+        )
+        if replacing:
+            threading.Thread(
+                target=self._start_replacement, name="kcache-worker-restart", daemon=True
+            ).start()
 
-        def start_one() -> None:
-            if self._closed:
-                return
-            fresh = self._launch()
+    def _start_replacement(self) -> None:
+        """Start one worker (``_starting`` already counts it), retrying with backoff until it runs."""
+        attempt = 0
+        while True:
             try:
+                fresh = self._launch()
                 self._await_ready(fresh)
-            except ToolchainError:
-                return  # the pool shrinks; readyz reports fewer live workers
-            self._idle.put(fresh)
+            except Exception as exc:  # any failure to start: the pool is short of a worker
+                delay = _RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S) - 1)]
+                attempt += 1
+                with self._guard:
+                    self._starting -= 1
+                    self._last_start_failure = str(exc)
+                self._queue.wake()  # waiters may now have nothing left to wait for
+                log.error(
+                    "a replacement compile worker could not start (%s); trying again in %gs",
+                    exc,
+                    delay,
+                )
+                if self._stop.wait(delay):
+                    return
+                with self._guard:
+                    if self._closed:
+                        return
+                    self._starting += 1
+                continue
+            with self._guard:
+                self._starting -= 1
+                self._last_start_failure = None
+                closed = self._closed
+            if closed:
+                self._discard(fresh)
+                return
+            log.warning("compile worker pid %s started as a replacement", fresh.process.pid)
+            self._queue.put(fresh)
+            return
 
-        threading.Thread(target=start_one, name="kcache-worker-restart", daemon=True).start()
+    def _watch(self) -> None:
+        """Replace workers that die while idle, as soon as they die (not when a compile finds them)."""
+        while not self._stop.is_set():
+            with self._guard:
+                by_sentinel = {w.process.sentinel: w for w in self._all}
+            if not by_sentinel:
+                self._stop.wait(1.0)
+                continue
+            ready = multiprocessing.connection.wait(list(by_sentinel), timeout=1.0)
+            if self._stop.is_set():
+                return  # closing: these are workers told to stop
+            busy = False
+            for sentinel in ready:
+                worker = by_sentinel[sentinel]  # type: ignore[index]
+                if self._queue.take_idle(worker):
+                    self._replace(worker, "died while idle")
+                else:
+                    busy = True  # starting or compiling: that thread sees the death and replaces it
+            if busy:
+                self._stop.wait(0.1)  # its sentinel stays ready until then; do not spin on it
+
+    def _unavailable(self) -> str | None:
+        """Why no worker can come to a waiting compile, or None (asked under the queue's lock)."""
+        if self._closed:
+            return "the compile pool is shut down"
+        if self._all or self._starting:
+            return None
+        failure = self._last_start_failure
+        return (
+            "no compile worker is running and none is starting"
+            + (f" (the last start failed: {failure})" if failure else "")
+            + "; restarts are retried in the background, retry later"
+        )
+
+    @staticmethod
+    def _usable(worker: _Worker) -> bool:
+        """True for a live worker with nothing unread on its pipe (an idle one never writes)."""
+        try:
+            return worker.process.is_alive() and not worker.conn.poll(0)
+        except (OSError, EOFError, ValueError):
+            return False
+
+    def _disk_full(self) -> int | None:
+        """Free scratch bytes when they are too few for a compile (a death there is a full disk)."""
+        try:
+            free = free_bytes(self.tmp_dir)
+        except OSError:
+            return None
+        return free if free < max(self.min_free_bytes, _FULL_DISK_MARGIN) else None
+
+    def _full_disk_error(self, free: int) -> StoreFullError:
+        return StoreFullError(
+            errno.ENOSPC,
+            f"the compile ran out of disk space (the compile scratch directory has {free} bytes free); "
+            "free some space (kcache db gc removes unreferenced blobs) and retry",
+        )
 
     # ------------------------------------------------------------------ compiling
     def compile(self, recipe: Recipe, link_inputs: Sequence[bytes] = ()) -> CompileOutput:
-        """Compile ``recipe`` in a worker; raises like the in-process compiler would."""
-        with self._guard:
-            if self._closed:
-                raise ToolchainError("the compile pool is shut down")
-            if self._pending >= self.workers + self.queue_limit:
-                raise OverloadedError(
-                    f"{self._pending} compiles are running or queued (compile_workers={self.workers}, "
-                    f"compile_queue_limit={self.queue_limit}); retry later",
-                    self.retry_after_s,
-                )
-            self._pending += 1
-        try:
-            worker = self._idle.get()
-            return self._run(worker, recipe, link_inputs)
-        finally:
-            with self._guard:
-                self._pending -= 1
+        """Compile ``recipe`` in a worker, in turn with other callers; raises like the in-process compiler.
 
-    def _run(self, worker: _Worker, recipe: Recipe, link_inputs: Sequence[bytes]) -> CompileOutput:
+        The caller is :data:`~kcache_server.fairness.current_caller` of this context.
+        """
+        if self._closed:
+            raise ToolchainError("the compile pool is shut down")
+        check_free_space(
+            self.tmp_dir, self.min_free_bytes, "the compile scratch directory (min_free_bytes)"
+        )
+        caller = current_caller.get()
+        while True:
+            worker = self._queue.get(caller, self.queue_timeout_s, self._unavailable)
+            if self._usable(worker):
+                break
+            self._queue.give_back(caller, None)  # never hand a dead worker a compile
+            self._replace(worker, "died while idle")
+        return self._run(caller, worker, recipe, link_inputs)
+
+    def _run(
+        self, caller: str, worker: _Worker, recipe: Recipe, link_inputs: Sequence[bytes]
+    ) -> CompileOutput:
+        back: _Worker | None = None  # the worker goes back to the queue only after a clean reply
         try:
-            worker.conn.send(("compile", recipe.to_dict(), [bytes(b) for b in link_inputs]))
-            finished = worker.conn.poll(self.timeout_s)
-            reply = worker.conn.recv() if finished else None
-        except (EOFError, OSError) as exc:
-            self._replace(worker)
-            raise CompileWorkerCrashedError(
-                f"the compile worker died while compiling (exit code {worker.process.exitcode}); it was "
-                f"replaced. The compile may need more than compile_memory_mb={self.memory_mb} MiB"
-            ) from exc
-        if reply is None:
-            self._replace(worker)
-            raise CompileTimeoutError(
-                None,
-                f"the compile ran past the limit of {self.timeout_s:g}s (compile_timeout_s) and was "
-                "stopped; a template that never finishes instantiating does this",
-            )
-        self._idle.put(worker)
+            try:
+                worker.conn.send(("compile", recipe.to_dict(), [bytes(b) for b in link_inputs]))
+                finished = worker.conn.poll(self.timeout_s)
+                reply = worker.conn.recv() if finished else None
+            except (EOFError, OSError) as exc:
+                full = self._disk_full()  # before the dead worker's scratch is removed
+                self._replace(worker, f"died while compiling recipe {recipe.key()}")
+                if full is not None:
+                    raise self._full_disk_error(full) from exc
+                raise CompileWorkerCrashedError(
+                    f"the compile worker died while compiling (exit code {worker.process.exitcode}); it was "
+                    f"replaced. The compile may need more than compile_memory_mb={self.memory_mb} MiB"
+                ) from exc
+            if reply is None:
+                self._replace(
+                    worker,
+                    f"ran past compile_timeout_s={self.timeout_s:g} on recipe {recipe.key()}",
+                )
+                raise CompileTimeoutError(
+                    None,
+                    f"the compile ran past the limit of {self.timeout_s:g}s (compile_timeout_s) and was "
+                    "stopped; a template that never finishes instantiating does this",
+                )
+            back = worker
+        finally:
+            self._queue.give_back(caller, back)
         kind = reply[0]
         if kind == "ok":
             output: CompileOutput = reply[1]
@@ -266,6 +435,9 @@ class ProcessPoolCompiler:
             raise RecipeError(reply[1], reply[2])
         if kind == "invalid_artifact":
             raise InvalidArtifactError(reply[1])
+        full = self._disk_full()
+        if full is not None:
+            raise self._full_disk_error(full)
         if kind == "toolchain_error":
             raise ToolchainError(reply[1])
         raise ToolchainError(f"the compile worker failed: {reply[1]}: {reply[2]}")

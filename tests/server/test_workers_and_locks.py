@@ -29,7 +29,12 @@ SLOW = (
 def _pool(tmp_path: Path, **kwargs: object):  # type: ignore[no-untyped-def]
     from kcache_server.workers import ProcessPoolCompiler
 
-    options: dict[str, object] = {"workers": 1, "timeout_s": 30.0, "memory_mb": 8192, "queue_limit": 0}
+    options: dict[str, object] = {
+        "workers": 1,
+        "timeout_s": 30.0,
+        "memory_mb": 8192,
+        "queue_limit": 0,
+    }
     options.update(kwargs)
     return ProcessPoolCompiler(load_toolchain(), IncludeSets(), tmp_dir=tmp_path / "tmp", **options)  # type: ignore[arg-type]
 
@@ -86,12 +91,63 @@ def test_timeout_kills_the_worker_and_the_queue_is_bounded(tmp_path: Path) -> No
         thread = threading.Thread(target=compile_slow)
         thread.start()
         time.sleep(0.5)
-        with pytest.raises(OverloadedError) as overloaded:  # one worker busy, no queue: refused at once
+        with pytest.raises(
+            OverloadedError
+        ) as overloaded:  # one worker busy, no queue: refused at once
             pool.compile(_recipe(vector_add(unique())["source"]))
-        assert overloaded.value.retry_after == 5 and "compile_queue_limit=0" in str(overloaded.value)
+        assert overloaded.value.retry_after == 5 and "compile_queue_limit=0" in str(
+            overloaded.value
+        )
         thread.join(timeout=30)
         assert isinstance(results[0], CompileTimeoutError)
         assert pool.compile(_recipe(vector_add(unique())["source"])).data.startswith(b"\x7fELF")
+    finally:
+        pool.close()
+
+
+def test_workers_are_handed_out_in_turn_across_callers(tmp_path: Path) -> None:
+    """One worker; caller A queues two never-finishing compiles, then B one good one: B goes second."""
+    from kcache_server.errors import OverloadedError
+    from kcache_server.fairness import current_caller
+
+    pool = _pool(tmp_path, timeout_s=2.0, queue_limit=8, caller_queue_limit=1)
+    pool.start()
+    finished: list[str] = []
+    outcomes: dict[str, BaseException | None] = {}
+
+    def compile_as(caller: str, name: str, source: str) -> None:
+        current_caller.set(caller)  # a new thread starts with an empty context
+        try:
+            pool.compile(_recipe(source))
+            outcomes[name] = None
+        except BaseException as exc:
+            outcomes[name] = exc
+        finished.append(name)
+
+    def start(caller: str, name: str, source: str, pending: int) -> threading.Thread:
+        thread = threading.Thread(target=compile_as, args=(caller, name, source))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while pool.pending < pending and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return thread
+
+    try:
+        threads = [
+            start("token:a", "a1", f"// {unique()}\n{SLOW}", 1),
+            start("token:a", "a2", f"// {unique()}\n{SLOW}", 2),
+        ]
+        # A holds its one worker and has its one queued compile: a third is refused at once.
+        compile_as("token:a", "a3", f"// {unique()}\n{SLOW}")
+        refused = outcomes["a3"]
+        assert isinstance(refused, OverloadedError) and "compile_caller_queue_limit=1" in str(
+            refused
+        )
+        threads.append(start("token:b", "b1", vector_add(unique())["source"], 3))
+        for thread in threads:
+            thread.join(timeout=60)
+        assert finished == ["a3", "a1", "b1", "a2"]  # FIFO would have served a2 before b1
+        assert isinstance(outcomes["a1"], CompileTimeoutError) and outcomes["b1"] is None
     finally:
         pool.close()
 

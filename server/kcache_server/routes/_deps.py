@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kcache_server.auth import PRINCIPAL_KEY, Principal, authorization_header
 from kcache_server.errors import InvalidRequestError
+from kcache_server.fairness import caller_identity, current_caller
 from kcache_server.schemas import ErrorBody
 from kcache_server.service import ServerState
 
@@ -66,12 +67,20 @@ async def caller(
     """
     decided = request.scope.get(PRINCIPAL_KEY)
     if isinstance(decided, Principal):
-        return decided
+        return _on_behalf_of(decided, request)
     state = state_of(request)
     header = authorization_header(request.scope)
     principal = state.tokens.authenticate_cached(header)
     if principal is None:  # the database must answer: off the event loop
         principal = await run_in_threadpool(state.tokens.authenticate, header)
+    return _on_behalf_of(principal, request)
+
+
+def _on_behalf_of(principal: Principal, request: Request) -> Principal:
+    """Name the caller for fair compiling (the token, or the client address on an open server)."""
+    current_caller.set(
+        caller_identity(principal.name, request.client.host if request.client else None)
+    )
     return principal
 
 

@@ -8,6 +8,7 @@ import sqlalchemy as sa
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from kcache._fsutil import free_bytes
 from kcache_server.routes._deps import State
 from kcache_server.schemas import HealthBody, ReadyBody
 from kcache_server.service import ServerState
@@ -29,12 +30,30 @@ def _checks(state: ServerState) -> dict[str, str]:
         checks["database"] = "ok"
     except Exception as exc:  # any driver error means not ready
         checks["database"] = f"failed: {type(exc).__name__}: {exc}"[:300]
+    # A deleted SQLite file still answers (open connections keep its inode): look for it.
+    db_file = state.backends.db_file
+    vanished = db_file.problem() if db_file is not None else None
+    if vanished is not None:
+        checks["database"] = f"failed: {vanished}"
+    checks["disk"] = _disk(state)
     blobs = state.backends.store.blobs
     checks["store"] = "ok" if blobs.is_dir() and os.access(blobs, os.W_OK) else f"failed: {blobs} is not writable"
     alive = state.backends.compiler.alive
     checks["compile_workers"] = f"ok ({alive} running)" if alive else "failed: no compile worker is running"
     checks["compile_sandbox"] = _sandbox(state)
     return checks
+
+
+def _disk(state: ServerState) -> str:
+    """Free space under the data directory (store, SQLite, compile scratch) against min_free_bytes."""
+    minimum = state.settings.min_free_bytes
+    try:
+        free = free_bytes(state.settings.data_dir)
+    except OSError as exc:
+        return f"failed: cannot read the data directory's free space ({exc.strerror})"
+    if free < minimum:
+        return f"failed: {free} bytes free under the data directory, below min_free_bytes={minimum}"
+    return f"ok ({free} bytes free)"
 
 
 def _sandbox(state: ServerState) -> str:
