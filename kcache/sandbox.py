@@ -4,8 +4,8 @@ A compile worker runs NVRTC over untrusted recipes. Our own checks (``-no-source
 attribution of every file in the dependency trace, see :mod:`kcache.deps`) refuse a
 recipe that read a file outside its inputs, but NVRTC has already opened the file by
 then. Landlock makes the kernel refuse the open itself: after :func:`confine`, the
-process may read only the toolchain tree, the registered include-set roots, what the
-interpreter and its shared libraries need, and may write only its scratch directory.
+process may read only the toolchain tree, the registered include-set roots and what the
+interpreter imports, and may write only its scratch directory.
 A host file outside those roots cannot be opened at all (``EACCES``), so NVRTC reports
 "cannot open source file" exactly as for a file that does not exist: no content, and
 no existence oracle through ``__has_include`` (NVRTC answers it by opening the file,
@@ -34,7 +34,6 @@ import errno
 import os
 import stat
 import sys
-import sysconfig
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,22 +188,19 @@ def interpreter_paths() -> list[Path]:
     ``sys.path`` entry: an editable install puts a whole checkout there), plus the
     stdlib and its extension modules, which are loaded lazily.
     """
-    paths: set[Path] = set()
-    for key in ("stdlib", "platstdlib"):
-        value = sysconfig.get_paths().get(key)
-        if value:
-            paths.add(Path(value))
+    # The base interpreter's stdlib (lib-dynload is below it), not the venv's lib
+    # directory, which sysconfig's "platstdlib" names and which holds site-packages.
+    paths: set[Path] = {Path(os.__file__).parent}
     for module in list(sys.modules.values()):
-        origin = getattr(module, "__file__", None)
-        if not origin:
-            continue
-        path = Path(origin)
-        package_path = getattr(module, "__path__", None)
         name = getattr(module, "__name__", "")
-        if package_path is not None and "." not in name:
+        if not isinstance(name, str) or "." in name:
+            continue  # a submodule lives under its top-level package
+        package_path = getattr(module, "__path__", None)
+        origin = getattr(module, "__file__", None)
+        if package_path is not None:  # namespace packages (cuda, nvidia) have no __file__
             paths.update(Path(p) for p in package_path)
-        elif "." not in name:
-            paths.add(path)  # a top-level single-file module or extension
+        elif origin:
+            paths.add(Path(origin))  # a top-level single-file module or extension
     return sorted(paths)
 
 
