@@ -10,13 +10,14 @@ kernel = cache.get(recipes[0]).load()      # a cuda.core Kernel
 
 from kcache_client._artifact import Artifact
 from kcache_client._cache import CacheStats, KernelCache, Resolved, WarmupResult
-from kcache_client._collective import Collective, TorchCollective
+from kcache_client._collective import Collective, StoreCollective, TorchCollective
 from kcache_client._device import auto_target
 from kcache_client._events import EventSink
 from kcache_client._http import RetryPolicy
 from kcache_client._settings import ClientSettings
 from kcache_client._tier import NodeTier, default_cache_dir
 from kcache_client.errors import (
+    ArchitectureMismatchError,
     AuthenticationError,
     ClientError,
     DigestMismatchError,
@@ -35,6 +36,7 @@ from kcache_client.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArchitectureMismatchError",
     "Artifact",
     "AuthenticationError",
     "CacheStats",
@@ -54,6 +56,7 @@ __all__ = [
     "ServerBusyError",
     "ServerResponseError",
     "ServerUnavailableError",
+    "StoreCollective",
     "TorchCollective",
     "WarmupCompileError",
     "WarmupError",

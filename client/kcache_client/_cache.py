@@ -30,7 +30,7 @@ from kcache.engine import Engine
 from kcache.errors import KCacheError, ToolchainError
 from kcache.recipe import Recipe
 from kcache_client._artifact import Artifact
-from kcache_client._collective import Collective, TorchCollective, as_collective
+from kcache_client._collective import Collective, as_collective
 from kcache_client._device import auto_target as device_auto_target
 from kcache_client._events import EventSink
 from kcache_client._http import RetryPolicy, Transport
@@ -540,13 +540,19 @@ class KernelCache:
 
     # ------------------------------------------------------------------ batch + warmup
     def resolve_many(
-        self, recipes: Sequence[Recipe], *, compile: bool = True, progress: bool = False
+        self,
+        recipes: Sequence[Recipe],
+        *,
+        compile: bool = True,
+        progress: bool = False,
+        context: dict[str, Any] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Resolve concrete recipes through ``/v1/resolve/batch`` and fill the node tier.
 
         Returns recipe_key -> outcome: ``{"status": "hit"|"compiled"|"waited"|"local_hit",
         "digest"}`` or ``{"status": "error", "error", "detail", "log", "recipe_key"}``.
         Recipes already in the tier cost no request. Connection failures raise.
+        ``context`` replaces :meth:`context` in the requests (a warmup names its group rank).
         """
         unique: dict[str, Recipe] = {}
         for recipe in recipes:
@@ -563,19 +569,22 @@ class KernelCache:
         try:
             for start in range(0, len(todo), _BATCH):
                 chunk = todo[start : start + _BATCH]
-                for (key, recipe), result in zip(chunk, self._batch(chunk, compile), strict=True):
+                results = self._batch(chunk, compile, context or self.context())
+                for (key, recipe), result in zip(chunk, results, strict=True):
                     outcomes[key] = self._absorb(key, recipe, result)
                     bar.update(1)
         finally:
             bar.close()
         return {key: outcomes[key] for key in unique}
 
-    def _batch(self, chunk: list[tuple[str, Recipe]], compile: bool) -> list[Any]:
+    def _batch(
+        self, chunk: list[tuple[str, Recipe]], compile: bool, context: dict[str, Any]
+    ) -> list[Any]:
         transport = self._require_server()
         body = {
             "recipes": [r.to_dict() for _, r in chunk],
             "compile": compile,
-            "context": self.context(),
+            "context": context,
         }
         results = transport.request("POST", "/v1/resolve/batch", json=body).json().get("results")
         if not isinstance(results, list) or len(results) != len(chunk):
@@ -622,16 +631,20 @@ class KernelCache:
         lowest rank of each host with ``per_node``) resolves the union through
         ``/v1/resolve/batch`` with a progress bar and fills its node tier; its broadcast
         of the outcomes is the barrier. Any failure raises the same WarmupError on every
-        rank, within ``timeout`` seconds.
+        rank; a rank that does not arrive, or a leader that dies, makes every other rank
+        raise the same WarmupTimeoutError (naming the missing rank when it is known).
+
+        ``timeout`` bounds every wait: for the other ranks to arrive (counted from this
+        rank's own call, so ranks may arrive in any order with any skew below it) and
+        for the leader's outcomes (the leader gives up resolving a little before it).
+        A warmup may run any number of times in a job, on any group; under
+        torch.distributed it creates no process group (see ``_collective``), so there
+        is nothing to tear down.
         """
         started = time.monotonic()
         own = list(recipes)
         coll = as_collective(group, timeout=timeout)
-        try:
-            return self._warmup(own, coll, per_node, timeout, compile, progress, started)
-        finally:
-            if isinstance(coll, TorchCollective):
-                coll.close()  # the side group was made for this warmup only
+        return self._warmup(own, coll, per_node, timeout, compile, progress, started)
 
     def _warmup(
         self,
@@ -652,7 +665,9 @@ class KernelCache:
             )
 
         rank, size = coll.rank, coll.world_size
-        self.rank, self.world_size = rank, size
+        # The leader's requests name its place in this warmup's group; the cache's own
+        # rank (the job's) is left as it is for everything else.
+        context = {**self.context(), "rank": rank, "world_size": size}
         concrete_or_error: list[Recipe] | dict[str, Any]
         try:
             concrete_or_error = [self.prepare(r) for r in own]
@@ -673,6 +688,7 @@ class KernelCache:
         hosts = [entry["host"] for entry in gathered]
         members = [r for r in range(size) if not per_node or hosts[r] == self.host]
         leader = members[0]
+        leaders = sorted({hosts.index(host) for host in hosts}) if per_node else [0]
         payload: dict[str, Any] | None = None
         if rank == leader:
             union: dict[str, Recipe] = {}
@@ -682,20 +698,23 @@ class KernelCache:
                         union[key] = Recipe.from_dict(data)
             show = progress if progress is not None else True
             payload = self._lead(
-                list(union.values()), compile, show, timeout * _LEADER_SHARE, leader
+                list(union.values()), compile, show, timeout * _LEADER_SHARE, leader, context
             )
         if per_node:
             answers = _collective(
                 lambda: coll.all_gather(payload), "gather of the leaders' outcomes", leader
             )
-            payload = answers[leader]
         else:
-            payload = _collective(
-                lambda: coll.broadcast(payload, 0), "broadcast of the outcomes", leader
-            )
+            answers = [
+                _collective(lambda: coll.broadcast(payload, 0), "broadcast of the outcomes", 0)
+            ]
+        # Every leader's failure is checked in rank order, so with several leaders
+        # (per_node) every rank still raises the same error, not only its node's ranks.
+        for answer in (answers[r] for r in leaders) if per_node else answers:
+            if answer.get("error"):
+                raise WarmupError.from_dict(answer["error"])
+        payload = answers[leader] if per_node else answers[0]
         assert isinstance(payload, dict)
-        if payload.get("error"):
-            raise WarmupError.from_dict(payload["error"])
         outcomes = payload["outcomes"]
         _raise_first_error(outcomes, list(outcomes), leader=leader)
         return self._finish(
@@ -703,11 +722,19 @@ class KernelCache:
         )
 
     def _lead(
-        self, union: list[Recipe], compile: bool, progress: bool, budget: float, leader: int
+        self,
+        union: list[Recipe],
+        compile: bool,
+        progress: bool,
+        budget: float,
+        leader: int,
+        context: dict[str, Any],
     ) -> dict[str, Any]:
         """Resolve the union within ``budget`` seconds; every failure becomes plain data."""
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kcache-warmup")
-        future = pool.submit(self.resolve_many, union, compile=compile, progress=progress)
+        future = pool.submit(
+            self.resolve_many, union, compile=compile, progress=progress, context=context
+        )
         try:
             return {"outcomes": future.result(timeout=budget), "error": None}
         except concurrent.futures.TimeoutError:
@@ -767,9 +794,16 @@ def _raise_first_error(
 
 
 def _collective(op: Any, what: str, leader: int) -> Any:
-    """Run a collective; a peer that died or timed out becomes the same error on every rank."""
+    """Run a collective; a peer that died or timed out becomes the same error on every rank.
+
+    A WarmupError passes as it is: the built-in collectives raise one that every member
+    of the call agreed on. Any other failure (a custom Collective's) is given a message
+    that depends only on the step, so it too reads alike on every rank.
+    """
     try:
         return op()
+    except WarmupError:
+        raise
     except Exception as exc:
         raise WarmupTimeoutError(
             f"warmup: the {what} failed (a rank or the leader, rank {leader}, died or timed out)",

@@ -1,19 +1,65 @@
-"""The collective operations a warmup needs, and the adapter for ``torch.distributed``.
+"""The collective operations a warmup needs, and how they run under ``torch.distributed``.
 
 A warmup needs only two collectives: an all-gather (every rank's concrete recipes)
 and a broadcast from the leader (the outcomes; it doubles as the barrier). Any
 object with those two methods, a ``rank`` and a ``world_size`` will do, so jobs
 on MPI or a custom launcher can plug in their own.
+
+Under ``torch.distributed`` both run over the job's key-value store (the TCPStore
+that ``init_process_group`` rendezvoused through), never over a process group:
+
+* No group is created. ``new_group`` is collective over the whole job unless
+  ``use_local_synchronization`` is set, and torch names such a local group after its
+  ranks and the number of groups the process holds at that moment: a side group made
+  again after the previous one was destroyed gets the same name, and its rendezvous
+  reads the dead group's peer addresses from the store (issue 18: "Connection
+  refused", or a hang); members holding different numbers of groups never meet at
+  all. Without groups there is nothing to create at different times on different
+  ranks, nothing to tear down, and the main backend (NCCL or gloo) is never touched.
+* Every call has keys of its own, ``kcache/collective/<ranks>/<n>/``: ``n`` counts
+  the calls this rank has made over that set of ranks, and every member makes the
+  same calls in the same order (that is what a collective is), so all agree on ``n``
+  without talking. WORLD and ``None`` are the same set of ranks and share the count.
+* Every call ends the same way on every member. Its outcome is written once, with
+  a compare-and-set on the call's ``verdict`` key: by the last member to arrive (an
+  all-gather is complete), by the source (a broadcast's value), or by a member whose
+  wait ran out (an error naming the ranks that did not arrive). The first write wins
+  and every member, however late, reads that one verdict. A verdict of failure is a
+  :class:`~kcache_client.errors.WarmupTimeoutError` raised identically everywhere.
+* Every wait is bounded by the timeout, counted from this member's own arrival. If
+  the store itself stops answering (its host died: rank 0 under a ``tcp://`` or
+  ``env://`` rendezvous), no verdict can be shared; each member then raises the same
+  error naming the store, made from the call alone so it reads alike on every rank.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import sys
-from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Collective", "TorchCollective", "as_collective"]
+from kcache_client.errors import WarmupError, WarmupTimeoutError
+
+__all__ = ["Collective", "StoreCollective", "TorchCollective", "as_collective"]
+
+_T = TypeVar("_T")
+
+#: Longest pause between two looks at the store while waiting: short enough that a
+#: verdict is seen promptly, long enough that a thousand waiting ranks stay cheap.
+_MAX_POLL_S = 0.2
+#: Members named in full in an error message; more are summarised.
+_NAMED_RANKS = 16
+
+#: Call counts by (store, namespace, rank). The store is held, not just its id, so that
+#: an id is never reused for a new store while its count lives: a job that destroys
+#: and re-creates its process group in the same processes starts counting afresh.
+_sequences: dict[tuple[int, str, int], tuple[Any, Iterator[int]]] = {}
+_sequences_lock = threading.Lock()
 
 
 @runtime_checkable
@@ -21,7 +67,8 @@ class Collective(Protocol):
     """Object collectives over a group of processes. Every call is made by every member.
 
     Implementations bound their waits: a member that never arrives makes the others
-    raise (any exception) instead of hanging.
+    raise instead of hanging, and every member of a call should see the same end of
+    it (all return, or all raise the same error).
     """
 
     @property
@@ -43,36 +90,44 @@ class Collective(Protocol):
         ...
 
 
-class TorchCollective:
-    """A :class:`Collective` over a ``torch.distributed`` process group.
+class StoreCollective:
+    """A :class:`Collective` over a c10d key-value store (``TCPStore``, ``FileStore``, ...).
 
-    The collectives run on a gloo side group created with ``timeout``: they then stay
-    on the CPU whatever the job's main backend is (NCCL would need GPU tensors and a
-    current device), and every wait is bounded by the timeout, so a dead leader
-    cannot hang the other ranks. Objects travel as JSON.
+    ``rank`` and ``world_size`` are this member's place in the group; ``job_ranks``
+    names the members in messages (torch's global ranks; default ``0..world_size-1``)
+    and, with the member's rank, keys the call count, so every distinct set of ranks
+    has calls of its own (per store). ``timeout`` bounds each wait, in seconds. The module
+    docstring describes the protocol.
     """
 
-    def __init__(self, group: Any = None, *, timeout: float = 1800.0) -> None:
-        import torch
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: call init_process_group first"
+    def __init__(
+        self,
+        store: Any,
+        *,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        job_ranks: Sequence[int] | None = None,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a group of {world_size}")
+        if timeout <= 0:
+            raise ValueError(f"the timeout must be positive, not {timeout}")
+        names = list(job_ranks) if job_ranks is not None else list(range(world_size))
+        if len(names) != world_size:
+            raise ValueError(f"job_ranks names {len(names)} members, the group has {world_size}")
+        self._store = store
+        self._rank = rank
+        self._world_size = world_size
+        self._timeout = float(timeout)
+        self._names = names
+        digest = hashlib.sha256(",".join(map(str, names)).encode()).hexdigest()[:20]
+        self._namespace = f"kcache/collective/{digest}"
+        with _sequences_lock:
+            entry = _sequences.setdefault(
+                (id(store), self._namespace, rank), (store, itertools.count())
             )
-        self._dist = dist
-        self._torch = torch
-        self._parent = group if group is not None else dist.group.WORLD
-        ranks = dist.get_process_group_ranks(self._parent) if group is not None else None
-        self._group = dist.new_group(
-            ranks=ranks,
-            backend="gloo",
-            timeout=timedelta(seconds=timeout),
-            # Only the group's members take part, so a subgroup's warmup needs no one else.
-            use_local_synchronization=ranks is not None,
-        )
-        self._rank = int(dist.get_rank(self._group))
-        self._world_size = int(dist.get_world_size(self._group))
+        self._sequence = entry[1]
 
     @property
     def rank(self) -> int:
@@ -84,36 +139,197 @@ class TorchCollective:
         """The group's size."""
         return self._world_size
 
+    @property
+    def job_ranks(self) -> list[int]:
+        """The members as the job numbers them (torch's global ranks), by group rank."""
+        return list(self._names)
+
+    # ------------------------------------------------------------------ collectives
     def all_gather(self, obj: Any) -> list[Any]:
-        """Every member's JSON-able ``obj``, as tensors on the gloo side group."""
-        torch = self._torch
-        data = _encode(obj)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
-        self._dist.all_gather(
-            sizes, torch.tensor([len(data)], dtype=torch.int64), group=self._group
-        )
-        longest = max(int(s.item()) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self._world_size)]
-        self._dist.all_gather(parts, mine, group=self._group)
-        return [_decode(part[: int(size.item())]) for part, size in zip(parts, sizes, strict=True)]
+        """Every member's JSON-able ``obj``, indexed by group rank."""
+        prefix, what = self._begin("all-gather")
+        deadline = time.monotonic() + self._timeout
+        parts = [f"{prefix}part/{m}" for m in range(self._world_size)]
+
+        def run() -> list[Any]:
+            self._store.set(parts[self._rank], _encode(obj))
+            if int(self._store.add(f"{prefix}arrived", 1)) == self._world_size:
+                # The last to arrive declares the gather complete, unless a member
+                # whose wait ran out has already declared it failed.
+                verdict = self._decide(prefix, {"ok": None})
+            else:
+                verdict = self._await_verdict(
+                    prefix, deadline, lambda: self._gather_failed(parts, what)
+                )
+            values = [] if "error" in verdict else [_decode(self._store.get(k)) for k in parts]
+            self._finish(prefix, parts, verdict)
+            self._raise_if_failed(verdict)
+            return values
+
+        return self._guard(run, what)
 
     def broadcast(self, obj: Any, src: int) -> Any:
-        """Group rank ``src``'s JSON-able ``obj``, as tensors on the gloo side group."""
-        torch = self._torch
-        data = _encode(obj) if self._rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        self._dist.broadcast(size, group=self._group, group_src=src)
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
-        if self._rank == src:
-            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._dist.broadcast(buf, group=self._group, group_src=src)
-        return _decode(buf)
+        """Group rank ``src``'s JSON-able ``obj``; the others' ``obj`` is ignored."""
+        if not 0 <= src < self._world_size:
+            raise ValueError(f"broadcast source {src} is not in a group of {self._world_size}")
+        prefix, what = self._begin("broadcast")
+        deadline = time.monotonic() + self._timeout
 
-    def close(self) -> None:
-        """Destroy the side group."""
-        self._dist.destroy_process_group(self._group)
+        def run() -> Any:
+            if self._rank == src:
+                verdict = self._decide(prefix, {"ok": obj})
+            else:
+                verdict = self._await_verdict(
+                    prefix, deadline, lambda: self._source_failed(src, what)
+                )
+            self._finish(prefix, [], verdict)
+            self._raise_if_failed(verdict)
+            return verdict["ok"]
+
+        return self._guard(run, what)
+
+    # ------------------------------------------------------------------ protocol
+    def _begin(self, op: str) -> tuple[str, str]:
+        """This call's key prefix and a description of it that reads alike on every member."""
+        number = next(self._sequence)
+        what = f"{op} #{number + 1} over ranks {_describe(self._names)}"
+        return f"{self._namespace}/{number}/", what
+
+    def _decide(self, prefix: str, proposal: dict[str, Any]) -> dict[str, Any]:
+        """Propose a verdict; the first proposal made for this call wins and is returned."""
+        text = json.dumps(proposal, separators=(",", ":"))
+        won = self._store.compare_set(f"{prefix}verdict", "", text)
+        result: dict[str, Any] = json.loads(bytes(won))
+        return result
+
+    def _await_verdict(
+        self, prefix: str, deadline: float, failure: Callable[[], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The call's verdict once someone writes it; at the deadline, ``failure()`` is proposed."""
+        key = f"{prefix}verdict"
+        if not self._poll(lambda: bool(self._store.check([key])), deadline):
+            return self._decide(prefix, failure())
+        result: dict[str, Any] = json.loads(self._store.get(key))
+        return result
+
+    @staticmethod
+    def _poll(ready: Callable[[], bool], deadline: float) -> bool:
+        """Whether ``ready()`` became true before ``deadline``, looking with growing pauses."""
+        pause = 0.002
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            # Short sleeps rather than store.wait(): a Python sleep lets Ctrl-C through,
+            # and the store's own timed wait logs a warning every time it runs out.
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _MAX_POLL_S)
+        return True
+
+    def _gather_failed(self, parts: list[str], what: str) -> dict[str, Any]:
+        """The verdict of a member whose all-gather wait ran out."""
+        missing = [m for m, key in enumerate(parts) if not self._store.check([key])]
+        if not missing:  # everyone arrived just now: the gather is complete after all
+            return {"ok": None}
+        names = [self._names[m] for m in missing]
+        error = WarmupTimeoutError(
+            f"warmup: {_ranks_phrase(names)} did not reach the {what} within "
+            f"{self._timeout:g}s of the others: "
+            f"{'it' if len(names) == 1 else 'they'} died, hung, or arrived too late",
+            kind="CollectiveTimeout",
+            leader=missing[0],
+            missing_ranks=names,
+        )
+        return {"error": error.to_dict()}
+
+    def _source_failed(self, src: int, what: str) -> dict[str, Any]:
+        """The verdict of a member whose wait for a broadcast's source ran out."""
+        error = WarmupTimeoutError(
+            f"warmup: rank {self._names[src]} sent nothing in the {what} within "
+            f"{self._timeout:g}s: it died, hung, or took longer than the timeout",
+            kind="CollectiveTimeout",
+            leader=src,
+            missing_ranks=[self._names[src]],
+        )
+        return {"error": error.to_dict()}
+
+    @staticmethod
+    def _raise_if_failed(verdict: dict[str, Any]) -> None:
+        if "error" in verdict:
+            raise WarmupError.from_dict(verdict["error"])
+
+    def _finish(self, prefix: str, keys: list[str], verdict: dict[str, Any]) -> None:
+        """Leave a call: after a success, once every member has its result; then tidy up.
+
+        Waiting for the others (bounded) keeps this process, which may host the store,
+        from ending the job while a member has yet to read the verdict: a warmup-only
+        job whose rank 0 returned first would otherwise strand the rest. After a
+        failure nobody waits, since a member may be dead. The last member to leave
+        deletes the call's keys, so a long job's store stays small.
+        """
+        try:
+            if "error" not in verdict:
+                self._store.add(f"{prefix}done", 1)
+                self._poll(
+                    lambda: int(self._store.add(f"{prefix}done", 0)) >= self._world_size,
+                    time.monotonic() + self._timeout,
+                )
+            if int(self._store.add(f"{prefix}left", 1)) != self._world_size:
+                return
+            own = [f"{prefix}{name}" for name in ("arrived", "verdict", "done", "left")]
+            for key in [*keys, *own]:
+                self._store.delete_key(key)
+        except Exception:  # the call's outcome is settled; only the courtesy wait or tidying failed
+            pass
+
+    def _guard(self, run: Callable[[], _T], what: str) -> _T:
+        """Run one call; the store failing under it becomes the same error on every member."""
+        try:
+            return run()
+        except WarmupError:
+            raise
+        except Exception as exc:
+            # Nothing rank-specific in the message (the cause is chained): every member
+            # that loses the store in this call raises the same words.
+            raise WarmupTimeoutError(
+                f"warmup: the job's key-value store stopped answering during the {what}; "
+                "the process hosting it (rank 0, or the launcher's agent under torchrun) "
+                "has probably died",
+                kind=type(exc).__name__,
+            ) from exc
+
+
+class TorchCollective(StoreCollective):
+    """A :class:`Collective` for a ``torch.distributed`` process group (None: the default one).
+
+    It runs over the job's default store (see the module docstring), so it works
+    under any main backend, creates no process group, and costs nothing to make: a
+    warmup builds one per call. Members are named by their global ranks.
+    """
+
+    def __init__(self, group: Any = None, *, timeout: float = 1800.0) -> None:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call init_process_group first"
+            )
+        parent = group if group is not None else dist.group.WORLD
+        ranks = [int(r) for r in dist.get_process_group_ranks(parent)]
+        me = int(dist.get_rank())
+        if me not in ranks:
+            raise ValueError(
+                f"rank {me} is not a member of the warmup's group (ranks {_describe(ranks)}); "
+                "only the group's members call warmup with it"
+            )
+        super().__init__(
+            distributed_c10d._get_default_store(),
+            rank=ranks.index(me),
+            world_size=len(ranks),
+            timeout=timeout,
+            job_ranks=ranks,
+        )
 
 
 def _encode(obj: Any) -> bytes:
@@ -122,10 +338,20 @@ def _encode(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def _decode(tensor: Any) -> Any:
-    # bytes(tolist()) rather than .numpy(): torch's object collectives need numpy,
-    # which a CPU-only training image may lack.
-    return json.loads(bytes(tensor.tolist())) if tensor.numel() else None
+def _decode(data: bytes) -> Any:
+    return json.loads(data) if data else None
+
+
+def _describe(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2]``, or ``[0, 1, ..., 1023] (1024 ranks)`` for a large group."""
+    if len(ranks) <= _NAMED_RANKS:
+        return "[" + ", ".join(map(str, ranks)) + "]"
+    head = ", ".join(map(str, ranks[: _NAMED_RANKS - 1]))
+    return f"[{head}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def _ranks_phrase(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_describe(ranks)}"
 
 
 def as_collective(group: Any, *, timeout: float) -> Collective | None:

@@ -13,9 +13,10 @@ Hierarchy (every class is also a :class:`kcache.errors.KCacheError`)::
         ├── RemoteCompileError (CompileError)          the server's compiler rejected the recipe; carries the log
         ├── DigestMismatchError                        received bytes do not hash to the digest they claim
         ├── NoDeviceError (RuntimeError)               target "auto" without a usable CUDA device
+        ├── ArchitectureMismatchError (RuntimeError)   an artifact built for another GPU or a newer driver
         └── WarmupError                                a warmup failed; raised identically on every rank
             ├── WarmupCompileError (CompileError)      ... because a recipe does not compile
-            └── WarmupTimeoutError (TimeoutError)      ... because a rank or the leader ran out of time
+            └── WarmupTimeoutError (TimeoutError)      ... because a rank did not arrive, or the leader ran out of time
 
 Core errors (:class:`~kcache.errors.RecipeError`, :class:`~kcache.errors.CompileError`
 from a local compile, :class:`~kcache.errors.LockTimeoutError`) pass through as they are.
@@ -23,11 +24,13 @@ from a local compile, :class:`~kcache.errors.LockTimeoutError`) pass through as 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError
 
 __all__ = [
+    "ArchitectureMismatchError",
     "AuthenticationError",
     "ClientError",
     "DigestMismatchError",
@@ -112,11 +115,25 @@ class NoDeviceError(ClientError, RuntimeError):
     """``target="auto"`` needs a CUDA device, and none could be queried."""
 
 
+class ArchitectureMismatchError(ClientError, RuntimeError):
+    """An artifact cannot run here: built for ``artifact`` (``sm_80``, ``PTX ISA 9.5``), the device
+    or driver is ``device`` (``sm_90``, ``CUDA 13.0 driver``). Raised before the driver sees the bytes.
+    """
+
+    def __init__(self, message: str, *, artifact: str, device: str) -> None:
+        super().__init__(message)
+        self.artifact = artifact
+        self.device = device
+
+
 class WarmupError(ClientError):
     """A multi-rank warmup failed. Every rank raises one with the same fields.
 
     ``kind`` is the class name of the leader's original error, ``recipe_key`` and
-    ``log`` are set when one recipe was the cause, ``leader`` is the failing rank.
+    ``log`` are set when one recipe was the cause, ``leader`` is the failing rank (the
+    group rank of the leader, or of the rank that was waited for), ``missing_ranks`` the
+    ranks that did not arrive when that is known (torch.distributed's global ranks for a
+    torch group).
     """
 
     def __init__(
@@ -127,12 +144,19 @@ class WarmupError(ClientError):
         recipe_key: str | None = None,
         log: str = "",
         leader: int = 0,
+        missing_ranks: Sequence[int] = (),
     ) -> None:
         super().__init__(message)
-        self._set_fields(message, kind, recipe_key, log, leader)
+        self._set_fields(message, kind, recipe_key, log, leader, missing_ranks)
 
     def _set_fields(
-        self, message: str, kind: str, recipe_key: str | None, log: str, leader: int
+        self,
+        message: str,
+        kind: str,
+        recipe_key: str | None,
+        log: str,
+        leader: int,
+        missing_ranks: Sequence[int],
     ) -> None:
         self.args = (message,)
         self.message = message
@@ -140,6 +164,7 @@ class WarmupError(ClientError):
         self.recipe_key = recipe_key
         self.log = log
         self.leader = leader
+        self.missing_ranks = [int(r) for r in missing_ranks]
 
     def to_dict(self) -> dict[str, Any]:
         """A plain form that crosses process boundaries (pickled exceptions with fields do not)."""
@@ -150,6 +175,7 @@ class WarmupError(ClientError):
             "recipe_key": self.recipe_key,
             "log": self.log,
             "leader": self.leader,
+            "missing_ranks": list(self.missing_ranks),
         }
 
     @staticmethod
@@ -165,6 +191,7 @@ class WarmupError(ClientError):
             recipe_key=data.get("recipe_key"),
             log=str(data.get("log", "")),
             leader=int(data.get("leader", 0)),
+            missing_ranks=[int(r) for r in data.get("missing_ranks") or ()],
         )
 
 
@@ -179,12 +206,14 @@ class WarmupCompileError(WarmupError, CompileError):
         recipe_key: str | None = None,
         log: str = "",
         leader: int = 0,
+        missing_ranks: Sequence[int] = (),
     ) -> None:
         # CompileError's constructor takes (recipe_key, log), not a message: call it
         # directly, then set the warmup fields as WarmupError does.
         CompileError.__init__(self, recipe_key, log or message)
-        self._set_fields(message, kind, recipe_key, log, leader)
+        self._set_fields(message, kind, recipe_key, log, leader, missing_ranks)
 
 
 class WarmupTimeoutError(WarmupError, TimeoutError):
-    """A warmup did not finish within its timeout (the leader was slow, lost, or died)."""
+    """A warmup did not finish within its timeout: a rank did not arrive (``missing_ranks``),
+    the leader was slow, lost or died, or the job's key-value store stopped answering."""

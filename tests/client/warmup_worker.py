@@ -3,18 +3,33 @@
     python warmup_worker.py CONFIG.json RANK
 
 The config gives the world size, the rendezvous port, the server URL, each rank's
-recipes, cache directory and auto target. The rank writes ``<out>/<rank>.json``
-with what it got (digests, targets, statuses) or the error it raised.
+recipes, cache directory and auto target. Without a ``schedule`` the rank makes one
+``warmup(recipes)`` and writes ``<out>/<rank>.json`` with what it got (digests,
+targets, statuses) or the error it raised.
+
+With a ``schedule`` (a list of calls, each ``{"group": "world"|"none"|"sub", "delays":
+[seconds per rank]}``) the rank sleeps its delay before each call, warms up on that
+group (``sub``: the group of ``subgroups`` this rank belongs to; a rank in none skips
+the call) and writes ``{"rank", "calls": [...]}`` after every call, so a rank that dies
+leaves what it had done. Other keys:
+
+* ``store``: ``"rank0"`` (default: ``tcp://`` rendezvous, rank 0 hosts the store) or
+  ``"external"`` (the test hosts the TCPStore, as torchrun's agent does);
+* ``die``: ``{"rank": r, "call": i}``: rank r kills itself with SIGKILL while it leads
+  call i, inside its resolve of the union (after the all-gather, before its answer).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from kcache_client import KernelCache, RetryPolicy, WarmupError
@@ -23,31 +38,38 @@ from kcache import Recipe
 from kcache.errors import CompileError
 
 
-def main() -> None:
-    cfg = json.loads(Path(sys.argv[1]).read_text())
-    rank = int(sys.argv[2])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{cfg['port']}",
-        rank=rank,
-        world_size=cfg["world"],
-        timeout=timedelta(seconds=cfg["timeout"] * 2),
-    )
-    recipes = [Recipe.from_dict(d) for d in cfg["recipes"][rank]]
-    cache = KernelCache(
-        url=cfg["url"],
-        cache_dir=cfg["cache_dirs"][rank],
-        auto_target=cfg["targets"][rank],
-        retry=RetryPolicy(**cfg.get("retry", {})),
-        job_id="warmup-test",
-        host=cfg["hosts"][rank] if "hosts" in cfg else None,
-        send_events=False,
-    )
-    out: dict[str, object] = {"rank": rank}
+def init(cfg: dict[str, Any], rank: int) -> None:
+    timeout = timedelta(seconds=cfg["timeout"] * 2)
+    if cfg.get("store") == "external":
+        store = dist.TCPStore(
+            "127.0.0.1", cfg["port"], cfg["world"], is_master=False, timeout=timeout
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=cfg["world"], timeout=timeout
+        )
+    else:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{cfg['port']}",
+            rank=rank,
+            world_size=cfg["world"],
+            timeout=timeout,
+        )
+
+
+def warmup_once(
+    cache: KernelCache, recipes: list[Recipe], group: Any, cfg: dict[str, Any], rank: int
+) -> dict[str, Any]:
+    """One warmup call and what it gave this rank (or the error it raised)."""
+    out: dict[str, Any] = {}
     started = time.monotonic()
     try:
         result = cache.warmup(
-            recipes, timeout=cfg["timeout"], per_node=cfg.get("per_node", False), progress=rank == 0
+            recipes,
+            group,
+            timeout=cfg["timeout"],
+            per_node=cfg.get("per_node", False),
+            progress=rank == 0,
         )
         out.update(
             ok=True,
@@ -64,14 +86,66 @@ def main() -> None:
         out.update(
             ok=False,
             error=type(exc).__name__,
+            timeout_error=isinstance(exc, TimeoutError),
             message=str(exc),
             recipe_key=exc.recipe_key,
             compile_error=isinstance(exc, CompileError),
             log=exc.log,
+            missing_ranks=exc.missing_ranks,
         )
     out["seconds"] = time.monotonic() - started
+    out["context_rank"] = cache.rank  # the warmup must leave the cache's own rank alone
+    return out
+
+
+def die_while_leading(cache: KernelCache) -> None:
+    """Make this process's next resolve of a warmup's union end the process, as a crash would."""
+
+    def resolve_many(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+    cache.resolve_many = resolve_many  # type: ignore[method-assign]
+
+
+def main() -> None:
+    cfg = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(sys.argv[2])
+    init(cfg, rank)
+    subgroups = [dist.new_group(ranks) for ranks in cfg.get("subgroups", [])]
+    mine = next(
+        (g for g, ranks in zip(subgroups, cfg.get("subgroups", []), strict=True) if rank in ranks),
+        None,
+    )
+    recipes = [Recipe.from_dict(d) for d in cfg["recipes"][rank]]
+    cache = KernelCache(
+        url=cfg["url"],
+        cache_dir=cfg["cache_dirs"][rank],
+        auto_target=cfg["targets"][rank],
+        retry=RetryPolicy(**cfg.get("retry", {})),
+        job_id="warmup-test",
+        host=cfg["hosts"][rank] if "hosts" in cfg else None,
+        send_events=False,
+    )
+    report = Path(cfg["out"], f"{rank}.json")
+    schedule = cfg.get("schedule")
+    if schedule is None:
+        out = {"rank": rank, **warmup_once(cache, recipes, None, cfg, rank)}
+        report.write_text(json.dumps(out))
+    else:
+        die = cfg.get("die") or {}
+        groups = {"world": dist.group.WORLD, "none": None, "sub": mine}
+        calls: list[dict[str, Any]] = []
+        for index, call in enumerate(schedule):
+            time.sleep(call["delays"][rank])
+            if call["group"] == "sub" and mine is None:
+                calls.append({"skipped": True})
+            else:
+                if die.get("rank") == rank and die.get("call") == index:
+                    die_while_leading(cache)
+                calls.append(warmup_once(cache, recipes, groups[call["group"]], cfg, rank))
+            report.write_text(json.dumps({"rank": rank, "calls": calls}))
     cache.close()
-    Path(cfg["out"], f"{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
