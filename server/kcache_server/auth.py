@@ -255,6 +255,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: Where the gate leaves the request's :class:`Principal` in the ASGI scope.
 PRINCIPAL_KEY = "kcache.principal"
 # Probes, the dashboard page (it asks for a token itself) and the API docs need none.
@@ -289,7 +290,8 @@ async def _answer(exc: ServerError, scope: Scope, receive: Receive, send: Send) 
 class AuthGate:
     """Pure ASGI middleware: the bearer token is checked before the body is read.
 
-    The principal is left in ``scope[PRINCIPAL_KEY]`` for the routes (each route
+    A request that is ambiguous before any token is looked at (two ``Authorization``
+    headers, a control character in its path) is a 400. The principal is left in ``scope[PRINCIPAL_KEY]`` for the routes (each route
     then requires its scope); public paths pass with none.
     """
 
@@ -305,8 +307,11 @@ class AuthGate:
             await self.app(scope, receive, send)
             return
         try:
-            header = authorization_header(scope)
             path: str = scope["path"]
+            if _CONTROL.search(path):
+                # Starlette's route patterns end in "$": "/artifact\n" would reach a route.
+                raise BadRequestError("the request path holds a control character")
+            header = authorization_header(scope)
             if path not in _PUBLIC and not path.startswith(_PUBLIC_PREFIXES):
                 principal = self.tokens.authenticate_cached(header)
                 if principal is None:  # the database must answer: off the event loop

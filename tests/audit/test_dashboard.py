@@ -80,6 +80,10 @@ def test_numbers_match_the_stats_api(page: Any, workload: Workload, artifacts_di
     assert float(page.get_attribute("#kpi-saved", "data-value")) == pytest.approx(
         stats["compile_seconds_saved"]
     )
+    # Server-observed and client-reported figures are shown apart.
+    assert page.text_content("#kpi-lookups-sub") == "8 seen by the server · 3 reported by clients"
+    assert "server-observed 25.0%" in page.text_content("#kpi-hits")
+    assert "reported by clients" in page.text_content("#kpi-saved-sub")
     assert page.text_content("#kpi-errors") == str(stats["totals"]["error"]) == "2"
     assert page.text_content("#kpi-divergence") == "1"
     # Outcomes by tier: every non-zero count shown, and nothing else.
