@@ -159,7 +159,9 @@ class ResolveRequest(_Strict):
     """Body of ``POST /v1/resolve``."""
 
     recipe: dict[str, Any] = Field(description=_RECIPE_DOC, examples=[_RECIPE_EXAMPLE])
-    compile: bool = Field(default=True, description="compile on a miss (needs the compile scope)")
+    compile: bool = Field(
+        default=True, strict=True, description="compile on a miss (needs the compile scope)"
+    )
     context: Context = Field(default_factory=Context)
 
 
@@ -167,7 +169,7 @@ class BatchRequest(_Strict):
     """Body of ``POST /v1/resolve/batch``: many recipes, misses compiled in parallel."""
 
     recipes: list[dict[str, Any]] = Field(description="recipes, as in /v1/resolve")
-    compile: bool = True
+    compile: bool = Field(default=True, strict=True)
     context: Context = Field(default_factory=Context)
 
 
