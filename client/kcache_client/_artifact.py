@@ -1,15 +1,146 @@
-"""What ``KernelCache.get`` returns: verified bytes plus metadata, loadable through cuda.core."""
+"""What ``KernelCache.get`` returns: verified bytes plus metadata, loadable through cuda.core.
+
+Before the driver sees an artifact, :func:`check_loadable` compares what it was built
+for (a cubin's SM from its ELF header, a PTX file's ``.target`` and ``.version``) with
+the device and driver, so a wrong one is refused with both named instead of the
+driver's bare ``CUDA_ERROR_NO_BINARY_FOR_GPU``.
+"""
 
 from __future__ import annotations
 
+import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kcache.artifact import ArtifactMeta
+from kcache.elf import cubin_sm
+from kcache.errors import RecipeError
 from kcache.recipe import Recipe
+from kcache.targets import parse_target
+from kcache_client._device import driver_version
+from kcache_client.errors import ArchitectureMismatchError
 
-__all__ = ["Artifact"]
+__all__ = ["Artifact", "check_loadable"]
+
+_PTX_VERSION = re.compile(rb"^[ \t]*\.version[ \t]+(\d+)\.(\d+)", re.MULTILINE)
+_PTX_TARGET = re.compile(rb"^[ \t]*\.target[ \t]+sm_(\d+)([af]?)\b", re.MULTILINE)
+
+
+def check_loadable(
+    kind: str,
+    data: bytes,
+    target: str,
+    capability: tuple[int, int],
+    driver: int | None,
+    *,
+    artifact: str = "the artifact",
+    device: str = "the device",
+) -> str | None:
+    """Refuse an artifact that cannot run on a device of ``capability`` under ``driver``.
+
+    ``kind`` and ``target`` are the artifact's metadata (the target's ``a``/``f``
+    suffix; the SM itself is read from the bytes), ``capability`` the device's
+    ``(major, minor)``, ``driver`` what ``cuDriverGetVersion`` answers (``13000`` is
+    CUDA 13.0; None when unknown). Raises :class:`ArchitectureMismatchError` naming
+    both sides:
+
+    * a cubin (SM from bits 8-15 of the ELF ``e_flags``) runs on its own major
+      version with an equal or higher minor (``sm_80`` on ``sm_86``), an ``sm_XXa``
+      one on exactly ``sm_XX``;
+    * PTX for ``sm_XX`` is compiled by the driver for any device from ``sm_XX`` on
+      (``sm_XXa``: exactly that one; ``sm_XXf``: its major version), and only by a
+      driver that knows its PTX ISA ``.version`` (cuda-bindings' table of PTX ISA
+      versions and the CUDA releases that introduced them).
+
+    Returns None when everything was checked, else a sentence saying what could not
+    be (the PTX ISA version when the driver's version or the table is unknown).
+    """
+    have = f"sm_{capability[0]}{capability[1]}"
+    if kind == "cubin":
+        sm = cubin_sm(data)
+        suffix = _suffix(target, sm)
+        if not _runs(sm, suffix, capability, jit=False):
+            rule = (
+                f"an sm_{sm}{suffix} cubin runs only on sm_{sm}"
+                if suffix == "a"
+                else f"a cubin runs only on its own major version (sm_{sm // 10}x), from sm_{sm} on"
+            )
+            raise ArchitectureMismatchError(
+                f"{artifact} is sm_{sm}{suffix}, {device} is {have}: {rule}; compile it for "
+                f'{have} (target "auto" picks the device\'s own)',
+                artifact=f"sm_{sm}{suffix}",
+                device=have,
+            )
+        return None
+    if kind != "ptx":
+        return None  # LTO-IR is never loaded; load_module says so
+    found = _PTX_TARGET.search(data)
+    if found is None:
+        return f"{artifact} is PTX without a .target line; its architecture was not checked"
+    sm, suffix = int(found.group(1)), found.group(2).decode()
+    if not _runs(sm, suffix, capability, jit=True):
+        rule = {
+            "a": f"PTX for sm_{sm}a is compiled only for sm_{sm}",
+            "f": f"PTX for sm_{sm}f is compiled only for sm_{sm // 10}x from sm_{sm} on",
+        }.get(suffix, f"PTX for sm_{sm} is compiled only for sm_{sm} and later devices")
+        raise ArchitectureMismatchError(
+            f"{artifact} is PTX for sm_{sm}{suffix}, {device} is {have}: {rule}",
+            artifact=f"PTX for sm_{sm}{suffix}",
+            device=have,
+        )
+    version = _PTX_VERSION.search(data)
+    if version is None:
+        return f"{artifact} is PTX without a .version line; its PTX ISA was not checked"
+    isa = f"{int(version.group(1))}.{int(version.group(2))}"
+    if driver is None:
+        return (
+            f"{artifact} is PTX ISA {isa}; the driver's version is unknown, so it was not checked"
+        )
+    try:
+        from cuda.bindings.utils import get_minimal_required_cuda_ver_from_ptx_ver as needs
+    except ImportError:
+        return f"{artifact} is PTX ISA {isa}; cuda-bindings has no PTX ISA table, so it was not checked"
+    try:
+        needed = int(needs(isa))
+    except ValueError:
+        return (
+            f"{artifact} is PTX ISA {isa}, newer than cuda-bindings' table; not checked against "
+            f"the CUDA {_cuda(driver)} driver"
+        )
+    if driver < needed:
+        raise ArchitectureMismatchError(
+            f"{artifact} is PTX ISA {isa}, which needs a CUDA {_cuda(needed)} driver; {device} "
+            f"runs a CUDA {_cuda(driver)} driver: update the driver, or compile to a cubin "
+            f"(target {have})",
+            artifact=f"PTX ISA {isa}",
+            device=f"CUDA {_cuda(driver)} driver",
+        )
+    return None
+
+
+def _suffix(target: str, sm: int) -> str:
+    """The ``a``/``f`` of the metadata's target, when it names the same SM as the bytes."""
+    try:
+        parsed = parse_target(target)
+    except RecipeError:
+        return ""
+    return parsed.suffix if parsed.sm == sm else ""
+
+
+def _runs(sm: int, suffix: str, capability: tuple[int, int], *, jit: bool) -> bool:
+    built = (sm // 10, sm % 10)
+    if suffix == "a":
+        return capability == built
+    if suffix == "f" or not jit:
+        return capability[0] == built[0] and capability[1] >= built[1]
+    return capability >= built  # plain PTX: the driver compiles it for any later device
+
+
+def _cuda(version: int) -> str:
+    """``13000`` -> ``13.0`` (cuDriverGetVersion's encoding: 1000 * major + 10 * minor)."""
+    return f"{version // 1000}.{version % 1000 // 10}"
 
 
 def _cuda_core() -> Any:
@@ -59,10 +190,25 @@ class Artifact:
         """Load into ``device`` (default: the current one, else 0) and return cuda.core's ObjectCode.
 
         The stored lowered names are passed as the symbol mapping, so
-        ``module.get_kernel("add<float, 256>")`` finds the mangled kernel.
+        ``module.get_kernel("add<float, 256>")`` finds the mangled kernel. An artifact
+        built for another architecture, or PTX newer than the driver, is refused first
+        with :class:`~kcache_client.errors.ArchitectureMismatchError` (see
+        :func:`check_loadable`).
         """
         core = _cuda_core()
         dev = core.Device(device) if device is not None else core.Device()
+        capability = tuple(dev.compute_capability)
+        unchecked = check_loadable(
+            self.kind,
+            self.data,
+            self.metadata.target,
+            (int(capability[0]), int(capability[1])),
+            driver_version(),
+            artifact=f"artifact {self.recipe_key[:16]} ({self.metadata.kernel or self.recipe.name})",
+            device=f"the device (GPU {dev.device_id})",
+        )
+        if unchecked is not None:
+            warnings.warn(unchecked, RuntimeWarning, stacklevel=3)
         dev.set_current()
         # cuda.core looks mangled names up as bytes (what NVRTC hands back), keys as given.
         mapping = {expr: mangled.encode() for expr, mangled in self.lowered_names.items()} or None

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from kcache_client.errors import NoDeviceError
 
-__all__ = ["auto_target", "current_device"]
+__all__ = ["auto_target", "current_device", "driver_version"]
 
 
 def _driver_call(result: tuple[object, ...], what: str) -> tuple[object, ...]:
@@ -85,3 +85,17 @@ def auto_target(device: int | None = None) -> str:
             "(give the recipe an explicit target such as sm_90, or auto_target= to KernelCache)"
         ) from exc
     return f"sm_{major}{minor}"
+
+
+@lru_cache(maxsize=1)
+def driver_version() -> int | None:
+    """The CUDA version the driver supports (``cuDriverGetVersion``: 13000 is 13.0); None if unknown."""
+    try:
+        from cuda.bindings import driver
+
+        (status, version) = driver.cuDriverGetVersion()
+        if status != driver.CUresult.CUDA_SUCCESS:
+            return None
+        return int(version)
+    except Exception:  # no bindings or no driver library: the caller says what it could not check
+        return None
