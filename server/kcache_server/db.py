@@ -66,6 +66,9 @@ def _disk_full(exc: BaseException) -> bool:
 def _translate_disk_full(context: Any) -> None:
     """``handle_error`` hook: a full disk becomes StoreFullError (SQLAlchemy has cleaned up by now)."""
     if _disk_full(context.original_exception):
+        log.error(
+            "a database statement failed because the disk is full: %s", context.original_exception
+        )
         raise StoreFullError(
             errno.ENOSPC,
             "the database has no space left on its disk; nothing was written. Free some space "

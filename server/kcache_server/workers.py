@@ -366,6 +366,9 @@ class ProcessPoolCompiler:
         return free if free < max(self.min_free_bytes, _FULL_DISK_MARGIN) else None
 
     def _full_disk_error(self, free: int) -> StoreFullError:
+        log.error(
+            "a compile failed for want of disk space: %d bytes free for compile scratch", free
+        )
         return StoreFullError(
             errno.ENOSPC,
             f"the compile ran out of disk space (the compile scratch directory has {free} bytes free); "
@@ -380,9 +383,13 @@ class ProcessPoolCompiler:
         """
         if self._closed:
             raise ToolchainError("the compile pool is shut down")
-        check_free_space(
-            self.tmp_dir, self.min_free_bytes, "the compile scratch directory (min_free_bytes)"
-        )
+        try:
+            check_free_space(
+                self.tmp_dir, self.min_free_bytes, "the compile scratch directory (min_free_bytes)"
+            )
+        except StoreFullError as exc:
+            log.warning("compile refused: %s", exc)
+            raise
         caller = current_caller.get()
         while True:
             worker = self._queue.get(caller, self.queue_timeout_s, self._unavailable)
