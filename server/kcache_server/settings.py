@@ -54,7 +54,8 @@ class Settings(BaseSettings):
         default=0,
         ge=0,
         description="compiles one caller (a token, or a client address on an open server) runs at once; "
-        "0: all compile workers but one, so another caller always finds one free",
+        "0: all compile workers but one where there are 3 or more (another caller always finds one "
+        "free), all of them with fewer (a lone developer's warmup keeps both default workers busy)",
     )
     compile_caller_queue_limit: int = Field(
         default=16, ge=0, description="compiles one caller may have waiting for a worker before its next gets 503"

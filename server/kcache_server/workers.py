@@ -109,7 +109,7 @@ class ProcessPoolCompiler:
         self.sandbox: SandboxStatus | None = None  # what the last worker to start reported
         self._ctx = multiprocessing.get_context("spawn")
         self._queue: FairQueue[_Worker] = FairQueue(
-            per_caller=caller_limit or max(1, workers - 1),
+            per_caller=caller_limit or (workers - 1 if workers >= 3 else workers),
             per_caller_queue=caller_queue_limit,
             total=workers + queue_limit,
             total_setting=f"compile_workers={workers}, compile_queue_limit={queue_limit}",

@@ -99,7 +99,8 @@ class Ops:
 def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ops]:
     settings = _settings(
         tmp_path_factory.mktemp("ops") / "data",
-        compile_workers=2,  # compile_caller_limit 0: one caller gets one, the other is kept for others
+        compile_workers=2,
+        compile_caller_limit=1,  # one caller gets one worker, the other is kept for others
         compile_timeout_s=3.0,
         failure_ttl_s=600.0,
         max_artifact_bytes=ARTIFACT_LIMIT,
