@@ -40,11 +40,12 @@ log = logging.getLogger(__name__)
 
 
 def migrations_dir() -> Path:
-    """``$KCACHE_MIGRATIONS_DIR``, else ``migrations/`` at the repository root."""
+    """``$KCACHE_MIGRATIONS_DIR`` when set (an override), else the ``migrations/`` shipped in this package."""
     explicit = os.environ.get("KCACHE_MIGRATIONS_DIR")
     if explicit:
         return Path(explicit)
-    return Path(__file__).resolve().parents[2] / "migrations"
+    # Package data beside this module, so an installed (non-editable) server finds them too.
+    return Path(__file__).resolve().parent / "migrations"
 
 
 def alembic_config(url: str) -> Config:

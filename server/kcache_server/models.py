@@ -4,7 +4,7 @@ Tables: ``artifacts`` (metadata by digest), ``recipe_aliases`` (recipe_key ->
 digest), ``manifests`` (base_key -> dependency list -> digest), ``negative_entries``
 (failed recipes with their log), ``audit_events`` (one row per lookup outcome) and
 ``tokens`` (sha256 of bearer tokens with scopes). Alembic migrations under
-``migrations/`` must agree with these; a test checks it on SQLite and PostgreSQL.
+``kcache_server/migrations/`` must agree with these; a test checks it on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
