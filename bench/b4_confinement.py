@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import VECTOR_ADD, emit
-from kcache_server.workers import ProcessPoolCompiler
+from kcache_server.compile_pool import ProcessPoolCompiler
 
 from kcache.include_sets import IncludeSets
 from kcache.recipe import Recipe

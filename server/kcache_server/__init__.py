@@ -4,9 +4,9 @@
 """
 
 from kcache_server.app import create_app
+from kcache_server.compile_pool import ProcessPoolCompiler
 from kcache_server.index import SqlIndex
 from kcache_server.locks import PgAdvisoryKeyLock
 from kcache_server.settings import Settings
-from kcache_server.workers import ProcessPoolCompiler
 
 __all__ = ["PgAdvisoryKeyLock", "ProcessPoolCompiler", "Settings", "SqlIndex", "create_app"]

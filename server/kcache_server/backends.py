@@ -18,11 +18,11 @@ from kcache.include_sets import IncludeSets
 from kcache.locks import FileKeyLock, KeyLock, SingleFlight
 from kcache.store.local import LocalArtifactStore
 from kcache.toolchain import Toolchain, load_toolchain
+from kcache_server.compile_pool import ProcessPoolCompiler
 from kcache_server.db import DatabaseFile, is_postgres, open_database, sqlite_path
 from kcache_server.index import SqlIndex
 from kcache_server.locks import PgAdvisoryKeyLock
 from kcache_server.settings import Settings
-from kcache_server.workers import ProcessPoolCompiler
 
 __all__ = ["Backends", "open_backends", "open_settings_database"]
 

@@ -65,7 +65,7 @@ def _start(
     from kcache_server import Settings
 
     records = _Records()
-    logging.getLogger("kcache_server.workers").addHandler(records)
+    logging.getLogger("kcache_server.compile_pool").addHandler(records)
     saved = {k: os.environ.get(k) for k in ("KCACHE_TEST_SECRET", *env)}
     os.environ.update(KCACHE_TEST_SECRET=MARKER, **env)
     here = os.getcwd()
@@ -90,7 +90,7 @@ def _start(
     finally:
         server.stop()
         os.chdir(here)
-        logging.getLogger("kcache_server.workers").removeHandler(records)
+        logging.getLogger("kcache_server.compile_pool").removeHandler(records)
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,7 @@ def test_degraded_mode_serves_and_says_so(degraded: tuple[ServerThread, _Records
 
 def test_the_sandbox_setting_decides_whether_an_unconfined_pool_may_serve(tmp_path: Path) -> None:
     from kcache_server import Settings
-    from kcache_server.workers import ProcessPoolCompiler
+    from kcache_server.compile_pool import ProcessPoolCompiler
 
     assert Settings(host="0.0.0.0").compile_sandbox_mode == "required"
     assert Settings(host="127.0.0.1").compile_sandbox_mode == "best-effort"

@@ -190,7 +190,7 @@ def test_row8_an_oversized_artifact_is_refused_and_nothing_is_stored(ops: Ops) -
 def test_row11_dead_idle_workers_are_replaced_and_no_wait_is_unbounded(
     ops: Ops, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="kcache_server.workers")
+    caplog.set_level(logging.INFO, logger="kcache_server.compile_pool")
     server, pool = ops.server, ops.server.state.backends.compiler
     _wait_until(lambda: pool.idle == 2, "two idle workers")
     for pid in pool.pids:

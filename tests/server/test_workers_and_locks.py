@@ -27,7 +27,7 @@ SLOW = (
 
 
 def _pool(tmp_path: Path, **kwargs: object):  # type: ignore[no-untyped-def]
-    from kcache_server.workers import ProcessPoolCompiler
+    from kcache_server.compile_pool import ProcessPoolCompiler
 
     options: dict[str, object] = {
         "workers": 1,

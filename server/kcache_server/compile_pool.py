@@ -49,7 +49,7 @@ from kcache.include_sets import IncludeSets
 from kcache.recipe import Recipe
 from kcache.sandbox import SandboxStatus
 from kcache.toolchain import Toolchain
-from kcache_server import _worker
+from kcache_server import _compile_worker
 from kcache_server.errors import CompileWorkerCrashedError
 from kcache_server.fairness import FairQueue, current_caller
 
@@ -66,7 +66,7 @@ _FULL_DISK_MARGIN = 1 << 20
 
 @dataclass(eq=False)  # identity hashing: workers live in a set
 class _Worker:
-    process: _worker.WorkerProcess
+    process: _compile_worker.WorkerProcess
     conn: Connection
     scratch: Path
 
@@ -184,7 +184,7 @@ class ProcessPoolCompiler:
         # (NVRTC trace files it had no chance to delete) can be removed with it. It is
         # the worker's working directory and the only place it may write.
         scratch = Path(tempfile.mkdtemp(prefix="worker-", dir=self.tmp_dir)).resolve()
-        config = _worker.WorkerConfig(
+        config = _compile_worker.WorkerConfig(
             # Where this server prepared its toolchain, not a default the scrubbed
             # worker environment would compute differently.
             toolchain_dir=str(self.toolchain.include_dir.parent.parent),
@@ -194,7 +194,7 @@ class ProcessPoolCompiler:
             confine=self.sandbox_mode != "off",
         )
         try:
-            process, conn = _worker.spawn(config)
+            process, conn = _compile_worker.spawn(config)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise

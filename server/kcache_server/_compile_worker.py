@@ -45,7 +45,7 @@ __all__ = ["WorkerConfig", "WorkerProcess", "main", "spawn"]
 # Run by the fresh interpreter: the server's import path, then the worker.
 _BOOTSTRAP = (
     "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
-    "from kcache_server._worker import _child; _child(int(sys.argv[2]))"
+    "from kcache_server._compile_worker import _child; _child(int(sys.argv[2]))"
 )
 
 
