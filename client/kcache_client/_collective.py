@@ -52,6 +52,8 @@ _T = TypeVar("_T")
 #: Longest pause between two looks at the store while waiting: short enough that a
 #: verdict is seen promptly, long enough that a thousand waiting ranks stay cheap.
 _MAX_POLL_S = 0.2
+#: The verdict of a complete all-gather (the values are in the members' own keys).
+_COMPLETE = '{"ok":null}'
 #: Members named in full in an error message; more are summarised.
 _NAMED_RANKS = 16
 
@@ -147,16 +149,17 @@ class StoreCollective:
     # ------------------------------------------------------------------ collectives
     def all_gather(self, obj: Any) -> list[Any]:
         """Every member's JSON-able ``obj``, indexed by group rank."""
+        data = _encode(obj)  # outside the guard: data that is not JSON is the caller's error
         prefix, what = self._begin("all-gather")
         deadline = time.monotonic() + self._timeout
         parts = [f"{prefix}part/{m}" for m in range(self._world_size)]
 
         def run() -> list[Any]:
-            self._store.set(parts[self._rank], _encode(obj))
+            self._store.set(parts[self._rank], data)
             if int(self._store.add(f"{prefix}arrived", 1)) == self._world_size:
                 # The last to arrive declares the gather complete, unless a member
                 # whose wait ran out has already declared it failed.
-                verdict = self._decide(prefix, {"ok": None})
+                verdict = self._decide(prefix, _COMPLETE)
             else:
                 verdict = self._await_verdict(
                     prefix, deadline, lambda: self._gather_failed(parts, what)
@@ -172,12 +175,13 @@ class StoreCollective:
         """Group rank ``src``'s JSON-able ``obj``; the others' ``obj`` is ignored."""
         if not 0 <= src < self._world_size:
             raise ValueError(f"broadcast source {src} is not in a group of {self._world_size}")
+        value = _encode({"ok": obj}).decode() if self._rank == src else ""
         prefix, what = self._begin("broadcast")
         deadline = time.monotonic() + self._timeout
 
         def run() -> Any:
             if self._rank == src:
-                verdict = self._decide(prefix, {"ok": obj})
+                verdict = self._decide(prefix, value)
             else:
                 verdict = self._await_verdict(
                     prefix, deadline, lambda: self._source_failed(src, what)
@@ -195,15 +199,14 @@ class StoreCollective:
         what = f"{op} #{number + 1} over ranks {_describe(self._names)}"
         return f"{self._namespace}/{number}/", what
 
-    def _decide(self, prefix: str, proposal: dict[str, Any]) -> dict[str, Any]:
-        """Propose a verdict; the first proposal made for this call wins and is returned."""
-        text = json.dumps(proposal, separators=(",", ":"))
-        won = self._store.compare_set(f"{prefix}verdict", "", text)
+    def _decide(self, prefix: str, proposal: str) -> dict[str, Any]:
+        """Propose a verdict (JSON text); the first proposal made for this call wins and is returned."""
+        won = self._store.compare_set(f"{prefix}verdict", "", proposal)
         result: dict[str, Any] = json.loads(bytes(won))
         return result
 
     def _await_verdict(
-        self, prefix: str, deadline: float, failure: Callable[[], dict[str, Any]]
+        self, prefix: str, deadline: float, failure: Callable[[], str]
     ) -> dict[str, Any]:
         """The call's verdict once someone writes it; at the deadline, ``failure()`` is proposed."""
         key = f"{prefix}verdict"
@@ -226,11 +229,11 @@ class StoreCollective:
             pause = min(pause * 2, _MAX_POLL_S)
         return True
 
-    def _gather_failed(self, parts: list[str], what: str) -> dict[str, Any]:
+    def _gather_failed(self, parts: list[str], what: str) -> str:
         """The verdict of a member whose all-gather wait ran out."""
         missing = [m for m, key in enumerate(parts) if not self._store.check([key])]
         if not missing:  # everyone arrived just now: the gather is complete after all
-            return {"ok": None}
+            return _COMPLETE
         names = [self._names[m] for m in missing]
         error = WarmupTimeoutError(
             f"warmup: {_ranks_phrase(names)} did not reach the {what} within "
@@ -240,9 +243,9 @@ class StoreCollective:
             leader=missing[0],
             missing_ranks=names,
         )
-        return {"error": error.to_dict()}
+        return _encode({"error": error.to_dict()}).decode()
 
-    def _source_failed(self, src: int, what: str) -> dict[str, Any]:
+    def _source_failed(self, src: int, what: str) -> str:
         """The verdict of a member whose wait for a broadcast's source ran out."""
         error = WarmupTimeoutError(
             f"warmup: rank {self._names[src]} sent nothing in the {what} within "
@@ -251,7 +254,7 @@ class StoreCollective:
             leader=src,
             missing_ranks=[self._names[src]],
         )
-        return {"error": error.to_dict()}
+        return _encode({"error": error.to_dict()}).decode()
 
     @staticmethod
     def _raise_if_failed(verdict: dict[str, Any]) -> None:
@@ -286,9 +289,9 @@ class StoreCollective:
         """Run one call; the store failing under it becomes the same error on every member."""
         try:
             return run()
-        except WarmupError:
+        except WarmupError:  # the call's verdict (a TimeoutError, so an OSError: caught first)
             raise
-        except Exception as exc:
+        except (RuntimeError, OSError) as exc:  # torch's DistError and DistNetworkError among them
             # Nothing rank-specific in the message (the cause is chained): every member
             # that loses the store in this call raises the same words.
             raise WarmupTimeoutError(

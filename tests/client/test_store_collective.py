@@ -174,3 +174,11 @@ def test_constructor_rejects_a_rank_outside_the_group() -> None:
     job = Job()
     with pytest.raises(ValueError, match="rank 3 is not in a group of 3"):
         StoreCollective(job.client(), rank=3, world_size=3, timeout=1)
+
+
+def test_data_that_is_not_json_is_the_callers_error_not_a_timeout() -> None:
+    job = Job()  # held: the store lives as long as its Job
+    (member,) = job.members(1, timeout=1)
+    with pytest.raises(TypeError):
+        member.all_gather({1, 2})  # a set: JSON has none
+    assert member.all_gather([1, 2]) == [[1, 2]]  # and the next call is unaffected
