@@ -1,10 +1,16 @@
 """``create_app(settings)``: the FastAPI application.
 
+The one place the server is wired together: every part is built here from the
+one :class:`~kcache_server.settings.Settings`, every route comes from the one list
+:data:`kcache_server.routes.ROUTERS`, and one lifespan starts and stops what runs
+in the background.
+
 Start-up order: open the database, refuse an out-of-date schema (a brand-new
 SQLite file is created at the head revision, so ``kcache serve`` works out of the
 box) or a lost one (blobs but no tables: ``--recreate-index``), refuse an unsafe
-bind, build the backends; the lifespan then starts the compile workers and the
-audit writer, and stops them on shutdown.
+bind, build the backends, the audit writer, the metrics and the audit retention;
+the lifespan then starts the compile workers, the audit writer and the retention
+worker, and stops them in the reverse order on shutdown.
 
 Every request passes, outermost first: :class:`_RequestIds` (an id on every
 response; an unexpected exception becomes a 500 carrying only that id, its
@@ -30,8 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kcache.errors import KCacheError
 from kcache_server import migrate
-from kcache_server.audit import AuditLog
-from kcache_server.auditing.install import install_auditing
+from kcache_server.auditing.retention import RetentionWorker
+from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.auth import AuthGate, TokenStore
 from kcache_server.backends import open_backends, open_settings_database
 from kcache_server.errors import (
@@ -41,11 +47,12 @@ from kcache_server.errors import (
     error_info,
 )
 from kcache_server.fastpath import ArtifactFastPath
+from kcache_server.metrics import MetricsMiddleware, ServerMetrics, pool_sampler, store_sampler
 from kcache_server.request_ids import HEADER, new_request_id, request_id_var
 from kcache_server.routes import ROUTERS
 from kcache_server.schemas import invalid_request
-from kcache_server.service import ServerState
 from kcache_server.settings import Settings
+from kcache_server.state import ServerState
 
 __all__ = ["SETTINGS_ENV", "check_bind", "create_app", "create_app_from_env", "serving_app"]
 
@@ -179,6 +186,19 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(exc), 500)
 
 
+def _count_lookups(audit: AuditLog, metrics: ServerMetrics) -> None:
+    """Every audit record is also counted in the Prometheus metrics, and so is every dropped row."""
+
+    def count(record: AuditRecord) -> None:
+        metrics.lookup(record.outcome, record.tier, latency_ms=record.latency_ms)
+
+    def dropped(_: AuditRecord, reason: str) -> None:
+        metrics.audit_rows_dropped.labels(reason=reason).inc()
+
+    audit.listeners.append(count)
+    audit.drop_listeners.append(dropped)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The kcache server application for ``settings`` (default: from the environment)."""
     settings = settings or Settings()
@@ -187,17 +207,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     tokens = TokenStore(db, settings.auth_cache_s)
     check_bind(settings, tokens)
     backends = open_backends(settings, db)
-    state = ServerState(settings, backends, AuditLog(db, settings.audit_flush_s), tokens)
+    metrics = ServerMetrics()
+    metrics.add_sampler(store_sampler(db, metrics))
+    metrics.add_sampler(pool_sampler(backends.compiler, metrics))
+    audit = AuditLog(db, settings.audit.flush_s)
+    _count_lookups(audit, metrics)
+    retention = RetentionWorker(db, settings.audit.retention_days, settings.audit.rollup_interval_s)
+    state = ServerState(
+        settings=settings,
+        backends=backends,
+        tokens=tokens,
+        audit=audit,
+        metrics=metrics,
+        retention=retention,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.limiter = anyio.CapacityLimiter(settings.request_threads)
         await anyio.to_thread.run_sync(backends.compiler.start)
-        state.audit.start()
+        audit.start()
+        retention.start()
         try:
             yield
         finally:
-            await anyio.to_thread.run_sync(state.audit.close)
+            await anyio.to_thread.run_sync(retention.close)
+            await anyio.to_thread.run_sync(audit.close)
             await anyio.to_thread.run_sync(backends.compiler.close)
             db.dispose()
 
@@ -212,10 +247,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in ROUTERS:
         app.include_router(router)
     # Middleware added first runs innermost: the body limit, then the token gate
-    # (before any body is read), then install_auditing's request metrics, then ids.
+    # (before any body is read), then the request metrics, then request ids.
     app.add_middleware(_BodyLimit, limit=settings.max_request_bytes)
     app.add_middleware(AuthGate, tokens=tokens)
-    install_auditing(app, state)  # /v1/events, /v1/stats, /metrics, /dashboard
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(_RequestIds)
     app.add_exception_handler(KCacheError, _kcache_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -230,7 +265,7 @@ def serving_app(app: FastAPI) -> ArtifactFastPath:
     The fast path sits outside the framework (even outside FastAPI's own ``__call__``),
     so a warm fetch costs a few microseconds of Python; everything else reaches ``app``.
     """
-    return ArtifactFastPath(app, app.state.kcache, app.state.auditing.metrics)
+    return ArtifactFastPath(app, app.state.kcache)
 
 
 def create_app_from_env() -> ArtifactFastPath:

@@ -193,7 +193,9 @@ def error_body(exc: BaseException) -> dict[str, Any]:
             "request_id": request_id,
         }
     if info.status >= 500:  # overloaded, store full: expected conditions, one line each
-        _log.warning("request %s answered %d %s: %s", current_request_id(), info.status, info.code, exc)
+        _log.warning(
+            "request %s answered %d %s: %s", current_request_id(), info.status, info.code, exc
+        )
     body: dict[str, Any] = {"error": info.code, "detail": str(exc)}
     if isinstance(exc, RecipeError | InvalidRequestError):
         body["field"] = exc.field

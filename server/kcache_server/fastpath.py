@@ -1,5 +1,9 @@
 """The hot path "fetch a cubin by recipe", answered below the framework when it can be.
 
+It sits in front of FastAPI and imports nothing of it: the caching headers come
+from :mod:`~kcache_server.http_cache`, the memory caches from the
+:class:`~kcache_server.resolving.Resolver`, as the route's do.
+
 ``GET /v1/recipes/{recipe_key}/artifact`` is what every rank of every job sends. When
 the key's metadata and the blob are already in this process's memory caches, and the
 caller's token is decided by the token cache, this ASGI middleware answers with two
@@ -17,10 +21,9 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from kcache_server.metrics import ServerMetrics
+from kcache_server.http_cache import blob_headers, etag_matches
 from kcache_server.request_ids import HEADER, new_request_id
-from kcache_server.routes.blobs import blob_headers, etag_matches
-from kcache_server.service import ServerState
+from kcache_server.state import ServerState
 
 __all__ = ["ArtifactFastPath"]
 
@@ -41,10 +44,11 @@ class ArtifactFastPath:
         self,
         app: Callable[[Scope, Receive, Send], Awaitable[None]],
         state: ServerState,
-        metrics: ServerMetrics,
     ) -> None:
         self.app = app
-        self.state = state
+        self.tokens = state.tokens
+        self.resolver = state.resolver
+        metrics = state.metrics
         self.ok = metrics.requests.labels(route=ROUTE, method="GET", status="200")
         self.not_modified = metrics.requests.labels(route=ROUTE, method="GET", status="304")
         self.seconds = metrics.request_seconds.labels(route=ROUTE)
@@ -61,11 +65,11 @@ class ArtifactFastPath:
 
     async def _serve(self, recipe_key: str, scope: Scope, send: Send) -> bool:
         started = time.perf_counter()
-        state = self.state
-        meta = state.warm_artifact(recipe_key)
+        resolver = self.resolver
+        meta = resolver.cached_artifact(recipe_key)
         if meta is None:
             return False
-        data = state.blobs.get(meta.digest)
+        data = resolver.cached_blob(meta.digest)
         if data is None:
             return False
         authorization = if_none_match = None
@@ -76,7 +80,7 @@ class ArtifactFastPath:
                 authorization = value.decode("latin-1")
             elif name == b"if-none-match":
                 if_none_match = value.decode("latin-1")
-        principal = state.tokens.authenticate_cached(authorization)
+        principal = self.tokens.authenticate_cached(authorization)
         if principal is None or not principal.allows("read"):
             return False  # the route produces the precise 401/403
         headers = self._headers.get(meta.digest)
@@ -109,7 +113,7 @@ class ArtifactFastPath:
             )
             await send({"type": "http.response.body", "body": data})
             counter = self.ok
-        state.record_fetch(recipe_key, meta, started, "hit")
+        resolver.record_fetch(recipe_key, meta, started, "hit")
         counter.inc()
         self.seconds.observe(time.perf_counter() - started)
         return True

@@ -39,14 +39,18 @@ class PgAdvisoryKeyLock:
         conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         held = False
         try:
-            waited = not conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": lock_id}).scalar()
+            waited = not conn.execute(
+                sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": lock_id}
+            ).scalar()
             if waited:
                 # lock_timeout bounds the wait for any heavyweight lock, advisory ones included.
                 conn.execute(sa.text(f"SET lock_timeout = {max(1, int(timeout * 1000))}"))
                 try:
                     conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": lock_id})
                 except (OperationalError, DBAPIError) as exc:
-                    raise LockTimeoutError(f"waited {timeout:.0f}s for another replica's compile of {key}") from exc
+                    raise LockTimeoutError(
+                        f"waited {timeout:.0f}s for another replica's compile of {key}"
+                    ) from exc
                 finally:
                     with contextlib.suppress(DBAPIError):
                         conn.execute(sa.text("SET lock_timeout = 0"))

@@ -24,12 +24,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "MetricsMiddleware", "ServerMetrics"]
+from kcache_server.compile_pool import ProcessPoolCompiler
+from kcache_server.models import Artifact
+
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "MetricsMiddleware",
+    "ServerMetrics",
+    "pool_sampler",
+    "store_sampler",
+]
 
 # Compiles range from tens of milliseconds (a vector add) to minutes (CCCL templates).
 _COMPILE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -112,6 +122,33 @@ class ServerMetrics:
         for sampler in self._samplers:
             sampler()
         return bytes(generate_latest(self.registry))
+
+
+def store_sampler(db: sa.Engine, metrics: ServerMetrics) -> Callable[[], None]:
+    """A sampler setting the store gauges from the artifacts the index knows."""
+    artifacts = cast(sa.Table, Artifact.__table__)
+
+    def sample() -> None:
+        with db.connect() as conn:
+            count, size = conn.execute(
+                sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(artifacts.c.size), 0))
+            ).one()
+        metrics.store_artifacts.set(count)
+        metrics.store_bytes.set(size)
+
+    return sample
+
+
+def pool_sampler(compiler: ProcessPoolCompiler, metrics: ServerMetrics) -> Callable[[], None]:
+    """A sampler setting the compile pool gauges."""
+
+    def sample() -> None:
+        # The pool counts compiles running or queued; beyond its workers they queue.
+        pending = compiler.pending
+        metrics.compiles_in_flight.set(pending)
+        metrics.queue_depth.set(max(0, pending - compiler.workers))
+
+    return sample
 
 
 def _route_template(scope: dict[str, Any]) -> str:

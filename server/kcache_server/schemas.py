@@ -27,13 +27,16 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kcache.keys import is_hex_key
 from kcache_server.errors import BadRequestError, InvalidRequestError
 
 __all__ = [
     "INT32_MAX",
     "ArtifactBody",
+    "BatchError",
     "BatchRequest",
     "BatchResponse",
+    "BatchResult",
     "Context",
     "DependencyBody",
     "ErrorBody",
@@ -47,6 +50,7 @@ __all__ = [
     "ResolveResponse",
     "ToolchainBody",
     "ToolchainsResponse",
+    "check_key",
     "check_label",
     "invalid_request",
     "load_model",
@@ -140,6 +144,15 @@ def load_model(model: type[M], data: Any) -> M:
         raise invalid_request(exc.errors(include_url=False, include_input=False)) from None
 
 
+def check_key(value: str, what: str) -> str:
+    """``value`` if it is a sha256 hex key (a recipe key or digest in a path), else a 400 naming ``what``."""
+    if not is_hex_key(value):
+        raise BadRequestError(
+            f"{what} must be 64 lowercase hex digits (a sha256), got {value[:80]!r}"
+        )
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -220,10 +233,20 @@ class ErrorBody(BaseModel):
     cached: bool | None = None
 
 
+class BatchError(ErrorBody):
+    """A recipe of a batch that failed: ``status`` is ``error``, the rest is its error body."""
+
+    status: Literal["error"]
+
+
+#: One result of a batch: a resolve body, or the recipe's error (told apart by ``status``).
+BatchResult = Annotated[ResolveResponse | BatchError, Field(discriminator="status")]
+
+
 class BatchResponse(BaseModel):
     """One result per recipe, in order: a resolve body or ``{"status": "error", ...}``."""
 
-    results: list[dict[str, Any]]
+    results: list[BatchResult]
 
 
 class ToolchainBody(BaseModel):
@@ -246,11 +269,11 @@ class ToolchainsResponse(BaseModel):
 class HealthBody(BaseModel):
     """Liveness."""
 
-    status: str
+    status: Literal["ok"]
 
 
 class ReadyBody(BaseModel):
-    """Readiness, with each check's result."""
+    """Readiness, with each check's result (``ok ...``, ``degraded: ...`` or ``failed: ...``)."""
 
-    status: str
+    status: Literal["ready", "not_ready"]
     checks: dict[str, str]

@@ -1,7 +1,8 @@
-"""``Settings``: the server's configuration, read from ``KCACHE_*`` environment variables.
+"""``Settings``: the server's whole configuration, read from ``KCACHE_*`` environment variables.
 
-Built in :func:`kcache_server.create_app` (never at import), so tests and the
-``kcache serve`` flags inject their own values.
+One object, built in :func:`kcache_server.create_app` (never at import), so tests
+and the ``kcache serve`` flags inject every value, the auditing ones included:
+``Settings(audit=AuditSettings(retention_days=7))`` or ``KCACHE_AUDIT_RETENTION_DAYS=7``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "is_loopback"]
+__all__ = ["AuditSettings", "Settings", "is_loopback"]
 
 
 def is_loopback(host: str) -> bool:
@@ -26,30 +27,80 @@ def is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve to anything
 
 
+class AuditSettings(BaseSettings):
+    """``Settings.audit``: the audit writer, retention and client-event limits.
+
+    Each field is ``KCACHE_AUDIT_<NAME>`` in the environment. A section of
+    :class:`Settings` (not a settings object of its own): fields not given are read
+    from the environment whether the section is built alone or with ``Settings``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KCACHE_AUDIT_", extra="ignore")
+
+    flush_s: float = Field(
+        default=0.5, gt=0, description="audit events are written in batches this often"
+    )
+    retention_days: float = Field(
+        default=30.0,
+        ge=0,
+        description="raw events older than this are rolled up into hourly counts; 0 keeps all",
+    )
+    rollup_interval_s: float = Field(default=3600.0, gt=0, description="how often the roll-up runs")
+    max_events_per_batch: int = Field(
+        default=10_000, ge=1, description="events per POST /v1/events"
+    )
+    max_clock_skew_s: float = Field(
+        default=86_400.0, ge=0, description="client event times further in the future are refused"
+    )
+
+
 class Settings(BaseSettings):
-    """Everything ``kcache serve`` can be told; each field is ``KCACHE_<NAME>`` in the environment."""
+    """Everything ``kcache serve`` can be told; each field is ``KCACHE_<NAME>`` in the environment.
 
-    model_config = SettingsConfigDict(env_prefix="KCACHE_", extra="ignore")
+    An unknown keyword is refused rather than ignored: a misspelt setting injected by
+    code would otherwise silently keep its default. (Unknown ``KCACHE_*`` variables are
+    never read, so the client's ``KCACHE_URL`` does not bother the server.)
+    """
 
-    data_dir: Path = Field(default=Path(".kcache"), description="blob store, SQLite database, locks, compile scratch")
-    db_url: str | None = Field(default=None, description="SQLAlchemy URL; default SQLite in the data dir")
+    model_config = SettingsConfigDict(env_prefix="KCACHE_", extra="forbid")
+
+    data_dir: Path = Field(
+        default=Path(".kcache"), description="blob store, SQLite database, locks, compile scratch"
+    )
+    db_url: str | None = Field(
+        default=None, description="SQLAlchemy URL; default SQLite in the data dir"
+    )
     host: str = Field(default="127.0.0.1", description="address to bind")
     port: int = Field(default=8470, ge=0, le=65535)
     workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
-    force_insecure: bool = Field(default=False, description="allow a non-loopback bind with no tokens")
-    access_log: bool = Field(default=False, description="uvicorn's per-request log (audit events record every lookup)")
+    force_insecure: bool = Field(
+        default=False, description="allow a non-loopback bind with no tokens"
+    )
+    access_log: bool = Field(
+        default=False, description="uvicorn's per-request log (audit events record every lookup)"
+    )
     include_sets: dict[str, Path] = Field(default_factory=dict, description="name -> directory")
-    toolchain_dir: Path | None = Field(default=None, description="where NVRTC's bundled headers are extracted")
-    compile_workers: int = Field(default=2, ge=1, description="NVRTC worker processes per server process")
-    compile_timeout_s: float = Field(default=120.0, gt=0, description="a compile past this is killed")
-    compile_memory_mb: int = Field(default=8192, ge=256, description="address-space limit of a compile worker")
+    toolchain_dir: Path | None = Field(
+        default=None, description="where NVRTC's bundled headers are extracted"
+    )
+    compile_workers: int = Field(
+        default=2, ge=1, description="NVRTC worker processes per server process"
+    )
+    compile_timeout_s: float = Field(
+        default=120.0, gt=0, description="a compile past this is killed"
+    )
+    compile_memory_mb: int = Field(
+        default=8192, ge=256, description="address-space limit of a compile worker"
+    )
     compile_sandbox: Literal["auto", "required", "best-effort", "off"] = Field(
         default="auto",
         description="Landlock confinement of compile workers: required (refuse to start without it), "
         "best-effort (run unconfined, loudly, where the kernel lacks it), off (never confine: tests, "
         "debugging); auto is required on a non-loopback bind and best-effort on loopback",
     )
-    compile_queue_limit: int = Field(default=64, ge=0, description="compiles waiting for a worker before 503")
+    compile_queue_limit: int = Field(
+        default=64, ge=0, description="compiles waiting for a worker before 503"
+    )
     compile_caller_limit: int = Field(
         default=0,
         ge=0,
@@ -58,7 +109,9 @@ class Settings(BaseSettings):
         "free), all of them with fewer (a lone developer's warmup keeps both default workers busy)",
     )
     compile_caller_queue_limit: int = Field(
-        default=16, ge=0, description="compiles one caller may have waiting for a worker before its next gets 503"
+        default=16,
+        ge=0,
+        description="compiles one caller may have waiting for a worker before its next gets 503",
     )
     compile_queue_timeout_s: float = Field(
         default=300.0, gt=0, description="longest wait for a compile worker before 503"
@@ -70,7 +123,9 @@ class Settings(BaseSettings):
         "error, without compiling, for this long (0: never remembered)",
     )
     max_artifact_bytes: int = Field(
-        default=32 << 20, ge=1024, description="compiler output above this is refused (422), never stored"
+        default=32 << 20,
+        ge=1024,
+        description="compiler output above this is refused (422), never stored",
     )
     min_free_bytes: int = Field(
         default=256 << 20,
@@ -81,19 +136,30 @@ class Settings(BaseSettings):
         default=False,
         description="start even though the database was lost: create it afresh and index the stored blobs",
     )
-    lock_timeout_s: float = Field(default=900.0, gt=0, description="how long to wait for another's compile")
+    lock_timeout_s: float = Field(
+        default=900.0, gt=0, description="how long to wait for another's compile"
+    )
     request_threads: int = Field(default=64, ge=1, description="engine calls running at once")
     caller_threads: int = Field(
-        default=0, ge=0, description="engine calls one caller runs at once; 0: half of request_threads"
+        default=0,
+        ge=0,
+        description="engine calls one caller runs at once; 0: half of request_threads",
     )
-    max_request_bytes: int = Field(default=32 << 20, ge=1024, description="request bodies above this get 413")
+    max_request_bytes: int = Field(
+        default=32 << 20, ge=1024, description="request bodies above this get 413"
+    )
     max_batch: int = Field(default=1024, ge=1, description="recipes per /v1/resolve/batch")
     blob_cache_bytes: int = Field(default=256 << 20, ge=0, description="hot blobs kept in memory")
     auth_cache_s: float = Field(default=2.0, ge=0, description="how long token checks are cached")
-    audit_flush_s: float = Field(default=0.5, gt=0, description="audit events are written in batches this often")
     db_pool_size: int = Field(default=16, ge=1, description="PostgreSQL connections kept open")
-    db_max_overflow: int = Field(default=64, ge=0, description="further PostgreSQL connections under load")
+    db_max_overflow: int = Field(
+        default=64, ge=0, description="further PostgreSQL connections under load"
+    )
     retry_after_s: int = Field(default=5, ge=1, description="the Retry-After sent with 503")
+    audit: AuditSettings = Field(
+        default_factory=AuditSettings,
+        description="auditing: KCACHE_AUDIT_<NAME>, see AuditSettings",
+    )
 
     @property
     def database_url(self) -> str:

@@ -187,7 +187,7 @@ def workload(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workload]:
     from kcache_server import Settings
 
     data = tmp_path_factory.mktemp("audit") / "data"
-    settings = Settings(data_dir=data, compile_workers=1, audit_flush_s=0.05, auth_cache_s=0.0)
+    settings = Settings(data_dir=data, compile_workers=1, audit={"flush_s": 0.05}, auth_cache_s=0.0)
     server = ServerThread(settings)
     try:
         yield run_workload(server)

@@ -98,7 +98,7 @@ def make_settings(tmp_path: Path) -> Callable[..., Any]:
         values: dict[str, Any] = {
             "data_dir": tmp_path / "data",
             "compile_workers": 1,
-            "audit_flush_s": 0.05,
+            "audit": {"flush_s": 0.05},
             "auth_cache_s": 0.0,
         }
         values.update(overrides)

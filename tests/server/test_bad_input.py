@@ -84,7 +84,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 
     root = tmp_path_factory.mktemp("bad-input")
     settings = Settings(
-        data_dir=root / "data", compile_workers=1, max_request_bytes=12 << 20, max_batch=8, audit_flush_s=0.05
+        data_dir=root / "data", compile_workers=1, max_request_bytes=12 << 20, max_batch=8, audit={"flush_s": 0.05}
     )
     server = ServerThread(settings)
     yield server

@@ -74,7 +74,7 @@ def _start(
         settings = Settings(
             data_dir=roots["base"] / name,
             compile_workers=1,
-            audit_flush_s=0.05,
+            audit={"flush_s": 0.05},
             auth_cache_s=0.0,
             include_sets={"lib": roots["library"]},
         )

@@ -52,7 +52,7 @@ def test_warm_fetches_skip_the_app_and_are_all_audited(make_settings: Any, serve
         metrics = client.get("/metrics").text
 
     inner = _Inner()
-    fast = ArtifactFastPath(inner, server.state, server.app.state.auditing.metrics)
+    fast = ArtifactFastPath(inner, server.state)
     status, headers, data = _call(fast, f"/v1/recipes/{key}/artifact")
     assert (status, inner.calls) == (200, [])
     assert hashlib.sha256(data).hexdigest() == digest and headers[b"content-length"] == str(len(data)).encode()

@@ -81,7 +81,7 @@ def sqlite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
 
     data = tmp_path_factory.mktemp("hostile") / "data"
     harness = _start(
-        Settings(data_dir=data, compile_workers=1, audit_flush_s=0.05, auth_cache_s=2.0)
+        Settings(data_dir=data, compile_workers=1, audit={"flush_s": 0.05}, auth_cache_s=2.0)
     )
     yield harness
     harness.server.stop()
@@ -116,7 +116,7 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
 
     with fresh_pg_database() as url:
         data = tmp_path_factory.mktemp("hostile-pg") / "data"
-        harness = _start(Settings(data_dir=data, db_url=url, compile_workers=1, audit_flush_s=0.05))
+        harness = _start(Settings(data_dir=data, db_url=url, compile_workers=1, audit={"flush_s": 0.05}))
         try:
             yield harness
         finally:
@@ -230,7 +230,7 @@ def _metric(h: Harness, name: str, **labels: str) -> float:
 
 def _poisoned_rows_are_dropped_and_the_rest_land(h: Harness, bad: list[dict[str, Any]]) -> None:
     """Bypass the door: push rows the database refuses into the audit writer among good ones."""
-    from kcache_server.audit import AuditRecord
+    from kcache_server.auditing.writer import AuditRecord
 
     audit = h.server.state.audit
     job = unique("poison")
@@ -255,7 +255,7 @@ def _poisoned_rows_are_dropped_and_the_rest_land(h: Harness, bad: list[dict[str,
 def test_row1_sqlite_audit_writer_drops_the_row_it_cannot_store(
     sqlite: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="kcache_server.audit"):
+    with caplog.at_level(logging.WARNING, logger="kcache_server.auditing.writer"):
         _poisoned_rows_are_dropped_and_the_rest_land(sqlite, [{"pid": 2**63}, {"rank": 2**70}])
     dropped = [r for r in caplog.records if "dropped a row the database refused" in r.getMessage()]
     assert len(dropped) == 2 and "OverflowError" in dropped[0].getMessage()
@@ -272,7 +272,7 @@ def test_row1_postgres_audit_writer_drops_the_rows_it_cannot_store(postgres: Har
 @pytest.mark.postgres
 def test_row1_shutdown_writes_the_queue_despite_a_bad_row() -> None:
     """A writer closing with a refused row in its queue still writes every other row."""
-    from kcache_server.audit import AuditLog, AuditRecord
+    from kcache_server.auditing.writer import AuditLog, AuditRecord
 
     with fresh_pg_database() as url:
         engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
@@ -761,7 +761,7 @@ def test_row10_every_response_has_a_request_id_and_404s_name_no_path(sqlite: Har
     with sqlite.client("compile") as http:
         body = http.post("/v1/resolve", json={"recipe": recipe}).json()
     # The blob disappears from the store (a disk operator, a gc bug): the answer must not say where.
-    sqlite.server.state.blobs.discard(body["artifact"]["digest"])
+    sqlite.server.state.resolver.forget_blob(body["artifact"]["digest"])
     sqlite.server.state.backends.store.path(body["artifact"]["digest"]).unlink()
     ids = set()
     with sqlite.client("read") as http:
@@ -809,7 +809,7 @@ def test_row15_duplicate_authorization_headers_are_400(sqlite: Harness) -> None:
 
 # ---------------------------------------------------------------------- row 16
 def test_row16_stored_control_characters_are_escaped_in_kcache_stats(sqlite: Harness) -> None:
-    from kcache_server.audit import AuditRecord
+    from kcache_server.auditing.writer import AuditRecord
     from kcache_server.auditing.cli import format_stats
 
     # Rows written before the door checked them (or by hand): the CLI must not replay them.

@@ -79,7 +79,7 @@ def _settings(data_dir: Path, **overrides: Any) -> Any:
     values: dict[str, Any] = {
         "data_dir": data_dir,
         "compile_workers": 1,
-        "audit_flush_s": 0.05,
+        "audit": {"flush_s": 0.05},
         "auth_cache_s": 0.0,
     }
     return Settings(**{**values, **overrides})

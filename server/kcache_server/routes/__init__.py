@@ -1,7 +1,28 @@
-"""One ``APIRouter`` per resource."""
+"""One ``APIRouter`` per resource, and :data:`ROUTERS`: every one of them, the one list ``create_app`` mounts."""
 
-from kcache_server.routes import blobs, health, recipes, resolve, toolchains
+from kcache_server.routes import (
+    blobs,
+    dashboard,
+    events,
+    health,
+    metrics,
+    recipes,
+    resolve,
+    stats,
+    toolchains,
+)
 
-ROUTERS = [resolve.router, recipes.router, blobs.router, toolchains.router, health.router]
+#: Every router of the app; a new resource module adds its router here, nowhere else.
+ROUTERS = [
+    resolve.router,
+    recipes.router,
+    blobs.router,
+    toolchains.router,
+    health.router,
+    events.router,
+    stats.router,
+    metrics.router,
+    dashboard.router,
+]
 
 __all__ = ["ROUTERS"]

@@ -21,7 +21,7 @@ from kcache_server.auth import PRINCIPAL_KEY, Principal, authorization_header
 from kcache_server.errors import InvalidRequestError
 from kcache_server.fairness import caller_identity, current_caller
 from kcache_server.schemas import ErrorBody
-from kcache_server.service import ServerState
+from kcache_server.state import ServerState
 
 __all__ = [
     "ERRORS",

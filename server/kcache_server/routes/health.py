@@ -1,19 +1,27 @@
-"""``GET /healthz`` (the process answers) and ``GET /readyz`` (database, store, workers, sandbox)."""
+"""``GET /healthz`` (the process answers) and ``GET /readyz`` (database, store, workers, sandbox).
+
+Both answer without a token, so what they say is for anyone who can reach the
+port: a failed check names what failed and what to do, never a driver's error
+text or a path (those go to the log, under the request id the answer gives).
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import sqlalchemy as sa
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Response
 
 from kcache._fsutil import free_bytes
+from kcache_server.request_ids import current_request_id
 from kcache_server.routes._deps import State
 from kcache_server.schemas import HealthBody, ReadyBody
-from kcache_server.service import ServerState
+from kcache_server.state import ServerState
 
 router = APIRouter(tags=["health"])
+
+log = logging.getLogger(__name__)
 
 
 @router.get("/healthz", response_model=HealthBody)
@@ -29,7 +37,14 @@ def _checks(state: ServerState) -> dict[str, str]:
             conn.execute(sa.text("SELECT 1"))
         checks["database"] = "ok"
     except Exception as exc:  # any driver error means not ready
-        checks["database"] = f"failed: {type(exc).__name__}: {exc}"[:300]
+        # The driver's text can hold the host, user and database name: log it, do not answer it.
+        request_id = current_request_id()
+        log.warning(
+            "readyz %s: the database check failed: %s: %s", request_id, type(exc).__name__, exc
+        )
+        checks["database"] = (
+            f"failed: database unreachable (the server log has the error under request id {request_id})"
+        )
     # A deleted SQLite file still answers (open connections keep its inode): look for it.
     db_file = state.backends.db_file
     vanished = db_file.problem() if db_file is not None else None
@@ -37,9 +52,17 @@ def _checks(state: ServerState) -> dict[str, str]:
         checks["database"] = f"failed: {vanished}"
     checks["disk"] = _disk(state)
     blobs = state.backends.store.blobs
-    checks["store"] = "ok" if blobs.is_dir() and os.access(blobs, os.W_OK) else f"failed: {blobs} is not writable"
+    if blobs.is_dir() and os.access(blobs, os.W_OK):
+        checks["store"] = "ok"
+    else:
+        log.warning("readyz %s: the blob store %s is not writable", current_request_id(), blobs)
+        checks["store"] = (
+            "failed: the blob store is not writable (the server log names its directory)"
+        )
     alive = state.backends.compiler.alive
-    checks["compile_workers"] = f"ok ({alive} running)" if alive else "failed: no compile worker is running"
+    checks["compile_workers"] = (
+        f"ok ({alive} running)" if alive else "failed: no compile worker is running"
+    )
     checks["compile_sandbox"] = _sandbox(state)
     return checks
 
@@ -75,7 +98,7 @@ def _sandbox(state: ServerState) -> str:
 
 
 @router.get("/readyz", response_model=ReadyBody, responses={503: {"model": ReadyBody}})
-async def readyz(state: State) -> JSONResponse:
+async def readyz(state: State, response: Response) -> ReadyBody:
     """Readiness: 200 when the database, the store and at least one compile worker work.
 
     ``compile_sandbox`` reads ``degraded`` where the workers run unconfined by choice;
@@ -83,4 +106,5 @@ async def readyz(state: State) -> JSONResponse:
     """
     checks = await state.run(_checks, state)
     ready = all(v.startswith("ok") or v.startswith("degraded") for v in checks.values())
-    return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks}, 200 if ready else 503)
+    response.status_code = 200 if ready else 503
+    return ReadyBody(status="ready" if ready else "not_ready", checks=checks)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 
-from kcache_server.auditing.install import auditing_of
 from kcache_server.metrics import CONTENT_TYPE_LATEST
 from kcache_server.routes._deps import ERRORS, Reader, State
 
@@ -17,7 +16,7 @@ router = APIRouter(tags=["metrics"])
     response_class=Response,
     responses={**ERRORS, 200: {"content": {CONTENT_TYPE_LATEST: {}}}},
 )
-async def metrics(request: Request, _: Reader, state: State) -> Response:
+async def metrics(_: Reader, state: State) -> Response:
     """The process's metrics; gauges (compile pool, store size) are sampled now."""
-    body = await state.run(auditing_of(request).metrics.render)
+    body = await state.run(state.metrics.render)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

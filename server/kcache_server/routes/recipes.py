@@ -5,13 +5,12 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kcache.errors import ArtifactNotFoundError
+from kcache_server.http_cache import blob_headers, etag_matches
 from kcache_server.routes._deps import ERRORS, Reader, State
-from kcache_server.routes.blobs import blob_headers, not_modified
-from kcache_server.schemas import ArtifactBody
-from kcache_server.service import check_key
+from kcache_server.schemas import ArtifactBody, check_key
 
 router = APIRouter(prefix="/v1/recipes", tags=["recipes"])
 
@@ -21,17 +20,21 @@ async def recipe_metadata(
     recipe_key: str,
     _: Reader,
     state: State,
-) -> JSONResponse:
+) -> ArtifactBody:
     """The metadata of the artifact recorded for ``recipe_key``."""
     check_key(recipe_key, "recipe_key")
-    meta = await state.run(state.artifact_for_key, recipe_key)
-    return JSONResponse(meta.to_dict())
+    meta = await state.resolver.artifact(recipe_key)
+    return ArtifactBody.model_validate(meta.to_dict())
 
 
 @router.get(
     "/{recipe_key}/artifact",
     response_class=Response,
-    responses={**ERRORS, 200: {"content": {"application/octet-stream": {}}}, 304: {"description": "unchanged"}},
+    responses={
+        **ERRORS,
+        200: {"content": {"application/octet-stream": {}}},
+        304: {"description": "unchanged"},
+    },
 )
 async def recipe_artifact(
     recipe_key: str,
@@ -39,19 +42,24 @@ async def recipe_artifact(
     _: Reader,
     state: State,
 ) -> Response:
-    """The artifact's bytes in one round trip; ``ETag`` is the digest, cacheable forever."""
+    """The artifact's bytes in one round trip; ``ETag`` is the digest, cacheable forever.
+
+    Warm keys are answered before this route by :mod:`kcache_server.fastpath`; this
+    one serves the rest (and fills the memory caches the fast path reads).
+    """
     started = time.perf_counter()
     check_key(recipe_key, "recipe_key")
+    resolver = state.resolver
     try:
-        meta = state.warm_artifact(recipe_key) or await state.run(state.artifact_for_key, recipe_key)
+        meta = await resolver.artifact(recipe_key)
         headers = blob_headers(meta.digest, meta.size)
-        if not_modified(request, meta.digest):
-            state.record_fetch(recipe_key, meta, started, "hit")
+        if etag_matches(request.headers.get("if-none-match"), meta.digest):
+            resolver.record_fetch(recipe_key, meta, started, "hit")
             return Response(status_code=304, headers=headers)
-        data = state.blobs.get(meta.digest) or await state.run(state.blob, meta.digest)
+        data = await resolver.blob(meta.digest)
     except ArtifactNotFoundError:
-        state.metas.discard(recipe_key)
-        state.record_fetch(recipe_key, None, started, "miss")
+        resolver.forget(recipe_key)
+        resolver.record_fetch(recipe_key, None, started, "miss")
         raise
-    state.record_fetch(recipe_key, meta, started, "hit")
+    resolver.record_fetch(recipe_key, meta, started, "hit")
     return Response(data, media_type="application/octet-stream", headers=headers)

@@ -2,20 +2,18 @@
 
 The body is parsed, validated and keyed by :func:`~kcache_server.routes._deps.read_body`
 (on a worker thread when it is large), so a huge recipe never holds the event loop.
+What happens next is :class:`~kcache_server.resolving.Resolver`'s.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import anyio
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from kcache.errors import KCacheError
 from kcache.recipe import Recipe
 from kcache_server.backends import Backends
-from kcache_server.errors import InvalidRequestError, error_body
+from kcache_server.errors import InvalidRequestError
+from kcache_server.recipe_checks import prepare_recipe
 from kcache_server.routes._deps import ERRORS, Reader, State, body_doc, read_body
 from kcache_server.schemas import (
     BatchRequest,
@@ -25,27 +23,19 @@ from kcache_server.schemas import (
     load_model,
     parse_json,
 )
-from kcache_server.service import prepare_recipe
 
 router = APIRouter(prefix="/v1/resolve", tags=["resolve"])
 
 
-def _prepared(data: Any, backends: Backends) -> Recipe:
-    """A validated recipe with the server's defaults, keyed (the keys are memoised on it)."""
-    recipe = prepare_recipe(data, backends)
-    recipe.key()
-    recipe.base_key()
-    return recipe
-
-
 def _parse_resolve(raw: bytes, backends: Backends) -> tuple[ResolveRequest, Recipe]:
     body = load_model(ResolveRequest, parse_json(raw))
-    return body, _prepared(body.recipe, backends)
+    return body, prepare_recipe(body.recipe, backends)
 
 
 def _parse_batch(
     raw: bytes, backends: Backends, limit: int
-) -> tuple[BatchRequest, list[dict[str, Any] | None], list[tuple[int, Recipe]]]:
+) -> tuple[BatchRequest, list[Recipe | KCacheError]]:
+    """The batch and, per item, its prepared recipe or the error that refused it."""
     data = parse_json(raw)
     recipes = data.get("recipes") if isinstance(data, dict) else None
     if isinstance(recipes, list) and len(recipes) > limit:  # before validating any of them
@@ -53,48 +43,43 @@ def _parse_batch(
             "recipes", f"at most {limit} recipes per batch, got {len(recipes)}"
         )
     body = load_model(BatchRequest, data)
-    results: list[dict[str, Any] | None] = [None] * len(body.recipes)
-    prepared: list[tuple[int, Recipe]] = []
-    for i, item in enumerate(body.recipes):
+    prepared: list[Recipe | KCacheError] = []
+    for item in body.recipes:
         try:
-            prepared.append((i, _prepared(item, backends)))
+            prepared.append(prepare_recipe(item, backends))
         except KCacheError as exc:
-            results[i] = {"status": "error", **error_body(exc)}
-    return body, results, prepared
+            prepared.append(exc)
+    return body, prepared
 
 
 @router.post(
     "", response_model=ResolveResponse, responses=ERRORS, openapi_extra=body_doc(ResolveRequest)
 )
-async def resolve(request: Request, principal: Reader, state: State) -> JSONResponse:
+async def resolve(request: Request, principal: Reader, state: State) -> ResolveResponse:
     """Find the recipe's artifact, compiling it once (across replicas) on a miss if ``compile``."""
     body, recipe = await read_body(request, state, lambda raw: _parse_resolve(raw, state.backends))
     if body.compile:
         principal.require("compile", "a resolve with compile true")
-    result = state.resolve_warm(recipe, body.context, "resolve") or await state.run(
-        state.resolve, recipe, body.compile, body.context, "resolve"
-    )
-    return JSONResponse(result)
+    return await state.resolver.resolve(recipe, compile=body.compile, context=body.context)
 
 
 @router.post(
-    "/batch", response_model=BatchResponse, responses=ERRORS, openapi_extra=body_doc(BatchRequest)
+    "/batch",
+    response_model=BatchResponse,
+    # An error result carries only the fields its error has, as every error body does.
+    response_model_exclude_unset=True,
+    responses=ERRORS,
+    openapi_extra=body_doc(BatchRequest),
 )
-async def resolve_batch(request: Request, principal: Reader, state: State) -> JSONResponse:
+async def resolve_batch(request: Request, principal: Reader, state: State) -> BatchResponse:
     """Resolve many recipes; misses compile in parallel; one result per recipe, in order."""
     limit = state.settings.max_batch
-    body, results, prepared = await read_body(
+    body, prepared = await read_body(
         request, state, lambda raw: _parse_batch(raw, state.backends, limit)
     )
     if body.compile:
         principal.require("compile", "a batch with compile true")
-
-    async def one(i: int, recipe: Recipe) -> None:
-        results[i] = state.resolve_warm(recipe, body.context, "batch") or await state.run(
-            state.resolve_or_error, recipe, body.compile, body.context, "batch"
-        )
-
-    async with anyio.create_task_group() as group:
-        for i, recipe in prepared:
-            group.start_soon(one, i, recipe)
-    return JSONResponse({"results": results})
+    results = await state.resolver.resolve_batch(
+        prepared, compile=body.compile, context=body.context
+    )
+    return BatchResponse(results=results)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from kcache_server.auditing.stats import GroupBy, Stats, StatsQuery, compute_stats, parse_time
 from kcache_server.routes._deps import ERRORS, Reader, State
-from kcache_server.service import ServerState
+from kcache_server.state import ServerState
 
 router = APIRouter(prefix="/v1/stats", tags=["audit"])
 

@@ -11,9 +11,7 @@ router = APIRouter(prefix="/v1/toolchains", tags=["toolchains"])
 
 
 @router.get("", response_model=ToolchainsResponse, responses=ERRORS)
-async def toolchains(
-    _: Reader, state: State
-) -> ToolchainsResponse:
+async def toolchains(_: Reader, state: State) -> ToolchainsResponse:
     """The default toolchain id, every toolchain's targets, and the registered include sets."""
     toolchain = state.backends.toolchain
     return ToolchainsResponse(

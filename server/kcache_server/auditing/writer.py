@@ -1,4 +1,4 @@
-"""Audit events: one row per lookup outcome, written in batches off the request path.
+"""The audit writer: the server's own lookups, one ``audit_events`` row each, written in batches off the request path.
 
 Requests only append to an in-memory queue; a background thread inserts what has
 gathered every ``flush_s`` seconds (and on shutdown), and bumps ``last_used_at``

@@ -1,0 +1,307 @@
+"""Resolving recipes and fetching artifacts by key, each lookup audited, warm ones from memory.
+
+One name per operation:
+
+- :meth:`Resolver.resolve` (``POST /v1/resolve``): memory, else the engine (index, compile);
+- :meth:`Resolver.resolve_batch` (``POST /v1/resolve/batch``): the same for each recipe, in
+  parallel, an error becoming that recipe's result;
+- :meth:`Resolver.artifact`: the artifact recorded for a recipe key, from memory, else the index;
+- :meth:`Resolver.blob`: a blob's bytes, from memory, else the store.
+
+``cached_artifact`` and ``cached_blob`` are the memory-only halves of the last two,
+for the fast path below the framework, which must not wait.
+
+The memory caches hold what the engine or the index answered for an exact recipe
+key. Aliases only ever point at identical bytes, so an entry cannot go stale by
+itself; what a recipe key does not cover is checked on every use (:meth:`Resolver._unservable`):
+include-set files, and artifacts recorded without an exact dependency list.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import anyio
+
+from kcache.artifact import ArtifactMeta, CompileFailure
+from kcache.compiler import kernel_name
+from kcache.deps import include_set_files_unchanged
+from kcache.engine import failure_error
+from kcache.errors import ArtifactNotFoundError, KCacheError
+from kcache.recipe import Recipe
+from kcache_server._lru import Lru
+from kcache_server.auditing.writer import AuditLog, AuditRecord
+from kcache_server.backends import Backends
+from kcache_server.errors import error_body, error_info
+from kcache_server.schemas import ArtifactBody, BatchError, BatchResult, Context, ResolveResponse
+
+__all__ = ["Resolver", "error_result"]
+
+#: Runs a blocking call on a worker thread under the request limits (``ServerState.run``).
+Run = Callable[..., Awaitable[Any]]
+
+# Blobs above this are served from disk every time instead of crowding the memory cache.
+_MAX_CACHED_BLOB = 16 << 20
+# Recipe keys whose artifact metadata is kept in memory.
+_MAX_CACHED_KEYS = 100_000
+
+
+@dataclass
+class _Known:
+    """What the index holds for one recipe key, and its response body once one was built."""
+
+    meta: ArtifactMeta
+    body: ArtifactBody | None = None
+
+
+def error_result(exc: KCacheError) -> BatchError:
+    """The result of one recipe of a batch that failed: its error body with ``status`` error."""
+    return BatchError.model_validate({"status": "error", **error_body(exc)})
+
+
+class Resolver:
+    """The resolve and fetch use cases over the engine, the index and the store; see the module docstring."""
+
+    def __init__(
+        self, backends: Backends, audit: AuditLog, run: Run, blob_cache_bytes: int
+    ) -> None:
+        self.backends = backends
+        self.audit = audit
+        self._run = run
+        self._blobs: Lru[str, bytes] = Lru(blob_cache_bytes, len)
+        self._known: Lru[str, _Known] = Lru(_MAX_CACHED_KEYS)
+
+    # ------------------------------------------------------------------ resolving
+    async def resolve(
+        self, recipe: Recipe, *, compile: bool, context: Context, route: str = "resolve"
+    ) -> ResolveResponse:
+        """Resolve one prepared recipe (a hit from memory when it can be) and audit it.
+
+        Raises the engine's error (not found with ``compile`` false, a compile error).
+        """
+        answer = self._resolve_from_memory(recipe, context, route)
+        if answer is None:
+            answer = await self._run(self._resolve_with_engine, recipe, compile, context, route)
+        return answer
+
+    async def resolve_batch(
+        self,
+        recipes: Sequence[Recipe | KCacheError],
+        *,
+        compile: bool,
+        context: Context,
+    ) -> list[BatchResult]:
+        """One result per recipe, in order; recipes are resolved in parallel.
+
+        An item that is already an error (it failed its checks) and a recipe whose
+        resolve fails both become ``{"status": "error", ...}`` results.
+        """
+        results: list[BatchResult | None] = [
+            error_result(item) if isinstance(item, KCacheError) else None for item in recipes
+        ]
+
+        async def one(i: int, recipe: Recipe) -> None:
+            try:
+                results[i] = await self.resolve(
+                    recipe, compile=compile, context=context, route="batch"
+                )
+            except KCacheError as exc:
+                results[i] = error_result(exc)
+
+        async with anyio.create_task_group() as group:
+            for i, item in enumerate(recipes):
+                if isinstance(item, Recipe):
+                    group.start_soon(one, i, item)
+        # Every slot is filled: an error up front, or by ``one`` (which catches what it raises).
+        return cast(list[BatchResult], results)
+
+    def _resolve_from_memory(
+        self, recipe: Recipe, context: Context, route: str
+    ) -> ResolveResponse | None:
+        """A hit answered from memory (no worker thread, no database), or None to ask the engine.
+
+        The blob must still be in the store: a collected one is compiled again.
+        """
+        started = time.perf_counter()
+        key = recipe.key()
+        known = self._cached(key)
+        if known is None or not self.backends.store.has(known.meta.digest):
+            return None
+        if known.body is None:  # built once per key, not per hit
+            known.body = ArtifactBody.model_validate(known.meta.to_dict())
+        self._audit(recipe, context, route, started, "hit", known.meta)
+        return ResolveResponse(
+            status="hit", recipe_key=key, base_key=recipe.base_key(), artifact=known.body
+        )
+
+    def _resolve_with_engine(
+        self, recipe: Recipe, compile: bool, context: Context, route: str
+    ) -> ResolveResponse:
+        """The engine's answer (blocking: index, lock, compile), audited and remembered."""
+        started = time.perf_counter()
+        try:
+            result = self.backends.engine.resolve(recipe, compile=compile)
+        except ArtifactNotFoundError as exc:
+            self._audit(recipe, context, route, started, "miss", error="not_found")
+            raise ArtifactNotFoundError(
+                f"no artifact for recipe {recipe.key()} (and compile is false)"
+            ) from exc
+        except KCacheError as exc:
+            self._audit(recipe, context, route, started, "error", error=error_info(exc).code)
+            raise
+        self._audit(recipe, context, route, started, result.status, result.artifact)
+        answer = ResolveResponse.model_validate(result.to_dict())
+        self._known.put(result.recipe_key, _Known(result.artifact, answer.artifact))
+        return answer
+
+    def _audit(
+        self,
+        recipe: Recipe,
+        context: Context,
+        route: str,
+        started: float,
+        outcome: str,
+        meta: ArtifactMeta | None = None,
+        *,
+        error: str | None = None,
+    ) -> None:
+        saved = meta.compile_seconds if meta is not None and outcome in ("hit", "waited") else 0.0
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        who = context.model_dump()
+
+        def make() -> AuditRecord:
+            return AuditRecord(
+                outcome=outcome,
+                route=route,
+                latency_ms=latency_ms,
+                recipe_key=recipe.key(),
+                base_key=recipe.base_key(),
+                digest=meta.digest if meta is not None else None,
+                kernel=kernel_name(recipe)[:1024],
+                target=recipe.target,
+                toolchain=recipe.toolchain,
+                error=error,
+                compile_seconds_saved=saved,
+                **who,
+            )
+
+        if outcome == "hit" and meta is not None:
+            # Repeated hits of one recipe by one caller become one counted row per flush.
+            tally = (route, recipe.key(), meta.digest, *who.values())
+            self.audit.tally(tally, make, latency_ms, saved)
+        else:
+            self.audit.record(make())
+
+    # ------------------------------------------------------------------ fetching by key
+    def _unservable(self, recipe_key: str, meta: ArtifactMeta) -> str | None:
+        """Why ``meta`` must not be served for ``recipe_key`` now (None: it may be).
+
+        The one check of the fetch path, for memory and index alike; the engine
+        refuses the same artifacts when it resolves.
+        """
+        if not meta.dependencies_exact:
+            # Recorded before every file a compile read was attributed: a changed
+            # header it read might go unnoticed.
+            return (
+                f"the artifact for recipe {recipe_key} was recorded without an exact list of the files "
+                "it read, so it is not served; resolve the recipe again to compile it afresh"
+            )
+        if not include_set_files_unchanged(meta.dependencies, self.backends.compiler.include_sets):
+            return (
+                f"the artifact for recipe {recipe_key} read include-set files that have changed since; "
+                "resolve the recipe again"
+            )
+        return None
+
+    def _cached(self, recipe_key: str) -> _Known | None:
+        known = self._known.get(recipe_key)
+        if known is not None and self._unservable(recipe_key, known.meta) is not None:
+            self._known.discard(recipe_key)
+            return None
+        return known
+
+    def cached_artifact(self, recipe_key: str) -> ArtifactMeta | None:
+        """The artifact for ``recipe_key`` from memory if it may still be served (no I/O on the index)."""
+        known = self._cached(recipe_key)
+        return known.meta if known is not None else None
+
+    async def artifact(self, recipe_key: str) -> ArtifactMeta:
+        """The artifact recorded for ``recipe_key``: from memory, else from the index (and remembered).
+
+        Raises :class:`ArtifactNotFoundError` for an unknown key and for an artifact
+        that may not be served (see :meth:`_unservable`), and the recorded error for
+        a recipe whose compile failed.
+        """
+        meta = self.cached_artifact(recipe_key)
+        if meta is None:
+            meta = await self._run(self._artifact_from_index, recipe_key)
+        return meta
+
+    def _artifact_from_index(self, recipe_key: str) -> ArtifactMeta:
+        entry = self.backends.index.lookup(recipe_key)
+        if entry is None:
+            raise ArtifactNotFoundError(f"no artifact for recipe {recipe_key}")
+        if isinstance(entry, CompileFailure):
+            raise failure_error(entry)
+        problem = self._unservable(recipe_key, entry)
+        if problem is not None:
+            raise ArtifactNotFoundError(problem)
+        # The blob read that follows notices one that was garbage-collected.
+        self._known.put(recipe_key, _Known(entry))
+        return entry
+
+    def forget(self, recipe_key: str) -> None:
+        """Drop what memory holds for ``recipe_key`` (its blob was not found)."""
+        self._known.discard(recipe_key)
+
+    def cached_blob(self, digest: str) -> bytes | None:
+        """A blob's bytes if they are in memory."""
+        return self._blobs.get(digest)
+
+    async def blob(self, digest: str) -> bytes:
+        """A blob's verified bytes: from memory, else read from the store (and kept if small)."""
+        data = self._blobs.get(digest)
+        if data is None:
+            data = await self._run(self._blob_from_store, digest)
+        return data
+
+    def _blob_from_store(self, digest: str) -> bytes:
+        try:
+            data = self.backends.store.get(digest)
+        except ArtifactNotFoundError:  # the store's message names its directory: not for callers
+            raise ArtifactNotFoundError(f"no blob {digest}") from None
+        if len(data) <= _MAX_CACHED_BLOB:
+            self._blobs.put(digest, data)
+        return data
+
+    def forget_blob(self, digest: str) -> None:
+        """Drop a blob's bytes from memory (the store is asked next time)."""
+        self._blobs.discard(digest)
+
+    def record_fetch(
+        self, recipe_key: str, meta: ArtifactMeta | None, started: float, outcome: str
+    ) -> None:
+        """Audit a ``GET /v1/recipes/{key}/artifact`` (identical hits are tallied, not rowed)."""
+        latency_ms = (time.perf_counter() - started) * 1000.0
+
+        def make() -> AuditRecord:
+            return AuditRecord(
+                outcome=outcome,
+                route="fetch",
+                latency_ms=latency_ms,
+                recipe_key=recipe_key,
+                digest=meta.digest if meta else None,
+                kernel=meta.kernel if meta else None,
+                target=meta.target if meta else None,
+                toolchain=meta.toolchain if meta else None,
+            )
+
+        if meta is not None and outcome == "hit":
+            self.audit.tally(
+                ("fetch", recipe_key, meta.digest), make, latency_ms, meta.compile_seconds
+            )
+        else:
+            self.audit.record(make())

@@ -1,0 +1,54 @@
+"""``ServerState``: what every request needs, built once per server process by ``create_app``.
+
+The engine is synchronous (NVRTC, file and database I/O); routes call it on worker
+threads through one bounded limiter, so a burst of compiles cannot exhaust threads,
+and through a per-caller share of it, so one caller's parked requests cannot either
+(:meth:`ServerState.run`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio import to_thread
+
+from kcache_server.auditing.retention import RetentionWorker
+from kcache_server.auditing.writer import AuditLog
+from kcache_server.auth import TokenStore
+from kcache_server.backends import Backends
+from kcache_server.fairness import CallerSlots, current_caller
+from kcache_server.metrics import ServerMetrics
+from kcache_server.resolving import Resolver
+from kcache_server.settings import Settings
+
+__all__ = ["ServerState"]
+
+
+@dataclass
+class ServerState:
+    """The settings, backends, tokens, audit writer, metrics and resolver of one server process."""
+
+    settings: Settings
+    backends: Backends
+    tokens: TokenStore
+    audit: AuditLog
+    metrics: ServerMetrics
+    retention: RetentionWorker
+    #: Engine calls running at once; created by the lifespan, inside the event loop.
+    limiter: anyio.CapacityLimiter | None = None
+    caller_slots: CallerSlots = field(init=False)
+    resolver: Resolver = field(init=False)
+
+    def __post_init__(self) -> None:
+        threads = self.settings.request_threads
+        self.caller_slots = CallerSlots(self.settings.caller_threads or max(1, threads // 2))
+        self.resolver = Resolver(
+            self.backends, self.audit, self.run, self.settings.blob_cache_bytes
+        )
+
+    async def run(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a blocking call on a worker thread under the shared limiter and the caller's share."""
+        async with self.caller_slots.hold(current_caller.get()):
+            return await to_thread.run_sync(lambda: func(*args, **kwargs), limiter=self.limiter)
