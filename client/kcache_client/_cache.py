@@ -21,13 +21,13 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kcache.artifact import ArtifactMeta
 from kcache.engine import Engine
-from kcache.errors import KCacheError, ToolchainError
+from kcache.errors import CompileError, KCacheError, ToolchainError
 from kcache.recipe import Recipe
 from kcache_client._artifact import Artifact
 from kcache_client._collective import Collective, as_collective
@@ -145,10 +145,13 @@ class KernelCache:
     """Fetch or request compiled kernels by recipe; one per process, shared by its threads.
 
     ``url``, ``token`` and ``cache_dir`` default to ``KCACHE_URL``, ``KCACHE_TOKEN`` and
-    ``KCACHE_CACHE_DIR`` (else ``~/.cache/kcache/client``). With no URL the cache
-    serves from the node tier and, if ``local_compile`` (``KCACHE_LOCAL_COMPILE=1``)
-    and NVRTC is installed, compiles locally. ``auto_target`` overrides what
-    ``target="auto"`` means (default: the device's ``sm_XY`` from the CUDA driver).
+    ``KCACHE_CACHE_DIR`` (else ``~/.cache/kcache/client``). A miss the server cannot
+    answer because it is unreachable (or because there is no URL) is compiled here
+    when ``local_compile`` is on and NVRTC is installed: by default that is without a
+    server, and ``KCACHE_LOCAL_COMPILE`` or the argument decide otherwise. Local
+    compiles read the directories of ``include_sets`` (name -> directory) for the
+    include sets a recipe names. ``auto_target`` overrides what ``target="auto"``
+    means (default: the device's ``sm_XY`` from the CUDA driver).
     """
 
     def __init__(
@@ -168,9 +171,15 @@ class KernelCache:
         lock_timeout: float = 900.0,
         connect_timeout: float = 5.0,
         read_timeout: float = 600.0,
+        include_sets: Mapping[str, str | os.PathLike[str]] | None = None,
     ) -> None:
         self.settings = ClientSettings.from_env(
-            url=url, token=token, cache_dir=cache_dir, local_compile=local_compile, job_id=job_id
+            url=url,
+            token=token,
+            cache_dir=cache_dir,
+            local_compile=local_compile,
+            job_id=job_id,
+            include_sets=include_sets,
         )
         self.url = self.settings.url
         self.tier = NodeTier(self.settings.cache_dir, lock_timeout=lock_timeout)
@@ -365,6 +374,11 @@ class KernelCache:
                 return self._resolve_remote(concrete, key, compile)
             except ServerUnavailableError as exc:
                 offline = exc
+            # Without the server the tier answers, as it does for get().
+            art = self._tier_get(key, concrete)
+            if art is not None:
+                self.stats.add("node_hits")
+                return Resolved("local_hit", art)
         return self._compile_locally(concrete, key, compile, offline)
 
     # ------------------------------------------------------------------ tiers
@@ -477,13 +491,14 @@ class KernelCache:
         with self._engine_lock:
             if self._engine is None:
                 from kcache.compilers import InProcessCompiler
+                from kcache.include_sets import IncludeSets
                 from kcache.toolchain import load_toolchain
 
                 self._engine = Engine(
                     self.tier.store,
                     self.tier.index,
                     self.tier.lock,
-                    InProcessCompiler(load_toolchain()),
+                    InProcessCompiler(load_toolchain(), IncludeSets(self.settings.include_sets)),
                 )
             return self._engine
 
@@ -511,10 +526,13 @@ class KernelCache:
                 f"local NVRTC is {engine.toolchain_id}",
             ) from offline
         result = engine.resolve(concrete)
-        self.stats.add("local_compiles")
         data = engine.read(result.artifact)
+        # The engine's "hit" was found in the tier (through a manifest): a local_hit here.
+        status = "local_hit" if result.status == "hit" else result.status
+        if status != "local_hit":
+            self.stats.add("local_compiles")
         return Resolved(
-            result.status, self._memory_put(self._artifact(key, concrete, result.artifact, data))
+            status, self._memory_put(self._artifact(key, concrete, result.artifact, data))
         )
 
     # ------------------------------------------------------------------ events
@@ -551,8 +569,11 @@ class KernelCache:
 
         Returns recipe_key -> outcome: ``{"status": "hit"|"compiled"|"waited"|"local_hit",
         "digest"}`` or ``{"status": "error", "error", "detail", "log", "recipe_key"}``.
-        Recipes already in the tier cost no request. Connection failures raise.
-        ``context`` replaces :meth:`context` in the requests (a warmup names its group rank).
+        Recipes already in the tier cost no request. When the server cannot be reached
+        (or there is none) and local compiles are on, the rest are compiled here, one by
+        one (``compiled``, or ``error`` with the compiler's log); otherwise connection
+        failures raise. ``context`` replaces :meth:`context` in the requests (a warmup
+        names its group rank).
         """
         unique: dict[str, Recipe] = {}
         for recipe in recipes:
@@ -569,13 +590,37 @@ class KernelCache:
         try:
             for start in range(0, len(todo), _BATCH):
                 chunk = todo[start : start + _BATCH]
-                results = self._batch(chunk, compile, context or self.context())
+                try:
+                    results = self._batch(chunk, compile, context or self.context())
+                except ServerUnavailableError as exc:
+                    if not (self.settings.local_compile and compile):
+                        raise
+                    for key, recipe in todo[start:]:
+                        outcomes[key] = self._local_outcome(key, recipe, exc)
+                        bar.update(1)
+                    break
                 for (key, recipe), result in zip(chunk, results, strict=True):
                     outcomes[key] = self._absorb(key, recipe, result)
                     bar.update(1)
         finally:
             bar.close()
         return {key: outcomes[key] for key in unique}
+
+    def _local_outcome(
+        self, key: str, recipe: Recipe, offline: ServerUnavailableError
+    ) -> dict[str, Any]:
+        """One recipe of a warmup compiled here because the server is unreachable."""
+        try:
+            resolved = self._compile_locally(recipe, key, True, offline)
+        except CompileError as exc:
+            return {
+                "status": "error",
+                "error": "compile_error",
+                "detail": str(exc),
+                "log": exc.log,
+                "recipe_key": key,
+            }
+        return {"status": resolved.status, "digest": resolved.artifact.digest}
 
     def _batch(
         self, chunk: list[tuple[str, Recipe]], compile: bool, context: dict[str, Any]
@@ -710,10 +755,10 @@ class KernelCache:
             ]
         # Every leader's failure is checked in rank order, so with several leaders
         # (per_node) every rank still raises the same error, not only its node's ranks.
-        for answer in (answers[r] for r in leaders) if per_node else answers:
-            if answer.get("error"):
-                raise WarmupError.from_dict(answer["error"])
-        payload = answers[leader] if per_node else answers[0]
+        for r in leaders:
+            if answers[r].get("error"):
+                raise WarmupError.from_dict(answers[r]["error"])
+        payload = answers[leader]  # leader is 0 without per_node: the broadcast's only answer
         assert isinstance(payload, dict)
         outcomes = payload["outcomes"]
         _raise_first_error(outcomes, list(outcomes), leader=leader)
