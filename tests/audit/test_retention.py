@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from kcache_server import migrate
-from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.auditing import StatsQuery, compute_stats, roll_up
 from kcache_server.auditing.retention import RetentionWorker
+from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.db import open_database
 
 NOW = datetime.now(timezone.utc).replace(microsecond=0)

@@ -21,7 +21,9 @@ def _token(capsys: pytest.CaptureFixture[str], data_dir: Any, name: str, *scopes
     return token
 
 
-def test_tokens_and_scopes(make_settings: Any, serve: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tokens_and_scopes(
+    make_settings: Any, serve: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     settings = make_settings()
     server = serve(settings)  # creates the database
     reader = _token(capsys, settings.data_dir, "reader", "read")
@@ -40,7 +42,9 @@ def test_tokens_and_scopes(make_settings: Any, serve: Any, capsys: pytest.Captur
         denied = client.post("/v1/resolve", json={"recipe": recipe})
         assert denied.status_code == 403 and denied.json()["error"] == "forbidden"
         assert "compile" in denied.json()["detail"]
-        assert client.post("/v1/resolve", json={"recipe": recipe, "compile": False}).status_code == 404
+        assert (
+            client.post("/v1/resolve", json={"recipe": recipe, "compile": False}).status_code == 404
+        )
         assert client.post("/v1/resolve/batch", json={"recipes": [recipe]}).status_code == 403
     with server.client(compiler) as client:
         body = client.post("/v1/resolve", json={"recipe": recipe}).json()
@@ -65,7 +69,9 @@ def test_tokens_and_scopes(make_settings: Any, serve: Any, capsys: pytest.Captur
     assert all(len(r.token_hash) == 64 for r in rows)
 
 
-def test_public_bind_without_tokens_is_refused(make_settings: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_public_bind_without_tokens_is_refused(
+    make_settings: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     from kcache_server import create_app
     from kcache_server.errors import InsecureBindError
 
@@ -73,9 +79,33 @@ def test_public_bind_without_tokens_is_refused(make_settings: Any, capsys: pytes
     with pytest.raises(InsecureBindError, match="kcache token create"):
         create_app(settings)
     # The command says the same, as a clear exit rather than a traceback.
-    assert main(["serve", "--host", "0.0.0.0", "--port", "1", "--data-dir", str(settings.data_dir)]) == 2
+    assert (
+        main(["serve", "--host", "0.0.0.0", "--port", "1", "--data-dir", str(settings.data_dir)])
+        == 2
+    )
     assert "--force-insecure" in capsys.readouterr().err
     create_app(make_settings(host="0.0.0.0", force_insecure=True))  # forced: allowed
     _token(capsys, settings.data_dir, "ops", "admin")
     create_app(settings)  # protected by a token: allowed
     create_app(make_settings(host="127.0.0.1"))
+
+
+def test_token_list_escapes_control_characters_in_names(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A name stored before names were checked (or written to the table by hand) cannot drive the terminal."""
+    data_dir = tmp_path / "data"
+    assert main(["db", "upgrade", "--data-dir", str(data_dir)]) == 0
+    capsys.readouterr()
+    _token(capsys, data_dir, "placeholder", "read")
+    hostile = "ops\x1b]0;owned\x07\x1b[2J\u202eexe.\u2028x"
+    engine = sa.create_engine(f"sqlite:///{(data_dir / 'kcache.db').resolve()}")
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE tokens SET name = :n WHERE name = 'placeholder'"), {"n": hostile}
+        )
+    engine.dispose()
+    assert main(["token", "list", "--data-dir", str(data_dir)]) == 0
+    listing = capsys.readouterr().out
+    assert not any(ch in listing for ch in "\x1b\x07\u202e\u2028")
+    assert "ops\\x1b]0;owned\\x07\\x1b[2J\\u202eexe.\\u2028x\tread" in listing

@@ -25,7 +25,9 @@ class _Inner:
         await send({"type": "http.response.body", "body": b""})
 
 
-def _call(app: Any, path: str, headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, dict[bytes, bytes], bytes]:
+def _call(
+    app: Any, path: str, headers: list[tuple[bytes, bytes]] | None = None
+) -> tuple[int, dict[bytes, bytes], bytes]:
     messages: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -44,22 +46,34 @@ def test_warm_fetches_skip_the_app_and_are_all_audited(make_settings: Any, serve
     with server.client() as client:
         body = client.post("/v1/resolve", json={"recipe": vector_add(unique())}).json()
         key, digest = body["recipe_key"], body["artifact"]["digest"]
-        assert client.get(f"/v1/recipes/{key}/artifact").status_code == 200  # the route warms the caches
+        assert (
+            client.get(f"/v1/recipes/{key}/artifact").status_code == 200
+        )  # the route warms the caches
         for _ in range(20):  # through real uvicorn, answered by the fast path
             reply = client.get(f"/v1/recipes/{key}/artifact")
             assert reply.status_code == 200 and hashlib.sha256(reply.content).hexdigest() == digest
-            assert reply.headers["etag"] == f'"{digest}"' and reply.headers["x-kcache-digest"] == digest
+            assert (
+                reply.headers["etag"] == f'"{digest}"'
+                and reply.headers["x-kcache-digest"] == digest
+            )
         metrics = client.get("/metrics").text
 
     inner = _Inner()
     fast = ArtifactFastPath(inner, server.state)
     status, headers, data = _call(fast, f"/v1/recipes/{key}/artifact")
     assert (status, inner.calls) == (200, [])
-    assert hashlib.sha256(data).hexdigest() == digest and headers[b"content-length"] == str(len(data)).encode()
-    status, _, data = _call(fast, f"/v1/recipes/{key}/artifact", [(b"if-none-match", f'"{digest}"'.encode())])
+    assert (
+        hashlib.sha256(data).hexdigest() == digest
+        and headers[b"content-length"] == str(len(data)).encode()
+    )
+    status, _, data = _call(
+        fast, f"/v1/recipes/{key}/artifact", [(b"if-none-match", f'"{digest}"'.encode())]
+    )
     assert (status, data, inner.calls) == (304, b"", [])
     cold = "0" * 64
-    assert _call(fast, f"/v1/recipes/{cold}/artifact")[0] == 599 and inner.calls == [f"/v1/recipes/{cold}/artifact"]
+    assert _call(fast, f"/v1/recipes/{cold}/artifact")[0] == 599 and inner.calls == [
+        f"/v1/recipes/{cold}/artifact"
+    ]
 
     requests = {
         tuple(sorted(s.labels.items())): s.value
@@ -78,7 +92,9 @@ def test_warm_fetches_skip_the_app_and_are_all_audited(make_settings: Any, serve
 def test_tokens_the_cache_cannot_decide_go_to_the_route(make_settings: Any, serve: Any) -> None:
     server = serve(make_settings(auth_cache_s=60.0))
     with server.client() as open_client:
-        key = open_client.post("/v1/resolve", json={"recipe": vector_add(unique())}).json()["recipe_key"]
+        key = open_client.post("/v1/resolve", json={"recipe": vector_add(unique())}).json()[
+            "recipe_key"
+        ]
         open_client.get(f"/v1/recipes/{key}/artifact")
     token = server.state.tokens.create("reader", ["read"])
     with server.client() as anonymous:
@@ -108,7 +124,9 @@ def test_a_changed_include_set_file_is_never_served_from_memory(
         assert client.get(f"/v1/recipes/{key}/artifact").status_code == 200
         (library / "scale.h").write_text("#define SCALE 3\n")
         stale = client.get(f"/v1/recipes/{key}/artifact")
-    assert stale.status_code == 404 and "include-set files that have changed" in stale.json()["detail"]
+    assert (
+        stale.status_code == 404 and "include-set files that have changed" in stale.json()["detail"]
+    )
 
 
 def test_warm_resolve_hits_still_notice_a_lost_blob_and_an_edited_include_set(
@@ -129,7 +147,62 @@ def test_warm_resolve_hits_still_notice_a_lost_blob_and_an_edited_include_set(
         assert client.post("/v1/resolve", json={"recipe": recipe}).json()["status"] == "hit"
         server.state.backends.store.delete(first["artifact"]["digest"])  # gc'd, or lost
         again = client.post("/v1/resolve", json={"recipe": recipe}).json()
-        assert again["status"] == "compiled" and again["artifact"]["digest"] == first["artifact"]["digest"]
+        assert (
+            again["status"] == "compiled"
+            and again["artifact"]["digest"] == first["artifact"]["digest"]
+        )
         (library / "v.h").write_text("#define V 2\n")
         edited = client.post("/v1/resolve", json={"recipe": recipe}).json()
-    assert edited["status"] == "compiled" and edited["artifact"]["digest"] != first["artifact"]["digest"]
+    assert (
+        edited["status"] == "compiled"
+        and edited["artifact"]["digest"] != first["artifact"]["digest"]
+    )
+
+
+def test_artifacts_recorded_without_an_exact_dependency_list_are_never_fetched(
+    make_settings: Any, serve: Any
+) -> None:
+    """A legacy row (``dependencies_exact`` false) is refused by the route and the fast path, as resolve refuses it."""
+    import sqlalchemy as sa
+    from kcache_server.resolving import _Known
+
+    settings = make_settings(auth_cache_s=60.0)
+    recipe = vector_add(unique("legacy"))
+    first = serve(settings)
+    with first.client() as client:
+        body = client.post("/v1/resolve", json={"recipe": recipe}).json()
+    key, digest = body["recipe_key"], body["artifact"]["digest"]
+    first.stop()
+    engine = sa.create_engine(settings.database_url)
+    with engine.begin() as conn:  # what a server from before exact dependency tracking recorded
+        conn.execute(
+            sa.text("UPDATE artifacts SET dependencies_exact = false WHERE digest = :d"),
+            {"d": digest},
+        )
+    engine.dispose()
+
+    server = serve(settings)
+    with server.client() as client:
+        for path in (
+            f"/v1/recipes/{key}/artifact",
+            f"/v1/recipes/{key}/artifact",
+            f"/v1/recipes/{key}",
+        ):
+            refused = client.get(path)
+            assert refused.status_code == 404, refused.text
+            assert "without an exact list of the files it read" in refused.json()["detail"]
+        # Memory never serves one either, however it got there: the fast path hands it on.
+        resolver = server.state.resolver
+        meta = server.state.backends.index.artifact(digest)
+        assert meta is not None and meta.dependencies_exact is False
+        resolver._known.put(key, _Known(meta))
+        inner = _Inner()
+        assert _call(ArtifactFastPath(inner, server.state), f"/v1/recipes/{key}/artifact")[0] == 599
+        assert (
+            inner.calls == [f"/v1/recipes/{key}/artifact"] and resolver.cached_artifact(key) is None
+        )
+        # Resolving compiles it afresh (the engine refuses the row too); then it is fetched again.
+        again = client.post("/v1/resolve", json={"recipe": recipe}).json()
+        assert again["status"] == "compiled" and again["artifact"]["dependencies_exact"] is True
+        fetched = client.get(f"/v1/recipes/{key}/artifact")
+    assert fetched.status_code == 200 and hashlib.sha256(fetched.content).hexdigest() == digest
