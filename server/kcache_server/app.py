@@ -1,9 +1,8 @@
-"""``create_app(settings)``: the FastAPI application.
+"""``create_app(settings)``: the one place the server is wired together into a FastAPI app.
 
-The one place the server is wired together: every part is built here from the
-one :class:`~kcache_server.settings.Settings`, every route comes from the one list
-:data:`kcache_server.routes.ROUTERS`, and one lifespan starts and stops what runs
-in the background.
+Every part is built here from the one :class:`~kcache_server.settings.Settings`,
+every route comes from the one list :data:`kcache_server.routes.ROUTERS`, and one
+lifespan starts and stops what runs in the background.
 
 Start-up order: open the database, refuse an out-of-date schema (a brand-new
 SQLite file is created at the head revision, so ``kcache serve`` works out of the

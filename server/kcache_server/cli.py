@@ -151,11 +151,15 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_list(args: argparse.Namespace) -> int:
+    from kcache_server.terminal import printable
+
     for info in _tokens(args).list():
         state = f"revoked {info.revoked_at:%Y-%m-%d %H:%M}" if info.revoked_at else "active"
         used = f"{info.last_used_at:%Y-%m-%d %H:%M}" if info.last_used_at else "never"
+        # A name is whatever was given to `kcache token create` (or is in an old row): escaped.
+        name = printable(info.name)
         print(
-            f"{info.name}\t{','.join(info.scopes)}\tcreated {info.created_at:%Y-%m-%d %H:%M}\tused {used}\t{state}"
+            f"{name}\t{','.join(info.scopes)}\tcreated {info.created_at:%Y-%m-%d %H:%M}\tused {used}\t{state}"
         )
     return 0
 

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import sys
-import unicodedata
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -25,23 +24,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from kcache_server.terminal import printable
+
 __all__ = ["format_stats", "register"]
 
 _OUTCOMES = ("hit", "local_hit", "compiled", "waited", "miss", "error")
-
-
-def _printable(text: str) -> str:
-    """``text`` with control, format and separator characters escaped (``\x1b``, ``\u202e``).
-
-    Those are what a terminal interprets (colours, cursor moves, a title, bidi
-    reordering); a stored kernel name or job id must show as text, not act.
-    """
-    if text.isprintable():
-        return text
-    return "".join(
-        ascii(ch)[1:-1] if unicodedata.category(ch)[0] == "C" or ch in "\u2028\u2029" else ch
-        for ch in text
-    )
 
 
 def _pct(rate: float | None) -> str:
@@ -61,8 +48,8 @@ def _table(
 ) -> str:
     """A plain-text table whose columns fit their widest cell."""
     numeric = numeric or set()
-    cells = [[_printable(str(c)) for c in headers]] + [
-        [("-" if c is None else _printable(str(c))) for c in row] for row in rows
+    cells = [[printable(str(c)) for c in headers]] + [
+        [("-" if c is None else printable(str(c))) for c in row] for row in rows
     ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
@@ -195,7 +182,7 @@ def _remote(url: str, token: str | None, params: dict[str, str]) -> dict[str, An
         except ValueError:
             detail = exc.reason
         raise SystemExit(
-            f"kcache stats: {url} answered {exc.code}: {_printable(str(detail))}"
+            f"kcache stats: {url} answered {exc.code}: {printable(str(detail))}"
         ) from None
     except urllib.error.URLError as exc:
         raise SystemExit(f"kcache stats: cannot reach {url}: {exc.reason}") from None
