@@ -1,18 +1,39 @@
 """Where kcache keeps things by default, each overridable by one environment variable.
 
-    data directory      $KCACHE_DATA_DIR       else ./.kcache            (CLI and server store)
+    cache directory     $KCACHE_CACHE_DIR      else <user cache>/kcache/client   (client commands)
+    server data dir     $KCACHE_DATA_DIR       else ./.kcache                    (server commands)
     toolchains          $KCACHE_TOOLCHAIN_DIR  else <user cache>/kcache/toolchains
-    client node tier    $KCACHE_CACHE_DIR      else <user cache>/kcache/client
 
 ``<user cache>`` is ``$XDG_CACHE_HOME``, else ``~/.cache``.
+
+The two kinds of directory never mix. The *cache directory* is the user's (and a
+node's) own: the client's node tier and what ``kcache compile`` builds without a
+server, indexed by JSON files under ``index/``. A *server data directory* belongs to
+``kcache serve``: its blobs are indexed by a SQL database (``kcache.db`` beside them,
+or PostgreSQL), and only server commands (``serve``, ``db``, ``token``) write it.
+:func:`directory_kind` tells them apart, so maintenance commands can do the right
+thing with whichever they are given.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
-__all__ = ["data_dir", "toolchain_dir", "user_cache_dir"]
+__all__ = [
+    "SERVER_DATABASE_FILE",
+    "cache_dir",
+    "data_dir",
+    "directory_kind",
+    "toolchain_dir",
+    "user_cache_dir",
+]
+
+#: The SQLite database a server keeps in its data directory (its index, unless PostgreSQL).
+SERVER_DATABASE_FILE = "kcache.db"
+
+DirectoryKind = Literal["cache", "server", "absent"]
 
 
 def user_cache_dir(name: str, override_env: str | None = None) -> Path:
@@ -29,8 +50,35 @@ def toolchain_dir() -> Path:
     return user_cache_dir("toolchains", "KCACHE_TOOLCHAIN_DIR")
 
 
+def cache_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The user's cache directory: ``explicit``, else ``$KCACHE_CACHE_DIR``, else ``~/.cache/kcache/client``.
+
+    The client's node tier and local compiles share it, so what one command put there
+    every other command (and every process of the node) finds.
+    """
+    if explicit:
+        return Path(explicit)
+    return user_cache_dir("client", "KCACHE_CACHE_DIR")
+
+
 def data_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """``explicit``, else ``$KCACHE_DATA_DIR``, else ``./.kcache``."""
+    """A server's data directory: ``explicit``, else ``$KCACHE_DATA_DIR``, else ``./.kcache``."""
     if explicit:
         return Path(explicit)
     return Path(os.environ.get("KCACHE_DATA_DIR") or ".kcache")
+
+
+def directory_kind(root: Path) -> DirectoryKind:
+    """``server`` for a server's data directory, ``cache`` for a cache directory, ``absent``.
+
+    A server's directory has its SQLite index (``kcache.db``) or, with PostgreSQL,
+    blobs and no JSON index beside them; anything else that exists is a cache
+    directory (possibly still empty).
+    """
+    if not root.is_dir():
+        return "absent"
+    if (root / SERVER_DATABASE_FILE).exists():
+        return "server"
+    if (root / "blobs").is_dir() and not (root / "index").is_dir():
+        return "server"
+    return "cache"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,7 @@ __all__ = [
     "check_index_knows_store",
     "collect_garbage",
     "file_index_references",
+    "verify_blobs",
     "verify_store",
 ]
 
@@ -106,6 +107,11 @@ def _indexed_digests(index: FileIndex) -> set[str]:
 
 def verify_store(store: LocalArtifactStore, index: FileIndex) -> VerifyReport:
     """Re-hash every blob; quarantine corrupt ones; list indexed artifacts without a blob."""
+    return verify_blobs(store, _indexed_digests(index))
+
+
+def verify_blobs(store: LocalArtifactStore, indexed: Iterable[str]) -> VerifyReport:
+    """:func:`verify_store` for any index: ``indexed`` are the digests its artifacts name."""
     report = VerifyReport()
     for digest in list(store.digests()):
         report.checked += 1
@@ -113,7 +119,7 @@ def verify_store(store: LocalArtifactStore, index: FileIndex) -> VerifyReport:
             store.get(digest)
         except CorruptArtifactError:
             report.corrupt.append(digest)
-    report.missing = sorted(d for d in _indexed_digests(index) if not store.has(d))
+    report.missing = sorted(d for d in set(indexed) if not store.has(d))
     return report
 
 

@@ -8,14 +8,9 @@ cache.warmup(recipes)                      # once per job under torch.distribute
 kernel = cache.get(recipes[0]).load()      # a cuda.core Kernel
 """
 
-from kcache_client._artifact import Artifact
-from kcache_client._cache import CacheStats, KernelCache, Resolved, WarmupResult
-from kcache_client._collective import Collective, StoreCollective, TorchCollective
-from kcache_client._device import auto_target
-from kcache_client._events import EventSink
-from kcache_client._http import RetryPolicy
-from kcache_client._settings import ClientSettings
-from kcache_client._tier import NodeTier, default_cache_dir
+import importlib
+from typing import TYPE_CHECKING
+
 from kcache_client.errors import (
     ArchitectureMismatchError,
     AuthenticationError,
@@ -33,7 +28,36 @@ from kcache_client.errors import (
     WarmupTimeoutError,
 )
 
+if TYPE_CHECKING:
+    from kcache_client._artifact import Artifact
+    from kcache_client._cache import CacheStats, KernelCache, Resolved, WarmupResult
+    from kcache_client._collective import Collective, StoreCollective, TorchCollective
+    from kcache_client._device import auto_target
+    from kcache_client._events import EventSink
+    from kcache_client._http import RetryPolicy
+    from kcache_client._settings import ClientSettings
+    from kcache_client._tier import NodeTier, default_cache_dir
+
 __version__ = "0.1.0"
+
+# Imported on first use, so `import kcache_client` (and the `kcache` command, which loads
+# the client's subcommands) does not pay for httpx, threads and the tier until they are used.
+_LAZY = {
+    "Artifact": "kcache_client._artifact",
+    "CacheStats": "kcache_client._cache",
+    "KernelCache": "kcache_client._cache",
+    "Resolved": "kcache_client._cache",
+    "WarmupResult": "kcache_client._cache",
+    "Collective": "kcache_client._collective",
+    "StoreCollective": "kcache_client._collective",
+    "TorchCollective": "kcache_client._collective",
+    "auto_target": "kcache_client._device",
+    "EventSink": "kcache_client._events",
+    "RetryPolicy": "kcache_client._http",
+    "ClientSettings": "kcache_client._settings",
+    "NodeTier": "kcache_client._tier",
+    "default_cache_dir": "kcache_client._tier",
+}
 
 __all__ = [
     "ArchitectureMismatchError",
@@ -65,3 +89,16 @@ __all__ = [
     "auto_target",
     "default_cache_dir",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kcache_client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,7 +1,14 @@
-"""The client's part of the ``kcache`` command: ``warmup``, ``get``, and ``compile --server``.
+"""The client's part of the ``kcache`` command: ``get``, ``warmup``, and ``compile``/``key`` through a server.
 
 Registered through entry points (see ``client/pyproject.toml``), so the core CLI
-never imports the client.
+never imports the client. :func:`register` needs argparse only: ``KernelCache`` (and
+with it httpx) is imported when a command runs, so ``kcache --help`` stays instant.
+
+Every command builds its ``KernelCache`` the same way (:func:`_open_cache`): the
+server of ``--server``/``$KCACHE_URL`` if any, the cache directory of
+``--cache-dir``/``$KCACHE_CACHE_DIR``, local compiles on without a server (or with
+``--local-compile``), and retries kept to a few seconds with a status line on stderr,
+so a dead server is reported quickly rather than after a silent minute.
 """
 
 from __future__ import annotations
@@ -10,16 +17,37 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kcache.cli import add_recipe_arguments, recipe_from_args
-from kcache.errors import RecipeError
+from kcache.cli import (
+    UsageError,
+    add_cache_dir_argument,
+    add_recipe_arguments,
+    add_server_arguments,
+    include_set_dirs,
+    print_result,
+    recipe_from_args,
+    server_url,
+    write_output,
+)
+from kcache.errors import ArtifactNotFoundError, KCacheError, RecipeError
 from kcache.recipe import Recipe
-from kcache_client._cache import KernelCache
-from kcache_client.errors import WarmupError
+
+if TYPE_CHECKING:
+    from kcache_client._cache import KernelCache
+    from kcache_client._http import RetryPolicy
 
 __all__ = ["compile_remote", "load_recipes", "register"]
+
+#: The CLI gives a server this long (retries included) before saying it is unreachable.
+_RETRY_BUDGET_S = 4.0
+#: Connecting should be quick; compiles may still take minutes once connected.
+_CONNECT_TIMEOUT_S = 2.0
+#: How long a command waits, at its end, to deliver its audit events.
+_EVENTS_CLOSE_S = 2.0
 
 
 def load_recipes(path: str | os.PathLike[str]) -> list[Recipe]:
@@ -40,103 +68,286 @@ def load_recipes(path: str | os.PathLike[str]) -> list[Recipe]:
         data = data["recipes"]
     if isinstance(data, dict):
         data = [data]
-    if not isinstance(data, list):
-        raise RecipeError("recipes", f"{file} must hold a list of recipes")
+    if not isinstance(data, list) or not data:
+        raise RecipeError("recipes", f"{file} must hold a non-empty list of recipes")
     recipes = []
     for i, item in enumerate(data):
         try:
             recipes.append(Recipe.from_dict(item))
         except RecipeError as exc:
-            raise RecipeError(f"recipes[{i}].{exc.field}", exc.detail) from exc
+            raise RecipeError(f"recipes[{i}].{exc.field}", f"{exc.detail} (in {file})") from exc
     return recipes
 
 
-def _cache_from_args(args: argparse.Namespace, *, server: str | None) -> KernelCache:
+def _announcing_retry(url: str) -> RetryPolicy:
+    """A short retry budget that says on stderr, before each wait, that it is waiting.
+
+    Once one request has retried in vain, later requests of the same command try once
+    and give up: the server did not answer a moment ago, and each further round of
+    retries would only repeat the wait.
+    """
+    from dataclasses import dataclass
+
+    from kcache_client._http import RetryPolicy
+
+    gave_up = False
+
+    @dataclass(frozen=True)
+    class AnnouncingRetry(RetryPolicy):
+        def backoff(self, attempt: int) -> float:
+            nonlocal gave_up
+            if attempt == 0 and gave_up:
+                return float("inf")  # beyond any budget: the transport stops at once
+            if attempt >= 1:
+                gave_up = True
+            wait = super().backoff(attempt)
+            if attempt + 1 < self.attempts:
+                print(
+                    f"kcache: waiting for the server at {url} (try {attempt + 2} of {self.attempts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return wait
+
+    return AnnouncingRetry(attempts=4, base_s=0.25, cap_s=1.0, budget_s=_RETRY_BUDGET_S)
+
+
+def _open_cache(args: argparse.Namespace, url: str | None) -> KernelCache:
+    from kcache_client._cache import KernelCache
+
     return KernelCache(
-        url=server,
+        url=url,
         token=getattr(args, "token", None),
         cache_dir=getattr(args, "cache_dir", None),
         auto_target=getattr(args, "auto_target", None),
         local_compile=True if getattr(args, "local_compile", False) else None,
+        include_sets=include_set_dirs(args),
+        retry=_announcing_retry(url) if url else None,
+        connect_timeout=_CONNECT_TIMEOUT_S,
     )
 
 
-def _line(status: str, key: str, digest: str, path: Path) -> str:
-    return json.dumps({"status": status, "recipe_key": key, "digest": digest, "path": str(path)})
+@contextmanager
+def _session(args: argparse.Namespace, url: str | None, what: str) -> Iterator[KernelCache]:
+    """A KernelCache for one command; its errors told with flags, not Python arguments."""
+    from kcache_client.errors import (
+        AuthenticationError,
+        NoDeviceError,
+        RemoteNotFoundError,
+        ServerUnavailableError,
+    )
+
+    cache = _open_cache(args, url)
+    try:
+        yield cache
+    except NoDeviceError as exc:
+        raise UsageError(
+            'the recipe\'s target is "auto", and this machine has no usable GPU to resolve it: '
+            "pass --target sm_XX (or --auto-target sm_XX where the command has it)"
+        ) from exc
+    except AuthenticationError as exc:
+        raise UsageError(
+            f"{exc}\npass a token with --token or $KCACHE_TOKEN "
+            "(the server's operator creates one: kcache token create NAME --scope compile)"
+        ) from exc
+    except RemoteNotFoundError as exc:
+        if getattr(args, "compile", True):
+            raise
+        raise ArtifactNotFoundError(
+            f"{exc}\nthe server has no artifact for it and --no-compile was given: drop --no-compile to compile it"
+        ) from exc
+    except ServerUnavailableError as exc:
+        raise _offline_error(exc, cache, url, what) from exc
+    finally:
+        if cache.events is not None:
+            cache.events.close(_EVENTS_CLOSE_S)
+        cache.close()
 
 
-def _cmd_warmup(args: argparse.Namespace) -> int:
-    recipes = load_recipes(args.file)
-    with _cache_from_args(args, server=args.server) as cache:
-        try:
-            result = cache.warmup(recipes, compile=not args.no_compile, progress=not args.quiet)
-        except WarmupError as exc:
-            if exc.log:
-                print(exc.log, file=sys.stderr)
-            print(f"kcache: {exc}", file=sys.stderr)
-            return 1
-        for art, status in zip(result.artifacts, result.statuses, strict=True):
-            print(_line(status, art.recipe_key, art.digest, art.path))
-    return 0
+def _offline_error(
+    exc: BaseException, cache: KernelCache, url: str | None, what: str
+) -> KCacheError:
+    from kcache_client.errors import ServerUnavailableError
+
+    tier = cache.tier.root
+    if url is None:  # nothing configured: only --no-compile leads here
+        return ArtifactNotFoundError(
+            f"the cache directory {tier} has no artifact for this recipe and --no-compile was given: "
+            "drop --no-compile to compile it here, or pass --server URL"
+        )
+    root = exc
+    while isinstance(root.__cause__, ServerUnavailableError):
+        root = root.__cause__
+    cause = root.cause if isinstance(root, ServerUnavailableError) else str(exc)
+    if isinstance(exc, ServerUnavailableError) and "overloaded" in cause:
+        first = f"the server at {url} stayed busy ({cause})"
+    else:
+        first = f"server unreachable at {url} ({cause})"
+    if what == "key":
+        advice = (
+            "a recipe that names no toolchain is keyed with the server's default toolchain: start the "
+            "server, or key with the local NVRTC by leaving the server out (--server '' or unset KCACHE_URL)"
+        )
+    else:
+        advice = (
+            f"the cache directory {tier} does not hold {what} either: start the server (or check "
+            "--server / $KCACHE_URL), or pass --local-compile to compile here"
+        )
+    return KCacheError(f"{first}\n{advice}")
+
+
+def _note_offline(cache: KernelCache, url: str | None, status: str, *, asked_server: bool) -> None:
+    """Say on stderr that an answer came without the configured server.
+
+    ``asked_server``: the command asks the server first (``compile``), so a
+    ``local_hit`` means the server did not answer; ``get`` asks the tier first.
+    """
+    if url is None:
+        return
+    if cache.stats.local_compiles:
+        print(
+            f"kcache: server unreachable at {url}; compiled here (--local-compile)", file=sys.stderr
+        )
+    elif asked_server and status == "local_hit":
+        print(
+            f"kcache: server unreachable at {url}; answered from the cache directory {cache.tier.root}",
+            file=sys.stderr,
+        )
+
+
+def _prepare(cache: KernelCache, recipe: Recipe, url: str | None) -> Recipe:
+    """The concrete recipe; a server that cannot say its default toolchain is told as such."""
+    from kcache_client.errors import ServerUnavailableError
+
+    try:
+        return cache.prepare(recipe)
+    except ServerUnavailableError as exc:
+        if url is None:
+            raise
+        root: BaseException = exc
+        while isinstance(root.__cause__, ServerUnavailableError):
+            root = root.__cause__
+        cause = root.cause if isinstance(root, ServerUnavailableError) else str(exc)
+        raise KCacheError(
+            f"server unreachable at {url} ({cause})\nthe recipe names no toolchain and this "
+            "server's default was never seen here, so its key is unknown: start the server, or "
+            "pass --local-compile to key and compile with the local NVRTC"
+        ) from exc
 
 
 def compile_remote(args: argparse.Namespace, recipe: Recipe) -> int:
-    """``kcache compile --server URL``: resolve through the server, print the JSON line.
+    """``kcache compile`` and ``kcache key`` where a server is configured.
 
-    Entry point of the ``kcache.remote`` group; a compile error propagates as a
-    CompileError, which the core CLI prints with its log and exit status 1.
+    Entry point of the ``kcache.remote`` group. ``compile`` asks the server to resolve
+    the recipe (hit, or compile) even when the cache directory has it, then fills the
+    directory; with the server down it answers from the directory (``local_hit``, as
+    ``kcache get`` would), or compiles here with ``--local-compile``. ``key`` keys with
+    the server's default toolchain. A compile error propagates as a CompileError, which
+    the core CLI prints with its log and exit status 1.
     """
-    with _cache_from_args(args, server=args.server) as cache:
-        resolved = cache.resolve(recipe)
+    url = server_url(args)
+    if args.command == "key":
+        with _session(args, url, "key") as cache:
+            print(cache.key(recipe))
+        return 0
+    with _session(args, url, "this recipe") as cache:
+        resolved = cache.resolve(_prepare(cache, recipe, url))
         art = resolved.artifact
-        path = art.path
-        if getattr(args, "o", None):
-            path = Path(args.o)
-            path.write_bytes(art.data)
-        print(_line(resolved.status, art.recipe_key, art.digest, path))
+        path = write_output("-o", args.o, art.data) if args.o else art.path
+        _note_offline(cache, url, resolved.status, asked_server=True)
+        print_result(resolved.status, art.recipe_key, art.digest, path)
     return 0
 
 
 def _cmd_get(args: argparse.Namespace) -> int:
     recipe = recipe_from_args(args)
-    with _cache_from_args(args, server=args.server) as cache:
-        resolved = cache.obtain(recipe, compile=args.compile)
+    url = server_url(args)
+    with _session(args, url, "this recipe") as cache:
+        resolved = cache.obtain(_prepare(cache, recipe, url), compile=args.compile)
         art = resolved.artifact
-        path = art.path
-        if args.o:
-            path = Path(args.o)
-            path.write_bytes(art.data)
-        print(_line(resolved.status, art.recipe_key, art.digest, path))
+        path = write_output("-o", args.o, art.data) if args.o else art.path
+        _note_offline(cache, url, resolved.status, asked_server=False)
+        print_result(resolved.status, art.recipe_key, art.digest, path)
     return 0
 
 
+def _cmd_warmup(args: argparse.Namespace) -> int:
+    from kcache_client.errors import WarmupError
+
+    try:
+        recipes = load_recipes(args.file)
+    except RecipeError as exc:
+        raise UsageError(f"{args.file}: {exc}") from exc
+    url = server_url(args)
+    with _session(args, url, "the recipes missing from it") as cache:
+        try:
+            result = cache.warmup(recipes, compile=args.compile, progress=not args.quiet)
+        except WarmupError as exc:
+            if exc.log:
+                print(exc.log.rstrip(), file=sys.stderr)
+            print(f"kcache: {exc}", file=sys.stderr)
+            return 1
+        for art, status in zip(result.artifacts, result.statuses, strict=True):
+            print_result(status, art.recipe_key, art.digest, art.path)
+        if url and cache.stats.local_compiles:
+            print(
+                f"kcache: server unreachable at {url}; {cache.stats.local_compiles} recipes compiled here",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser)
+    add_cache_dir_argument(parser)
+    parser.add_argument(
+        "--auto-target", metavar="SM", help='what target "auto" means (default: this GPU)'
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile what nobody compiled yet (the server, or here without one); --no-compile only fetches",
+    )
+    parser.add_argument(
+        "--local-compile",
+        action="store_true",
+        help="compile here if the server is unreachable (default $KCACHE_LOCAL_COMPILE; always on without a server)",
+    )
+
+
 def register(subparsers: Any) -> None:
-    """Entry point of the ``kcache.commands`` group: adds ``kcache warmup`` and ``kcache get``."""
+    """Entry point of the ``kcache.commands`` group: adds ``kcache get`` and ``kcache warmup``."""
     get = subparsers.add_parser(
-        "get", help="fetch a recipe's artifact (node tier, then the server; no compile by default)"
+        "get",
+        help="fetch a recipe's artifact: cache directory, then the server (compiling on a miss)",
+        description="Print one JSON line {status, recipe_key, digest, path}: local_hit from your "
+        "cache directory, hit from the server, compiled/waited where it had to be compiled (by "
+        "the server, or here without one).",
     )
     add_recipe_arguments(get)
     get.add_argument("-o", metavar="FILE", help="also write the artifact to FILE")
-    get.add_argument("--server", help="server URL (default $KCACHE_URL)")
-    get.add_argument("--token", help="bearer token (default $KCACHE_TOKEN)")
-    get.add_argument("--cache-dir", help="node-local tier (default $KCACHE_CACHE_DIR)")
-    get.add_argument("--auto-target", help='what target "auto" means (default: this GPU)')
-    get.add_argument("--compile", action="store_true", help="let the server compile it if absent")
+    _add_client_arguments(get)
     get.set_defaults(func=_cmd_get)
 
     warm = subparsers.add_parser(
-        "warmup", help="resolve a list of recipes into the server and the node tier"
+        "warmup",
+        help="resolve a list of recipes into the server and your cache directory",
+        description="Resolve every recipe once (through /v1/resolve/batch where a server is "
+        "configured) and fill your cache directory; prints one JSON line per recipe.",
     )
     warm.add_argument("file", help='a JSON list of recipes, {"recipes": [...]}, or JSON lines')
-    warm.add_argument("--server", help="server URL (default $KCACHE_URL)")
-    warm.add_argument("--token", help="bearer token (default $KCACHE_TOKEN)")
-    warm.add_argument("--cache-dir", help="node-local tier (default $KCACHE_CACHE_DIR)")
-    warm.add_argument("--auto-target", help='what target "auto" means (default: this GPU)')
+    _add_client_arguments(warm)
     warm.add_argument(
-        "--no-compile", action="store_true", help="fetch only; fail on recipes nobody compiled"
-    )
-    warm.add_argument(
-        "--local-compile", action="store_true", help="compile locally if the server is down"
+        "--include-set",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="the directory an include set stands for in local compiles (repeatable)",
     )
     warm.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     warm.set_defaults(func=_cmd_warmup)
+
+    from kcache_client._cache_cli import register as register_cache_commands
+
+    register_cache_commands(subparsers)  # kcache cache info|ls|rm|clear, kcache pin|unpin

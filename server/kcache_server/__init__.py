@@ -3,10 +3,37 @@
 ``create_app(settings)`` builds the FastAPI application; ``kcache serve`` runs it.
 """
 
-from kcache_server.app import create_app
-from kcache_server.compile_pool import ProcessPoolCompiler
-from kcache_server.index import SqlIndex
-from kcache_server.locks import PgAdvisoryKeyLock
-from kcache_server.settings import Settings
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kcache_server.app import create_app
+    from kcache_server.compile_pool import ProcessPoolCompiler
+    from kcache_server.index import SqlIndex
+    from kcache_server.locks import PgAdvisoryKeyLock
+    from kcache_server.settings import Settings
 
 __all__ = ["PgAdvisoryKeyLock", "ProcessPoolCompiler", "Settings", "SqlIndex", "create_app"]
+
+# Imported on first use: the `kcache` command loads this package's subcommands for every
+# run (`kcache --help`, `kcache key`), and they must not pay for FastAPI and SQLAlchemy.
+_LAZY = {
+    "create_app": "kcache_server.app",
+    "ProcessPoolCompiler": "kcache_server.compile_pool",
+    "SqlIndex": "kcache_server.index",
+    "PgAdvisoryKeyLock": "kcache_server.locks",
+    "Settings": "kcache_server.settings",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kcache_server' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

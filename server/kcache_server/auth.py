@@ -41,6 +41,7 @@ from kcache_server.errors import (
     error_info,
 )
 from kcache_server.models import Token, utcnow
+from kcache_server.scopes import SCOPES
 
 __all__ = [
     "PRINCIPAL_KEY",
@@ -53,10 +54,10 @@ __all__ = [
     "hash_token",
 ]
 
-#: Scopes, weakest first; each includes the ones before it.
-SCOPES = ("read", "report", "compile", "admin")
 _RANK = {scope: i for i, scope in enumerate(SCOPES)}
 # Token names are printed by `kcache token list`: printable, no control characters.
+# A token made elsewhere (`kcache token create --token-file`): printable ASCII, no spaces.
+_TOKEN_VALUE = re.compile(r"[!-~]{24,512}")
 _TOKEN_NAME = re.compile(r"[^\x00-\x1f\x7f-\x9f\ud800-\udfff]{1,256}")
 _tokens = cast(sa.Table, Token.__table__)
 
@@ -110,8 +111,19 @@ class TokenStore:
         self._cache: dict[str, tuple[float, Principal | None]] = {}
 
     # ------------------------------------------------------------------ management
-    def create(self, name: str, scopes: Iterable[str]) -> str:
-        """Store a new token and return it (the only time it is visible)."""
+    def create(
+        self, name: str, scopes: Iterable[str], *, token: str | None = None, exist_ok: bool = False
+    ) -> str:
+        """Store a new token and return it (the only time it is visible).
+
+        ``token`` stores a value made elsewhere (a deployment's secret) instead of a
+        fresh random one. ``exist_ok`` makes that idempotent: a token of this name with
+        the same value and scopes is left as it is (an init step run on every start).
+        """
+        if token is not None and not _TOKEN_VALUE.fullmatch(token):
+            raise InvalidRequestError(
+                "token", "a given token is 24 to 512 printable ASCII characters without spaces"
+            )
         scope_set = (
             sorted(set(scopes), key=_RANK.__getitem__) if set(scopes) <= set(_RANK) else None
         )
@@ -121,12 +133,25 @@ class TokenStore:
             raise InvalidRequestError(
                 "name", "a token name is 1 to 256 printable characters (no control characters)"
             )
-        token = "kc_" + secrets.token_urlsafe(32)
+        token = token if token is not None else "kc_" + secrets.token_urlsafe(32)
         with self.engine.begin() as conn:
-            exists = conn.execute(sa.select(_tokens.c.id).where(_tokens.c.name == name)).first()
+            exists = conn.execute(
+                sa.select(_tokens.c.token_hash, _tokens.c.scopes, _tokens.c.revoked_at).where(
+                    _tokens.c.name == name
+                )
+            ).first()
             if exists is not None:
+                same = (
+                    exists.token_hash == hash_token(token)
+                    and exists.scopes == " ".join(scope_set)
+                    and exists.revoked_at is None
+                )
+                if exist_ok and same:
+                    return token
+                differs = " with another value, scopes or state" if exist_ok else ""
                 raise InvalidRequestError(
-                    "name", f"a token named {name!r} exists; revoke it or pick another name"
+                    "name",
+                    f"a token named {name!r} exists{differs}; revoke it or pick another name",
                 )
             conn.execute(
                 sa.insert(_tokens).values(
@@ -258,8 +283,9 @@ Send = Callable[[Message], Awaitable[None]]
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: Where the gate leaves the request's :class:`Principal` in the ASGI scope.
 PRINCIPAL_KEY = "kcache.principal"
-# Probes, the dashboard page (it asks for a token itself) and the API docs need none.
-_PUBLIC = frozenset({"/healthz", "/readyz", "/dashboard", "/openapi.json", "/docs", "/redoc"})
+# Probes, the dashboard page (it asks for a token itself), / (a redirect to it) and the API
+# docs need none.
+_PUBLIC = frozenset({"/", "/healthz", "/readyz", "/dashboard", "/openapi.json", "/docs", "/redoc"})
 _PUBLIC_PREFIXES = ("/dashboard/", "/docs/")
 
 

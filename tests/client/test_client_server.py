@@ -223,7 +223,7 @@ def test_cli_warmup_and_compile_through_the_server(kserver: object, tmp_path: Pa
     assert failed.returncode == 1 and "nope" in failed.stderr
 
 
-def test_cli_get_reads_the_tier_then_the_server_and_never_compiles_unasked(
+def test_cli_get_reads_the_tier_then_the_server_and_compiles_only_when_allowed(
     kserver: object, tmp_path: Path
 ) -> None:
     url = kserver.url  # type: ignore[attr-defined]
@@ -250,7 +250,8 @@ def test_cli_get_reads_the_tier_then_the_server_and_never_compiles_unasked(
     assert hashlib.sha256((tmp_path / "k.cubin").read_bytes()).hexdigest() == digest
     again = get(files[0])
     assert json.loads(again.stdout)["status"] == "local_hit"  # from this node's tier now
-    missing = get(files[1])
-    assert missing.returncode != 0 and json.loads(missing.stdout or "{}") == {}
-    compiled = get(files[1], "--compile")
+    missing = get(files[1], "--no-compile")
+    assert missing.returncode == 1 and json.loads(missing.stdout or "{}") == {}
+    assert "--no-compile" in missing.stderr and "Traceback" not in missing.stderr
+    compiled = get(files[1])  # compile on a miss is the default, as in KernelCache.get
     assert compiled.returncode == 0 and json.loads(compiled.stdout)["status"] == "compiled"

@@ -64,15 +64,35 @@ def test_doctor_reports_the_toolchain(tmp_path: Path) -> None:
     assert report["cuda_fp16.h"] is True and "sm_90" in report["toolchain"]["targets"]
 
 
-def test_gc_refuses_a_server_data_directory(tmp_path: Path) -> None:
+def test_gc_and_verify_hand_a_server_data_directory_to_the_server(tmp_path: Path) -> None:
+    """One `gc` and one `verify`: a directory holding kcache.db is maintained against its SQL
+    index (`kcache db gc|verify`), never against a JSON index it does not have."""
     server_dir = tmp_path / "server"
-    (server_dir / "blobs" / "ab" / "cd").mkdir(parents=True)
-    blob = server_dir / "blobs" / "ab" / "cd" / ("ab" + "cd" + "0" * 60)
-    blob.write_bytes(b"indexed in SQL")
-    (server_dir / "kcache.db").write_bytes(b"")
+    upgraded = _run("db", "upgrade", "--data-dir", str(server_dir))
+    assert upgraded.returncode == 0, upgraded.stderr
+    blob = server_dir / "blobs" / "ab" / "cd" / ("abcd" + "0" * 60)
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"named by no row")
     past = time.time() - 7200
     os.utime(blob, (past, past))
+    verified = _run("verify", "--data-dir", str(server_dir))
+    # The blob's bytes do not hash to its name: the server's verify quarantines it.
+    assert verified.returncode == 1 and json.loads(verified.stdout)["corrupt"] == [blob.name]
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(b"named by no row")
+    os.utime(blob, (past, past))
+    refused = _run("gc", "--data-dir", str(server_dir))
+    # The server's collector refuses an index that names none of the store's blobs.
+    assert refused.returncode == 2 and "--force" in refused.stderr and blob.exists()
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) <= 2
+    forced = _run("gc", "--data-dir", str(server_dir), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads(forced.stdout)["blobs"] == 1 and not blob.exists()
+    assert not (server_dir / "index").exists()  # no JSON index was ever written beside kcache.db
+
+
+def test_gc_and_verify_never_create_the_directory_they_are_given(tmp_path: Path) -> None:
     for command in ("gc", "verify"):
-        result = _run(command, "--data-dir", str(server_dir))
-        assert result.returncode == 2 and "server's data directory" in result.stderr
-    assert blob.exists()  # nothing was collected
+        result = _run(command, "--cache-dir", str(tmp_path / "nowhere"))
+        assert result.returncode == 2 and "nowhere (--cache-dir) does not exist" in result.stderr
+    assert not (tmp_path / "nowhere").exists()

@@ -13,17 +13,21 @@ Their settings are ``Settings.audit`` (:class:`~kcache_server.settings.AuditSett
 :func:`kcache_server.create_app` wires them into the app with everything else.
 """
 
-from kcache_server.auditing.events import ClientEvent, EventBatch, ingest_events
-from kcache_server.auditing.retention import roll_up
-from kcache_server.auditing.stats import (
-    HIT_OUTCOMES,
-    MISS_OUTCOMES,
-    OUTCOMES,
-    Stats,
-    StatsQuery,
-    compute_stats,
-    parse_time,
-)
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kcache_server.auditing.events import ClientEvent, EventBatch, ingest_events
+    from kcache_server.auditing.retention import roll_up
+    from kcache_server.auditing.stats import (
+        HIT_OUTCOMES,
+        MISS_OUTCOMES,
+        OUTCOMES,
+        Stats,
+        StatsQuery,
+        compute_stats,
+        parse_time,
+    )
 
 __all__ = [
     "HIT_OUTCOMES",
@@ -38,3 +42,37 @@ __all__ = [
     "parse_time",
     "roll_up",
 ]
+
+# Imported on first use: `kcache stats` is registered from .cli on every run of the
+# `kcache` command, which must not load SQLAlchemy and pydantic for that.
+_LAZY = {
+    **dict.fromkeys(
+        ("ClientEvent", "EventBatch", "ingest_events"), "kcache_server.auditing.events"
+    ),
+    "roll_up": "kcache_server.auditing.retention",
+    **dict.fromkeys(
+        (
+            "HIT_OUTCOMES",
+            "MISS_OUTCOMES",
+            "OUTCOMES",
+            "Stats",
+            "StatsQuery",
+            "compute_stats",
+            "parse_time",
+        ),
+        "kcache_server.auditing.stats",
+    ),
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kcache_server.auditing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

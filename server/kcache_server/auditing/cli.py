@@ -2,7 +2,8 @@
 
 With ``--server`` (or ``$KCACHE_URL``) it asks a running server; otherwise it reads
 the database named by ``--db-url``/``--data-dir`` (or the ``KCACHE_*`` environment)
-directly, so an operator can look without a server. ``--json`` prints the raw answer
+directly, so an operator can look without a server. It only reads: a database that
+does not exist is reported, never created. ``--json`` prints the raw answer
 (JSON escapes control characters itself).
 
 Every string the tables show came from some client (kernel names, job ids, error
@@ -165,6 +166,8 @@ def _params(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _remote(url: str, token: str | None, params: dict[str, str]) -> dict[str, Any]:
+    from kcache.errors import KCacheError
+
     request = urllib.request.Request(
         url.rstrip("/") + "/v1/stats?" + urllib.parse.urlencode(params),
         headers={
@@ -181,21 +184,28 @@ def _remote(url: str, token: str | None, params: dict[str, str]) -> dict[str, An
             detail = json.load(exc).get("detail", exc.reason)
         except ValueError:
             detail = exc.reason
-        raise SystemExit(
-            f"kcache stats: {url} answered {exc.code}: {printable(str(detail))}"
+        hint = (
+            "\npass a token with --token or $KCACHE_TOKEN (the stats need the read scope)"
+            if exc.code in (401, 403)
+            else ""
+        )
+        raise KCacheError(f"{url} answered {exc.code}: {printable(str(detail))}{hint}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise KCacheError(
+            f"server unreachable at {url} ({reason})\nstart it, check --server / $KCACHE_URL, "
+            "or read a server's database directly with --data-dir DIR or --db-url URL"
         ) from None
-    except urllib.error.URLError as exc:
-        raise SystemExit(f"kcache stats: cannot reach {url}: {exc.reason}") from None
 
 
 def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:
     from kcache_server import migrate
+    from kcache_server._cli_support import load_settings, require_database
     from kcache_server.auditing.stats import StatsQuery, compute_stats, parse_time
     from kcache_server.db import open_database
-    from kcache_server.settings import Settings
 
-    overrides = {n: getattr(args, n) for n in ("data_dir", "db_url") if getattr(args, n)}
-    settings = Settings(**overrides)
+    settings = load_settings(args)
+    require_database(settings, args, "kcache stats")
     engine = open_database(settings.database_url)
     try:
         migrate.check_schema(engine, settings.database_url)
@@ -215,8 +225,11 @@ def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    from kcache.cli import server_url
+
     params = _params(args)
-    url = args.server or (None if (args.data_dir or args.db_url) else os.environ.get("KCACHE_URL"))
+    # --data-dir / --db-url read a database directly; otherwise a configured server answers.
+    url = None if (args.data_dir or args.db_url) else server_url(args)
     if url:
         stats = _remote(url, args.token or os.environ.get("KCACHE_TOKEN"), params)
     else:
@@ -253,3 +266,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--top", type=int, default=10, help="how many missed kernels to list")
     p.add_argument("--json", action="store_true", help="print the /v1/stats JSON")
     p.set_defaults(func=_cmd_stats)
+
+    from kcache_server._cli_support import guard_commands
+
+    guard_commands([p])

@@ -1,4 +1,4 @@
-"""``GET /dashboard``: the cache-hit auditing page, plain HTML, CSS and JavaScript.
+"""``GET /dashboard``: the cache-hit auditing page, plain HTML, CSS and JavaScript (``GET /`` leads there).
 
 The page is static and holds no data (so it needs no token); its script reads
 ``/v1/stats`` with the token the user enters, if the server asks for one. The
@@ -10,7 +10,7 @@ from __future__ import annotations
 from importlib.resources import files
 
 from fastapi import APIRouter
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from kcache.errors import ArtifactNotFoundError
 
@@ -30,6 +30,12 @@ _CSP = (
 
 def _read(name: str) -> str:
     return (_STATIC / name).read_text(encoding="utf-8")
+
+
+@router.get("/", include_in_schema=False)
+async def root() -> RedirectResponse:
+    """The server's address opened in a browser leads to the dashboard."""
+    return RedirectResponse("/dashboard", status_code=307)
 
 
 @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)

@@ -1,0 +1,237 @@
+"""``deploy/`` as shipped: the files parse, agree with each other, and their command lines run.
+
+- Every ``kcache`` command line in them (the Dockerfile's CMD, compose's and Kubernetes'
+  commands, ``sh -c`` chains included) parses with the real ``kcache`` parser, so a
+  renamed flag fails here rather than in a cluster.
+- Prometheus sends a bearer token read from a file (``authorization.credentials_file``)
+  that compose mounts from a secret and the Kubernetes manifest from its token Secret;
+  the migrate step (compose's ``migrate`` service, Kubernetes' init container) upgrades
+  the database and stores the tokens before any replica starts, since a server bound to
+  0.0.0.0 refuses to start without one.
+- The container's entrypoint runs here: compose's migrate chain twice (the second run
+  changes nothing), Kubernetes' init chain on the same directory, then the image's CMD on
+  a free port with the image's environment (SQLite in a temporary data directory instead
+  of the PostgreSQL service). ``/readyz`` answers, ``/metrics`` refuses a request without
+  a token and answers Prometheus' token, and the image's HEALTHCHECK command passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cli_harness import ROOT, Served, free_port, user_env
+
+yaml = pytest.importorskip("yaml")
+
+DEPLOY = ROOT / "deploy"
+TOKEN_PATH = "/run/secrets/kcache-metrics-token"
+
+
+def _yaml(name: str) -> Any:
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def _k8s() -> dict[str, dict[str, Any]]:
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "kubernetes.yaml").read_text()) if d]
+    return {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+
+
+def _dockerfile_json(instruction: str) -> list[str]:
+    """The exec-form (JSON) argument list of the Dockerfile's ``instruction`` (CMD, ...)."""
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    match = re.search(rf"^{instruction}\b.*?(\[.*\])\s*$", text, re.M)
+    assert match, f"no exec-form {instruction} in the Dockerfile"
+    argv: list[str] = json.loads(match.group(1))
+    return argv
+
+
+def _kcache_lines(argv: list[str]) -> list[list[str]]:
+    """The ``kcache`` invocations an argument list runs (one, or each of an ``sh -c`` chain)."""
+    if argv[:2] == ["sh", "-c"]:
+        return [shlex.split(part) for part in argv[2].split("&&") if part.strip()]
+    return [argv]
+
+
+def _all_commands() -> dict[str, list[str]]:
+    compose = _yaml("compose.yaml")["services"]
+    k8s = _k8s()["Deployment/kcache"]["spec"]["template"]["spec"]
+    return {
+        "Dockerfile CMD": _dockerfile_json("CMD"),
+        "compose migrate": compose["migrate"]["command"],
+        "kubernetes init": k8s["initContainers"][0]["command"],
+        "kubernetes server": k8s["containers"][0]["command"],
+    }
+
+
+def test_every_kcache_command_line_parses() -> None:
+    from kcache.cli import build_parser
+
+    parser = build_parser()
+    seen = 0
+    for where, argv in _all_commands().items():
+        for words in _kcache_lines(argv):
+            assert words[0] == "kcache", f"{where}: {words}"
+            try:
+                parser.parse_args(words[1:])
+            except SystemExit:
+                pytest.fail(f"{where}: `{shlex.join(words)}` does not parse")
+            seen += 1
+    assert seen >= 8
+    assert _all_commands()["kubernetes server"] == _dockerfile_json("CMD")
+
+
+def test_migrate_steps_upgrade_and_store_the_tokens_first() -> None:
+    for where, argv in _all_commands().items():
+        if "migrate" not in where and "init" not in where:
+            continue
+        steps = [words[1:3] for words in _kcache_lines(argv)]
+        assert steps[0] == ["db", "upgrade"], where
+        stores = [w for w in _kcache_lines(argv) if w[1:3] == ["token", "create"]]
+        assert {w[3] for w in stores} == {"admin", "prometheus"}, where
+        for words in stores:
+            assert "--token-file" in words and "--exist-ok" in words, where
+    compose = _yaml("compose.yaml")["services"]
+    for replica in ("kcache-a", "kcache-b"):
+        assert compose[replica]["depends_on"]["migrate"] == {
+            "condition": "service_completed_successfully"
+        }
+
+
+def test_prometheus_sends_a_token_from_a_mounted_secret() -> None:
+    compose = _yaml("compose.yaml")
+    configs = {
+        "prometheus.yml": _yaml("prometheus.yml"),
+        "kubernetes ConfigMap": yaml.safe_load(
+            _k8s()["ConfigMap/kcache-prometheus"]["data"]["prometheus.yml"]
+        ),
+    }
+    for where, config in configs.items():
+        (job,) = config["scrape_configs"]
+        assert job["metrics_path"] == "/metrics", where
+        assert job["authorization"] == {"type": "Bearer", "credentials_file": TOKEN_PATH}, where
+    # compose mounts secret NAME at /run/secrets/NAME: the metrics token, made by migrate.
+    assert TOKEN_PATH.rsplit("/", 1)[1] in compose["services"]["prometheus"]["secrets"]
+    assert "/etc/prometheus/prometheus.yml" in compose["services"]["prometheus"]["volumes"][0]
+    targets = configs["prometheus.yml"]["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert {t.split(":")[0] for t in targets} == {"kcache-a", "kcache-b"}
+    (sd,) = configs["kubernetes ConfigMap"]["scrape_configs"][0]["dns_sd_configs"]
+    assert sd["names"][0].startswith("kcache-metrics.")
+    assert _k8s()["Service/kcache-metrics"]["spec"]["clusterIP"] == "None"
+
+
+def test_kubernetes_takes_its_secrets_from_the_secrets_it_documents() -> None:
+    k8s = _k8s()
+    pod = k8s["Deployment/kcache"]["spec"]["template"]["spec"]
+    header = (DEPLOY / "kubernetes.yaml").read_text().split("apiVersion", 1)[0]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["store"]["persistentVolumeClaim"]["claimName"] in {
+        d["metadata"]["name"] for d in k8s.values() if d["kind"] == "PersistentVolumeClaim"
+    }
+    secret = volumes["tokens"]["secret"]["secretName"]
+    assert f"kubectl create secret generic {secret}" in header
+    (init,) = pod["initContainers"]
+    mount = next(m for m in init["volumeMounts"] if m["name"] == "tokens")["mountPath"]
+    token_files = [
+        w[w.index("--token-file") + 1]
+        for w in _kcache_lines(init["command"])
+        if "--token-file" in w
+    ]
+    for path in token_files:
+        assert (
+            path.startswith(mount + "/") and f"--from-literal={path.rsplit('/', 1)[1]}=" in header
+        )
+    for container in (init, pod["containers"][0]):
+        env = {e["name"]: e for e in container["env"]}
+        db = env["KCACHE_DB_URL"]["valueFrom"]["secretKeyRef"]
+        assert f"kubectl create secret generic {db['name']}" in header and db["key"] in header
+        assert "postgresql+psycopg://" in header
+    server = pod["containers"][0]
+    assert server["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert server["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert _yaml("compose.yaml")["x-kcache-env"]["KCACHE_DB_URL"].startswith(
+        "postgresql+psycopg://"
+    )
+
+
+# ---------------------------------------------------------------------------- run them here
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
+    """The image's environment with its secrets here, after the migrate steps; the server running."""
+    root = tmp_path_factory.mktemp("deploy")
+    tokens = {"admin": "kc_" + "a" * 40, "metrics": "kc_" + "m" * 40}
+    secret_files: dict[str, Path] = {}
+    compose = _yaml("compose.yaml")
+    for name, spec in compose["secrets"].items():  # compose: /run/secrets/NAME from a file
+        path = root / "compose-secrets" / Path(spec["file"]).name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(tokens["admin" if "admin" in name else "metrics"] + "\n")
+        secret_files[f"/run/secrets/{name}"] = path
+    pod = _k8s()["Deployment/kcache"]["spec"]["template"]["spec"]
+    mount = next(m for m in pod["initContainers"][0]["volumeMounts"] if m["name"] == "tokens")
+    for key, value in tokens.items():  # Kubernetes: the Secret's keys as files under the mount
+        path = root / "k8s-secrets" / key
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(value)
+        secret_files[f"{mount['mountPath']}/{key}"] = path
+    image_env = {"KCACHE_DATA_DIR": str(root / "data")}  # the Dockerfile's ENV, moved here
+    env = user_env(root, **image_env)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        script = argv[2]
+        for where, path in sorted(secret_files.items(), key=lambda item: -len(item[0])):
+            script = script.replace(where, str(path))
+        return subprocess.run(
+            [*argv[:2], script], env=env, cwd=root, capture_output=True, text=True, check=False
+        )
+
+    for argv in (
+        compose["services"]["migrate"]["command"],
+        compose["services"]["migrate"]["command"],  # again: --exist-ok, nothing changes
+        pod["initContainers"][0]["command"],  # another replica's init, same tokens
+    ):
+        done = run(argv)
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+    port = free_port()
+    cmd = [str(port) if word == "8470" else word for word in _dockerfile_json("CMD")]
+    # Two compile workers per server process would only slow this machine down.
+    served = Served(
+        cmd, env={**env, "KCACHE_COMPILE_WORKERS": "1"}, cwd=root, log=root / "serve.log"
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        served.wait_ready(f"{url}/readyz")
+        yield url, {**env, "PORT": str(port), "METRICS_TOKEN": tokens["metrics"]}
+    finally:
+        served.stop()
+
+
+def _status(url: str, token: str | None = None) -> int:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_the_image_serves_after_its_migrate_step(image: tuple[str, dict[str, str]]) -> None:
+    url, env = image
+    assert _status(f"{url}/readyz") == 200
+    assert _status(f"{url}/metrics") == 401
+    assert _status(f"{url}/metrics", env["METRICS_TOKEN"]) == 200  # what Prometheus sends
+    healthcheck = [w.replace("8470", env["PORT"]) for w in _dockerfile_json("HEALTHCHECK.*?CMD")]
+    assert subprocess.run(healthcheck, env=env, check=False, timeout=30).returncode == 0
