@@ -131,7 +131,7 @@ def rank_main(cfg_path: str, rank: int) -> None:
         out["leader"] = result.leader
         cache.close()
     else:
-        from kcache.local import open_local_engine
+        from kcache.local_engine import open_local_engine
 
         engine = open_local_engine(Path(cfg["cache_dir"]) / f"rank{rank}")
         dist.barrier()

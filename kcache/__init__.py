@@ -19,7 +19,7 @@ from kcache.errors import (
 )
 from kcache.include_sets import IncludeSets
 from kcache.index import FileIndex, Index
-from kcache.local import open_local_engine
+from kcache.local_engine import open_local_engine
 from kcache.locks import FileKeyLock, KeyLock, SingleFlight
 from kcache.recipe import LinkInput, Recipe
 from kcache.store import ArtifactStore, LocalArtifactStore

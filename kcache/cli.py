@@ -436,7 +436,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     recipe = recipe_from_args(args)
     if server_url(args):
         return int(_client_entry()(args, recipe))
-    from kcache.local import open_local_engine
+    from kcache.local_engine import open_local_engine
 
     root = cache_dir(args.cache_dir)
     _no_server_dir(root, "--cache-dir" if args.cache_dir else "$KCACHE_CACHE_DIR")

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from kcache.artifact import CompileOutput
-from kcache.compiler import compile_recipe
 from kcache.include_sets import IncludeSets
+from kcache.nvrtc import compile_recipe
 from kcache.recipe import Recipe
 from kcache.toolchain import Toolchain
 

@@ -15,7 +15,6 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from kcache.artifact import ArtifactMeta, CompileFailure, CompileOutput
-from kcache.compiler import kernel_name
 from kcache.compilers import Compiler
 from kcache.deps import include_set_files_unchanged, unchanged
 from kcache.errors import (
@@ -28,6 +27,7 @@ from kcache.errors import (
 )
 from kcache.index.base import Index
 from kcache.locks import KeyLock
+from kcache.nvrtc import kernel_name
 from kcache.recipe import Recipe
 from kcache.store.base import ArtifactStore
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import filelock
 
-from kcache._fsutil import atomic_write
 from kcache.dirs import toolchain_dir
 from kcache.errors import ToolchainError
+from kcache.fsutil import atomic_write
 
 __all__ = ["Toolchain", "load_toolchain"]
 

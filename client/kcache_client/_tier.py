@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kcache._fsutil import atomic_write
 from kcache.artifact import ArtifactMeta, CompileFailure
 from kcache.dirs import user_cache_dir
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
+from kcache.fsutil import atomic_write
 from kcache.index.file import FileIndex
 from kcache.keys import sha256_hex
 from kcache.locks import FileKeyLock, SingleFlight

@@ -16,8 +16,8 @@ from typing import Any
 
 import filelock
 
-from kcache._fsutil import atomic_write
 from kcache.artifact import ArtifactMeta, CompileFailure, ManifestEntry
+from kcache.fsutil import atomic_write
 from kcache.index.base import MANIFEST_LIMIT
 from kcache.keys import is_hex_key
 

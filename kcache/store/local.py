@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kcache._fsutil import TMP_PREFIX, atomic_write, fsync_dir
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
+from kcache.fsutil import TMP_PREFIX, atomic_write, fsync_dir
 from kcache.keys import is_hex_key
 
 __all__ = ["SET_ASIDE_PREFIX", "LocalArtifactStore"]

@@ -131,8 +131,8 @@ def _child(fd: int) -> None:
 
 def _warm_up(toolchain: object) -> None:
     """Compile to LTO-IR and link once, so NVRTC's and nvJitLink's lazy loads happen before Landlock."""
-    from kcache.compiler import compile_recipe
     from kcache.include_sets import IncludeSets
+    from kcache.nvrtc import compile_recipe
     from kcache.recipe import LinkInput, Recipe
     from kcache.toolchain import Toolchain
 
@@ -164,7 +164,6 @@ def main(conn: Connection, config: WorkerConfig) -> None:
     os.chdir(config.scratch)
     tempfile.tempdir = config.scratch
     try:
-        from kcache.compiler import compile_recipe
         from kcache.errors import (
             CompileError,
             InvalidArtifactError,
@@ -173,6 +172,7 @@ def main(conn: Connection, config: WorkerConfig) -> None:
             UnlistedIncludeError,
         )
         from kcache.include_sets import IncludeSets
+        from kcache.nvrtc import compile_recipe
         from kcache.recipe import Recipe
         from kcache.sandbox import SandboxStatus, compile_policy, confine
         from kcache.toolchain import load_toolchain

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from kcache._fsutil import check_free_space, free_bytes
 from kcache.artifact import CompileOutput
 from kcache.errors import (
     CompileError,
@@ -45,6 +44,7 @@ from kcache.errors import (
     ToolchainError,
     UnlistedIncludeError,
 )
+from kcache.fsutil import check_free_space, free_bytes
 from kcache.include_sets import IncludeSets
 from kcache.recipe import Recipe
 from kcache.sandbox import SandboxStatus

@@ -21,8 +21,8 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 
-from kcache._fsutil import is_disk_full
 from kcache.errors import StoreFullError
+from kcache.fsutil import is_disk_full
 
 __all__ = ["DatabaseFile", "is_postgres", "is_sqlite", "open_database", "sqlite_path"]
 

@@ -27,10 +27,10 @@ from typing import Any, cast
 import anyio
 
 from kcache.artifact import ArtifactMeta, CompileFailure
-from kcache.compiler import kernel_name
 from kcache.deps import include_set_files_unchanged
 from kcache.engine import failure_error
 from kcache.errors import ArtifactNotFoundError, KCacheError
+from kcache.nvrtc import kernel_name
 from kcache.recipe import Recipe
 from kcache_server._lru import Lru
 from kcache_server.auditing.writer import AuditLog, AuditRecord

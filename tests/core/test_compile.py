@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kcache.compiler import compile_recipe
 from kcache.elf import cubin_sm, validate_cubin
 from kcache.errors import CompileError, InvalidArtifactError, RecipeError
 from kcache.include_sets import IncludeSets
+from kcache.nvrtc import compile_recipe
 from kcache.recipe import LinkInput, Recipe
 from kcache.targets import parse_target
 from kcache.toolchain import Toolchain

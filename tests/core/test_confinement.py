@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from kcache.artifact import ArtifactMeta
-from kcache.compiler import compile_recipe, recipe_log
 from kcache.deps import CompileInputs
 from kcache.engine import Engine
 from kcache.errors import CompileError, RecipeError, UnlistedIncludeError
 from kcache.include_sets import IncludeSets
-from kcache.local import open_local_engine
+from kcache.local_engine import open_local_engine
+from kcache.nvrtc import compile_recipe, recipe_log
 from kcache.recipe import LinkInput, Recipe
 from kcache.toolchain import Toolchain
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kcache.engine import Engine
-from kcache.local import open_local_engine
+from kcache.local_engine import open_local_engine
 from kcache.recipe import Recipe
 
 KERNEL = """

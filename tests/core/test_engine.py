@@ -19,7 +19,7 @@ import pytest
 from kcache.artifact import CompileOutput
 from kcache.compilers import InProcessCompiler
 from kcache.errors import ArtifactNotFoundError, CompileError
-from kcache.local import open_local_engine
+from kcache.local_engine import open_local_engine
 from kcache.recipe import Recipe
 from tests.conftest import VECTOR_ADD
 

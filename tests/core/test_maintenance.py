@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kcache.local import open_local_engine
+from kcache.local_engine import open_local_engine
 from kcache.recipe import Recipe
 from tests.conftest import VECTOR_ADD
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from kcache.compiler import compile_recipe
 from kcache.errors import CompileError, ToolchainError
 from kcache.include_sets import IncludeSets
+from kcache.nvrtc import compile_recipe
 from kcache.recipe import Recipe
 from kcache.sandbox import probe
 from kcache.toolchain import load_toolchain

@@ -513,7 +513,7 @@ def test_row4_a_trailing_newline_is_never_accepted(sqlite: Harness) -> None:
 
 #: Modules whose patterns check no caller's value, and why.
 NOT_VALUE_CHECKS = {
-    "kcache/compiler.py": "reads NVRTC's own log line by line (re.MULTILINE) and scans source text",
+    "kcache/nvrtc.py": "reads NVRTC's own log line by line (re.MULTILINE) and scans source text",
 }
 
 

@@ -358,8 +358,8 @@ def test_row12_a_deleted_database_is_noticed_and_never_silently_recreated(tmp_pa
 
 
 def _cubin(tag: str) -> bytes:
-    from kcache.compiler import compile_recipe
     from kcache.include_sets import IncludeSets
+    from kcache.nvrtc import compile_recipe
     from kcache.recipe import Recipe
     from kcache.toolchain import load_toolchain
 

@@ -13,7 +13,7 @@ import os
 import sqlalchemy as sa
 from fastapi import APIRouter, Response
 
-from kcache._fsutil import free_bytes
+from kcache.fsutil import free_bytes
 from kcache_server.request_ids import current_request_id
 from kcache_server.routes._deps import State
 from kcache_server.schemas import HealthBody, ReadyBody

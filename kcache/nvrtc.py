@@ -9,7 +9,7 @@ A compile reads exactly its inputs (see :mod:`kcache.deps`):
   next to the program name, which for an in-memory program means the compiling
   process's working directory. (In-process compiles cannot ``chdir`` into a scratch
   directory in a threaded process; server workers do that as well, see
-  ``kcache_server._worker``.)
+  ``kcache_server._compile_worker``.)
 - After a successful compile every file in the dependency trace must be an input,
   otherwise :class:`UnlistedIncludeError`; nothing is stored.
 - NVRTC writes no trace when the compile fails, so the log is read instead: a message
