@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -50,7 +51,9 @@ def migrations_dir() -> Path:
 
 def alembic_config(url: str) -> Config:
     """An Alembic config whose ``env.py`` will use ``url`` (not the ini file)."""
-    cfg = Config()
+    # Alembic's default stdout is whatever sys.stdout was when alembic was first imported
+    # (it is imported lazily now): give it the current one.
+    cfg = Config(stdout=sys.stdout)
     cfg.set_main_option("script_location", str(migrations_dir()))
     cfg.attributes["db_url"] = url
     return cfg
