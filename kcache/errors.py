@@ -3,6 +3,7 @@
 Hierarchy::
 
     KCacheError
+    ├── InvalidKeyError (ValueError)          a recipe key or digest that is not 64 lowercase hex digits
     ├── RecipeError (ValueError)              bad recipe input; names the field and the limit
     │   ├── UnresolvedRecipeError             target "auto" or no toolchain at keying time
     │   └── UnlistedIncludeError              the compile reached a file that is not a recipe input
@@ -29,6 +30,7 @@ __all__ = [
     "CompileTimeoutError",
     "CorruptArtifactError",
     "InvalidArtifactError",
+    "InvalidKeyError",
     "KCacheError",
     "LockTimeoutError",
     "RecipeError",
@@ -41,6 +43,21 @@ __all__ = [
 
 class KCacheError(Exception):
     """Root of every error kcache raises on purpose."""
+
+
+class InvalidKeyError(KCacheError, ValueError):
+    """A recipe key or digest is not exactly 64 lowercase hex digits (a sha256).
+
+    ``field`` names where the value came from (``"digest"``, ``"recipe_key"``,
+    ``"keys[3]"``), so each layer can turn it into its own error: the server a 400
+    or a field error, the CLI a usage message. A key is never used to build a path
+    before it passed this check.
+    """
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field} {detail}")
+        self.field = field
+        self.detail = detail
 
 
 class RecipeError(KCacheError, ValueError):

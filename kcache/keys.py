@@ -1,4 +1,4 @@
-"""Canonical JSON and the three sha256 hashes: ``recipe_key``, ``base_key`` and ``digest``."""
+"""Canonical JSON, the three sha256 hashes (``recipe_key``, ``base_key``, ``digest``) and their one check."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import json
 import re
 from typing import Any
 
-__all__ = ["KEY_SCHEMA", "canonical_json", "is_hex_key", "sha256_hex"]
+from kcache.errors import InvalidKeyError
+
+__all__ = ["KEY_SCHEMA", "canonical_json", "is_hex_key", "require_hex_key", "sha256_hex"]
 
 #: Bumped whenever the canonical form changes, so old keys never alias new ones.
 KEY_SCHEMA = 1
@@ -26,6 +28,18 @@ def sha256_hex(data: bytes | str) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
-def is_hex_key(text: str) -> bool:
-    """True when ``text`` is exactly 64 lowercase hex digits (a key or digest)."""
+def is_hex_key(text: object) -> bool:
+    """True when ``text`` is a string of exactly 64 lowercase hex digits (a key or digest)."""
     return isinstance(text, str) and _HEX64.fullmatch(text) is not None
+
+
+def require_hex_key(value: object, field: str) -> str:
+    """``value`` when it is a recipe key or digest, else :class:`InvalidKeyError` naming ``field``.
+
+    The one check of keys and digests everywhere (core, client, server): a key names
+    files and rows, so anything but exactly 64 lowercase hex digits is refused before use.
+    """
+    if isinstance(value, str) and _HEX64.fullmatch(value) is not None:
+        return value
+    shown = repr(value[:80]) if isinstance(value, str) else f"a {type(value).__name__}"
+    raise InvalidKeyError(field, f"must be 64 lowercase hex digits (a sha256), got {shown}")

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import filelock
 
 from kcache.errors import LockTimeoutError
-from kcache.keys import is_hex_key
+from kcache.keys import require_hex_key
 
 __all__ = ["FileKeyLock", "KeyLock", "SingleFlight"]
 
@@ -88,8 +88,7 @@ class FileKeyLock:
     @contextlib.contextmanager
     def hold(self, key: str, timeout: float) -> Iterator[bool]:
         """Try without blocking first, so the caller learns whether it waited."""
-        if not is_hex_key(key):
-            raise ValueError(f"{key!r} is not a sha256 key")
+        require_hex_key(key, "key")
         path = self.root / key[:2] / f"{key}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = filelock.FileLock(str(path), thread_local=False)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
-from kcache.errors import RecipeError, UnresolvedRecipeError
-from kcache.keys import KEY_SCHEMA, canonical_json, is_hex_key, sha256_hex
+from kcache.errors import InvalidKeyError, RecipeError, UnresolvedRecipeError
+from kcache.keys import KEY_SCHEMA, canonical_json, require_hex_key, sha256_hex
 from kcache.specialization import SpecValue, normalize_specialization, render_macros
 from kcache.targets import Target, parse_target
 
@@ -416,8 +416,11 @@ def _validate(recipe: Recipe) -> None:
     for i, item in enumerate(recipe.link):
         if not isinstance(item, LinkInput) or (item.recipe is None) == (item.digest is None):
             raise RecipeError(f"link[{i}]", "must give exactly one of a recipe or a digest")
-        if item.digest is not None and not is_hex_key(item.digest):
-            raise RecipeError(f"link[{i}].digest", "must be 64 lowercase hex digits")
+        if item.digest is not None:
+            try:
+                require_hex_key(item.digest, f"link[{i}].digest")
+            except InvalidKeyError as exc:
+                raise RecipeError(exc.field, exc.detail) from None
     if recipe.link and not recipe.lto:
         raise RecipeError("link", 'link inputs need "lto": true (they are linked with nvJitLink)')
     if recipe.lto and recipe.output != "cubin":

@@ -19,7 +19,7 @@ import filelock
 from kcache.artifact import ArtifactMeta, CompileFailure, ManifestEntry
 from kcache.fsutil import atomic_write
 from kcache.index.base import MANIFEST_LIMIT
-from kcache.keys import is_hex_key
+from kcache.keys import require_hex_key
 
 __all__ = ["FileIndex"]
 
@@ -38,8 +38,7 @@ class FileIndex:
 
     def _path_str(self, kind: str, key: str) -> str:
         # String joins: pathlib costs tens of microseconds on a node-tier hit.
-        if not is_hex_key(key):
-            raise ValueError(f"{key!r} is not a sha256 key")
+        require_hex_key(key, "key")
         return f"{self._root_str}/{kind}/{key[:2]}/{key}.json"
 
     def _read(self, kind: str, key: str) -> Any:

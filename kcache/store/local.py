@@ -24,18 +24,12 @@ from pathlib import Path
 
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
 from kcache.fsutil import TMP_PREFIX, atomic_write, fsync_dir
-from kcache.keys import is_hex_key
+from kcache.keys import is_hex_key, require_hex_key
 
 __all__ = ["SET_ASIDE_PREFIX", "LocalArtifactStore"]
 
 #: Blobs being garbage-collected are renamed to this prefix first; listings skip them.
 SET_ASIDE_PREFIX = ".gc-"
-
-
-def _check_digest(digest: str) -> str:
-    if not is_hex_key(digest):
-        raise ValueError(f"{digest!r} is not a sha256 digest (64 lowercase hex digits)")
-    return digest
 
 
 class LocalArtifactStore:
@@ -50,7 +44,7 @@ class LocalArtifactStore:
 
     def _path_str(self, digest: str) -> str:
         # String joins: pathlib costs tens of microseconds on a node-tier hit.
-        _check_digest(digest)
+        require_hex_key(digest, "digest")
         return f"{self._blobs_str}/{digest[:2]}/{digest[2:4]}/{digest}"
 
     def path(self, digest: str) -> Path:

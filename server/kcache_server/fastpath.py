@@ -16,11 +16,11 @@ caches for next time.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from kcache.keys import is_hex_key
 from kcache_server.http_cache import blob_headers, etag_matches
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.state import ServerState
@@ -31,8 +31,10 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-# fullmatch: "$" would also take ".../artifact\n".
-_PATH = re.compile(r"/v1/recipes/([0-9a-f]{64})/artifact")
+# The path is /v1/recipes/<recipe_key>/artifact with a key that passes the one key check;
+# anything else (a bad key, a trailing newline) goes to the route, which says what is wrong.
+_PREFIX = "/v1/recipes/"
+_SUFFIX = "/artifact"
 #: The route template the metrics label this path with (the FastAPI route's own).
 ROUTE = "/v1/recipes/{recipe_key}/artifact"
 
@@ -58,9 +60,11 @@ class ArtifactFastPath:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer from memory, or hand the request to the app."""
         if scope["type"] == "http" and scope["method"] == "GET":
-            match = _PATH.fullmatch(scope["path"])
-            if match is not None and await self._serve(match.group(1), scope, send):
-                return
+            path: str = scope["path"]
+            if path.startswith(_PREFIX) and path.endswith(_SUFFIX):
+                recipe_key = path[len(_PREFIX) : -len(_SUFFIX)]
+                if is_hex_key(recipe_key) and await self._serve(recipe_key, scope, send):
+                    return
         await self.app(scope, receive, send)
 
     async def _serve(self, recipe_key: str, scope: Scope, send: Send) -> bool:

@@ -14,15 +14,14 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from kcache.errors import LockTimeoutError
-from kcache.keys import is_hex_key
+from kcache.keys import require_hex_key
 
 __all__ = ["PgAdvisoryKeyLock", "advisory_id"]
 
 
 def advisory_id(key: str) -> int:
     """The signed 64-bit advisory lock id for a sha256 key (its first 8 bytes)."""
-    if not is_hex_key(key):
-        raise ValueError(f"{key!r} is not a sha256 key")
+    require_hex_key(key, "key")
     return int.from_bytes(bytes.fromhex(key[:16]), "big", signed=True)
 
 

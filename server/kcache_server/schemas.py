@@ -27,7 +27,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kcache.keys import is_hex_key
+from kcache.errors import InvalidKeyError
+from kcache.keys import require_hex_key
 from kcache_server.errors import BadRequestError, InvalidRequestError
 
 __all__ = [
@@ -146,11 +147,10 @@ def load_model(model: type[M], data: Any) -> M:
 
 def check_key(value: str, what: str) -> str:
     """``value`` if it is a sha256 hex key (a recipe key or digest in a path), else a 400 naming ``what``."""
-    if not is_hex_key(value):
-        raise BadRequestError(
-            f"{what} must be 64 lowercase hex digits (a sha256), got {value[:80]!r}"
-        )
-    return value
+    try:
+        return require_hex_key(value, what)
+    except InvalidKeyError as exc:
+        raise BadRequestError(str(exc)) from None
 
 
 class _Strict(BaseModel):

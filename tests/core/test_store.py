@@ -39,7 +39,7 @@ def test_unknown_digest_and_bad_names(tmp_path: Path) -> None:
     store = LocalArtifactStore(tmp_path)
     with pytest.raises(ArtifactNotFoundError):
         store.get("0" * 64)
-    with pytest.raises(ValueError, match="not a sha256 digest"):
+    with pytest.raises(ValueError, match="digest must be 64 lowercase hex digits"):
         store.path("../../etc/passwd")
 
 

@@ -20,7 +20,8 @@ from typing import Annotated, Any, Literal, cast
 import sqlalchemy as sa
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from kcache.keys import is_hex_key
+from kcache.errors import InvalidKeyError
+from kcache.keys import require_hex_key
 from kcache_server.errors import InvalidRequestError
 from kcache_server.models import Artifact, AuditEvent
 from kcache_server.schemas import Context, Label32, Label128, Label1024
@@ -45,9 +46,10 @@ MAX_EVENT_COUNT = 1_000_000
 
 
 def _hex_key(value: str) -> str:
-    if not is_hex_key(value):  # the one full-string check of keys, shared with the core
-        raise ValueError("must be 64 lowercase hex digits (a sha256)")
-    return value
+    try:
+        return require_hex_key(value, "key")  # the one check of keys, shared with the core
+    except InvalidKeyError as exc:
+        raise ValueError(exc.detail) from None  # pydantic names the field and the event
 
 
 _Hex64 = Annotated[str, AfterValidator(_hex_key)]
