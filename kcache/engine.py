@@ -12,7 +12,6 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Literal
 
 from kcache.artifact import ArtifactMeta, CompileFailure, CompileOutput
 from kcache.compilers import Compiler
@@ -28,12 +27,11 @@ from kcache.errors import (
 from kcache.index.base import Index
 from kcache.locks import KeyLock
 from kcache.nvrtc import kernel_name
+from kcache.outcomes import ResolveStatus
 from kcache.recipe import Recipe
 from kcache.store.base import ArtifactStore
 
-__all__ = ["Engine", "Resolution", "Status", "failure_error"]
-
-Status = Literal["hit", "compiled", "waited"]
+__all__ = ["Engine", "Resolution", "failure_error"]
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +51,7 @@ def failure_error(entry: CompileFailure) -> CompileError:
 class Resolution:
     """The outcome of :meth:`Engine.resolve`."""
 
-    status: Status
+    status: ResolveStatus
     recipe_key: str
     base_key: str
     artifact: ArtifactMeta
@@ -140,7 +138,7 @@ class Engine:
         with self.lock.hold(key, self.lock_timeout) as waited:
             found = self._find(recipe, key, base)
             if found is not None:
-                status: Status = "waited" if waited else "hit"
+                status: ResolveStatus = "waited" if waited else "hit"
                 return Resolution(status, key, base, found, recipe, time.perf_counter() - started)
             meta = self._compile_and_publish(recipe, key, base)
         return Resolution("compiled", key, base, meta, recipe, time.perf_counter() - started)

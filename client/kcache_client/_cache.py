@@ -23,11 +23,12 @@ import uuid
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from kcache.artifact import ArtifactMeta
 from kcache.engine import Engine
 from kcache.errors import CompileError, KCacheError, ToolchainError
+from kcache.outcomes import Outcome, parse_outcome
 from kcache.recipe import Recipe
 from kcache_client._artifact import Artifact
 from kcache_client._collective import Collective, as_collective
@@ -48,8 +49,6 @@ from kcache_client.errors import (
 
 __all__ = ["KernelCache", "Resolved", "WarmupResult"]
 
-Source = Literal["memory", "node", "server", "local"]
-
 #: Recipes per ``/v1/resolve/batch`` request: big enough for the server to compile
 #: in parallel, small enough for the progress bar to move.
 _BATCH = 8
@@ -64,7 +63,7 @@ _LEADER_SHARE = 0.85
 class Resolved:
     """An artifact and how it was obtained: ``hit``/``compiled``/``waited`` (server), ``local_hit``."""
 
-    status: str
+    status: Outcome
     artifact: Artifact
 
 
@@ -460,6 +459,10 @@ class KernelCache:
         body = {"recipe": concrete.to_dict(), "compile": compile, "context": self.context()}
         answer = transport.request("POST", "/v1/resolve", json=body).json()
         meta = _meta_from_body(answer)
+        try:
+            status = parse_outcome(answer.get("status", "hit"), "the server's resolve status")
+        except ValueError as exc:
+            raise ClientError(str(exc)) from None
         if answer.get("recipe_key") not in (None, key):
             raise ClientError(
                 f"the server keyed the recipe as {answer.get('recipe_key')}, this client as {key}: "
@@ -471,7 +474,7 @@ class KernelCache:
         else:
             data = self._download_blob(meta.digest)
         self.stats.add("server_fetches")
-        return Resolved(str(answer.get("status", "hit")), self._publish(key, concrete, meta, data))
+        return Resolved(status, self._publish(key, concrete, meta, data))
 
     def _download_blob(self, digest: str) -> bytes:
         """``GET /v1/blobs/{digest}``, refetched until the bytes hash to ``digest`` (bounded)."""
@@ -528,7 +531,7 @@ class KernelCache:
         result = engine.resolve(concrete)
         data = engine.read(result.artifact)
         # The engine's "hit" was found in the tier (through a manifest): a local_hit here.
-        status = "local_hit" if result.status == "hit" else result.status
+        status: Outcome = "local_hit" if result.status == "hit" else result.status
         if status != "local_hit":
             self.stats.add("local_compiles")
         return Resolved(

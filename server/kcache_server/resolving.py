@@ -31,6 +31,7 @@ from kcache.deps import include_set_files_unchanged
 from kcache.engine import failure_error
 from kcache.errors import ArtifactNotFoundError, KCacheError
 from kcache.nvrtc import kernel_name
+from kcache.outcomes import Outcome
 from kcache.recipe import Recipe
 from kcache_server._lru import Lru
 from kcache_server.auditing.writer import AuditLog, AuditRecord
@@ -163,7 +164,7 @@ class Resolver:
         context: Context,
         route: str,
         started: float,
-        outcome: str,
+        outcome: Outcome,
         meta: ArtifactMeta | None = None,
         *,
         error: str | None = None,
@@ -288,7 +289,7 @@ class Resolver:
         self._blobs.discard(digest)
 
     def record_fetch(
-        self, recipe_key: str, meta: ArtifactMeta | None, started: float, outcome: str
+        self, recipe_key: str, meta: ArtifactMeta | None, started: float, outcome: Outcome
     ) -> None:
         """Audit a ``GET /v1/recipes/{key}/artifact`` (identical hits are tallied, not rowed)."""
         latency_ms = (time.perf_counter() - started) * 1000.0

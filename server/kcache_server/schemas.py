@@ -29,6 +29,7 @@ from pydantic_core import PydanticCustomError
 
 from kcache.errors import InvalidKeyError
 from kcache.keys import require_hex_key
+from kcache.outcomes import ResolveStatus
 from kcache_server.errors import BadRequestError, InvalidRequestError
 
 __all__ = [
@@ -213,7 +214,7 @@ class ArtifactBody(BaseModel):
 class ResolveResponse(BaseModel):
     """A resolved recipe: how it was found, its keys and its artifact's metadata."""
 
-    status: Literal["hit", "compiled", "waited"]
+    status: ResolveStatus
     recipe_key: str
     base_key: str
     artifact: ArtifactBody

@@ -183,6 +183,25 @@ def test_the_page_loads_nothing_from_elsewhere(page: Any, workload: Workload) ->
     assert http_status(workload, "/dashboard/../../etc/passwd") == 404
 
 
+def test_the_page_draws_the_servers_outcomes(page: Any, workload: Workload) -> None:
+    """The legend and the tier bars come from kcache.outcomes, written into the page by the server."""
+    from kcache.outcomes import HIT_OUTCOMES, OUTCOMES
+
+    _open(page, workload)
+    legend = page.eval_on_selector_all("#outcome-legend span", "els => els.map(e => e.textContent)")
+    assert legend == [o.replace("_", " ") for o in OUTCOMES]
+    drawn = page.eval_on_selector_all(
+        "#tiers [data-outcome]", "els => els.map(e => e.dataset.outcome)"
+    )
+    assert drawn and set(drawn) <= set(OUTCOMES)
+    # Each tier's hit share counts exactly the hit outcomes.
+    for tier, counts in _stats(workload)["by_tier"].items():
+        total = sum(counts.values())
+        hits = sum(n for o, n in counts.items() if o in HIT_OUTCOMES)
+        head = page.text_content(f'.tier[data-tier="{tier}"] .tier-head .muted')
+        assert head == f"{total} lookups · {hits / total * 100:.1f}% hits"
+
+
 def http_status(w: Workload, path: str) -> int:
     """The status of ``GET path`` sent verbatim."""
     with w.server.client() as http:

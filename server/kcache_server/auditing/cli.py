@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from kcache.outcomes import OUTCOMES
 from kcache_server.terminal import printable
 
 __all__ = ["format_stats", "register"]
-
-_OUTCOMES = ("hit", "local_hit", "compiled", "waited", "miss", "error")
 
 
 def _pct(rate: float | None) -> str:
@@ -80,7 +79,7 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
     )
     observed: dict[str, int] = stats["totals"]
     reported: dict[str, int] = stats.get("reported", {})
-    every = {o: observed.get(o, 0) + reported.get(o, 0) for o in _OUTCOMES}
+    every = {o: observed.get(o, 0) + reported.get(o, 0) for o in OUTCOMES}
     parts = [
         f"window        {window}",
         f"lookups       {stats['lookups']}  ({sum(observed.values())} seen by the server, "
@@ -91,13 +90,13 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
         f"(+ {_secs(stats.get('reported_compile_seconds_saved', 0.0))} reported by clients)",
         "",
         _table(
-            ["tier", *_OUTCOMES, "total"],
+            ["tier", *OUTCOMES, "total"],
             [
-                [tier, *(counts.get(o, 0) for o in _OUTCOMES), sum(counts.values())]
+                [tier, *(counts.get(o, 0) for o in OUTCOMES), sum(counts.values())]
                 for tier, counts in sorted(stats["by_tier"].items())
             ]
-            + [["all", *(every[o] for o in _OUTCOMES), stats["lookups"]]],
-            numeric=set(range(1, len(_OUTCOMES) + 2)),
+            + [["all", *(every[o] for o in OUTCOMES), stats["lookups"]]],
+            numeric=set(range(1, len(OUTCOMES) + 2)),
         ),
     ]
     if stats.get("groups"):

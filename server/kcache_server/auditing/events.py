@@ -22,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from kcache.errors import InvalidKeyError
 from kcache.keys import require_hex_key
+from kcache.outcomes import CLIENT_OUTCOMES, ClientOutcome
 from kcache_server.errors import InvalidRequestError
 from kcache_server.models import Artifact, AuditEvent
 from kcache_server.schemas import Context, Label32, Label128, Label1024
@@ -36,8 +37,6 @@ __all__ = [
     "ingest_events",
 ]
 
-#: What a client can observe on its own; every other outcome is the server's to record.
-CLIENT_OUTCOMES = ("local_hit",)
 #: The client's tiers: its in-process memory and the node-local directory.
 CLIENT_TIERS = ("memory", "node")
 
@@ -64,7 +63,7 @@ class ClientEvent(Context):
     model_config = ConfigDict(extra="ignore")
 
     time: float = Field(gt=0, strict=True, allow_inf_nan=False, description="when, in unix seconds")
-    outcome: Literal["local_hit"] = Field(description="only local_hit: the server records the rest")
+    outcome: ClientOutcome = Field(description="only local_hit: the server records the rest")
     tier: Literal["memory", "node"]
     recipe_key: _Hex64 | None = None
     base_key: _Hex64 | None = None

@@ -22,12 +22,13 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any, Literal, cast
 
 import sqlalchemy as sa
 from pydantic import BaseModel, Field
 
+from kcache.outcomes import CLIENT_OUTCOMES, HIT_OUTCOMES, MISS_OUTCOMES, OUTCOMES, SERVER_OUTCOMES
 from kcache_server.errors import InvalidRequestError
 from kcache_server.models import AuditEvent, AuditRollup
 
@@ -49,18 +50,12 @@ __all__ = [
     "parse_time",
 ]
 
-#: Every outcome, in the order they are shown.
-OUTCOMES = ("hit", "local_hit", "compiled", "waited", "miss", "error")
-#: Outcomes the server observes itself (tier ``server``).
-SERVER_OUTCOMES = ("hit", "compiled", "waited", "miss", "error")
+# OUTCOMES, SERVER_OUTCOMES (tier ``server``), HIT_OUTCOMES and MISS_OUTCOMES come from
+# kcache.outcomes, the one list, and are re-exported here for the stats' readers.
 #: Outcomes only clients report (``POST /v1/events``).
-REPORTED_OUTCOMES = ("local_hit",)
+REPORTED_OUTCOMES = CLIENT_OUTCOMES
 #: The tier of the server's own events; every other tier is client-reported.
 SERVER_TIER = "server"
-#: Lookups the cache answered.
-HIT_OUTCOMES = frozenset({"hit", "local_hit"})
-#: Lookups it did not: compiled (or joined a compile), absent, or failed.
-MISS_OUTCOMES = frozenset({"compiled", "waited", "miss", "error"})
 
 GroupBy = Literal["kernel", "target", "client", "job", "rank"]
 #: ``group_by`` value -> column of ``audit_events``.
@@ -316,8 +311,8 @@ def _totals(
             src.c.outcome, src.c.tier, sa.func.sum(src.c.n), sa.func.sum(src.c.saved)
         ).group_by(src.c.outcome, src.c.tier)
     ).all()
-    totals = dict.fromkeys(SERVER_OUTCOMES, 0)
-    reported = dict.fromkeys(REPORTED_OUTCOMES, 0)
+    totals: dict[str, int] = dict.fromkeys(SERVER_OUTCOMES, 0)
+    reported: dict[str, int] = dict.fromkeys(REPORTED_OUTCOMES, 0)
     by_tier: dict[str, dict[str, int]] = {}
     saved = reported_saved = 0.0
     for outcome, tier, n, s in rows:
@@ -618,9 +613,3 @@ def compute_stats(engine: sa.Engine, query: StatsQuery) -> Stats:
         bucket_seconds=step,
         series=series,
     )
-
-
-def default_window(hours: float = 24.0) -> tuple[datetime, datetime]:
-    """The last ``hours`` up to now (what the dashboard opens with)."""
-    now = datetime.now(timezone.utc)
-    return now - timedelta(hours=hours), now

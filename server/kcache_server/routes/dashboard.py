@@ -2,7 +2,10 @@
 
 The page is static and holds no data (so it needs no token); its script reads
 ``/v1/stats`` with the token the user enters, if the server asks for one. The
-files are read once at import: no build step, nothing fetched from the network.
+files are read from the package: no build step, nothing fetched from the network.
+The page carries the outcome lists of :mod:`kcache.outcomes` in two ``<meta>`` tags
+(data, not code, so the page's CSP still allows only its own script), which the
+script draws from: the dashboard shows the outcomes the server records, whatever they are.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from kcache.errors import ArtifactNotFoundError
+from kcache.outcomes import HIT_OUTCOMES, OUTCOMES
 
 router = APIRouter(tags=["dashboard"])
 
@@ -32,6 +36,15 @@ def _read(name: str) -> str:
     return (_STATIC / name).read_text(encoding="utf-8")
 
 
+def _page() -> str:
+    """``index.html`` with the outcome lists written into its ``<meta>`` tags (words of [a-z_])."""
+    return (
+        _read("index.html")
+        .replace("{{OUTCOMES}}", " ".join(OUTCOMES))
+        .replace("{{HIT_OUTCOMES}}", " ".join(o for o in OUTCOMES if o in HIT_OUTCOMES))
+    )
+
+
 @router.get("/", include_in_schema=False)
 async def root() -> RedirectResponse:
     """The server's address opened in a browser leads to the dashboard."""
@@ -42,7 +55,7 @@ async def root() -> RedirectResponse:
 async def dashboard() -> HTMLResponse:
     """The dashboard page."""
     return HTMLResponse(
-        _read("index.html"), headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-cache"}
+        _page(), headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-cache"}
     )
 
 

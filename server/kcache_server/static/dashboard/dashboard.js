@@ -5,10 +5,12 @@
 
 (function () {
   const WINDOWS = { "15m": 900, "1h": 3600, "6h": 21600, "24h": 86400, "7d": 604800, "30d": 2592000 };
-  const OUTCOMES = ["hit", "local_hit", "compiled", "waited", "miss", "error"];
-  const LABELS = {
-    hit: "hit", local_hit: "local hit", compiled: "compiled", waited: "waited", miss: "miss", error: "error",
-  };
+  // The outcomes, in the order they are shown, and those that count as hits: the server
+  // writes its one list (kcache.outcomes) into the page, so the two never drift apart.
+  const words = (name) => document.querySelector(`meta[name="${name}"]`).content.split(" ").filter(Boolean);
+  const OUTCOMES = words("kcache-outcomes");
+  const HIT_OUTCOMES = words("kcache-hit-outcomes");
+  const LABELS = Object.fromEntries(OUTCOMES.map((o) => [o, o.replace(/_/g, " ")]));
   const REFRESH_MS = Number(new URLSearchParams(location.search).get("refresh") || 10) * 1000;
 
   const $ = (id) => document.getElementById(id);
@@ -146,7 +148,7 @@
     for (const tier of tiers) {
       const counts = s.by_tier[tier];
       const total = Object.values(counts).reduce((a, b) => a + b, 0);
-      const hits = (counts.hit || 0) + (counts.local_hit || 0);
+      const hits = HIT_OUTCOMES.reduce((sum, o) => sum + (counts[o] || 0), 0);
       const bar = el("div", { class: "bar" });
       const list = el("div", { class: "tier-counts" });
       for (const outcome of OUTCOMES) {
