@@ -12,7 +12,6 @@ installed and local compiles enabled compiles with the core engine over the tier
 from __future__ import annotations
 
 import atexit
-import collections
 import concurrent.futures
 import hashlib
 import os
@@ -28,6 +27,7 @@ from typing import Any
 from kcache.artifact import ArtifactMeta
 from kcache.engine import Engine
 from kcache.errors import CompileError, KCacheError, ToolchainError
+from kcache.lru import LruCache
 from kcache.outcomes import Outcome, parse_outcome
 from kcache.recipe import Recipe
 from kcache_client._artifact import Artifact
@@ -199,9 +199,7 @@ class KernelCache:
         self._events = (
             EventSink(self._transport) if self._transport is not None and send_events else None
         )
-        self._memory: collections.OrderedDict[str, Artifact] = collections.OrderedDict()
-        self._memory_entries = memory_entries
-        self._memory_lock = threading.Lock()
+        self._memory: LruCache[str, Artifact] = LruCache(max_entries=memory_entries)
         self._toolchain_default: str | None = None
         self._toolchain_lock = threading.Lock()
         self._engine: Engine | None = None
@@ -382,24 +380,15 @@ class KernelCache:
 
     # ------------------------------------------------------------------ tiers
     def _memory_get(self, key: str) -> Artifact | None:
-        with self._memory_lock:
-            art = self._memory.get(key)
-            if art is not None:
-                self._memory.move_to_end(key)
-            return art
+        return self._memory.get(key)
 
     def _memory_put(self, art: Artifact) -> Artifact:
-        with self._memory_lock:
-            self._memory[art.recipe_key] = art
-            self._memory.move_to_end(art.recipe_key)
-            while len(self._memory) > self._memory_entries:
-                self._memory.popitem(last=False)
+        self._memory.put(art.recipe_key, art)
         return art
 
     def forget_memory(self) -> None:
         """Drop the in-process copies (the node tier keeps its own)."""
-        with self._memory_lock:
-            self._memory.clear()
+        self._memory.clear()
 
     def _tier_get(self, key: str, concrete: Recipe) -> Artifact | None:
         found = self.tier.lookup(key)  # verifies the digest; a corrupt blob reads as absent

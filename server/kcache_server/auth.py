@@ -31,6 +31,7 @@ from typing import Any, cast
 import anyio
 import sqlalchemy as sa
 
+from kcache.lru import LruCache
 from kcache_server.errors import (
     AuthenticationError,
     BadRequestError,
@@ -108,7 +109,8 @@ class TokenStore:
         self.cache_s = cache_s
         self._lock = threading.Lock()
         self._any: tuple[float, bool] | None = None
-        self._cache: dict[str, tuple[float, Principal | None]] = {}
+        # Token hash -> (checked at, principal); bounded, so a flood of random tokens cannot grow it.
+        self._cache: LruCache[str, tuple[float, Principal | None]] = LruCache(max_entries=10_000)
 
     # ------------------------------------------------------------------ management
     def create(
@@ -248,10 +250,7 @@ class TokenStore:
             principal = cached[1]
         else:
             principal = self._check(digest)
-            with self._lock:
-                if len(self._cache) > 10_000:
-                    self._cache.clear()  # a flood of random tokens must not grow memory
-                self._cache[digest] = (now, principal)
+            self._cache.put(digest, (now, principal))
         if principal is None:
             raise AuthenticationError("the bearer token is unknown or revoked")
         return principal

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kcache.keys import is_hex_key
+from kcache.lru import LruCache
 from kcache_server.http_cache import blob_headers, etag_matches
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.state import ServerState
@@ -54,8 +55,9 @@ class ArtifactFastPath:
         self.ok = metrics.requests.labels(route=ROUTE, method="GET", status="200")
         self.not_modified = metrics.requests.labels(route=ROUTE, method="GET", status="304")
         self.seconds = metrics.request_seconds.labels(route=ROUTE)
-        # Response headers per digest, encoded once (a digest's headers never change).
-        self._headers: dict[str, list[tuple[bytes, bytes]]] = {}
+        # Response headers per digest, encoded once (a digest's headers never change);
+        # as many digests as the resolver keeps recipe keys.
+        self._headers: LruCache[str, list[tuple[bytes, bytes]]] = LruCache(max_entries=100_000)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer from memory, or hand the request to the app."""
@@ -89,12 +91,11 @@ class ArtifactFastPath:
             return False  # the route produces the precise 401/403
         headers = self._headers.get(meta.digest)
         if headers is None:
-            if len(self._headers) > 100_000:
-                self._headers.clear()  # bounded like the blob cache; rebuilt on demand
-            headers = self._headers[meta.digest] = [
+            headers = [
                 (name.lower().encode(), value.encode())
                 for name, value in blob_headers(meta.digest, meta.size).items()
             ]
+            self._headers.put(meta.digest, headers)
         request_id = (HEADER, new_request_id().encode())
         if etag_matches(if_none_match, meta.digest):
             await send(

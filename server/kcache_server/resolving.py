@@ -30,10 +30,10 @@ from kcache.artifact import ArtifactMeta, CompileFailure
 from kcache.deps import include_set_files_unchanged
 from kcache.engine import failure_error
 from kcache.errors import ArtifactNotFoundError, KCacheError
+from kcache.lru import LruCache
 from kcache.nvrtc import kernel_name
 from kcache.outcomes import Outcome
 from kcache.recipe import Recipe
-from kcache_server._lru import Lru
 from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.backends import Backends
 from kcache_server.errors import error_body, error_info
@@ -72,8 +72,8 @@ class Resolver:
         self.backends = backends
         self.audit = audit
         self._run = run
-        self._blobs: Lru[str, bytes] = Lru(blob_cache_bytes, len)
-        self._known: Lru[str, _Known] = Lru(_MAX_CACHED_KEYS)
+        self._blobs: LruCache[str, bytes] = LruCache(max_bytes=blob_cache_bytes, size=len)
+        self._known: LruCache[str, _Known] = LruCache(max_entries=_MAX_CACHED_KEYS)
 
     # ------------------------------------------------------------------ resolving
     async def resolve(

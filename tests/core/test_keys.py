@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kcache.errors import RecipeError, UnresolvedRecipeError
+from kcache.errors import InvalidKeyError, RecipeError, UnresolvedRecipeError
+from kcache.keys import is_hex_key, require_hex_key, sha256_hex
 from kcache.recipe import Recipe
 from kcache.specialization import render_macros
 from tests.conftest import VECTOR_ADD
@@ -186,3 +187,34 @@ def test_recipes_are_immutable_so_memoised_keys_stay_true() -> None:
     bare = Recipe(source=VECTOR_ADD, target="sm_90")
     assert bare.with_defaults(toolchain="tc1") is bare.with_defaults(toolchain="tc1")
     assert bare.with_defaults(toolchain="tc1").key() != bare.with_defaults(toolchain="tc2").key()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "a" * 63,
+        "a" * 65,
+        "A" * 64,  # uppercase: a key has one spelling
+        "a" * 64 + "\n",  # "$" would take it; fullmatch does not
+        "g" * 64,
+        "\u0661" * 64,  # Unicode digits are not hex digits
+        "../" + "a" * 61,
+        None,
+        64,
+        b"a" * 64,
+    ],
+    ids=repr,
+)
+def test_require_hex_key_refuses_anything_but_64_lowercase_hex_digits(value: object) -> None:
+    assert not is_hex_key(value)
+    with pytest.raises(InvalidKeyError) as caught:
+        require_hex_key(value, "keys[3]")
+    assert caught.value.field == "keys[3]"
+    assert str(caught.value).startswith("keys[3] must be 64 lowercase hex digits")
+    assert isinstance(caught.value, ValueError)  # generic handlers still catch it
+
+
+def test_require_hex_key_passes_keys_and_digests_through() -> None:
+    key = sha256_hex(b"kernel")
+    assert is_hex_key(key) and require_hex_key(key, "digest") is key
