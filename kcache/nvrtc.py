@@ -241,18 +241,8 @@ def compile_recipe(
     """
     from cuda.bindings import nvrtc
 
-    if recipe.toolchain != toolchain.id:
-        raise RecipeError(
-            "toolchain",
-            f"{recipe.toolchain!r} is not available here; this side has {toolchain.id!r}",
-        )
+    toolchain.check(recipe)
     target = recipe.parsed_target
-    if not toolchain.supports(target.sm):
-        supported = ", ".join(f"sm_{sm}" for sm in toolchain.supported_sms)
-        raise RecipeError(
-            "target",
-            f"{target.text} is not supported by NVRTC {toolchain.nvrtc_version} ({supported})",
-        )
     set_dirs = [
         include_sets.get(name, f"include_sets[{i}]") for i, name in enumerate(recipe.include_sets)
     ]

@@ -15,11 +15,15 @@ import shutil
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import filelock
 
 from kcache.dirs import toolchain_dir
-from kcache.errors import ToolchainError
+from kcache.errors import RecipeError, ToolchainError
+
+if TYPE_CHECKING:
+    from kcache.recipe import Recipe
 from kcache.fsutil import atomic_write
 
 __all__ = ["Toolchain", "load_toolchain"]
@@ -44,6 +48,31 @@ class Toolchain:
     def supports(self, sm: int) -> bool:
         """True when NVRTC of this toolchain can target ``sm``."""
         return sm in self.supported_sms
+
+    def check(self, recipe: Recipe, side: str = "here", where: str = "") -> None:
+        """Refuse (:class:`RecipeError`) a recipe this toolchain cannot compile, and its linked recipes.
+
+        A recipe names this toolchain's id (prepared recipes always name one) and a
+        target its NVRTC compiles for. ``side`` says where, in the message ("here",
+        "on this server"); ``where`` prefixes the field of a linked recipe
+        (``link[0].recipe.target``).
+        """
+        if recipe.toolchain != self.id:
+            raise RecipeError(
+                f"{where}toolchain",
+                f"{recipe.toolchain!r} is not available {side}, which has {self.id!r} "
+                "(omit the field to use that default)",
+            )
+        target = recipe.parsed_target
+        if not self.supports(target.sm):
+            supported = ", ".join(f"sm_{sm}" for sm in self.supported_sms)
+            raise RecipeError(
+                f"{where}target",
+                f"{target.text} is not supported by NVRTC {self.nvrtc_version} {side} ({supported})",
+            )
+        for i, item in enumerate(recipe.link):
+            if item.recipe is not None:
+                self.check(item.recipe, side, f"{where}link[{i}].recipe.")
 
     def describe(self) -> dict[str, object]:
         """A JSON-able summary (what ``GET /v1/toolchains`` lists)."""

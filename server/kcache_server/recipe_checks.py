@@ -2,7 +2,8 @@
 
 Everything about a recipe that this server (not the recipe itself) decides is
 checked here: that its toolchain is the one the server runs and that its target,
-and every linked recipe's, is one that toolchain compiles for.
+and every linked recipe's, is one that toolchain compiles for
+(:meth:`kcache.toolchain.Toolchain.check`, the same check a compile makes).
 """
 
 from __future__ import annotations
@@ -15,25 +16,6 @@ from kcache.recipe import Recipe
 from kcache_server.backends import Backends
 
 __all__ = ["prepare_recipe"]
-
-
-def _check_supported(recipe: Recipe, backends: Backends, where: str = "") -> None:
-    toolchain = backends.toolchain
-    if recipe.toolchain != toolchain.id:
-        raise RecipeError(
-            f"{where}toolchain",
-            f"{recipe.toolchain!r} is not available on this server; it has {toolchain.id!r} "
-            "(omit the field to use the server's default)",
-        )
-    target = recipe.parsed_target
-    if not toolchain.supports(target.sm):
-        supported = ", ".join(f"sm_{sm}" for sm in toolchain.supported_sms)
-        raise RecipeError(
-            f"{where}target", f"{target.text} is not supported by this server's NVRTC ({supported})"
-        )
-    for i, item in enumerate(recipe.link):
-        if item.recipe is not None:
-            _check_supported(item.recipe, backends, f"{where}link[{i}].recipe.")
 
 
 def prepare_recipe(data: Mapping[str, Any], backends: Backends) -> Recipe:
@@ -49,7 +31,7 @@ def prepare_recipe(data: Mapping[str, Any], backends: Backends) -> Recipe:
     except (TypeError, ValueError) as exc:  # a wrong JSON type the field checks did not anticipate
         raise RecipeError("recipe", f"malformed: {exc}") from exc
     recipe = backends.engine.prepare(recipe)
-    _check_supported(recipe, backends)
+    backends.toolchain.check(recipe, "on this server")
     recipe.key()
     recipe.base_key()
     return recipe

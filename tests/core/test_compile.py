@@ -134,3 +134,28 @@ def test_ltoir_output_and_lto_link(toolchain: Toolchain) -> None:
 def test_unsupported_target_is_refused(toolchain: Toolchain) -> None:
     with pytest.raises(RecipeError, match="sm_50 is not supported"):
         _compile(toolchain, source=VECTOR_ADD, target="sm_50")
+
+
+def test_toolchain_check_refuses_what_it_cannot_compile(toolchain: Toolchain) -> None:
+    """One check for a compile and the server: the toolchain id, the target, linked recipes."""
+    ok = Recipe(source=VECTOR_ADD, target="sm_90").with_defaults(toolchain=toolchain.id)
+    toolchain.check(ok)
+    with pytest.raises(RecipeError, match="not available on this server") as caught:
+        toolchain.check(
+            Recipe(source=VECTOR_ADD, target="sm_90", toolchain="other"), "on this server"
+        )
+    assert caught.value.field == "toolchain"
+    with pytest.raises(RecipeError, match="sm_20 is not supported by NVRTC") as caught:
+        _compile(toolchain, source=VECTOR_ADD, target="sm_20")  # a compile makes the same check
+    assert caught.value.field == "target"
+    linked = Recipe(source=VECTOR_ADD, target="sm_20", output="ltoir", toolchain=toolchain.id)
+    outer = Recipe(
+        source=VECTOR_ADD,
+        target="sm_90",
+        lto=True,
+        link=[LinkInput(recipe=linked)],
+        toolchain=toolchain.id,
+    )
+    with pytest.raises(RecipeError) as caught:
+        toolchain.check(outer)
+    assert caught.value.field == "link[0].recipe.target"
