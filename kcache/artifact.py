@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kcache.deps import Dependency
@@ -79,10 +79,6 @@ class ArtifactMeta:
             kernel=data.get("kernel", ""),
             created_at=float(data.get("created_at", 0.0)),
         )
-
-    def with_kernel(self, kernel: str) -> ArtifactMeta:
-        """A copy naming the kernel (for audit grouping)."""
-        return replace(self, kernel=kernel)
 
 
 @dataclass(frozen=True)

@@ -110,17 +110,6 @@ class Engine:
             self.compiler.include_sets.get(name, f"include_sets[{i}]")
         return resolved
 
-    def lookup(self, recipe: Recipe) -> Resolution | None:
-        """A hit without compiling, or None. A cached failure raises CompileError(cached=True)."""
-        started = time.perf_counter()
-        recipe = self.prepare(recipe)
-        found = self._find(recipe, recipe.key(), recipe.base_key())
-        if found is None:
-            return None
-        return Resolution(
-            "hit", recipe.key(), recipe.base_key(), found, recipe, time.perf_counter() - started
-        )
-
     def resolve(self, recipe: Recipe, *, compile: bool = True) -> Resolution:
         """Return the artifact for ``recipe``, compiling it (once, across processes) if needed.
 

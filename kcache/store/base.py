@@ -36,7 +36,3 @@ class ArtifactStore(Protocol):
     def digests(self) -> Iterator[str]:
         """Every published digest (staging files never appear)."""
         ...
-
-    def size_bytes(self) -> int:
-        """Total bytes of published blobs."""
-        ...

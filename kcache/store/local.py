@@ -155,10 +155,6 @@ class LocalArtifactStore:
             if not path.name.startswith(TMP_PREFIX) and is_hex_key(path.name):
                 yield path.name
 
-    def size_bytes(self) -> int:
-        """Total size of published blobs."""
-        return sum(self.path(d).stat().st_size for d in self.digests())
-
     def stale_temp_files(self, older_than_s: float = 3600.0) -> list[Path]:
         """Staging files left by killed writers (never visible as blobs; ``gc`` removes them)."""
         cutoff = time.time() - older_than_s
