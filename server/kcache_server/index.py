@@ -25,7 +25,7 @@ from kcache.deps import Dependency
 from kcache.elf import EM_CUDA, cubin_sm
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, InvalidArtifactError
 from kcache.index.base import MANIFEST_LIMIT
-from kcache.keys import canonical_json, is_hex_key, sha256_hex
+from kcache.keys import canonical_json, require_hex_key, sha256_hex
 from kcache.store.local import LocalArtifactStore
 from kcache_server.models import Artifact, ManifestRow, NegativeEntry, RecipeAlias, utcnow
 
@@ -38,9 +38,7 @@ _negatives = cast(sa.Table, NegativeEntry.__table__)
 
 
 def _check(key: str) -> str:
-    if not is_hex_key(key):
-        raise ValueError(f"{key!r} is not a sha256 key")
-    return key
+    return require_hex_key(key, "key")
 
 
 def _stamp(epoch: float) -> datetime:
