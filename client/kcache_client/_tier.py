@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kcache.artifact import ArtifactMeta, CompileFailure
-from kcache.dirs import user_cache_dir
+from kcache.dirs import cache_dir
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
 from kcache.fsutil import atomic_write
 from kcache.index.file import FileIndex
@@ -33,7 +33,7 @@ __all__ = ["NodeTier", "default_cache_dir"]
 
 def default_cache_dir() -> Path:
     """``$KCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kcache/client`` (``~/.cache/kcache/client``)."""
-    return user_cache_dir("client", "KCACHE_CACHE_DIR")
+    return cache_dir()
 
 
 class NodeTier:

@@ -1,7 +1,10 @@
-"""``kcache serve``, ``kcache db upgrade|current`` and ``kcache token create|list|revoke``.
+"""``kcache serve``, ``kcache db upgrade|current|gc|verify`` and ``kcache token create|list|revoke``.
 
 Registered on the core's ``kcache`` command through the ``kcache.commands`` entry
 point group (see :mod:`kcache.cli`). Flags override the ``KCACHE_*`` environment.
+:func:`register` imports nothing beyond argparse (``kcache --help`` stays instant);
+each command imports the server when it runs. Errors about settings and databases
+are told in one or two lines naming the flag or variable (:mod:`._cli_support`).
 """
 
 from __future__ import annotations
@@ -10,24 +13,20 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kcache_server.auth import SCOPES
-from kcache_server.settings import Settings
+from kcache_server.scopes import SCOPES
+
+if TYPE_CHECKING:
+    from kcache_server.settings import Settings
 
 __all__ = ["register"]
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
-    overrides = {
-        name: getattr(args, name)
-        for name in ("host", "port", "data_dir", "db_url", "workers")
-        if getattr(args, name, None) is not None
-    }
-    for flag in ("force_insecure", "recreate_index"):
-        if getattr(args, flag, False):
-            overrides[flag] = True
-    return Settings(**overrides, **extra)
+    from kcache_server._cli_support import load_settings
+
+    return load_settings(args, **extra)
 
 
 def _add_db_options(parser: argparse.ArgumentParser) -> None:
@@ -70,17 +69,28 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
     from kcache_server.backends import open_settings_database
 
     settings = _settings(args)
-    open_settings_database(settings).dispose()  # creates the data directory for SQLite
-    migrate.upgrade(settings.database_url, args.revision)
-    print(f"database at {', '.join(sorted(migrate.head_revisions(settings.database_url)))}")
+    db = open_settings_database(settings)  # creates the data directory for SQLite
+    try:
+        before = migrate.current_revisions(db)
+        migrate.upgrade(settings.database_url, args.revision)
+        reached = migrate.current_revisions(db)
+    finally:
+        db.dispose()
+    shown = ", ".join(sorted(reached)) or "(none)"
+    if reached == before:
+        print(f"database at {shown} (already there; `kcache db upgrade` never downgrades)")
+    else:
+        print(f"database at {shown} (was {', '.join(sorted(before)) or 'empty'})")
     return 0
 
 
 def _cmd_db_current(args: argparse.Namespace) -> int:
     from kcache_server import migrate
+    from kcache_server._cli_support import require_database
     from kcache_server.backends import open_settings_database
 
     settings = _settings(args)
+    require_database(settings, args, "kcache db current")
     db = open_settings_database(settings)
     have = migrate.current_revisions(db)
     need = migrate.head_revisions(settings.database_url)
@@ -129,19 +139,61 @@ def _cmd_db_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_db_verify(args: argparse.Namespace) -> int:
+    from kcache.maintenance import verify_blobs
+    from kcache.store.local import LocalArtifactStore
+    from kcache_server import migrate
+    from kcache_server._cli_support import require_database
+    from kcache_server.backends import open_settings_database
+    from kcache_server.index import SqlIndex
+
+    settings = _settings(args)
+    require_database(settings, args, "kcache db verify")
+    db = open_settings_database(settings)
+    migrate.check_schema(db, settings.database_url)
+    report = verify_blobs(LocalArtifactStore(settings.data_dir), SqlIndex(db).digests())
+    print(
+        json.dumps(
+            {"checked": report.checked, "corrupt": report.corrupt, "missing": report.missing}
+        )
+    )
+    return 0 if report.ok else 1
+
+
 def _tokens(args: argparse.Namespace) -> Any:
     from kcache_server import migrate
+    from kcache_server._cli_support import require_database
     from kcache_server.auth import TokenStore
     from kcache_server.backends import open_settings_database
 
     settings = _settings(args)
+    require_database(settings, args, f"kcache token {args.token_command}")
     db = open_settings_database(settings)
     migrate.check_schema(db, settings.database_url)
     return TokenStore(db, cache_s=0)
 
 
 def _cmd_token_create(args: argparse.Namespace) -> int:
-    token = _tokens(args).create(args.name, args.scope or ["read"])
+    from pathlib import Path
+
+    from kcache.cli import UsageError
+
+    given = None
+    if args.token_file:
+        try:
+            given = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise UsageError(
+                f"--token-file: cannot read {args.token_file}: {exc.strerror}"
+            ) from exc
+    elif args.exist_ok:
+        raise UsageError("--exist-ok needs --token-file (a fresh random token never exists yet)")
+    token = _tokens(args).create(
+        args.name, args.scope or ["read"], token=given, exist_ok=args.exist_ok
+    )
+    if given is not None:  # the caller has the value already: never echo a secret
+        print(f"kcache: token {args.name!r} is stored (from {args.token_file})", file=sys.stderr)
+        return 0
     print(token)
     print(
         f"kcache: created token {args.name!r}; it is shown only now, store it (KCACHE_TOKEN)",
@@ -218,6 +270,11 @@ def register(subparsers: Any) -> None:
         help="allow a grace under 600s, and collecting when the index names none of the blobs",
     )
     gc.set_defaults(func=_cmd_db_gc)
+    verify = db_sub.add_parser(
+        "verify", help="re-hash every store blob; list artifact rows whose blob is missing"
+    )
+    _add_db_options(verify)
+    verify.set_defaults(func=_cmd_db_verify)
 
     token = subparsers.add_parser("token", help="manage bearer tokens")
     token_sub = token.add_subparsers(dest="token_command", required=True)
@@ -230,6 +287,17 @@ def register(subparsers: Any) -> None:
         help="repeatable (default read); each includes the ones before it: "
         "read < report (post client audit events) < compile < admin",
     )
+    create.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="store the token in FILE (a deployment's secret) instead of a new random one; not printed",
+    )
+    create.add_argument(
+        "--exist-ok",
+        action="store_true",
+        help="with --token-file: succeed when this name already holds that token and scopes "
+        "(an init step that runs on every start)",
+    )
     _add_db_options(create)
     create.set_defaults(func=_cmd_token_create)
     listing = token_sub.add_parser("list", help="list tokens (never their values)")
@@ -239,3 +307,7 @@ def register(subparsers: Any) -> None:
     revoke.add_argument("name")
     _add_db_options(revoke)
     revoke.set_defaults(func=_cmd_token_revoke)
+
+    from kcache_server._cli_support import guard_commands
+
+    guard_commands([serve, *db_sub.choices.values(), *token_sub.choices.values()])

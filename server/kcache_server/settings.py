@@ -11,7 +11,7 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["AuditSettings", "Settings", "is_loopback"]
@@ -160,6 +160,25 @@ class Settings(BaseSettings):
         default_factory=AuditSettings,
         description="auditing: KCACHE_AUDIT_<NAME>, see AuditSettings",
     )
+
+    @field_validator("db_url")
+    @classmethod
+    def _openable_db_url(cls, value: str | None) -> str | None:
+        """Refuse the URL spellings SQLAlchemy cannot open with the drivers kcache installs."""
+        if not value:
+            return None
+        scheme = value.split("://", 1)[0].lower() if "://" in value else ""
+        if scheme in ("postgres", "postgresql", "postgresql+psycopg2"):
+            raise ValueError(
+                f"{scheme}:// cannot be opened here (SQLAlchemy has no postgres:// dialect, and "
+                "postgresql:// means the psycopg2 driver): write postgresql+psycopg://USER:PASSWORD@HOST:5432/DB"
+            )
+        if not scheme:
+            raise ValueError(
+                "is not a database URL: write sqlite:////ABSOLUTE/PATH/kcache.db or "
+                "postgresql+psycopg://USER:PASSWORD@HOST:5432/DB"
+            )
+        return value
 
     @property
     def database_url(self) -> str:
