@@ -144,7 +144,8 @@ class KernelCache:
     """Fetch or request compiled kernels by recipe; one per process, shared by its threads.
 
     ``url``, ``token`` and ``cache_dir`` default to ``KCACHE_URL``, ``KCACHE_TOKEN`` and
-    ``KCACHE_CACHE_DIR`` (else ``~/.cache/kcache/client``). A miss the server cannot
+    ``KCACHE_CACHE_DIR`` (else ``~/.cache/kcache/client``); ``max_bytes`` caps the node
+    tier (``KCACHE_CACHE_MAX_BYTES``, default 10 GiB or 10 % of its filesystem, 0 for none). A miss the server cannot
     answer because it is unreachable (or because there is no URL) is compiled here
     when ``local_compile`` is on and NVRTC is installed: by default that is without a
     server, and ``KCACHE_LOCAL_COMPILE`` or the argument decide otherwise. Local
@@ -171,6 +172,7 @@ class KernelCache:
         connect_timeout: float = 5.0,
         read_timeout: float = 600.0,
         include_sets: Mapping[str, str | os.PathLike[str]] | None = None,
+        max_bytes: int | str | None = None,
     ) -> None:
         self.settings = ClientSettings.from_env(
             url=url,
@@ -179,9 +181,14 @@ class KernelCache:
             local_compile=local_compile,
             job_id=job_id,
             include_sets=include_sets,
+            max_bytes=max_bytes,
         )
         self.url = self.settings.url
-        self.tier = NodeTier(self.settings.cache_dir, lock_timeout=lock_timeout)
+        self.tier = NodeTier(
+            self.settings.cache_dir,
+            lock_timeout=lock_timeout,
+            max_bytes=self.settings.cache_max_bytes,
+        )
         self.stats = CacheStats()
         self._auto_target = auto_target
         self._device = device
@@ -443,7 +450,9 @@ class KernelCache:
         self.stats.add("server_fetches")
         return Resolved("hit", self._publish(key, concrete, meta, data))
 
-    def _resolve_remote(self, concrete: Recipe, key: str, compile: bool) -> Resolved:
+    def _resolve_remote(
+        self, concrete: Recipe, key: str, compile: bool, *, retried: bool = False
+    ) -> Resolved:
         transport = self._require_server()
         body = {"recipe": concrete.to_dict(), "compile": compile, "context": self.context()}
         answer = transport.request("POST", "/v1/resolve", json=body).json()
@@ -461,7 +470,14 @@ class KernelCache:
         if existing is not None and existing[0].digest == meta.digest:
             data = existing[1]
         else:
-            data = self._download_blob(meta.digest)
+            try:
+                data = self._download_blob(meta.digest)
+            except RemoteNotFoundError:
+                if retried:
+                    raise
+                # Evicted on the server between the answer and the download: ask again
+                # (a recipe whose artifact is gone is a plain miss, compiled on demand).
+                return self._resolve_remote(concrete, key, compile, retried=True)
         self.stats.add("server_fetches")
         return Resolved(status, self._publish(key, concrete, meta, data))
 
@@ -523,6 +539,8 @@ class KernelCache:
         status: Outcome = "local_hit" if result.status == "hit" else result.status
         if status != "local_hit":
             self.stats.add("local_compiles")
+        if result.status == "compiled":
+            self.tier.stored(len(data))  # the engine stored it in the tier: keep the cap
         return Resolved(
             status, self._memory_put(self._artifact(key, concrete, result.artifact, data))
         )

@@ -45,6 +45,7 @@ from kcache_server.errors import (
     error_body,
     error_info,
 )
+from kcache_server.eviction import install_eviction
 from kcache_server.fastpath import ArtifactFastPath
 from kcache_server.metrics import MetricsMiddleware, ServerMetrics, pool_sampler, store_sampler
 from kcache_server.request_ids import HEADER, new_request_id, request_id_var
@@ -220,6 +221,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics=metrics,
         retention=retention,
     )
+    evictor = install_eviction(state)  # refuses water marks that make no sense
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -227,9 +229,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await anyio.to_thread.run_sync(backends.compiler.start)
         audit.start()
         retention.start()
+        evictor.start()
         try:
             yield
         finally:
+            await anyio.to_thread.run_sync(evictor.close)
             await anyio.to_thread.run_sync(retention.close)
             await anyio.to_thread.run_sync(audit.close)
             await anyio.to_thread.run_sync(backends.compiler.close)
@@ -243,6 +247,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.kcache = state
+    app.state.evictor = evictor
     for router in ROUTERS:
         app.include_router(router)
     # Middleware added first runs innermost: the body limit, then the token gate

@@ -5,6 +5,7 @@ index     SqlIndex(SQLite | PostgreSQL)
 lock      SingleFlight(PgAdvisoryKeyLock)            on PostgreSQL: across replicas
           SingleFlight(FileKeyLock(data_dir))        on SQLite: across processes on one host
 compiler  ProcessPoolCompiler                        NVRTC in worker processes with limits
+          QuotaCompiler around it, for the engine     charges each compile to its caller (quotas)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kcache_server.compile_pool import ProcessPoolCompiler
 from kcache_server.db import DatabaseFile, is_postgres, open_database, sqlite_path
 from kcache_server.index import SqlIndex
 from kcache_server.locks import PgAdvisoryKeyLock
+from kcache_server.quotas import QuotaCompiler
 from kcache_server.settings import Settings
 
 __all__ = ["Backends", "open_backends", "open_settings_database"]
@@ -85,7 +87,12 @@ def open_backends(settings: Settings, db: sa.Engine) -> Backends:
         store,
         index,
         lock,
-        compiler,
+        QuotaCompiler(
+            compiler,
+            db,
+            quota_bytes=settings.token_quota_bytes,
+            max_artifact_bytes=settings.max_artifact_bytes,
+        ),
         lock_timeout=settings.lock_timeout_s,
         max_artifact_bytes=settings.max_artifact_bytes,
         failure_ttl_s=settings.failure_ttl_s,

@@ -11,6 +11,7 @@ Hierarchy (the core's errors are in :mod:`kcache.errors`)::
         ├── PayloadTooLargeError                    413: body over max_request_bytes
         ├── OverloadedError                         503 + Retry-After: compile queue full
         │   └── CompilerUnavailableError            503 + Retry-After: no compile worker is running
+        ├── QuotaExceededError                      507: the token's stored compiles reach its quota
         ├── CompileWorkerCrashedError (ToolchainError)  500: the worker died mid-compile
         ├── SchemaOutOfDateError                    start-up refusal: run `kcache db upgrade`
         ├── IndexMissingError                       start-up refusal: blobs but no database
@@ -51,6 +52,7 @@ __all__ = [
     "ErrorInfo",
     "IndexMissingError",
     "InsecureBindError",
+    "QuotaExceededError",
     "InvalidRequestError",
     "OverloadedError",
     "PayloadTooLargeError",
@@ -103,6 +105,10 @@ class CompilerUnavailableError(OverloadedError):
     """No compile worker is running and none is starting (they died and could not be restarted)."""
 
 
+class QuotaExceededError(ServerError):
+    """The caller's stored compiles reach its storage quota (``token_quota_bytes``)."""
+
+
 class CompileWorkerCrashedError(ServerError, ToolchainError):
     """The compile worker process died while compiling; it was replaced."""
 
@@ -147,6 +153,7 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     OverloadedError: ErrorInfo(503, "overloaded", retry=True),
     LockTimeoutError: ErrorInfo(503, "lock_timeout", retry=True),
     StoreFullError: ErrorInfo(507, "store_full"),
+    QuotaExceededError: ErrorInfo(507, "quota_exceeded"),
     CompileWorkerCrashedError: ErrorInfo(500, "compiler_crashed"),
     InvalidArtifactError: ErrorInfo(500, "invalid_artifact"),
     CorruptArtifactError: ErrorInfo(500, "corrupt_artifact"),

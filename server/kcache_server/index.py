@@ -13,7 +13,8 @@ manifests cannot be rebuilt, because a blob does not say which recipe made it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, cast
 
@@ -27,14 +28,63 @@ from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, InvalidAr
 from kcache.index.base import MANIFEST_LIMIT
 from kcache.keys import canonical_json, require_hex_key, sha256_hex
 from kcache.store.local import LocalArtifactStore
-from kcache_server.models import Artifact, ManifestRow, NegativeEntry, RecipeAlias, utcnow
+from kcache_server.models import (
+    Artifact,
+    CompileCharge,
+    Eviction,
+    ManifestRow,
+    NegativeEntry,
+    Pin,
+    RecipeAlias,
+    utcnow,
+)
 
-__all__ = ["SqlIndex"]
+__all__ = ["Evicted", "SqlIndex", "StoreUsage", "pinned"]
 
 _artifacts = cast(sa.Table, Artifact.__table__)
 _aliases = cast(sa.Table, RecipeAlias.__table__)
 _manifests = cast(sa.Table, ManifestRow.__table__)
 _negatives = cast(sa.Table, NegativeEntry.__table__)
+_pins = cast(sa.Table, Pin.__table__)
+_evictions = cast(sa.Table, Eviction.__table__)
+_charges = cast(sa.Table, CompileCharge.__table__)
+# When an artifact was last served (batched from the hit path), else when it was made.
+_last_use = sa.func.coalesce(_artifacts.c.last_used_at, _artifacts.c.created_at)
+# Rows deleted per transaction by an eviction: short transactions, few round trips.
+_EVICT_BATCH = 2000
+
+
+def pinned(digest: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
+    """True for an artifact some pinned recipe key resolves to.
+
+    Uncorrelated (the digests pins reach, computed once per statement): pins are few,
+    artifacts many, and a per-row lookup would cost a pass over 100k rows dearly.
+    """
+    alias = _aliases.alias("pinned_alias")
+    reached = sa.select(alias.c.digest).join(_pins, _pins.c.recipe_key == alias.c.recipe_key)
+    return digest.in_(reached)
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    """What the store holds, as the index counts it (pinned artifacts included)."""
+
+    artifacts: int
+    bytes: int
+    pinned_artifacts: int
+    pinned_bytes: int
+    pins: int
+    oldest_use: datetime | None
+    newest_use: datetime | None
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """One artifact whose rows an eviction removed: its blob's digest, size and former recipe keys."""
+
+    digest: str
+    size: int
+    recipe_keys: tuple[str, ...]
 
 
 def _check(key: str) -> str:
@@ -144,6 +194,19 @@ class SqlIndex:
             ).first()
         return row is not None
 
+    def named(self, digests: Sequence[str]) -> set[str]:
+        """Those of ``digests`` an artifact row names now (eviction's last check, batched)."""
+        found: set[str] = set()
+        with self.engine.connect() as conn:
+            for start in range(0, len(digests), _EVICT_BATCH):
+                chunk = [_check(d) for d in digests[start : start + _EVICT_BATCH]]
+                found.update(
+                    conn.execute(
+                        sa.select(_artifacts.c.digest).where(_artifacts.c.digest.in_(chunk))
+                    ).scalars()
+                )
+        return found
+
     def artifact(self, digest: str) -> ArtifactMeta | None:
         """Metadata by digest."""
         _check(digest)
@@ -227,7 +290,14 @@ class SqlIndex:
             self._alias(conn, recipe_key, digest, utcnow())
 
     def _alias(self, conn: sa.Connection, recipe_key: str, digest: str, now: datetime) -> None:
-        stmt = self._insert(_aliases).values(recipe_key=recipe_key, digest=digest, created_at=now)
+        # INSERT ... SELECT: an artifact evicted since the caller looked it up gets no
+        # alias (the recipe is a plain miss next time) instead of a foreign-key error.
+        found = sa.select(
+            sa.literal(recipe_key, sa.String(64)).label("recipe_key"),
+            _artifacts.c.digest,
+            sa.literal(now, _aliases.c.created_at.type).label("created_at"),
+        ).where(_artifacts.c.digest == digest)
+        stmt = self._insert(_aliases).from_select(["recipe_key", "digest", "created_at"], found)
         conn.execute(
             stmt.on_conflict_do_update(index_elements=["recipe_key"], set_={"digest": digest})
         )
@@ -309,3 +379,139 @@ class SqlIndex:
                 added += write()
         added += write()
         return added, corrupt
+
+    # ------------------------------------------------------------------ bounded storage
+    def usage(self) -> StoreUsage:
+        """Artifacts and bytes stored, how many of them are pinned, and the oldest and newest use."""
+        is_pinned = pinned(_artifacts.c.digest)
+        with self.engine.connect() as conn:
+            count, size, oldest, newest = conn.execute(
+                sa.select(
+                    sa.func.count(),
+                    sa.func.coalesce(sa.func.sum(_artifacts.c.size), 0),
+                    sa.func.min(_last_use),
+                    sa.func.max(_last_use),
+                )
+            ).one()
+            pinned_count, pinned_size = conn.execute(
+                sa.select(
+                    sa.func.count(), sa.func.coalesce(sa.func.sum(_artifacts.c.size), 0)
+                ).where(is_pinned)
+            ).one()
+            pins = conn.execute(sa.select(sa.func.count()).select_from(_pins)).scalar_one()
+        return StoreUsage(
+            int(count), int(size), int(pinned_count), int(pinned_size), int(pins), oldest, newest
+        )
+
+    def least_recently_used(self, to_free: int) -> list[str]:
+        """Digests of unpinned artifacts, least recently used first, whose sizes add up to ``to_free``.
+
+        Fewer when the unpinned artifacts together are smaller. Rows are streamed in
+        use order and reading stops once enough are chosen.
+        """
+        query = (
+            sa.select(_artifacts.c.digest, _artifacts.c.size)
+            .where(~pinned(_artifacts.c.digest))
+            .order_by(_last_use, _artifacts.c.digest)
+        )
+        chosen: list[str] = []
+        freed = 0
+        with self.engine.connect() as conn:
+            for digest, size in conn.execution_options(yield_per=2000).execute(query):
+                if freed >= to_free:
+                    break
+                chosen.append(digest)
+                freed += int(size)
+        return chosen
+
+    def evict(
+        self, digests: Iterable[str], reason: str, *, unused_since: datetime | None = None
+    ) -> list[Evicted]:
+        """Remove the rows of these artifacts: aliases, manifest entries, charges, the artifact.
+
+        Skipped: pinned artifacts, and with ``unused_since`` those used (or made) after
+        it, so a hit between choosing and deleting keeps its artifact. Each removal is
+        logged in ``evictions`` in the same transaction. Blobs are the caller's to
+        delete afterwards, and only where no row names them again.
+        """
+        wanted = [_check(d) for d in digests]
+        evicted: list[Evicted] = []
+        for start in range(0, len(wanted), _EVICT_BATCH):
+            evicted += self._evict_batch(wanted[start : start + _EVICT_BATCH], reason, unused_since)
+        return evicted
+
+    def _evict_batch(
+        self, digests: list[str], reason: str, unused_since: datetime | None
+    ) -> list[Evicted]:
+        conds: list[sa.ColumnElement[bool]] = [
+            _artifacts.c.digest.in_(digests),
+            ~pinned(_artifacts.c.digest),
+        ]
+        if unused_since is not None:
+            conds.append(_last_use <= unused_since)
+        victims: Any = sa.select(_artifacts.c.digest).where(*conds)
+        with self.engine.begin() as conn:
+            if self.engine.dialect.name == "postgresql":
+                # Lock the chosen rows: a concurrent refresh of last_used_at waits, and the
+                # statements below act on exactly this set.
+                victims = list(conn.execute(victims.with_for_update()).scalars())
+                if not victims:
+                    return []
+            # On SQLite the first statement is a write, which takes the database's write
+            # lock: nothing changes between these statements.
+            keys = conn.execute(
+                sa.delete(_aliases)
+                .where(_aliases.c.digest.in_(victims))
+                .returning(_aliases.c.recipe_key, _aliases.c.digest)
+            ).all()
+            conn.execute(sa.delete(_manifests).where(_manifests.c.digest.in_(victims)))
+            gone = conn.execute(
+                sa.delete(_artifacts)
+                .where(_artifacts.c.digest.in_(victims))
+                .returning(_artifacts.c.digest, _artifacts.c.size)
+            ).all()
+            if not gone:
+                return []
+            by_digest: dict[str, list[str]] = {}
+            for key, digest in keys:
+                by_digest.setdefault(digest, []).append(key)
+            evicted = [
+                Evicted(digest, int(size), tuple(sorted(by_digest.get(digest, ()))))
+                for digest, size in gone
+            ]
+            names = [e.digest for e in evicted]
+            conn.execute(sa.delete(_charges).where(_charges.c.digest.in_(names)))
+            now = utcnow()
+            conn.execute(
+                sa.insert(_evictions),
+                [
+                    {
+                        "at": now,
+                        "digest": e.digest,
+                        "size": e.size,
+                        "recipe_keys": list(e.recipe_keys),
+                        "reason": reason,
+                    }
+                    for e in evicted
+                ],
+            )
+        return evicted
+
+    def digests_for(self, keys: Iterable[str]) -> dict[str, str | None]:
+        """For each key, the digest of the artifact it names: a recipe key's alias, or a digest itself."""
+        wanted = [_check(k) for k in keys]
+        found: dict[str, str | None] = dict.fromkeys(wanted)
+        with self.engine.connect() as conn:
+            for start in range(0, len(wanted), _EVICT_BATCH):
+                chunk = wanted[start : start + _EVICT_BATCH]
+                for key, digest in conn.execute(
+                    sa.select(_aliases.c.recipe_key, _aliases.c.digest).where(
+                        _aliases.c.recipe_key.in_(chunk)
+                    )
+                ):
+                    found[key] = digest
+                for (digest,) in conn.execute(
+                    sa.select(_artifacts.c.digest).where(_artifacts.c.digest.in_(chunk))
+                ):
+                    found[digest] = found[digest] or digest
+        return found

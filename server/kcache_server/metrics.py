@@ -16,6 +16,9 @@ What is measured:
 - ``kcache_compiles_in_flight``, ``kcache_compile_queue_depth``: the compile pool, read at
   scrape time;
 - ``kcache_store_bytes``, ``kcache_store_artifacts``: the artifacts the index knows;
+- ``kcache_store_bytes_cap``, ``kcache_store_pinned_artifacts``, ``kcache_store_pinned_bytes``,
+  ``kcache_evictions_total``, ``kcache_evicted_bytes_total``: bounded storage (the
+  eviction counters count what this process evicted; one evictor runs at a time);
 - ``kcache_audit_rows_dropped_total{reason}``: audit rows the database refused
   (``refused``) or that found the writer's queue full (``queue_full``).
 """
@@ -87,6 +90,23 @@ class ServerMetrics:
             "kcache_store_bytes", "Bytes of artifacts in the store", registry=r
         )
         self.store_artifacts = Gauge("kcache_store_artifacts", "Artifacts in the store", registry=r)
+        self.store_bytes_cap = Gauge(
+            "kcache_store_bytes_cap", "max_store_bytes (0: unbounded)", registry=r
+        )
+        self.store_pinned_artifacts = Gauge(
+            "kcache_store_pinned_artifacts", "Pinned artifacts (never evicted)", registry=r
+        )
+        self.store_pinned_bytes = Gauge(
+            "kcache_store_pinned_bytes", "Bytes of pinned artifacts", registry=r
+        )
+        self.evictions = Counter(
+            "kcache_evictions",
+            "Artifacts this process evicted (least recently used, or removed by an admin)",
+            registry=r,
+        )
+        self.evicted_bytes = Counter(
+            "kcache_evicted_bytes", "Bytes of artifacts this process evicted", registry=r
+        )
         self.events_ingested = Counter(
             "kcache_audit_events_ingested",
             "Client audit events accepted through POST /v1/events",

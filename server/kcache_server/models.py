@@ -2,8 +2,10 @@
 
 Tables: ``artifacts`` (metadata by digest), ``recipe_aliases`` (recipe_key ->
 digest), ``manifests`` (base_key -> dependency list -> digest), ``negative_entries``
-(failed recipes with their log), ``audit_events`` (one row per lookup outcome) and
-``tokens`` (sha256 of bearer tokens with scopes). Alembic migrations under
+(failed recipes with their log), ``audit_events`` (one row per lookup outcome),
+``tokens`` (sha256 of bearer tokens with scopes), and for bounded storage ``pins``
+(recipe keys eviction keeps), ``evictions`` (what was evicted, when) and
+``compile_charges`` (who caused each compile, for quotas). Alembic migrations under
 ``kcache_server/migrations/`` must agree with these; a test checks it on SQLite and PostgreSQL.
 """
 
@@ -35,8 +37,11 @@ __all__ = [
     "Artifact",
     "AuditEvent",
     "Base",
+    "CompileCharge",
+    "Eviction",
     "ManifestRow",
     "NegativeEntry",
+    "Pin",
     "RecipeAlias",
     "Token",
     "UTCDateTime",
@@ -125,7 +130,9 @@ class RecipeAlias(Base):
     __tablename__ = "recipe_aliases"
 
     recipe_key: Mapped[Hex64] = mapped_column(primary_key=True)
-    digest: Mapped[Hex64] = mapped_column(ForeignKey("artifacts.digest", ondelete="CASCADE"), index=True)
+    digest: Mapped[Hex64] = mapped_column(
+        ForeignKey("artifacts.digest", ondelete="CASCADE"), index=True
+    )
     created_at: Mapped[Stamp]
 
 
@@ -138,7 +145,9 @@ class ManifestRow(Base):
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
     base_key: Mapped[Hex64] = mapped_column(index=True)
     dependencies_hash: Mapped[Hex64]
-    digest: Mapped[Hex64] = mapped_column(ForeignKey("artifacts.digest", ondelete="CASCADE"), index=True)
+    digest: Mapped[Hex64] = mapped_column(
+        ForeignKey("artifacts.digest", ondelete="CASCADE"), index=True
+    )
     dependencies: Mapped[list[dict[str, str]]] = mapped_column(JSON)
     created_at: Mapped[Stamp]
 
@@ -203,8 +212,6 @@ class Token(Base):
     revoked_at: Mapped[OptStamp]
 
 
-
-
 class AuditRollup(Base):
     """Audit events older than the retention window, counted per hour instead of kept one by one.
 
@@ -229,3 +236,54 @@ class AuditRollup(Base):
     compile_seconds_saved: Mapped[float]
     last_at: Mapped[Stamp]
     last_error: Mapped[str | None] = mapped_column(String(64))
+
+
+class Pin(Base):
+    """A recipe key whose artifact eviction never removes (a release's kernels, a job's warmup set).
+
+    ``group_name`` labels pins made together ("" for none), so they can be listed
+    and removed together. A pin may name a key that has no artifact yet: it
+    protects the artifact from the moment one is compiled.
+    """
+
+    __tablename__ = "pins"
+    __table_args__ = (UniqueConstraint("recipe_key", "group_name"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    recipe_key: Mapped[Hex64]
+    group_name: Mapped[str] = mapped_column(String(256), index=True, default="", server_default="")
+    created_at: Mapped[Stamp]
+    created_by: Mapped[str | None] = mapped_column(String(300))
+
+
+class Eviction(Base):
+    """One artifact removed from the store: by the least-recently-used evictor or by an admin.
+
+    The log feeds ``/v1/stats`` (evictions, bytes freed) and tells every replica which
+    recipe keys to drop from its in-memory caches (rows are read in ``id`` order; all
+    inserts happen under the one-evictor lock, so ids commit in order).
+    """
+
+    __tablename__ = "evictions"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    at: Mapped[Stamp] = mapped_column(index=True)
+    digest: Mapped[Hex64]
+    size: Mapped[int] = mapped_column(BigInteger)
+    recipe_keys: Mapped[list[str]] = mapped_column(JSON)
+    reason: Mapped[str] = mapped_column(String(16))  # lru | removed | cleared
+
+
+class CompileCharge(Base):
+    """Who caused an artifact to be compiled, for per-token storage quotas.
+
+    Written when the compile finishes, before the artifact row exists (hence no
+    foreign key); a charge counts only while an artifact row with its digest does.
+    """
+
+    __tablename__ = "compile_charges"
+
+    digest: Mapped[Hex64] = mapped_column(primary_key=True)
+    caller: Mapped[str] = mapped_column(String(300), index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[Stamp]

@@ -69,6 +69,24 @@ def _clip(text: str | None, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _store_lines(store: dict[str, Any] | None) -> list[str]:
+    """The store's size against its cap, pins, and the window's evictions (none for an old server)."""
+    if not store:
+        return []
+    from kcache.eviction import format_size
+
+    cap = store.get("bytes_cap")
+    used = int(store["bytes_used"])
+    share = f" ({used / cap * 100:.1f}%)" if cap else ""
+    return [
+        f"store         {format_size(used)} of {format_size(cap) if cap else 'no cap'}{share}, "
+        f"{store['artifacts']} artifacts, {store['pinned_artifacts']} pinned "
+        f"({format_size(store['pinned_bytes'])})",
+        f"evicted       {store['evictions']} artifacts, {format_size(store['bytes_freed'])} freed "
+        "in the window",
+    ]
+
+
 def format_stats(stats: dict[str, Any], width: int = 100) -> str:
     """The summary a person reads: headline numbers, tiers, groups, missed kernels, divergence."""
     since = stats.get("since")
@@ -88,6 +106,7 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
         f"server-observed alone {_pct(stats.get('server_hit_rate'))})",
         f"compile saved {_secs(stats['compile_seconds_saved'])}  "
         f"(+ {_secs(stats.get('reported_compile_seconds_saved', 0.0))} reported by clients)",
+        *_store_lines(stats.get("store")),
         "",
         _table(
             ["tier", *OUTCOMES, "total"],
@@ -218,7 +237,7 @@ def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:
             group_by=args.group_by,
             top=args.top,
         )
-        return compute_stats(engine, query).model_dump()
+        return compute_stats(engine, query, settings.max_store_bytes).model_dump()
     finally:
         engine.dispose()
 

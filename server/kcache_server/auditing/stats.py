@@ -30,7 +30,8 @@ from pydantic import BaseModel, Field
 
 from kcache.outcomes import CLIENT_OUTCOMES, HIT_OUTCOMES, MISS_OUTCOMES, OUTCOMES, SERVER_OUTCOMES
 from kcache_server.errors import InvalidRequestError
-from kcache_server.models import AuditEvent, AuditRollup
+from kcache_server.index import SqlIndex
+from kcache_server.models import AuditEvent, AuditRollup, Eviction
 
 __all__ = [
     "GROUP_BY",
@@ -45,6 +46,7 @@ __all__ = [
     "MissedKernel",
     "SeriesPoint",
     "Stats",
+    "StoreStats",
     "StatsQuery",
     "compute_stats",
     "parse_time",
@@ -69,6 +71,7 @@ GROUP_BY: dict[str, str] = {
 
 _events = cast(sa.Table, AuditEvent.__table__)
 _rollups = cast(sa.Table, AuditRollup.__table__)
+_evictions = cast(sa.Table, Eviction.__table__)
 # fullmatch, ASCII digits: "15m\n" and Unicode digits are not spans.
 _RELATIVE = re.compile(r"-?([0-9]{1,12}(?:\.[0-9]{1,6})?)([smhdw])")
 # Times a query may name: the unix epoch up to the last second of year 9999.
@@ -84,6 +87,7 @@ _ERROR_REASONS = {
     "lock_timeout": "timed out waiting for another compile",
     "invalid_recipe": "invalid recipe",
     "store_full": "artifact store full",
+    "quota_exceeded": "token's storage quota reached",
 }
 
 
@@ -212,6 +216,18 @@ class SeriesPoint(OutcomeCounts):
     t: float
 
 
+class StoreStats(BaseModel):
+    """The store now (size, cap, pins) and what eviction did in the window."""
+
+    bytes_used: int = Field(description="bytes of stored artifacts, pinned ones included")
+    bytes_cap: int | None = Field(description="max_store_bytes; null when unbounded")
+    artifacts: int
+    pinned_artifacts: int
+    pinned_bytes: int
+    evictions: int = Field(description="artifacts evicted or removed in the window")
+    bytes_freed: int = Field(description="bytes those evictions freed")
+
+
 class Stats(BaseModel):
     """Body of ``GET /v1/stats``."""
 
@@ -236,6 +252,7 @@ class Stats(BaseModel):
     divergence: list[Divergence]
     bucket_seconds: int
     series: list[SeriesPoint]
+    store: StoreStats | None = Field(default=None, description="the store's size and evictions")
 
 
 # ---------------------------------------------------------------------- SQL pieces
@@ -582,8 +599,30 @@ def _series(
     return step, points
 
 
-def compute_stats(engine: sa.Engine, query: StatsQuery) -> Stats:
-    """Everything ``GET /v1/stats`` answers, read in one snapshot-ish pass."""
+def _store(engine: sa.Engine, conn: sa.Connection, query: StatsQuery, cap: int | None) -> StoreStats:
+    usage = SqlIndex(engine).usage()
+    evicted, freed = conn.execute(
+        sa.select(
+            sa.func.count(), sa.func.coalesce(sa.func.sum(_evictions.c.size), 0)
+        ).where(*_filters(StatsQuery(since=query.since, until=query.until), {}, _evictions.c.at))
+    ).one()
+    return StoreStats(
+        bytes_used=usage.bytes,
+        bytes_cap=cap or None,
+        artifacts=usage.artifacts,
+        pinned_artifacts=usage.pinned_artifacts,
+        pinned_bytes=usage.pinned_bytes,
+        evictions=int(evicted),
+        bytes_freed=int(freed),
+    )
+
+
+def compute_stats(engine: sa.Engine, query: StatsQuery, store_cap: int | None = None) -> Stats:
+    """Everything ``GET /v1/stats`` answers, read in one snapshot-ish pass.
+
+    ``store_cap`` is the server's ``max_store_bytes`` (None: unbounded), reported with the
+    store's size.
+    """
     src = _source(query)
     with engine.connect() as conn:
         totals, reported, by_tier, saved, reported_saved = _totals(conn, src)
@@ -591,6 +630,7 @@ def compute_stats(engine: sa.Engine, query: StatsQuery) -> Stats:
         groups = _groups(conn, src, query, {d.job_id for d in divergence if not d.reported})
         top_missed = _top_missed(conn, src, query)
         step, series = _series(conn, src, query)
+        store = _store(engine, conn, query, store_cap)
     server_lookups = sum(totals.values())
     lookups = server_lookups + sum(reported.values())
     hits = sum(v for k, v in (*totals.items(), *reported.items()) if k in HIT_OUTCOMES)
@@ -612,4 +652,5 @@ def compute_stats(engine: sa.Engine, query: StatsQuery) -> Stats:
         divergence=divergence,
         bucket_seconds=step,
         series=series,
+        store=store,
     )

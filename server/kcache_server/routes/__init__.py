@@ -2,10 +2,12 @@
 
 from kcache_server.routes import (
     blobs,
+    cache,
     dashboard,
     events,
     health,
     metrics,
+    pins,
     recipes,
     resolve,
     stats,
@@ -23,6 +25,8 @@ ROUTERS = [
     stats.router,
     metrics.router,
     dashboard.router,
+    pins.router,
+    cache.router,
 ]
 
 __all__ = ["ROUTERS"]

@@ -20,7 +20,7 @@ def _stats(state: ServerState, query: StatsQuery) -> Stats:
     # would otherwise be missing from the answer for up to audit_flush_s. The flush
     # never raises: a row the database refuses is dropped and counted, not our 500.
     state.audit.flush()
-    return compute_stats(state.backends.db, query)
+    return compute_stats(state.backends.db, query, state.settings.max_store_bytes)
 
 
 @router.get("", response_model=Stats, responses=ERRORS)

@@ -133,11 +133,56 @@
       : "recipes resolved differently across ranks";
     $("kpi-divergence-card").classList.toggle("alarm", observed.length > 0);
 
+    renderStore(s.store);
     renderTiers(s);
     renderDivergence(s.divergence);
     renderMissed(s.top_missed);
     renderJobs(s.groups, new Set(observed.map((d) => d.job_id)));
     drawChart(s);
+  }
+
+  function bytes(n) {
+    let v = Number(n || 0);
+    for (const unit of ["B", "KiB", "MiB", "GiB", "TiB"]) {
+      if (v < 1024 || unit === "TiB") return unit === "B" ? `${v} B` : `${v.toFixed(1)} ${unit}`;
+      v /= 1024;
+    }
+  }
+
+  // The usage bar: pinned bytes, the rest of what is stored, out of the cap (or of the
+  // stored bytes when the store is unbounded).
+  function renderStore(store) {
+    const card = $("store-card");
+    card.hidden = !store;
+    if (!store) return;
+    const cap = store.bytes_cap;
+    const whole = cap || store.bytes_used || 1;
+    const bar = $("store-bar");
+    bar.replaceChildren();
+    bar.setAttribute("aria-valuenow", String(store.bytes_used));
+    bar.setAttribute("aria-valuemax", String(whole));
+    const parts = [
+      ["pinned", store.pinned_bytes, color("waited")],
+      ["stored", Math.max(0, store.bytes_used - store.pinned_bytes), color("accent")],
+    ];
+    for (const [name, n, fill] of parts) {
+      if (!n) continue;
+      const seg = el("div", { class: "seg", title: `${name}: ${bytes(n)}` });
+      seg.style.width = Math.min(100, (100 * n) / whole) + "%";
+      seg.style.background = fill;
+      bar.append(seg);
+    }
+    $("store-sub").textContent = cap
+      ? `${bytes(store.bytes_used)} of ${bytes(cap)} (${pct(store.bytes_used / cap)})`
+      : `${bytes(store.bytes_used)}, no cap`;
+    const figures = $("store-figures");
+    figures.replaceChildren(
+      el("span", { "data-value": store.artifacts }, "artifacts ", el("b", {}, int(store.artifacts))),
+      el("span", { "data-value": store.pinned_artifacts }, "pinned ",
+        el("b", {}, `${int(store.pinned_artifacts)} (${bytes(store.pinned_bytes)})`)),
+      el("span", { "data-value": store.evictions }, "evicted in this window ",
+        el("b", {}, `${int(store.evictions)} (${bytes(store.bytes_freed)} freed)`)),
+    );
   }
 
   function renderTiers(s) {

@@ -1,0 +1,155 @@
+"""``/v1/cache``: the server store's size, contents and removals, for ``kcache cache --server`` (admin).
+
+``GET /v1/cache`` (bytes used of the cap, artifacts, pins, oldest and newest use,
+evictions), ``GET /v1/cache/entries`` (most recently used first), ``POST
+/v1/cache/remove`` (evict the artifacts of some recipe keys or digests now) and
+``POST /v1/cache/clear`` (evict every unpinned artifact). Removals go through the
+evictor: rows first, blobs last, every replica told through the eviction log.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from kcache_server.errors import OverloadedError
+from kcache_server.eviction import Evictor, list_entries
+from kcache_server.pins import MAX_KEYS
+from kcache_server.routes._deps import ERRORS, State, body_doc, read_body
+from kcache_server.routes.pins import Admin
+from kcache_server.schemas import check_key, load_model, parse_json
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/cache", tags=["storage"])
+
+
+class CacheInfo(BaseModel):
+    """Body of ``GET /v1/cache``."""
+
+    location: str = Field(description="the server's data directory")
+    bytes_used: int = Field(description="bytes of stored artifacts, pinned ones included")
+    bytes_cap: int | None = Field(description="max_store_bytes; null when unbounded")
+    high_water_bytes: int | None = Field(description="eviction starts above this")
+    low_water_bytes: int | None = Field(description="and stops at or below this")
+    artifacts: int
+    pinned_artifacts: int
+    pinned_bytes: int
+    pins: int = Field(description="pins, including those whose key has no artifact yet")
+    oldest_use: datetime | None
+    newest_use: datetime | None
+    evictions: int = Field(description="artifacts evicted or removed (as far back as the log goes)")
+    bytes_freed: int
+
+
+class CacheEntry(BaseModel):
+    """One stored artifact."""
+
+    digest: str
+    recipe_keys: list[str]
+    kernel: str
+    target: str
+    kind: str
+    size: int
+    created_at: datetime
+    last_used_at: datetime | None
+    pinned: bool
+
+
+class CacheEntries(BaseModel):
+    """Body of ``GET /v1/cache/entries``."""
+
+    entries: list[CacheEntry]
+
+
+class RemoveRequest(BaseModel):
+    """Body of ``POST /v1/cache/remove``: recipe keys or artifact digests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[str] = Field(min_length=1, max_length=MAX_KEYS)
+
+
+class RemoveResult(BaseModel):
+    """What a removal did; pinned and unknown keys are left alone and listed."""
+
+    evicted: int
+    bytes_freed: int
+    pinned: list[str] = Field(description="keys whose artifact is pinned (unpin it first)")
+    unknown: list[str] = Field(description="keys that name no stored artifact")
+
+
+def evictor_of(request: Request) -> Evictor:
+    """The app's evictor."""
+    evictor: Evictor = request.app.state.evictor
+    return evictor
+
+
+def _parse_remove(raw: bytes) -> RemoveRequest:
+    body = load_model(RemoveRequest, parse_json(raw))
+    for i, key in enumerate(body.keys):
+        check_key(key, f"keys[{i}]")
+    return body
+
+
+@router.get("", response_model=CacheInfo, responses=ERRORS)
+async def cache_info(request: Request, _: Admin, state: State) -> CacheInfo:
+    """How full the store is, and what eviction has done."""
+    info = await state.run(evictor_of(request).info)
+    marks, usage = info.marks, info.usage
+    return CacheInfo(
+        location=info.location,
+        bytes_used=usage.bytes,
+        bytes_cap=marks.cap or None,
+        high_water_bytes=marks.high_bytes if marks.bounded else None,
+        low_water_bytes=marks.low_bytes if marks.bounded else None,
+        artifacts=usage.artifacts,
+        pinned_artifacts=usage.pinned_artifacts,
+        pinned_bytes=usage.pinned_bytes,
+        pins=usage.pins,
+        oldest_use=usage.oldest_use,
+        newest_use=usage.newest_use,
+        evictions=info.evictions,
+        bytes_freed=info.bytes_freed,
+    )
+
+
+@router.get("/entries", response_model=CacheEntries, responses=ERRORS)
+async def cache_entries(
+    _: Admin, state: State, limit: Annotated[int, Query(ge=1, le=MAX_KEYS)] = 100
+) -> CacheEntries:
+    """The most recently used artifacts first."""
+    entries = await state.run(list_entries, state.backends.db, limit)
+    return CacheEntries(entries=[CacheEntry(**vars(e)) for e in entries])
+
+
+async def _removal(state: State, run: object) -> RemoveResult:
+    try:
+        report = await state.run(run)
+    except TimeoutError as exc:
+        raise OverloadedError(str(exc)) from exc
+    return RemoveResult(
+        evicted=report.evicted,
+        bytes_freed=report.bytes_freed,
+        pinned=report.pinned,
+        unknown=report.unknown,
+    )
+
+
+@router.post(
+    "/remove", response_model=RemoveResult, responses=ERRORS, openapi_extra=body_doc(RemoveRequest)
+)
+async def cache_remove(request: Request, _: Admin, state: State) -> RemoveResult:
+    """Evict the artifacts these recipe keys (or digests) name, now; pinned ones stay."""
+    body = await read_body(request, state, _parse_remove)
+    evictor = evictor_of(request)
+    return await _removal(state, lambda: evictor.remove(body.keys))
+
+
+@router.post("/clear", response_model=RemoveResult, responses=ERRORS)
+async def cache_clear(request: Request, _: Admin, state: State) -> RemoveResult:
+    """Evict every artifact that is not pinned."""
+    return await _removal(state, evictor_of(request).clear)

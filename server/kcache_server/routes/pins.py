@@ -1,0 +1,126 @@
+"""``GET``/``POST``/``DELETE /v1/pins``: recipe keys whose artifacts eviction never removes (admin)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from kcache_server.auth import Principal
+from kcache_server.errors import InvalidRequestError
+from kcache_server.pins import MAX_KEYS, PinStore, check_group
+from kcache_server.routes._deps import ERRORS, State, body_doc, caller, read_body
+from kcache_server.schemas import load_model, parse_json
+
+__all__ = ["Admin", "router"]
+
+router = APIRouter(prefix="/v1/pins", tags=["storage"])
+
+
+async def require_admin(principal: Annotated[Principal, Depends(caller)]) -> Principal:
+    """A token with the ``admin`` scope (pins and store maintenance)."""
+    principal.require("admin", "managing pins and the store")
+    return principal
+
+
+#: The calling principal, checked for the ``admin`` scope.
+Admin = Annotated[Principal, Depends(require_admin)]
+
+
+class PinRequest(BaseModel):
+    """Body of ``POST /v1/pins``: recipe keys, or a job whose looked-up recipes to pin, under a group."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    recipe_keys: list[str] = Field(
+        default_factory=list, max_length=MAX_KEYS, description="recipe keys to pin"
+    )
+    group: str | None = Field(
+        default=None, description="a label for pins made together (a release, a job)"
+    )
+    job_id: str | None = Field(
+        default=None,
+        max_length=256,
+        description="also pin every recipe this job was served (its audit events), e.g. its warmup set",
+    )
+
+
+class PinBody(BaseModel):
+    """One pin and the artifact its key resolves to now (null before it is compiled)."""
+
+    recipe_key: str
+    group: str | None
+    created_at: datetime
+    created_by: str | None
+    digest: str | None
+    size: int | None
+
+
+class PinsResponse(BaseModel):
+    """Body of ``GET /v1/pins``."""
+
+    pins: list[PinBody]
+
+
+class PinResult(BaseModel):
+    """Body of ``POST /v1/pins``: how many keys were asked for and how many pins are new."""
+
+    requested: int
+    pinned: int
+
+
+class UnpinResult(BaseModel):
+    """Body of ``DELETE /v1/pins``."""
+
+    unpinned: int
+
+
+def _parse(raw: bytes) -> PinRequest:
+    return load_model(PinRequest, parse_json(raw))
+
+
+@router.get("", response_model=PinsResponse, responses=ERRORS)
+async def list_pins(
+    _: Admin,
+    state: State,
+    group: Annotated[str | None, Query(max_length=256)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_KEYS)] = 1000,
+) -> PinsResponse:
+    """Pins, newest first (of one group if given)."""
+    pins = await state.run(PinStore(state.backends.db).list, group, limit)
+    return PinsResponse(pins=[PinBody(**vars(p)) for p in pins])
+
+
+@router.post("", response_model=PinResult, responses=ERRORS, openapi_extra=body_doc(PinRequest))
+async def add_pins(request: Request, principal: Admin, state: State) -> PinResult:
+    """Pin recipe keys (and a job's recipes); pinning a key twice is a no-op."""
+    body = await read_body(request, state, _parse)
+    check_group(body.group)
+    if not body.recipe_keys and body.job_id is None:
+        raise InvalidRequestError("recipe_keys", "name recipe keys to pin, or a job_id")
+    store = PinStore(state.backends.db)
+
+    def pin() -> PinResult:
+        keys = list(body.recipe_keys)
+        if body.job_id is not None:
+            keys += store.keys_of_job(body.job_id)
+        return PinResult(
+            requested=len(set(keys)), pinned=store.add(keys, body.group, principal.name)
+        )
+
+    result: PinResult = await state.run(pin)
+    return result
+
+
+@router.delete("", response_model=UnpinResult, responses=ERRORS)
+async def remove_pins(
+    _: Admin,
+    state: State,
+    recipe_key: Annotated[list[str] | None, Query(max_length=MAX_KEYS)] = None,
+    group: Annotated[str | None, Query(max_length=256)] = None,
+) -> UnpinResult:
+    """Unpin the ``recipe_key`` s given (within ``group`` if given), or all pins of ``group``."""
+    removed = await state.run(PinStore(state.backends.db).remove, recipe_key or [], group)
+    return UnpinResult(unpinned=removed)

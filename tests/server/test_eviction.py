@@ -1,0 +1,506 @@
+"""Bounded server storage (issue 12): the byte cap with LRU eviction, pins, quotas, on real servers.
+
+Kernels are vector adds carrying a 48 KiB string, so each cubin is about 53 KB and
+about 60 of them overflow a 2 MiB cap; NVRTC compiles one in a few tens of ms.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from kcache_server.db import open_database
+from kcache_server.index import SqlIndex
+
+from kcache.store.local import LocalArtifactStore
+from tests.server.conftest import KCACHE, ServerThread, free_port, unique, upgrade
+
+CAP = 2 << 20
+HIGH, LOW = 0.9, 0.7
+PAD = 48 << 10
+
+
+def padded(tag: str) -> dict[str, Any]:
+    """A vector add whose cubin carries ``PAD`` bytes of initialised data (about 53 KB in all)."""
+    seed = hashlib.sha256(tag.encode()).hexdigest()  # distinct bytes per tag: distinct digests
+    text = (seed * (PAD // len(seed) + 1))[:PAD]
+    return {
+        "source": (
+            f"// {tag}\n"
+            f'extern "C" __device__ const char kc_pad[{PAD + 1}] = "{text}";\n'
+            'extern "C" __global__ void vadd(float* out, const float* a, const float* b, int n) {\n'
+            "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+            "  if (i < n) out[i] = a[i] + b[i] + kc_pad[i % 7];\n"
+            "}\n"
+        ),
+        "target": "sm_80",
+    }
+
+
+def _settings(data_dir: Path, **extra: Any) -> Any:
+    from kcache_server import Settings
+
+    values: dict[str, Any] = {
+        "data_dir": data_dir,
+        "compile_workers": 1,
+        "audit": {"flush_s": 0.05},
+        "auth_cache_s": 0.0,
+        "max_store_bytes": CAP,
+        "store_high_water": HIGH,
+        "store_low_water": LOW,
+        "eviction_interval_s": 1.0,
+        "eviction_blob_grace_s": 0.5,
+    }
+    values.update(extra)
+    return Settings(**values)
+
+
+def verify_store(data_dir: Path, db_url: str) -> tuple[list[str], list[str]]:
+    """(rows whose blob is missing or wrong, blobs whose bytes do not hash to their name)."""
+    store = LocalArtifactStore(data_dir)
+    engine = open_database(db_url)
+    try:
+        rows = SqlIndex(engine).digests()
+    finally:
+        engine.dispose()
+    bad_rows = []
+    for digest in sorted(rows):
+        path = store.path(digest)
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            bad_rows.append(digest)
+    bad_blobs = [
+        d for d in store.digests() if hashlib.sha256(store.path(d).read_bytes()).hexdigest() != d
+    ]
+    return bad_rows, bad_blobs
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled sample in Prometheus text."""
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert found is not None, name
+    return float(found.group(1))
+
+
+def wait_until(check: Any, what: str, timeout: float = 10.0) -> None:
+    """Poll ``check`` until true (a liveness bound, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    """One capped server on SQLite for the module (open: loopback, no tokens yet)."""
+    running = ServerThread(_settings(tmp_path_factory.mktemp("evict") / "data"))
+    yield running
+    running.stop()
+
+
+def _info(client: httpx.Client) -> dict[str, Any]:
+    response = client.get("/v1/cache")
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def test_cap_holds_recent_stay_pinned_survive_evicted_recompile(server: ServerThread) -> None:
+    tag = unique("lru")
+    recipes = [padded(f"{tag}-{i}") for i in range(60)]
+    high = int(CAP * HIGH)
+    keys: dict[int, str] = {}
+    digests: dict[int, str] = {}
+    sizes: dict[int, int] = {}
+    statuses: Counter[str] = Counter()
+    with server.client() as client:
+
+        def resolve(i: int, compile: bool = True) -> httpx.Response:
+            response = client.post("/v1/resolve", json={"recipe": recipes[i], "compile": compile})
+            if response.status_code == 200:
+                body = response.json()
+                keys[i] = body["recipe_key"]
+                assert (
+                    digests.setdefault(i, body["artifact"]["digest"]) == body["artifact"]["digest"]
+                )
+                sizes[i] = body["artifact"]["size"]
+                statuses[body["status"]] += 1
+            return response
+
+        # Three kernels a release needs: compiled first, pinned, never used again.
+        pinned = [0, 1, 2]
+        for i in pinned:
+            assert resolve(i).json()["status"] == "compiled"
+        answer = client.post(
+            "/v1/pins", json={"recipe_keys": [keys[i] for i in pinned], "group": "release-1"}
+        )
+        assert answer.status_code == 200 and answer.json() == {"requested": 3, "pinned": 3}
+
+        # The rest in a random order, each followed by repeats of recently used ones.
+        rng = random.Random(12)
+        order = list(range(3, 60))
+        rng.shuffle(order)
+        recent: list[int] = []
+        for i in order:
+            assert resolve(i).status_code == 200
+            recent = [j for j in recent if j != i] + [i]
+            for j in rng.sample(recent[-6:], min(3, len(recent))):
+                response = resolve(j)
+                assert response.status_code == 200 and response.json()["status"] in (
+                    "hit",
+                    "compiled",
+                )
+                recent = [k for k in recent if k != j] + [j]
+            # Over the high-water mark for at most one pass: the compile woke the evictor.
+            wait_until(
+                lambda: _info(client)["bytes_used"] <= high,
+                "the store back under its high-water mark",
+            )
+
+        info = _info(client)
+        assert info["bytes_cap"] == CAP and info["high_water_bytes"] == high
+        assert info["pinned_artifacts"] == 3 and info["pins"] == 3
+        assert info["evictions"] > 0 and info["bytes_freed"] > 0
+        assert (
+            int(CAP * LOW) - 60_000 <= info["bytes_used"] <= high
+        )  # evicted down near the low mark
+
+        # The most recently used stay hits (without compiling).
+        for i in recent[-10:]:
+            response = resolve(i, compile=False)
+            assert response.status_code == 200 and response.json()["status"] == "hit", i
+        # Pinned ones survived all that pressure although nobody used them since.
+        for i in pinned:
+            response = resolve(i, compile=False)
+            assert response.status_code == 200 and response.json()["status"] == "hit", i
+        # An evicted recipe is a plain miss, by key and by resolve, and comes back compiled.
+        evicted = [i for i in order[:10] if i not in recent[-10:]]
+        gone = next(
+            i for i in evicted if client.get(f"/v1/recipes/{keys[i]}/artifact").status_code == 404
+        )
+        assert resolve(gone, compile=False).status_code == 404
+        again = resolve(gone)
+        assert (
+            again.json()["status"] == "compiled"
+            and again.json()["artifact"]["digest"] == digests[gone]
+        )
+
+        stats = client.get("/v1/stats").json()["store"]
+        assert stats["bytes_cap"] == CAP and stats["evictions"] == info["evictions"]
+        assert stats["bytes_freed"] == info["bytes_freed"] and stats["pinned_artifacts"] == 3
+        metrics = client.get("/metrics").text
+        assert metric(metrics, "kcache_store_bytes_cap") == CAP
+        assert metric(metrics, "kcache_store_pinned_artifacts") == 3
+        assert metric(metrics, "kcache_evictions_total") == info["evictions"]
+        assert metric(metrics, "kcache_evicted_bytes_total") == info["bytes_freed"]
+    assert statuses["compiled"] > 60  # evicted kernels that were asked for again compiled again
+    assert sum(sizes.values()) > 1.4 * CAP  # far more was compiled than the cap holds
+    bad_rows, bad_blobs = verify_store(server.settings.data_dir, server.settings.database_url)
+    assert bad_rows == [] and bad_blobs == []
+
+
+def test_fetch_path_memory_never_serves_an_evicted_artifact(server: ServerThread) -> None:
+    recipe = padded(unique("fast"))
+    with server.client() as client:
+        body = client.post("/v1/resolve", json={"recipe": recipe}).json()
+        key, digest = body["recipe_key"], body["artifact"]["digest"]
+        for _ in range(2):  # the second is answered by the fast path from memory
+            fetched = client.get(f"/v1/recipes/{key}/artifact")
+            assert (
+                fetched.status_code == 200 and hashlib.sha256(fetched.content).hexdigest() == digest
+            )
+        assert server.state.resolver.cached_blob(digest) is not None
+        removed = client.post("/v1/cache/remove", json={"keys": [key]}).json()
+        assert removed["evicted"] == 1 and removed["pinned"] == [] and removed["unknown"] == []
+        assert server.state.resolver.cached_blob(digest) is None
+        assert client.get(f"/v1/recipes/{key}/artifact").status_code == 404
+        assert client.get(f"/v1/recipes/{key}").status_code == 404
+        assert (
+            client.post("/v1/resolve", json={"recipe": recipe, "compile": False}).status_code == 404
+        )
+    wait_until(lambda: not server.state.backends.store.has(digest), "the evicted blob deleted")
+
+
+def test_pins_are_listed_removable_and_block_removal(server: ServerThread) -> None:
+    recipe = padded(unique("pin"))
+    with server.client() as client:
+        key = client.post("/v1/resolve", json={"recipe": recipe}).json()["recipe_key"]
+        never_compiled = hashlib.sha256(unique("future").encode()).hexdigest()
+        assert (
+            client.post(
+                "/v1/pins", json={"recipe_keys": [key, never_compiled], "group": "g2"}
+            ).json()["pinned"]
+            == 2
+        )
+        assert (
+            client.post("/v1/pins", json={"recipe_keys": [key], "group": "g2"}).json()["pinned"]
+            == 0
+        )
+        listed = {
+            p["recipe_key"]: p
+            for p in client.get("/v1/pins", params={"group": "g2"}).json()["pins"]
+        }
+        assert set(listed) == {key, never_compiled}
+        assert listed[key]["size"] is not None and listed[never_compiled]["digest"] is None
+        refused = client.post("/v1/cache/remove", json={"keys": [key]}).json()
+        assert refused["evicted"] == 0 and refused["pinned"] == [key]
+        # Bad input is named precisely.
+        bad = client.post("/v1/pins", json={"recipe_keys": ["ABC"]})
+        assert bad.status_code == 422 and bad.json()["field"] == "recipe_keys[0]"
+        bad = client.post("/v1/pins", json={"recipe_keys": [key], "group": "x\x1b[31m"})
+        assert bad.status_code == 422 and bad.json()["field"] == "group"
+        assert client.delete("/v1/pins").status_code == 422  # unpin everything: say what
+        assert client.delete("/v1/pins", params={"group": "g2"}).json() == {"unpinned": 2}
+        assert client.post("/v1/cache/remove", json={"keys": [key]}).json()["evicted"] == 1
+
+
+def kcache(*args: str) -> subprocess.CompletedProcess[str]:
+    """The real ``kcache`` command (no server or token from the environment)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KCACHE_URL", "KCACHE_TOKEN")}
+    return subprocess.run([KCACHE, *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_cli_pins_and_server_cache(server: ServerThread) -> None:
+    """`kcache pin`, `kcache cache info|ls --server` and `kcache stats` show what the API holds."""
+    with server.client() as client:
+        key = client.post("/v1/resolve", json={"recipe": padded(unique("cli"))}).json()[
+            "recipe_key"
+        ]
+    pinned = kcache("pin", key, "--group", "cli-release", "--server", server.url)
+    assert pinned.returncode == 0 and "pinned 1 recipe keys in group cli-release" in pinned.stdout
+    listed = json.loads(
+        kcache("pin", "--list", "--group", "cli-release", "--server", server.url, "--json").stdout
+    )
+    assert [p["recipe_key"] for p in listed["pins"]] == [key]
+    info = kcache("cache", "info", "--server", server.url, "--json")
+    body = json.loads(info.stdout)
+    assert body["bytes_cap"] == CAP and body["pinned_artifacts"] >= 1
+    ls = kcache("cache", "ls", "--server", server.url, "--limit", "5")
+    assert ls.returncode == 0 and key[:16] in ls.stdout and "pinned" in ls.stdout
+    stats = kcache("stats", "--server", server.url)
+    assert stats.returncode == 0 and "of 2.0 MiB" in stats.stdout, stats.stdout + stats.stderr
+    unpinned = kcache("unpin", "--group", "cli-release", "--server", server.url)
+    assert unpinned.returncode == 0 and "unpinned 1" in unpinned.stdout
+    bad = kcache("pin", "not-a-key", "--server", server.url)
+    assert bad.returncode != 0 and "not a recipe key" in bad.stderr
+
+
+def test_admin_scope_and_per_token_quota(tmp_path: Path) -> None:
+    """Pins and store maintenance need admin; a token's compiles stop at its quota (507)."""
+    settings = _settings(tmp_path / "data", token_quota_bytes=120_000)
+    subprocess.run(
+        [KCACHE, "db", "upgrade", "--data-dir", str(settings.data_dir)],
+        check=True,
+        capture_output=True,
+    )
+
+    def token(name: str, scope: str) -> str:
+        made = subprocess.run(
+            [
+                KCACHE,
+                "token",
+                "create",
+                name,
+                "--scope",
+                scope,
+                "--data-dir",
+                str(settings.data_dir),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return made.stdout.strip()
+
+    admin, ci, other = token("ops", "admin"), token("ci", "compile"), token("dev", "compile")
+    server = ServerThread(settings)
+    try:
+        with server.client(ci) as client:
+            assert client.get("/v1/pins").status_code == 403
+            assert client.get("/v1/cache").status_code == 403
+            assert client.post("/v1/cache/clear").status_code == 403
+            first = client.post("/v1/resolve", json={"recipe": padded(unique("q1"))}).json()
+            assert (
+                client.post("/v1/resolve", json={"recipe": padded(unique("q2"))}).status_code == 200
+            )
+            # 2 x 53 KB stored; a third would take "ci" past 120 KB: refused, nothing stored.
+            refused = client.post("/v1/resolve", json={"recipe": padded(unique("q3"))})
+            assert refused.status_code == 507 and refused.json()["error"] == "quota_exceeded"
+            assert (
+                "token ci" in refused.json()["detail"]
+                and "token_quota_bytes" in refused.json()["detail"]
+            )
+            # Over it now, so the next is refused before compiling; hits are still served.
+            assert (
+                client.post("/v1/resolve", json={"recipe": padded(unique("q4"))}).status_code == 507
+            )
+            assert client.get(f"/v1/recipes/{first['recipe_key']}/artifact").status_code == 200
+        with server.client(other) as client:  # another token has its own quota
+            assert (
+                client.post("/v1/resolve", json={"recipe": padded(unique("q5"))}).status_code == 200
+            )
+        with server.client(admin) as client:
+            assert _info(client)["artifacts"] == 3
+            cleared = client.post("/v1/cache/clear").json()
+            assert cleared["evicted"] == 3
+        with server.client(ci) as client:  # evicted bytes no longer count against the quota
+            again = client.post("/v1/resolve", json={"recipe": padded(unique("q6"))})
+            assert again.status_code == 200 and again.json()["status"] == "compiled"
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------- two replicas
+def _start_replica(port: int, data_dir: Path, db_url: str) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "KCACHE_COMPILE_WORKERS": "1",
+        "KCACHE_AUDIT_FLUSH_S": "0.1",
+        "KCACHE_STORE_HIGH_WATER": str(HIGH),
+        "KCACHE_STORE_LOW_WATER": str(LOW),
+        "KCACHE_EVICTION_INTERVAL_S": "1",
+        "KCACHE_EVICTION_BLOB_GRACE_S": "0.5",
+    }
+    return subprocess.Popen(
+        [
+            KCACHE,
+            "serve",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--db-url",
+            db_url,
+            "--max-store-bytes",
+            "2MiB",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(
+                process.stderr.read().decode() if process.stderr else "server exited"
+            )
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} did not become ready")
+
+
+@pytest.mark.postgres
+def test_two_replicas_on_postgres_evict_while_fetches_run(tmp_path: Path, pg_url: str) -> None:
+    upgrade(pg_url)
+    data_dir = tmp_path / "shared"
+    ports = [free_port(), free_port()]
+    processes = [_start_replica(port, data_dir, pg_url) for port in ports]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    tag = unique("rep")
+    recipes = [padded(f"{tag}-{i}") for i in range(50)]
+    known: dict[str, tuple[int, str]] = {}  # recipe key -> (recipe index, digest)
+    known_lock = threading.Lock()
+    failures: list[str] = []
+    fetches = Counter[str]()
+    done = threading.Event()
+    try:
+        for url, process in zip(urls, processes, strict=True):
+            _wait_ready(url, process)
+        clients = [httpx.Client(base_url=url, timeout=120) for url in urls]
+
+        def resolve(i: int, replica: int) -> None:
+            response = clients[replica].post("/v1/resolve", json={"recipe": recipes[i]})
+            if response.status_code != 200:
+                failures.append(
+                    f"resolve {i} on {replica}: {response.status_code} {response.text[:200]}"
+                )
+                return
+            body = response.json()
+            with known_lock:
+                previous = known.setdefault(body["recipe_key"], (i, body["artifact"]["digest"]))
+            if previous[1] != body["artifact"]["digest"]:
+                failures.append(f"recipe {i} changed digest")
+
+        def fetcher(seed: int) -> None:
+            rng = random.Random(seed)
+            with httpx.Client(timeout=120) as http:
+                while not done.is_set():
+                    with known_lock:
+                        choices = list(known.items())
+                    if not choices:
+                        time.sleep(0.01)
+                        continue
+                    key, (i, digest) = rng.choice(choices)
+                    url = rng.choice(urls)
+                    response = http.get(f"{url}/v1/recipes/{key}/artifact")
+                    if response.status_code == 404:  # evicted: a plain miss, compiled on demand
+                        fetches["miss"] += 1
+                        response = http.post(f"{url}/v1/resolve", json={"recipe": recipes[i]})
+                        if (
+                            response.status_code == 200
+                            and response.json()["artifact"]["digest"] == digest
+                        ):
+                            continue
+                    elif (
+                        response.status_code == 200
+                        and hashlib.sha256(response.content).hexdigest() == digest
+                    ):
+                        fetches["ok"] += 1
+                        continue
+                    failures.append(
+                        f"fetch {key[:12]} from {url}: {response.status_code} {response.text[:200]}"
+                    )
+
+        threads = [threading.Thread(target=fetcher, args=(s,)) for s in range(3)]
+        for thread in threads:
+            thread.start()
+        rng = random.Random(7)
+        order = [*range(50), *rng.choices(range(50), k=20)]
+        rng.shuffle(order)
+        for n, i in enumerate(order):
+            resolve(i, n % 2)
+        done.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        for client in clients:
+            client.close()
+        engine = sa.create_engine(pg_url, poolclass=sa.pool.NullPool)
+        try:
+            with engine.connect() as conn:
+                evicted = conn.execute(sa.text("SELECT count(*) FROM evictions")).scalar_one()
+            wait_until(
+                lambda: SqlIndex(engine).usage().bytes <= int(CAP * HIGH),
+                "the shared store under its mark",
+            )
+        finally:
+            engine.dispose()
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)
+    assert failures == []
+    # Thousands of fetches, some of them of artifacts evicted a moment before (compiled again).
+    assert fetches["ok"] > 200 and fetches["miss"] > 0 and evicted > 0
+    bad_rows, bad_blobs = verify_store(data_dir, pg_url)
+    assert bad_rows == [] and bad_blobs == []
