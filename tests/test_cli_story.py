@@ -254,7 +254,6 @@ def test_a_mistake_is_one_or_two_lines_naming_what_to_fix(
     ("variable", "value", "args"),
     [
         ("KCACHE_PORT", "eighty", ["serve"]),
-        ("KCACHE_COMPILE_WORKERS", "0", ["serve"]),
         ("KCACHE_INCLUDE_SETS", "{not json", ["serve"]),
         ("KCACHE_DB_URL", "postgresql://u@h/db", ["token", "list"]),
         ("KCACHE_LOCAL_COMPILE", "perhaps", ["get", "add.cu", "--target", "sm_90"]),

@@ -109,7 +109,7 @@ def _announcing_retry(url: str) -> RetryPolicy:
                 )
             return wait
 
-    return AnnouncingRetry(attempts=4, base_s=0.25, cap_s=1.0, budget_s=_RETRY_BUDGET_S)
+    return AnnouncingRetry(attempts=4, base_s=0.2, cap_s=0.8, budget_s=_RETRY_BUDGET_S)
 
 
 def _open_cache(args: argparse.Namespace, url: str | None) -> KernelCache:
