@@ -19,6 +19,7 @@ from pathlib import Path
 from kcache._env import env_flag
 from kcache.dirs import cache_dir as default_cache_dir
 from kcache.errors import KCacheError
+from kcache.eviction import parse_size
 
 __all__ = ["ClientSettings"]
 
@@ -42,9 +43,20 @@ def _include_sets(sets: Mapping[str, str | os.PathLike[str]] | None) -> dict[str
     return out
 
 
+def _cache_max_bytes(explicit: int | str | None) -> int | None:
+    value = explicit if explicit is not None else os.environ.get("KCACHE_CACHE_MAX_BYTES") or None
+    if value is None:
+        return None
+    what = "max_bytes" if explicit is not None else "KCACHE_CACHE_MAX_BYTES"
+    try:
+        return parse_size(value, what)
+    except ValueError as exc:
+        raise KCacheError(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class ClientSettings:
-    """``KCACHE_URL``, ``KCACHE_TOKEN``, ``KCACHE_CACHE_DIR``, ``KCACHE_LOCAL_COMPILE``, ``KCACHE_JOB_ID``.
+    """``KCACHE_URL``, ``KCACHE_TOKEN``, ``KCACHE_CACHE_DIR``, ``KCACHE_CACHE_MAX_BYTES``, ``KCACHE_LOCAL_COMPILE``, ``KCACHE_JOB_ID``.
 
     ``include_sets`` (name -> directory) are what local compiles may read for the
     include sets a recipe names; a server has its own.
@@ -56,6 +68,8 @@ class ClientSettings:
     local_compile: bool
     job_id: str | None
     include_sets: dict[str, Path] = field(default_factory=dict)
+    #: The node tier's cap (``KCACHE_CACHE_MAX_BYTES``): None for the default, 0 for none.
+    cache_max_bytes: int | None = None
 
     @classmethod
     def from_env(
@@ -67,6 +81,7 @@ class ClientSettings:
         local_compile: bool | None = None,
         job_id: str | None = None,
         include_sets: Mapping[str, str | os.PathLike[str]] | None = None,
+        max_bytes: int | str | None = None,
     ) -> ClientSettings:
         """Arguments first, then the environment, then the defaults."""
         resolved_url = (url or os.environ.get("KCACHE_URL") or "").strip() or None
@@ -79,4 +94,5 @@ class ClientSettings:
             local_compile=resolved_url is None if local_compile is None else local_compile,
             job_id=job_id or _job_id_from_env(),
             include_sets=_include_sets(include_sets),
+            cache_max_bytes=_cache_max_bytes(max_bytes),
         )

@@ -7,6 +7,22 @@ the same blob agree. The per-key lock (in-process single-flight around a file
 lock) only makes the node download a blob once instead of once per rank; it
 guards no correctness. The same holds on a shared filesystem where ``flock`` is
 advisory or granted to everyone: duplicate downloads, never a wrong result.
+
+The tier is bounded (:mod:`kcache.eviction`): ``max_bytes`` (``KCACHE_CACHE_MAX_BYTES``,
+default 10 GiB or 10 % of the tier's filesystem, whichever is smaller; 0 for none).
+When a publish takes the blobs past the high-water mark, the least recently used are
+evicted down to the low-water mark, by one process at a time (a file lock; the
+others skip their pass). Recency is the mtime of an entry's artifact record under
+``index/artifacts/``, touched when a lookup reads the entry (at most once per
+entry every few seconds per process), because atime is often off (``noatime``).
+
+Eviction never hands a reader wrong or partial bytes: it removes an entry's
+artifact record and recipe aliases first and its blob last; a reader that opened
+the blob keeps reading it (an unlinked file lives on for open descriptors) and
+verifies the digest; one that comes later finds no blob, drops the alias and
+fetches again. A publisher that stored the same bytes again meanwhile keeps them:
+the evictor re-checks the blob's mtime and the record after setting the blob aside,
+and a publish checks its blob is still there after writing the record.
 """
 
 from __future__ import annotations
@@ -14,21 +30,75 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import filelock
+
 from kcache.artifact import ArtifactMeta, CompileFailure
 from kcache.dirs import cache_dir
-from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
+from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, LockTimeoutError
+from kcache.eviction import LruCandidate, WaterMarks, default_tier_cap, least_recently_used
 from kcache.fsutil import atomic_write
 from kcache.index.file import FileIndex
 from kcache.keys import sha256_hex
 from kcache.locks import FileKeyLock, SingleFlight
 from kcache.store.local import LocalArtifactStore
 
-__all__ = ["NodeTier", "default_cache_dir"]
+__all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_dir"]
+
+# A lookup refreshes an entry's access stamp at most this often per process (one utime).
+_TOUCH_EVERY_S = 5.0
+# A process rescans the tier's size after a publish at least this often (or 20 scans' time).
+_RESCAN_MIN_S = 1.0
+
+
+@dataclass(frozen=True)
+class TierEntry:
+    """One stored artifact of the tier: its blob, what the record says, when it was last used."""
+
+    digest: str
+    size: int
+    last_used: float  # epoch seconds
+    recipe_keys: tuple[str, ...] = ()
+    kernel: str = ""
+    target: str = ""
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """The tier's size against its cap (``kcache cache info``)."""
+
+    root: Path
+    bytes_used: int
+    entries: int
+    marks: WaterMarks
+    oldest_use: float | None
+    newest_use: float | None
+
+
+@dataclass(frozen=True)
+class TierRemoval:
+    """What an eviction or a removal did."""
+
+    removed: int
+    bytes_freed: int
+    unknown: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Scanned:
+    """A blob as one scan saw it (the blob's own mtime tells a later rewrite apart)."""
+
+    digest: str
+    size: int
+    last_used: float
+    blob_mtime: float
 
 
 def default_cache_dir() -> Path:
@@ -39,12 +109,27 @@ def default_cache_dir() -> Path:
 class NodeTier:
     """Artifacts by recipe key in ``root``, shared by all processes that open ``root``."""
 
-    def __init__(self, root: str | os.PathLike[str], *, lock_timeout: float = 900.0) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        lock_timeout: float = 900.0,
+        max_bytes: int | None = None,
+    ) -> None:
         self.root = Path(root)
         self.store = LocalArtifactStore(self.root)
         self.index = FileIndex(self.root)
         self.lock = SingleFlight(FileKeyLock(self.root))
         self.lock_timeout = lock_timeout
+        #: The cap and its water marks (``max_bytes`` None: the default; 0: unbounded).
+        self.marks = WaterMarks(default_tier_cap(self.root) if max_bytes is None else max_bytes)
+        self._evict_lock_path = self.root / "locks" / "evict.lock"
+        self._touched: dict[str, float] = {}
+        self._size_lock = threading.Lock()
+        self._scanned_bytes: int | None = None  # the tier's size at this process's last scan
+        self._since_scan = 0  # bytes this process published since
+        self._scanned_at = float("-inf")
+        self._rescan_s = _RESCAN_MIN_S
 
     def lookup(self, recipe_key: str) -> tuple[ArtifactMeta, bytes] | None:
         """The artifact and its verified bytes, or None.
@@ -63,17 +148,205 @@ class NodeTier:
             self.index.forget(recipe_key)
             return None
         except ArtifactNotFoundError:
-            self.index.forget(recipe_key)  # metadata without a blob (gc, or a manual delete)
+            # Metadata without a blob: evicted by another process a moment ago, gc, a manual delete.
+            self.index.forget(recipe_key)
             return None
+        self._touch(entry.digest)
         return entry, data
 
     def publish(self, recipe_key: str, base_key: str, meta: ArtifactMeta, data: bytes) -> Path:
-        """Store verified bytes, then the index entry (the blob first, as everywhere)."""
+        """Store verified bytes, then the index entry (the blob first, as everywhere); may evict."""
         digest = self.store.put(data)
         if digest != meta.digest:  # the caller verified already; this is a second line of defence
             raise CorruptArtifactError(meta.digest, digest, None)
         self.index.record_artifact(recipe_key, base_key, meta)
+        if not self.store.has(digest):
+            # Another process evicted the blob between our put and our record (it had
+            # seen no record yet): put it back, so no record names a missing blob.
+            self.store.put(data)
+        self.stored(len(data))
         return self.store.path(digest)
+
+    # ---------------------------------------------------------------- bounded size
+    def _record_path(self, digest: str) -> str:
+        return str(self.index._path("artifacts", digest))  # the index's own layout
+
+    def _touch(self, digest: str) -> None:
+        """Mark ``digest`` used now: the access stamp LRU reads (cheap, and not on every hit)."""
+        now = time.monotonic()
+        if now - self._touched.get(digest, float("-inf")) < _TOUCH_EVERY_S:
+            return
+        if len(self._touched) > 100_000:
+            self._touched.clear()
+        self._touched[digest] = now
+        with contextlib.suppress(OSError):  # evicted meanwhile, or a read-only tier
+            os.utime(self._record_path(digest))
+
+    def stored(self, nbytes: int) -> None:
+        """Note ``nbytes`` just stored in the tier (by :meth:`publish`, or a local compile); may evict.
+
+        The tier's size is rescanned when this process's own publishes since its last
+        scan could have taken it past the high-water mark, and at least every second
+        or so (other processes publish too), never more often than 20 scans' time.
+        """
+        if not self.marks.bounded:
+            return
+        with self._size_lock:
+            self._since_scan += nbytes
+            estimate = (self._scanned_bytes or 0) + self._since_scan
+            due = time.monotonic() - self._scanned_at >= self._rescan_s
+            if self._scanned_bytes is not None and not due and not self.marks.over(estimate):
+                return
+        self.evict()
+
+    def _scan(self) -> list[_Scanned]:
+        started = time.monotonic()
+        found = []
+        for digest in self.store.digests():
+            try:
+                blob = os.stat(self.store.path(digest))
+            except FileNotFoundError:
+                continue
+            try:
+                used = os.stat(self._record_path(digest)).st_mtime
+            except FileNotFoundError:
+                used = blob.st_mtime  # no record (yet): as old as the blob
+            found.append(_Scanned(digest, blob.st_size, used, blob.st_mtime))
+        took = time.monotonic() - started
+        with self._size_lock:
+            self._scanned_bytes = sum(b.size for b in found)
+            self._since_scan = 0
+            self._scanned_at = time.monotonic()
+            self._rescan_s = max(_RESCAN_MIN_S, 20 * took)
+        return found
+
+    @contextlib.contextmanager
+    def _evicting(self, wait_s: float) -> Iterator[bool]:
+        """The tier's one-evictor-at-a-time file lock; yields False when not had within ``wait_s``."""
+        self._evict_lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(str(self._evict_lock_path), thread_local=False)
+        try:
+            lock.acquire(timeout=wait_s)
+        except filelock.Timeout:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            lock.release()
+
+    def evict(self) -> TierRemoval | None:
+        """Evict least recently used entries down to the low-water mark if over the high one.
+
+        None when another process is evicting already (it does the work).
+        """
+        with self._evicting(0) as held:
+            if not held:
+                return None
+            scanned = self._scan()
+            to_free = self.marks.to_free(sum(b.size for b in scanned))
+            if to_free <= 0:
+                return TierRemoval(0, 0)
+            candidates = [LruCandidate(b.digest, b.size, b.last_used) for b in scanned]
+            chosen = {c.name for c in least_recently_used(candidates, to_free)}
+            return self._remove([b for b in scanned if b.digest in chosen])
+
+    def _aliases(self) -> dict[str, list[Path]]:
+        """digest -> the recipe alias files that name it (read only when removing)."""
+        found: dict[str, list[Path]] = {}
+        for path in (self.index.root / "recipes").glob("*/*.json"):
+            digest = _alias_digest(path)
+            if digest is not None:
+                found.setdefault(digest, []).append(path)
+        return found
+
+    def _remove(self, victims: Iterable[_Scanned]) -> TierRemoval:
+        """Records and aliases first, blobs last (kept when republished since the scan)."""
+        aliases = self._aliases()
+        removed = freed = 0
+        for victim in victims:
+            Path(self._record_path(victim.digest)).unlink(missing_ok=True)
+            for alias in aliases.get(victim.digest, ()):
+                if _alias_digest(alias) == victim.digest:  # not re-pointed meanwhile
+                    alias.unlink(missing_ok=True)
+            gone = self.store.collect(
+                victim.digest,
+                # Kept if its mtime moved since the scan (stored again) or a record names it again.
+                victim.blob_mtime + 1e-6,
+                self._recorded,
+            )
+            if gone is not None:
+                removed += 1
+                freed += gone
+        with self._size_lock:
+            if self._scanned_bytes is not None:
+                self._scanned_bytes -= freed
+        return TierRemoval(removed, freed)
+
+    def _recorded(self, digest: str) -> bool:
+        return os.path.exists(self._record_path(digest))
+
+    def entries(self) -> list[TierEntry]:
+        """Every stored artifact, most recently used first, with its recipe keys and metadata."""
+        aliases = self._aliases()
+        listed = []
+        for blob in self._scan():
+            meta = self.index.artifact(blob.digest)
+            keys = tuple(sorted(p.stem for p in aliases.get(blob.digest, ())))
+            listed.append(
+                TierEntry(
+                    blob.digest,
+                    blob.size,
+                    blob.last_used,
+                    keys,
+                    meta.kernel if meta else "",
+                    meta.target if meta else "",
+                    meta.kind if meta else "",
+                )
+            )
+        return sorted(listed, key=lambda e: (-e.last_used, e.digest))
+
+    def usage(self) -> TierUsage:
+        """Bytes used of the cap, entries, oldest and newest use."""
+        scanned = self._scan()
+        stamps = [b.last_used for b in scanned]
+        return TierUsage(
+            self.root,
+            sum(b.size for b in scanned),
+            len(scanned),
+            self.marks,
+            min(stamps, default=None),
+            max(stamps, default=None),
+        )
+
+    def remove(self, keys: Iterable[str], *, wait_s: float = 60.0) -> TierRemoval:
+        """Remove the entries ``keys`` name (recipe keys or digests) now."""
+        wanted: dict[str, str] = {}
+        unknown = []
+        for key in keys:
+            entry = self.index.lookup(key)
+            if isinstance(entry, ArtifactMeta):
+                wanted[entry.digest] = key
+            elif self.store.has(key):
+                wanted[key] = key
+            else:
+                unknown.append(key)
+        with self._evicting(wait_s) as held:
+            if not held:
+                raise LockTimeoutError(
+                    f"another process held {self._evict_lock_path} for {wait_s:.0f}s"
+                )
+            removal = self._remove([b for b in self._scan() if b.digest in wanted])
+        return TierRemoval(removal.removed, removal.bytes_freed, tuple(unknown))
+
+    def clear(self, *, wait_s: float = 60.0) -> TierRemoval:
+        """Remove every entry."""
+        with self._evicting(wait_s) as held:
+            if not held:
+                raise LockTimeoutError(
+                    f"another process held {self._evict_lock_path} for {wait_s:.0f}s"
+                )
+            return self._remove(self._scan())
 
     def path(self, digest: str) -> Path:
         """Where the blob lives."""
@@ -103,3 +376,14 @@ class NodeTier:
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
+
+
+def _alias_digest(path: Path) -> str | None:
+    """The digest a recipe alias file points at (None for a negative entry or an unreadable file)."""
+    try:
+        with open(path, "rb") as handle:
+            entry = json.loads(handle.read())
+    except (OSError, ValueError):
+        return None
+    digest = entry.get("digest") if isinstance(entry, dict) else None
+    return digest if isinstance(digest, str) else None

@@ -41,7 +41,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from kcache_server.app import SETTINGS_ENV, create_app, serving_app
 
-    settings = _settings(args)
+    cap = {"max_store_bytes": args.max_store_bytes} if args.max_store_bytes is not None else {}
+    settings = _settings(args, **cap)
     if settings.workers > 1:
         # Each uvicorn worker process builds its own app (and compile pool) from these settings.
         create_app(settings)  # fail here, once, with a clear message, rather than in every worker
@@ -240,6 +241,12 @@ def register(subparsers: Any) -> None:
         "--recreate-index",
         action="store_true",
         help="the database was lost: create it afresh and index the stored blobs again (recipes compile once more)",
+    )
+    serve.add_argument(
+        "--max-store-bytes",
+        metavar="SIZE",
+        help="cap the store, e.g. 500GiB: least recently used unpinned artifacts are evicted past "
+        "it (default $KCACHE_MAX_STORE_BYTES; unbounded)",
     )
     serve.set_defaults(func=_cmd_serve)
 

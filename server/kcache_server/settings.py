@@ -11,7 +11,7 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import ByteSize, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["AuditSettings", "Settings", "is_loopback"]
@@ -156,6 +156,31 @@ class Settings(BaseSettings):
         default=64, ge=0, description="further PostgreSQL connections under load"
     )
     retry_after_s: int = Field(default=5, ge=1, description="the Retry-After sent with 503")
+    max_store_bytes: ByteSize | None = Field(
+        default=None,
+        description="cap on the bytes of stored artifacts (pinned ones included), e.g. 500GiB; "
+        "least recently used ones are evicted past it; unset or 0: unbounded",
+    )
+    store_high_water: float = Field(
+        default=0.9, gt=0, le=1, description="eviction starts above this fraction of max_store_bytes"
+    )
+    store_low_water: float = Field(
+        default=0.8, gt=0, lt=1, description="and evicts down to this fraction"
+    )
+    eviction_interval_s: float = Field(
+        default=30.0, gt=0, description="how often the store's size is checked (compiles also check)"
+    )
+    eviction_blob_grace_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="an evicted artifact's blob written or reused more recently than this is deleted "
+        "by a later pass (a compile publishes its blob before the row that names it)",
+    )
+    token_quota_bytes: ByteSize | None = Field(
+        default=None,
+        description="cap on the stored bytes of artifacts one token (or, on an open server, one "
+        "client address) caused to be compiled; over it, its compiles get 507; unset or 0: none",
+    )
     audit: AuditSettings = Field(
         default_factory=AuditSettings,
         description="auditing: KCACHE_AUDIT_<NAME>, see AuditSettings",
