@@ -21,6 +21,7 @@ __all__ = [
     "HIT_OUTCOMES",
     "MISS_OUTCOMES",
     "OUTCOMES",
+    "SERVED_OUTCOMES",
     "SERVER_OUTCOMES",
     "ClientOutcome",
     "Outcome",
@@ -45,6 +46,8 @@ SERVER_OUTCOMES: tuple[Outcome, ...] = tuple(o for o in OUTCOMES if o not in CLI
 HIT_OUTCOMES: frozenset[Outcome] = frozenset({"hit", "local_hit"})
 #: Lookups it did not: compiled (or joined a compile), absent, or failed.
 MISS_OUTCOMES: frozenset[Outcome] = frozenset(OUTCOMES) - HIT_OUTCOMES
+#: Lookups that ended with an artifact (found, compiled or joined): all but ``miss`` and ``error``.
+SERVED_OUTCOMES: frozenset[Outcome] = frozenset(OUTCOMES) - {"miss", "error"}
 
 
 def parse_outcome(value: object, field: str = "outcome") -> Outcome:

@@ -17,7 +17,9 @@ from typing import Any, cast
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from kcache.keys import is_hex_key
+from kcache.errors import InvalidKeyError
+from kcache.keys import is_hex_key, require_hex_key
+from kcache.outcomes import SERVED_OUTCOMES
 from kcache_server.errors import InvalidRequestError
 from kcache_server.models import Artifact, AuditEvent, Pin, RecipeAlias, utcnow
 
@@ -47,12 +49,10 @@ def check_group(group: str | None, field: str = "group") -> str:
 def _check_keys(keys: Iterable[str], field: str) -> list[str]:
     checked = []
     for i, key in enumerate(keys):
-        if not isinstance(key, str) or not is_hex_key(key):
-            raise InvalidRequestError(
-                f"{field}[{i}]",
-                f"must be 64 lowercase hex digits (a recipe key), got {str(key)[:80]!r}",
-            )
-        checked.append(key)
+        try:
+            checked.append(require_hex_key(key, f"{field}[{i}]"))
+        except InvalidKeyError as exc:
+            raise InvalidRequestError(exc.field, exc.detail) from None
     if len(checked) > MAX_KEYS:
         raise InvalidRequestError(field, f"at most {MAX_KEYS} keys per request, got {len(checked)}")
     return checked
@@ -106,7 +106,7 @@ class PinStore:
                 _events.c.job_id == job_id,
                 _events.c.recipe_key.is_not(None),
                 _events.c.digest.is_not(None),
-                _events.c.outcome.in_(("hit", "local_hit", "compiled", "waited")),
+                _events.c.outcome.in_(sorted(SERVED_OUTCOMES)),
             )
             .distinct()
             .limit(MAX_KEYS + 1)
