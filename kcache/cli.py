@@ -63,6 +63,7 @@ __all__ = [
     "main",
     "print_result",
     "recipe_from_args",
+    "refuse_server_dir",
     "server_url",
     "write_output",
 ]
@@ -411,7 +412,8 @@ def _client_entry() -> Callable[[argparse.Namespace, Recipe], int]:
     return entry
 
 
-def _no_server_dir(root: Path, option: str) -> None:
+def refuse_server_dir(root: Path, option: str) -> None:
+    """Refuse to use a server's data directory as a cache directory (client commands never write one)."""
     if directory_kind(root) == "server":
         raise UsageError(
             f"{root} ({option}) is a kcache server's data directory, which only server commands write; "
@@ -439,7 +441,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from kcache.local_engine import open_local_engine
 
     root = cache_dir(args.cache_dir)
-    _no_server_dir(root, "--cache-dir" if args.cache_dir else "$KCACHE_CACHE_DIR")
+    refuse_server_dir(root, "--cache-dir" if args.cache_dir else "$KCACHE_CACHE_DIR")
     engine = open_local_engine(root, include_sets=include_set_dirs(args))
     result = engine.resolve(recipe)
     path = engine.store.path(result.artifact.digest)

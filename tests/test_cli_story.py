@@ -91,6 +91,12 @@ def test_compile_uses_the_configured_server_and_never_writes_its_data_directory(
     assert artifact.is_relative_to(home / "cache")  # the user's cache directory
     assert not (server.data_dir / "index").exists()  # no JSON index beside kcache.db
     assert not (home / ".kcache").exists()  # and no server directory in the working one
+    for command in ("get", "compile"):  # named as a cache directory, it is still refused
+        misused = kcache(
+            command, str(source), "--target", "sm_90", "--cache-dir", str(server.data_dir), env=env
+        )
+        assert_user_error(misused, "--cache-dir", "server's data directory")
+    assert not (server.data_dir / "index").exists()
 
 
 def test_without_a_server_commands_share_the_cache_directory(home: Path) -> None:

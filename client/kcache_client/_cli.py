@@ -30,9 +30,11 @@ from kcache.cli import (
     include_set_dirs,
     print_result,
     recipe_from_args,
+    refuse_server_dir,
     server_url,
     write_output,
 )
+from kcache.dirs import cache_dir
 from kcache.errors import ArtifactNotFoundError, KCacheError, RecipeError
 from kcache.recipe import Recipe
 
@@ -115,6 +117,8 @@ def _announcing_retry(url: str) -> RetryPolicy:
 def _open_cache(args: argparse.Namespace, url: str | None) -> KernelCache:
     from kcache_client._cache import KernelCache
 
+    explicit = getattr(args, "cache_dir", None)
+    refuse_server_dir(cache_dir(explicit), "--cache-dir" if explicit else "$KCACHE_CACHE_DIR")
     return KernelCache(
         url=url,
         token=getattr(args, "token", None),
