@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kcache.compilers import InProcessCompiler
-from kcache.dirs import data_dir as default_data_dir
+from kcache.dirs import cache_dir
 from kcache.engine import Engine
 from kcache.include_sets import IncludeSets
 from kcache.index.file import FileIndex
@@ -24,8 +24,13 @@ def open_local_engine(
     include_sets: Mapping[str, str | Path] | None = None,
     toolchain_dir: Path | None = None,
 ) -> Engine:
-    """An engine with a directory store, JSON index, file locks and in-process NVRTC."""
-    root = default_data_dir(data_dir)
+    """An engine with a directory store, JSON index, file locks and in-process NVRTC.
+
+    ``data_dir`` defaults to the user's cache directory (:func:`kcache.dirs.cache_dir`),
+    which the client's node tier and ``kcache compile`` share; a server's data
+    directory is indexed in SQL and is never the default here.
+    """
+    root = cache_dir(data_dir)
     return Engine(
         store=LocalArtifactStore(root),
         index=FileIndex(root),
