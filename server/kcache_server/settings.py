@@ -162,13 +162,18 @@ class Settings(BaseSettings):
         "least recently used ones are evicted past it; unset or 0: unbounded",
     )
     store_high_water: float = Field(
-        default=0.9, gt=0, le=1, description="eviction starts above this fraction of max_store_bytes"
+        default=0.9,
+        gt=0,
+        le=1,
+        description="eviction starts above this fraction of max_store_bytes",
     )
     store_low_water: float = Field(
         default=0.8, gt=0, lt=1, description="and evicts down to this fraction"
     )
     eviction_interval_s: float = Field(
-        default=30.0, gt=0, description="how often the store's size is checked (compiles also check)"
+        default=30.0,
+        gt=0,
+        description="how often the store's size is checked (compiles also check)",
     )
     eviction_blob_grace_s: float = Field(
         default=60.0,

@@ -19,7 +19,9 @@ import pytest
 import sqlalchemy as sa
 import uvicorn
 
-PG_ADMIN_URL = os.environ.get("KCACHE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+PG_ADMIN_URL = os.environ.get(
+    "KCACHE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
 KCACHE = str(Path(sys.executable).with_name("kcache"))
 
 
@@ -27,7 +29,9 @@ KCACHE = str(Path(sys.executable).with_name("kcache"))
 def _shared_toolchain_dir() -> None:
     """One extracted NVRTC header tree for the whole run (servers and their workers inherit it)."""
     if not os.environ.get("KCACHE_TOOLCHAIN_DIR"):
-        os.environ["KCACHE_TOOLCHAIN_DIR"] = str(Path(tempfile.gettempdir()) / "kcache-test-toolchains")
+        os.environ["KCACHE_TOOLCHAIN_DIR"] = str(
+            Path(tempfile.gettempdir()) / "kcache-test-toolchains"
+        )
 
 
 def vector_add(tag: str, target: str = "sm_80") -> dict[str, Any]:
@@ -63,9 +67,13 @@ class ServerThread:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(serving_app(self.app), log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+        config = uvicorn.Config(
+            serving_app(self.app), log_level="warning", lifespan="on", timeout_graceful_shutdown=10
+        )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -147,7 +155,9 @@ def pg_url() -> Iterator[str]:
 
 def upgrade(url: str) -> None:
     """Bring a database to the head revision with the real command."""
-    result = subprocess.run([KCACHE, "db", "upgrade", "--db-url", url], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [KCACHE, "db", "upgrade", "--db-url", url], capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -16,7 +16,9 @@ def test_db_gc_keeps_indexed_blobs_and_removes_old_orphans(make_settings: Any, s
     settings = make_settings()
     server = serve(settings)
     with server.client() as client:
-        digest = client.post("/v1/resolve", json={"recipe": vector_add(unique())}).json()["artifact"]["digest"]
+        digest = client.post("/v1/resolve", json={"recipe": vector_add(unique())}).json()[
+            "artifact"
+        ]["digest"]
     store = server.state.backends.store
     orphan = store.put(b"published, but its compile never recorded it")
     young = store.put(b"published a moment ago; its row may be on the way")

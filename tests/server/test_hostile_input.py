@@ -116,7 +116,9 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
 
     with fresh_pg_database() as url:
         data = tmp_path_factory.mktemp("hostile-pg") / "data"
-        harness = _start(Settings(data_dir=data, db_url=url, compile_workers=1, audit={"flush_s": 0.05}))
+        harness = _start(
+            Settings(data_dir=data, db_url=url, compile_workers=1, audit={"flush_s": 0.05})
+        )
         try:
             yield harness
         finally:

@@ -25,7 +25,9 @@ def _agree(url: str) -> None:
     engine = sa.create_engine(url)
     try:
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), metadata)
+            diff = compare_metadata(
+                MigrationContext.configure(conn, opts={"compare_type": True}), metadata
+            )
     finally:
         engine.dispose()
     assert diff == [], diff
@@ -33,7 +35,11 @@ def _agree(url: str) -> None:
     # `alembic check` from the repository root, as CI runs it (URL from KCACHE_DB_URL).
     result = subprocess.run(
         [str(Path(KCACHE).with_name("alembic")), "-c", str(ROOT / "alembic.ini"), "check"],
-        capture_output=True, text=True, cwd=ROOT, env={"KCACHE_DB_URL": url, "PATH": "/usr/bin:/bin"}, check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"KCACHE_DB_URL": url, "PATH": "/usr/bin:/bin"},
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert "No new upgrade operations detected" in result.stdout + result.stderr
@@ -64,7 +70,10 @@ def test_out_of_date_sqlite_is_refused_until_upgraded(make_settings: Any) -> Non
     command.downgrade(alembic_config(settings.database_url), "base")
     _refused(settings)
     current = subprocess.run(
-        [KCACHE, "db", "current", "--data-dir", str(settings.data_dir)], capture_output=True, text=True, check=False
+        [KCACHE, "db", "current", "--data-dir", str(settings.data_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert current.returncode == 1 and '"up_to_date": false' in current.stdout
     upgrade(settings.database_url)

@@ -57,7 +57,9 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise AssertionError(process.stderr.read().decode() if process.stderr else "server exited")
+            raise AssertionError(
+                process.stderr.read().decode() if process.stderr else "server exited"
+            )
         try:
             if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
                 return
@@ -77,7 +79,9 @@ def _two_replicas_compile_each_recipe_once(data_dir: Path, db_url: str) -> None:
             _wait_ready(url, process)
         tag = unique()
         recipes = [vector_add(f"{tag}-{i}") for i in range(20)]
-        jobs = [(url, i) for i in range(20) for url in urls]  # every recipe to both replicas at once
+        jobs = [
+            (url, i) for i in range(20) for url in urls
+        ]  # every recipe to both replicas at once
 
         def ask(job: tuple[str, int]) -> tuple[int, httpx.Response]:
             url, i = job
@@ -85,10 +89,14 @@ def _two_replicas_compile_each_recipe_once(data_dir: Path, db_url: str) -> None:
 
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             answers = list(pool.map(ask, jobs))
-        assert all(r.status_code == 200 for _, r in answers), [r.text for _, r in answers if r.status_code != 200]
+        assert all(r.status_code == 200 for _, r in answers), [
+            r.text for _, r in answers if r.status_code != 200
+        ]
         compiled = Counter(i for i, r in answers if r.json()["status"] == "compiled")
         assert compiled == Counter(range(20)), compiled  # exactly one compile per recipe, overall
-        digests = {i: {r.json()["artifact"]["digest"] for j, r in answers if j == i} for i in range(20)}
+        digests = {
+            i: {r.json()["artifact"]["digest"] for j, r in answers if j == i} for i in range(20)
+        }
         assert all(len(d) == 1 for d in digests.values())
     finally:
         for process in processes:
@@ -103,7 +111,9 @@ def _two_replicas_compile_each_recipe_once(data_dir: Path, db_url: str) -> None:
 
 
 @pytest.mark.postgres
-def test_two_replicas_sharing_postgres_compile_each_recipe_once(tmp_path: Path, pg_url: str) -> None:
+def test_two_replicas_sharing_postgres_compile_each_recipe_once(
+    tmp_path: Path, pg_url: str
+) -> None:
     _two_replicas_compile_each_recipe_once(tmp_path / "shared-data", pg_url)
 
 

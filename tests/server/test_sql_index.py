@@ -21,8 +21,18 @@ def h(text: str) -> str:
 
 def meta(name: str, deps: tuple[Dependency, ...] = ()) -> ArtifactMeta:
     return ArtifactMeta(
-        digest=h(name), size=10, kind="cubin", target="sm_80", toolchain="tc", lowered_names={"f<1>": "_Z1fILi1EEvv"},
-        compile_seconds=0.25, log="ok", dependencies=deps, dependencies_exact=True, kernel="f", created_at=1_700_000_000.5,
+        digest=h(name),
+        size=10,
+        kind="cubin",
+        target="sm_80",
+        toolchain="tc",
+        lowered_names={"f<1>": "_Z1fILi1EEvv"},
+        compile_seconds=0.25,
+        log="ok",
+        dependencies=deps,
+        dependencies_exact=True,
+        kernel="f",
+        created_at=1_700_000_000.5,
     )
 
 
@@ -34,7 +44,11 @@ def index(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Index]:
     from kcache_server.db import open_database
     from kcache_server.index import SqlIndex
 
-    url = f"sqlite:///{tmp_path / 'i.db'}" if request.param == "sqlite" else request.getfixturevalue("pg_url")
+    url = (
+        f"sqlite:///{tmp_path / 'i.db'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("pg_url")
+    )
     upgrade(url)
     engine = open_database(url)
     yield SqlIndex(engine)

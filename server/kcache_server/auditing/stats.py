@@ -46,8 +46,8 @@ __all__ = [
     "MissedKernel",
     "SeriesPoint",
     "Stats",
-    "StoreStats",
     "StatsQuery",
+    "StoreStats",
     "compute_stats",
     "parse_time",
 ]
@@ -599,12 +599,14 @@ def _series(
     return step, points
 
 
-def _store(engine: sa.Engine, conn: sa.Connection, query: StatsQuery, cap: int | None) -> StoreStats:
+def _store(
+    engine: sa.Engine, conn: sa.Connection, query: StatsQuery, cap: int | None
+) -> StoreStats:
     usage = SqlIndex(engine).usage()
     evicted, freed = conn.execute(
-        sa.select(
-            sa.func.count(), sa.func.coalesce(sa.func.sum(_evictions.c.size), 0)
-        ).where(*_filters(StatsQuery(since=query.since, until=query.until), {}, _evictions.c.at))
+        sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(_evictions.c.size), 0)).where(
+            *_filters(StatsQuery(since=query.since, until=query.until), {}, _evictions.c.at)
+        )
     ).one()
     return StoreStats(
         bytes_used=usage.bytes,
