@@ -85,7 +85,7 @@ def test_eight_processes_compile_once(tmp_path: Path) -> None:
         results.append(json.loads(out))
     statuses = sorted(r["status"] for r in results)
     assert statuses.count("compiled") == 1, statuses
-    assert set(statuses) <= {"compiled", "waited", "hit"}
+    assert set(statuses) <= {"compiled", "waited", "local_hit"}  # a late one finds it cached
     assert len({r["digest"] for r in results}) == 1
 
 
