@@ -47,6 +47,7 @@ from kcache.fsutil import atomic_write
 from kcache.index.file import FileIndex
 from kcache.keys import sha256_hex
 from kcache.locks import FileKeyLock, SingleFlight
+from kcache.lru import LruCache
 from kcache.store.local import LocalArtifactStore
 
 __all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_dir"]
@@ -124,7 +125,8 @@ class NodeTier:
         #: The cap and its water marks (``max_bytes`` None: the default; 0: unbounded).
         self.marks = WaterMarks(default_tier_cap(self.root) if max_bytes is None else max_bytes)
         self._evict_lock_path = self.root / "locks" / "evict.lock"
-        self._touched: dict[str, float] = {}
+        # digest -> when this process last stamped it; bounded, the oldest forgotten first.
+        self._touched: LruCache[str, float] = LruCache(max_entries=100_000)
         self._size_lock = threading.Lock()
         self._scanned_bytes: int | None = None  # the tier's size at this process's last scan
         self._since_scan = 0  # bytes this process published since
@@ -174,11 +176,10 @@ class NodeTier:
     def _touch(self, digest: str) -> None:
         """Mark ``digest`` used now: the access stamp LRU reads (cheap, and not on every hit)."""
         now = time.monotonic()
-        if now - self._touched.get(digest, float("-inf")) < _TOUCH_EVERY_S:
+        last = self._touched.get(digest)
+        if last is not None and now - last < _TOUCH_EVERY_S:
             return
-        if len(self._touched) > 100_000:
-            self._touched.clear()
-        self._touched[digest] = now
+        self._touched.put(digest, now)
         with contextlib.suppress(OSError):  # evicted meanwhile, or a read-only tier
             os.utime(self._record_path(digest))
 
