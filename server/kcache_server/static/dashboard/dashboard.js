@@ -159,6 +159,7 @@
     const whole = cap || store.bytes_used || 1;
     const bar = $("store-bar");
     bar.replaceChildren();
+    bar.hidden = !cap; // a bar needs a whole: without a cap the figures say enough
     bar.setAttribute("aria-valuenow", String(store.bytes_used));
     bar.setAttribute("aria-valuemax", String(whole));
     const parts = [
