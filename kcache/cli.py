@@ -135,7 +135,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 _INVALID_CHOICE = re.compile(
-    r"argument (?P<arg>\S+): invalid choice: (?P<value>'.*?') \(choose from (?P<choices>.*)\)$"
+    r"argument (?P<arg>\S+): invalid choice: (?P<value>'.*?') \(choose from (?P<choices>.*)\)\Z"
 )
 
 
@@ -245,7 +245,7 @@ def server_url(args: argparse.Namespace) -> str | None:
     explicit = getattr(args, "server", None)
     url = explicit if explicit is not None else os.environ.get("KCACHE_URL", "")
     url = url.strip()
-    if url and not re.match(r"^https?://[^/\s]+", url):
+    if url and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
         where = "--server" if explicit is not None else "KCACHE_URL"
         raise UsageError(f"{where}={url!r} is not a server URL: write it as http://HOST:PORT")
     return url or None
