@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -100,12 +100,16 @@ class LinkInput:
         return {"digest": self.digest}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Recipe:
     """Everything that changes the generated code of one kernel (ARCHITECTURE section 3).
 
     Construct it directly or with :meth:`from_dict` / :meth:`from_json`; every field
     is validated, and a bad one raises :class:`RecipeError` naming it.
+
+    Recipes are equal when their canonical forms are (the JSON the keys hash, headers
+    by their sha256), and hash accordingly, so they work as dict keys and set members;
+    for a resolved recipe that identity is its :meth:`key`.
     """
 
     source: str
@@ -122,13 +126,9 @@ class Recipe:
     include_sets: Sequence[str] = ()
     # Keys and derived copies, computed once: every container above is frozen.
     _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
-    # Set only by with_defaults, for a copy of a recipe that was validated already.
-    _validated: bool = field(default=False, repr=False, compare=False, kw_only=True)
 
     def __post_init__(self) -> None:
-        if not self._validated:
-            _validate(self)
-        object.__setattr__(self, "_validated", False)
+        _validate(self)
         # Freeze every container: a recipe cannot change under its key, so the keys
         # (and the defaults-filled copy) can be computed once per object and memoised.
         object.__setattr__(self, "headers", MappingProxyType(dict(sorted(self.headers.items()))))
@@ -143,6 +143,27 @@ class Recipe:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Mapping proxies do not pickle; the JSON form round-trips exactly.
         return (Recipe.from_dict, (self.to_dict(),))
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        if not isinstance(other, Recipe):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def _derive(self, **changes: Any) -> Recipe:
+        """A copy with ``changes``, built without validating again the fields it keeps.
+
+        The alternate constructor of :meth:`with_defaults`: the caller checks the
+        changed fields itself, and gives them already frozen (a tuple for ``link``).
+        """
+        copy = object.__new__(Recipe)
+        state = {**vars(self), **changes, "_memo": {}}
+        vars(copy).update(state)  # frozen: object.__setattr__ would do the same, field by field
+        return copy
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -221,7 +242,7 @@ class Recipe:
             return self
         # Only these three fields change; check them alone instead of re-validating
         # every header of an already validated recipe.
-        copy = replace(self, _validated=True, target=new_target, toolchain=new_toolchain, link=link)
+        copy = self._derive(target=new_target, toolchain=new_toolchain, link=link)
         _validate_target_and_toolchain(copy)
         return copy
 
@@ -253,13 +274,17 @@ class Recipe:
     def key_material(self, *, with_header_contents: bool = True) -> dict[str, Any]:
         """The canonical object hashed into the keys."""
         self._require_resolved()
+        return self._material(with_header_contents)
+
+    def _material(self, with_header_contents: bool) -> dict[str, Any]:
+        """:meth:`key_material` of any recipe, resolved or not (its identity is hashed from it)."""
         material = self.to_dict()  # every field, so a new field cannot be left out of the keys
         material.update(
             schema=KEY_SCHEMA,
             headers=self.header_hashes() if with_header_contents else sorted(self.headers),
             # Nested recipes enter with their full key: manifests match outer headers only.
             link=[
-                {"recipe_key": item.recipe.key()}
+                {"recipe_key": item.recipe._identity()}
                 if item.recipe is not None
                 else {"digest": item.digest}
                 for item in self.link
@@ -269,12 +294,17 @@ class Recipe:
         )
         return material
 
+    def _identity(self) -> str:
+        """sha256 of the canonical form: :meth:`key` once resolved; equality and hash use it."""
+        identity: str | None = self._memo.get("identity")
+        if identity is None:
+            identity = self._memo["identity"] = sha256_hex(canonical_json(self._material(True)))
+        return identity
+
     def key(self) -> str:
         """``recipe_key``: sha256 of the canonical JSON of everything, headers by their hash."""
-        key: str | None = self._memo.get("key")
-        if key is None:
-            key = self._memo["key"] = sha256_hex(canonical_json(self.key_material()))
-        return key
+        self._require_resolved()
+        return self._identity()
 
     def base_key(self) -> str:
         """``base_key``: the same without header contents (names only); indexes manifests."""
@@ -285,6 +315,7 @@ class Recipe:
         return key
 
     def _require_resolved(self) -> None:
+        """Raise unless the target and toolchain are concrete here and in every linked recipe."""
         if self.target == "auto":
             raise UnresolvedRecipeError(
                 "target", '"auto" must be resolved to the device\'s sm_XX before keying'
@@ -293,6 +324,9 @@ class Recipe:
             raise UnresolvedRecipeError(
                 "toolchain", "must be resolved to a concrete toolchain id before keying"
             )
+        for item in self.link:
+            if item.recipe is not None:
+                item.recipe._require_resolved()
 
 
 def _link_from_dict(index: int, item: object, depth: int) -> LinkInput:
