@@ -200,6 +200,41 @@ class Recipe:
             raise RecipeError("recipe", f"is not valid JSON: {exc}") from exc
         return cls.from_dict(data)
 
+    @classmethod
+    def from_cupy(
+        cls,
+        code: str,
+        options: Sequence[str] = (),
+        name_expressions: Sequence[str] | None = (),
+        **kwargs: Any,
+    ) -> Recipe:
+        """The recipe of ``cupy.RawModule(code=..., options=..., name_expressions=...)``.
+
+        Every option is translated or refused by name; CuPy's implicit options are
+        added. See :func:`kcache.options.recipe_from_cupy` for the keywords.
+        """
+        from kcache.options import recipe_from_cupy
+
+        return recipe_from_cupy(code, options, name_expressions, **kwargs)
+
+    @classmethod
+    def from_cuda_core(
+        cls,
+        code: str,
+        options: Any = None,
+        target_type: str = "cubin",
+        name_expressions: Sequence[str] = (),
+        **kwargs: Any,
+    ) -> Recipe:
+        """The recipe of cuda.core's ``Program(code, "c++", options).compile(target_type, ...)``.
+
+        ``options`` is a ``ProgramOptions``, a list of NVRTC options or None. See
+        :func:`kcache.options.recipe_from_cuda_core` for the keywords.
+        """
+        from kcache.options import recipe_from_cuda_core
+
+        return recipe_from_cuda_core(code, options, target_type, name_expressions, **kwargs)
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON object form, with header texts (round-trips through :meth:`from_dict`)."""
         out: dict[str, Any] = {
