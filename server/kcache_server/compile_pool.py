@@ -221,12 +221,19 @@ class ProcessPoolCompiler:
             raise
         if message[0] != "ready" or message[1] != self.toolchain.id:
             self._discard(worker)
-            detail = message[1] if message[0] == "start_failed" else f"toolchain {message[1]}"
-            raise ToolchainError(
-                f"a compile worker could not start ({detail}); compile_memory_mb={self.memory_mb} may be too small"
-                if message[0] == "start_failed"
-                else f"a compile worker loaded {detail}, not {self.toolchain.id}"
+            if message[0] != "start_failed":
+                raise ToolchainError(
+                    f"a compile worker loaded toolchain {message[1]}, not {self.toolchain.id}"
+                )
+            detail = str(message[1])
+            # Only a memory failure is about the limit; anything else (a mismatched
+            # nvJitLink, a missing library) must not send the operator after memory.
+            hint = (
+                f"; compile_memory_mb={self.memory_mb} may be too small"
+                if "MemoryError" in detail or "out of memory" in detail
+                else ""
             )
+            raise ToolchainError(f"a compile worker could not start ({detail}){hint}")
         status = SandboxStatus.from_dict(message[2])
         first = self.sandbox is None or self.sandbox.active != status.active
         self.sandbox = status
