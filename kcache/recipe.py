@@ -29,6 +29,7 @@ class _Limits:
     flag_count: int = 64
     flag_chars: int = 4096
     name_expressions: int = 256
+    name_expression_bytes: int = 1024
     link_inputs: int = 32
     link_depth: int = 4  # link recipes inside link recipes: bounded, like JSON nesting
     include_sets: int = 8
@@ -475,7 +476,7 @@ def _validate(recipe: Recipe) -> None:
     if len(recipe.name_expressions) > LIMITS.name_expressions:
         raise RecipeError("name_expressions", f"at most {LIMITS.name_expressions} entries")
     for i, expr in enumerate(recipe.name_expressions):
-        _check_line(f"name_expressions[{i}]", expr, 1024)
+        _check_line(f"name_expressions[{i}]", expr, LIMITS.name_expression_bytes)
     if not isinstance(recipe.specialization, Mapping):
         raise RecipeError("specialization", "must be an object")
     if not isinstance(recipe.lto, bool):
