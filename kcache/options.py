@@ -414,7 +414,10 @@ def translate_nvrtc_options(
             continue
         if spec.kind == "arch":
             assert value is not None
-            target = parse_target(value, at).text
+            try:
+                target = parse_target(value, at).text
+            except RecipeError as exc:
+                raise _refuse(at, shown, f"names no target: {exc.detail}", field) from None
         elif spec.kind == "lto":
             ltoir = True
         elif spec.kind == "include":
@@ -671,7 +674,9 @@ def recipe_from_cupy(
         target=target,
         output=output,
         name=name,
-        name_expressions=tuple(name_expressions or ()),
+        name_expressions=name_expressions
+        if isinstance(name_expressions, str)
+        else tuple(name_expressions or ()),
         headers=headers,
         include_sets=include_sets,
         registered_include_sets=registered_include_sets,

@@ -179,10 +179,6 @@ def pack_arguments(
         where = f"argument {i}"
         param = params[i] if params is not None else None
         if isinstance(arg, torch.Tensor):
-            if arg.device.type != "cuda" or arg.device.index != device:
-                raise ValueError(
-                    f"{where}: the tensor is on {arg.device}, the launch runs on cuda:{device}"
-                )
             if param is not None:
                 if not param.pointer:
                     raise TypeError(f"{where}: a tensor for the scalar parameter {param.text!r}")
@@ -194,6 +190,10 @@ def pack_arguments(
                     raise ValueError(
                         f"{where}: {param.text!r} takes a contiguous tensor; pass .contiguous()"
                     )
+            if arg.device.type != "cuda" or arg.device.index != device:
+                raise ValueError(
+                    f"{where}: the tensor is on {arg.device}, the launch runs on cuda:{device}"
+                )
             packed.append(np.uint64(arg.data_ptr()))
         elif isinstance(arg, bool | int | float) and not isinstance(arg, np.generic):
             if param is not None:
