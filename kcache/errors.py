@@ -15,6 +15,7 @@ Hierarchy::
     ├── ArtifactNotFoundError (FileNotFoundError)  no artifact for a key or digest
     ├── CorruptArtifactError                  stored bytes no longer match their digest
     ├── StoreFullError (OSError)              the store's filesystem is out of space
+    ├── StoreUnavailableError (ConnectionError)  the object store (bucket) cannot be reached
     └── LockTimeoutError (TimeoutError)       a cooperating-writer lock was not acquired in time
 
 Errors carry fields, not just text, so the server can map them to statuses and
@@ -35,6 +36,7 @@ __all__ = [
     "LockTimeoutError",
     "RecipeError",
     "StoreFullError",
+    "StoreUnavailableError",
     "ToolchainError",
     "UnlistedIncludeError",
     "UnresolvedRecipeError",
@@ -155,6 +157,18 @@ class CorruptArtifactError(KCacheError):
 
 class StoreFullError(KCacheError, OSError):
     """The store's filesystem has no space left; nothing was published."""
+
+
+class StoreUnavailableError(KCacheError, ConnectionError):
+    """The object store could not be reached or refused the request; nothing was published.
+
+    ``url`` names the store (``s3://bucket/prefix``), never its credentials.
+    """
+
+    def __init__(self, url: str, detail: str) -> None:
+        super().__init__(f"{url}: {detail}")
+        self.url = url
+        self.detail = detail
 
 
 class LockTimeoutError(KCacheError, TimeoutError):

@@ -1,6 +1,9 @@
 """The one place where the server picks its backends from settings.
 
 store     LocalArtifactStore(data_dir)              (a shared POSIX dir for several replicas)
+          CachedArtifactStore(data_dir, S3ArtifactStore(store_url))
+                                                     with store_url: blobs in a bucket, a
+                                                     bounded local copy on each replica
 index     SqlIndex(SQLite | PostgreSQL)
 lock      SingleFlight(PgAdvisoryKeyLock)            on PostgreSQL: across replicas
           SingleFlight(FileKeyLock(data_dir))        on SQLite: across processes on one host
@@ -15,9 +18,12 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from kcache.engine import Engine
+from kcache.eviction import default_tier_cap
 from kcache.include_sets import IncludeSets
 from kcache.locks import FileKeyLock, KeyLock, SingleFlight
+from kcache.store.cached import CachedArtifactStore
 from kcache.store.local import LocalArtifactStore
+from kcache.store.s3 import S3ArtifactStore
 from kcache.toolchain import Toolchain, load_toolchain
 from kcache_server.compile_pool import ProcessPoolCompiler
 from kcache_server.db import DatabaseFile, is_postgres, open_database, sqlite_path
@@ -60,11 +66,22 @@ def _key_lock(settings: Settings, db: sa.Engine) -> KeyLock:
     return SingleFlight(FileKeyLock(settings.data_dir))
 
 
+def _artifact_store(settings: Settings) -> LocalArtifactStore:
+    if not settings.store_url:
+        return LocalArtifactStore(settings.data_dir)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return CachedArtifactStore(
+        settings.data_dir,
+        S3ArtifactStore.from_url(settings.store_url),
+        max_bytes=int(settings.store_cache_bytes or default_tier_cap(settings.data_dir)),
+    )
+
+
 def open_backends(settings: Settings, db: sa.Engine) -> Backends:
     """Build every backend; the compile pool is created but not started."""
     toolchain = load_toolchain(settings.toolchain_dir)
     include_sets = IncludeSets(settings.include_sets)
-    store = LocalArtifactStore(settings.data_dir)
+    store = _artifact_store(settings)
     index = SqlIndex(db)
     lock = _key_lock(settings, db)
     compiler = ProcessPoolCompiler(

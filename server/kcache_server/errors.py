@@ -37,6 +37,7 @@ from kcache.errors import (
     LockTimeoutError,
     RecipeError,
     StoreFullError,
+    StoreUnavailableError,
     ToolchainError,
     UnlistedIncludeError,
     UnresolvedRecipeError,
@@ -153,6 +154,8 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     OverloadedError: ErrorInfo(503, "overloaded", retry=True),
     LockTimeoutError: ErrorInfo(503, "lock_timeout", retry=True),
     StoreFullError: ErrorInfo(507, "store_full"),
+    # The bucket is down: retry soon (a replica's local blob cache still serves what it holds).
+    StoreUnavailableError: ErrorInfo(503, "store_unavailable", retry=True),
     QuotaExceededError: ErrorInfo(507, "quota_exceeded"),
     CompileWorkerCrashedError: ErrorInfo(500, "compiler_crashed"),
     InvalidArtifactError: ErrorInfo(500, "invalid_artifact"),

@@ -11,7 +11,7 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["AuditSettings", "Settings", "is_loopback"]
@@ -69,6 +69,17 @@ class Settings(BaseSettings):
     )
     db_url: str | None = Field(
         default=None, description="SQLAlchemy URL; default SQLite in the data dir"
+    )
+    store_url: str | None = Field(
+        default=None,
+        description="s3://BUCKET/PREFIX: blobs in an S3-compatible bucket, the data dir keeping a "
+        "bounded local cache of them (endpoint and credentials: AWS_ENDPOINT_URL, AWS_REGION, "
+        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY); unset: blobs in the data dir",
+    )
+    store_cache_bytes: ByteSize | None = Field(
+        default=None,
+        description="cap on the local copies of bucket blobs, e.g. 20GiB; unset: 10 GiB or 10% of "
+        "the data dir's filesystem, whichever is smaller",
     )
     host: str = Field(default="127.0.0.1", description="address to bind")
     port: int = Field(default=8470, ge=0, le=65535)
@@ -209,6 +220,28 @@ class Settings(BaseSettings):
                 "postgresql+psycopg://USER:PASSWORD@HOST:5432/DB"
             )
         return value
+
+    @field_validator("store_url")
+    @classmethod
+    def _s3_store_url(cls, value: str | None) -> str | None:
+        """Refuse a store URL that is not ``s3://BUCKET[/PREFIX]``, saying which part is wrong."""
+        if not value:
+            return None
+        from kcache.store.s3 import parse_s3_url
+
+        parse_s3_url(value)  # its ValueError names the bad part
+        return value
+
+    @model_validator(mode="after")
+    def _no_server_cap_on_a_bucket(self) -> Settings:
+        """The server evictor deletes files; over a bucket it would only drop local copies."""
+        if self.store_url and self.max_store_bytes:
+            raise ValueError(
+                "max_store_bytes cannot be used with store_url yet: the evictor removes blobs "
+                "from the data directory, not from the bucket; unset KCACHE_MAX_STORE_BYTES "
+                "(store_cache_bytes bounds each replica's local copies)"
+            )
+        return self
 
     @property
     def database_url(self) -> str:

@@ -1,4 +1,9 @@
-"""LocalArtifactStore: atomic, idempotent publishing; corruption caught on read."""
+"""The ArtifactStore contract, on every backend; then what only the local directory does.
+
+Backends: ``LocalArtifactStore`` (a directory), ``S3ArtifactStore`` (a bucket on a real
+S3 HTTP server on loopback, :mod:`tests.s3_server`) and ``CachedArtifactStore`` (a
+bounded local directory in front of that bucket, as each server replica keeps).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,217 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
-from kcache.store.local import LocalArtifactStore
+from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, StoreUnavailableError
+from kcache.store import ArtifactStore, CachedArtifactStore, LocalArtifactStore, S3ArtifactStore
+from tests.s3_server import CREDENTIALS, S3Server, s3_server
+
+BACKENDS = ["local", "s3", "cached"]
+
+
+def _s3(server: S3Server, bucket: str, prefix: str = "kc", **kwargs: object) -> S3ArtifactStore:
+    return S3ArtifactStore.from_url(
+        f"s3://{bucket}/{prefix}",
+        endpoint_url=server.endpoint,
+        access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def bucket() -> tuple[S3Server, str]:
+    """One bucket for this module on the session's S3 server (each test takes its own prefix)."""
+    server = s3_server()
+    return server, server.new_bucket()
+
+
+def _raw_s3(store: S3ArtifactStore) -> object:
+    return store._store  # the obstore client: the tests write behind the store's back
+
+
+def _overwrite_remote(store: S3ArtifactStore, digest: str, data: bytes) -> None:
+    import obstore
+
+    obstore.put(_raw_s3(store), store.key(digest), data)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=BACKENDS)
+def store(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[ArtifactStore, Callable[[str, bytes], None]]]:
+    """Each backend, with a function that replaces a stored blob's bytes behind its back."""
+    if request.param == "local":
+        local = LocalArtifactStore(tmp_path)
+        yield local, lambda digest, data: local.path(digest).write_bytes(data)
+        return
+    server, name = request.getfixturevalue("bucket")
+    remote = _s3(server, name, prefix=f"t-{os.urandom(6).hex()}")
+    if request.param == "s3":
+        yield remote, lambda digest, data: _overwrite_remote(remote, digest, data)
+        return
+    cached = CachedArtifactStore(tmp_path, remote, max_bytes=1 << 30)
+
+    def corrupt(digest: str, data: bytes) -> None:
+        _overwrite_remote(remote, digest, data)
+        cached.path_local(digest).unlink(missing_ok=True)
+
+    yield cached, corrupt
+
+
+# ---------------------------------------------------------------------- the contract
+def test_contract_put_get_has_list_delete(
+    store: tuple[ArtifactStore, Callable[[str, bytes], None]],
+) -> None:
+    backend, _ = store
+    data = b"\x7fELF" + os.urandom(1000)
+    digest = backend.put(data)
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert backend.put(data) == digest  # idempotent
+    assert backend.has(digest) and backend.get(digest) == data
+    other = backend.put(b"second blob")
+    assert sorted(backend.digests()) == sorted([digest, other])
+    assert backend.delete(digest) is True
+    assert not backend.has(digest) and backend.delete(digest) is False
+    with pytest.raises(ArtifactNotFoundError):
+        backend.get(digest)
+    assert list(backend.digests()) == [other]
+
+
+def test_contract_bad_names_are_refused_before_any_io(
+    store: tuple[ArtifactStore, Callable[[str, bytes], None]],
+) -> None:
+    backend, _ = store
+    for bad in ("../../etc/passwd", "A" * 64, "0" * 63, "0" * 64 + "\n", ""):
+        for call in (backend.get, backend.has, backend.delete):
+            with pytest.raises(ValueError, match="digest must be 64 lowercase hex digits"):
+                call(bad)
+
+
+def test_contract_corruption_is_caught_quarantined_and_healed_by_a_put(
+    store: tuple[ArtifactStore, Callable[[str, bytes], None]],
+) -> None:
+    backend, corrupt = store
+    data = os.urandom(4096)
+    digest = backend.put(data)
+    corrupt(digest, data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CorruptArtifactError) as info:
+        backend.get(digest)
+    assert info.value.digest == digest and info.value.quarantined_to
+    assert not backend.has(digest)  # moved out of blobs/, so the next put republishes it
+    assert backend.put(data) == digest and backend.get(digest) == data
+
+
+def test_contract_a_stored_name_is_never_rewritten(
+    store: tuple[ArtifactStore, Callable[[str, bytes], None]],
+) -> None:
+    """put() of bytes already stored sends nothing: the S3 PUT is conditional (If-None-Match)."""
+    backend, corrupt = store
+    if isinstance(backend, LocalArtifactStore) and not isinstance(backend, CachedArtifactStore):
+        pytest.skip("the local store compares sizes instead (test_put_get_and_idempotence)")
+    data = os.urandom(512)
+    digest = backend.put(data)
+    corrupt(digest, b"x" * 100)  # a different object under the same name
+    backend.put(data)  # must not upload again: the object stays the one planted
+    bucket = backend.remote if isinstance(backend, CachedArtifactStore) else backend
+    with pytest.raises(CorruptArtifactError):
+        bucket.get(digest)
+
+
+def test_contract_concurrent_identical_puts_agree(
+    store: tuple[ArtifactStore, Callable[[str, bytes], None]],
+) -> None:
+    backend, _ = store
+    data = os.urandom(64 << 10)
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(backend.put(data))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert set(results) == {hashlib.sha256(data).hexdigest()} and len(results) == 8
+    assert list(backend.digests()) == results[:1] and backend.get(results[0]) == data
+
+
+# ---------------------------------------------------------------------- the bucket
+def test_unreachable_bucket_is_store_unavailable_naming_the_url_not_the_endpoint(
+    bucket: tuple[S3Server, str],
+) -> None:
+    _, name = bucket
+    dead = S3ArtifactStore.from_url(
+        f"s3://{name}/kc", endpoint_url="http://127.0.0.1:9", timeout_s=2.0
+    )
+    for call in (lambda: dead.get("0" * 64), lambda: dead.put(b"x"), lambda: dead.has("0" * 64)):
+        with pytest.raises(StoreUnavailableError) as info:
+            call()
+        assert info.value.url == f"s3://{name}/kc" and "127.0.0.1:9" not in str(info.value)
+        assert info.value.__cause__ is not None  # translated at the boundary, with `from`
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["s3:/b/p", "http://bucket", "s3://B/p", "s3://ab", "s3://bucket/../x", "s3://bucket/a b"],
+)
+def test_bad_store_urls_are_refused_saying_why(url: str) -> None:
+    with pytest.raises(ValueError, match="store URL"):
+        S3ArtifactStore.from_url(url, endpoint_url="http://127.0.0.1:9")
+
+
+# ---------------------------------------------------------------------- the replica's cache
+def test_cold_replica_fills_from_the_bucket_and_a_warm_one_needs_no_bucket(
+    bucket: tuple[S3Server, str], tmp_path: Path
+) -> None:
+    server, name = bucket
+    prefix = f"r-{os.urandom(6).hex()}"
+    replica_a = CachedArtifactStore(tmp_path / "a", _s3(server, name, prefix), max_bytes=1 << 30)
+    replica_b = CachedArtifactStore(tmp_path / "b", _s3(server, name, prefix), max_bytes=1 << 30)
+    data = os.urandom(10_000)
+    digest = replica_a.put(data)
+    assert not replica_b.path_local(digest).exists()
+    assert replica_b.has(digest)  # from the bucket
+    assert replica_b.path(digest).read_bytes() == data  # path() fills the local copy
+    # B again, its bucket now unreachable: the local copy serves, verified.
+    dead = S3ArtifactStore.from_url(
+        f"s3://{name}/{prefix}", endpoint_url="http://127.0.0.1:9", timeout_s=2.0
+    )
+    offline_b = CachedArtifactStore(tmp_path / "b", dead, max_bytes=1 << 30)
+    assert offline_b.get(digest) == data and offline_b.has(digest)
+    with pytest.raises(StoreUnavailableError):
+        offline_b.get(hashlib.sha256(b"never stored").hexdigest())
+    # A corrupt local copy is quarantined and fetched again from the bucket.
+    replica_b.path_local(digest).write_bytes(b"rotten")
+    assert replica_b.get(digest) == data and replica_b.path_local(digest).read_bytes() == data
+
+
+def test_the_local_copies_stay_within_the_cap_least_recently_used_first(
+    bucket: tuple[S3Server, str], tmp_path: Path
+) -> None:
+    server, name = bucket
+    remote = _s3(server, name, f"cap-{os.urandom(6).hex()}")
+    replica = CachedArtifactStore(tmp_path, remote, max_bytes=100_000)  # room for ~9 blobs
+    blobs = [os.urandom(10_000) for _ in range(30)]
+    digests: list[str] = []
+    for i, data in enumerate(blobs):
+        digests.append(replica.put(data))
+        past = time.time() - 1000 + i  # distinct recency stamps, oldest first
+        os.utime(replica.path_local(digests[-1]), (past, past))
+        if i >= 1:
+            replica.get(digests[0])  # the first blob stays hot
+    local = [d for d in digests if replica.path_local(d).exists()]
+    on_disk = sum(replica.path_local(d).stat().st_size for d in local)
+    assert on_disk <= replica.marks.high_bytes and replica.local_bytes == on_disk
+    assert digests[0] in local and digests[1] not in local
+    assert digests[-1] in local  # the newest is kept
+    for digest, data in zip(
+        digests, blobs, strict=True
+    ):  # nothing is lost: the bucket holds everything
+        assert replica.get(digest) == data
 
 
 def test_put_get_and_idempotence(tmp_path: Path) -> None:
