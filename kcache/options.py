@@ -622,7 +622,7 @@ def recipe_from_cupy(
     backend: str = "nvrtc",
     translate_cucomplex: bool = False,
     enable_cooperative_groups: bool = False,
-    jitify: bool = False,
+    jitify: bool | None = False,
 ) -> Recipe:
     """The recipe of ``cupy.RawModule(code=code, options=options, name_expressions=...)``.
 
