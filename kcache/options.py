@@ -29,7 +29,7 @@ one flag per number.
 CuPy adds options of its own to every ``RawModule``/``RawKernel`` compile:
 ``-ftz=true`` and ``--device-as-default-execution-space`` after the user's (so a
 user's ``-ftz=false`` loses), plus ``-arch`` for the current device, which
-:func:`recipe_from_cupy` leaves to ``target``. cuda.core adds none.
+:func:`cupy_recipe_fields` leaves to ``target``. cuda.core adds none.
 """
 
 from __future__ import annotations
@@ -40,13 +40,10 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from kcache.errors import RecipeError
 from kcache.targets import parse_target
-
-if TYPE_CHECKING:
-    from kcache.recipe import Output, Recipe
 
 __all__ = [
     "CUPY_IMPLICIT_FLAGS",
@@ -54,8 +51,8 @@ __all__ = [
     "INCLUDE_DIR_MAX_FILES",
     "TranslatedOptions",
     "cuda_core_option_strings",
-    "recipe_from_cuda_core",
-    "recipe_from_cupy",
+    "cuda_core_recipe_fields",
+    "cupy_recipe_fields",
     "translate_nvrtc_options",
 ]
 
@@ -343,6 +340,11 @@ _DIAG = ("--diag-error", "--diag-suppress", "--diag-warn")
 _MACRO_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\([A-Za-z0-9_, .]*\))?(?:=.*)?", re.ASCII | re.S)
 _MACRO_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _OPT_LEVEL_RE = re.compile(r"-O[0-9]")
+# Relative include names of safe characters whose parts are not "." or "..": kcache.recipe's rule.
+_INCLUDE_NAME_PART_RE = re.compile(
+    r"(?!\.\.?(?:/|\Z))[A-Za-z0-9_+\-][A-Za-z0-9_.+\-]*(?:/(?!\.\.?(?:/|\Z))[A-Za-z0-9_+\-][A-Za-z0-9_.+\-]*)*",
+    re.ASCII,
+)
 
 
 @dataclass(frozen=True)
@@ -547,8 +549,6 @@ def _read_include_dirs(
 
 def _header_files(root: Path) -> Iterable[tuple[str, Path]]:
     """(include name, path) of the header files under ``root``, sorted, hidden parts skipped."""
-    from kcache.recipe import check_include_name
-
     found: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root):  # no followlinks: no loops
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -558,10 +558,9 @@ def _header_files(root: Path) -> Iterable[tuple[str, Path]]:
             if filename.startswith(".") or path.suffix.lower() not in _HEADER_SUFFIXES:
                 continue
             relative = path.relative_to(root).as_posix()
-            try:
-                check_include_name("headers", relative)
-            except RecipeError:
-                continue  # a name no #include can be checked under: never part of a recipe
+            # Only names a recipe takes (the recipe checks them again): others are never inputs.
+            if not _INCLUDE_NAME_PART_RE.fullmatch(relative) or len(relative) > 256:
+                continue
             if path.is_file():
                 found.append((relative, path))
         if len(found) > INCLUDE_DIR_MAX_FILES * 4:
@@ -575,16 +574,14 @@ def _build(
     translated: TranslatedOptions,
     *,
     target: str,
-    output: Output,
+    output: str,
     name: str,
     name_expressions: Sequence[str],
     headers: Mapping[str, str] | None,
     include_sets: Sequence[str],
     registered_include_sets: Mapping[str, str | os.PathLike[str]] | None,
     toolchain: str | None,
-) -> Recipe:
-    from kcache.recipe import Recipe
-
+) -> dict[str, Any]:
     if translated.target is not None and target not in ("auto", translated.target):
         raise RecipeError(
             "target",
@@ -595,20 +592,20 @@ def _build(
         raise RecipeError("name_expressions", "must be a list of strings, not one string")
     sets, dir_headers = _read_include_dirs(translated.include_dirs, registered_include_sets or {})
     merged = {**dir_headers, **(headers or {})}  # headers given by name win over -I contents
-    return Recipe(
-        source=code,
-        target=chosen,
-        name=name,
-        headers=merged,
-        flags=translated.flags,
-        output=output,
-        name_expressions=tuple(name_expressions),
-        include_sets=tuple(dict.fromkeys([*include_sets, *sets])),
-        toolchain=toolchain,
-    )
+    return {
+        "source": code,
+        "target": chosen,
+        "name": name,
+        "headers": merged,
+        "flags": translated.flags,
+        "output": output,
+        "name_expressions": tuple(name_expressions),
+        "include_sets": tuple(dict.fromkeys([*include_sets, *sets])),
+        "toolchain": toolchain,
+    }
 
 
-def recipe_from_cupy(
+def cupy_recipe_fields(
     code: str,
     options: Sequence[str] = (),
     name_expressions: Sequence[str] | None = (),
@@ -623,8 +620,8 @@ def recipe_from_cupy(
     translate_cucomplex: bool = False,
     enable_cooperative_groups: bool = False,
     jitify: bool | None = False,
-) -> Recipe:
-    """The recipe of ``cupy.RawModule(code=code, options=options, name_expressions=...)``.
+) -> dict[str, Any]:
+    """The recipe fields of ``cupy.RawModule(code=code, options=options, name_expressions=...)``.
 
     The options are CuPy's (NVRTC's), read by :func:`translate_nvrtc_options`, followed
     by what CuPy adds itself (:data:`CUPY_IMPLICIT_FLAGS`). ``target`` is what CuPy's
@@ -667,7 +664,7 @@ def recipe_from_cupy(
     # CuPy's flags come after the user's, so they win: canonicalise the combination.
     combined = translate_nvrtc_options([*options, *CUPY_IMPLICIT_FLAGS])
     chosen = combined.target or target
-    output: Output = "ptx" if chosen != "auto" and parse_target(chosen).is_virtual else "cubin"
+    output = "ptx" if chosen != "auto" and parse_target(chosen).is_virtual else "cubin"
     return _build(
         code,
         combined,
@@ -731,7 +728,7 @@ def cuda_core_option_strings(options: Any) -> tuple[str | None, str | None, list
     return name, arch, strings
 
 
-def recipe_from_cuda_core(
+def cuda_core_recipe_fields(
     code: str,
     options: Any = None,
     target_type: str = "cubin",
@@ -743,8 +740,8 @@ def recipe_from_cuda_core(
     include_sets: Sequence[str] = (),
     registered_include_sets: Mapping[str, str | os.PathLike[str]] | None = None,
     toolchain: str | None = None,
-) -> Recipe:
-    """The recipe of ``Program(code, "c++", options).compile(target_type, name_expressions)``.
+) -> dict[str, Any]:
+    """The recipe fields of ``Program(code, "c++", options).compile(target_type, name_expressions)``.
 
     ``options`` is a cuda.core ``ProgramOptions`` (any release: it is read through
     cuda.core's own option builder, see :func:`cuda_core_option_strings`), a list of
@@ -755,7 +752,7 @@ def recipe_from_cuda_core(
     """
     if target_type not in ("cubin", "ptx", "ltoir"):
         raise RecipeError("target_type", f"{target_type!r} is not one of cubin, ptx, ltoir")
-    output: Output = target_type  # type: ignore[assignment]
+    output = target_type
     fields = False
     if options is None:
         strings: list[str] = []

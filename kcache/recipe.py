@@ -212,11 +212,11 @@ class Recipe:
         """The recipe of ``cupy.RawModule(code=..., options=..., name_expressions=...)``.
 
         Every option is translated or refused by name; CuPy's implicit options are
-        added. See :func:`kcache.options.recipe_from_cupy` for the keywords.
+        added. See :func:`kcache.options.cupy_recipe_fields` for the keywords.
         """
-        from kcache.options import recipe_from_cupy
+        from kcache.options import cupy_recipe_fields
 
-        return recipe_from_cupy(code, options, name_expressions, **kwargs)
+        return cls(**cupy_recipe_fields(code, options, name_expressions, **kwargs))
 
     @classmethod
     def from_cuda_core(
@@ -230,11 +230,12 @@ class Recipe:
         """The recipe of cuda.core's ``Program(code, "c++", options).compile(target_type, ...)``.
 
         ``options`` is a ``ProgramOptions``, a list of NVRTC options or None. See
-        :func:`kcache.options.recipe_from_cuda_core` for the keywords.
+        :func:`kcache.options.cuda_core_recipe_fields` for the keywords.
         """
-        from kcache.options import recipe_from_cuda_core
+        from kcache.options import cuda_core_recipe_fields
 
-        return recipe_from_cuda_core(code, options, target_type, name_expressions, **kwargs)
+        fields = cuda_core_recipe_fields(code, options, target_type, name_expressions, **kwargs)
+        return cls(**fields)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object form, with header texts (round-trips through :meth:`from_dict`)."""

@@ -131,7 +131,7 @@ def main(workdir: Path) -> int:
         "versions",
         True,
         python=sys.version.split()[0],
-        kcache=kcache.__version__,
+        kcache=getattr(kcache, "__version__", "unknown"),
         cupy=cupy.__version__,
         cuda_core=getattr(core, "__version__", None) or dist_version("cuda-core"),
         cuda_bindings=dist_version("cuda-bindings"),
