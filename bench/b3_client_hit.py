@@ -1,10 +1,12 @@
 """B3: client node-local hit, ``KernelCache(url, cache_dir).get(recipe)`` in a loop, us per call.
 
 Ours, two figures, both with the client's defaults (audit events on):
-  * memory hit: the same ``KernelCache`` answers from its in-process copies;
+  * memory hit: the same ``KernelCache`` answers from its in-process copies, for the
+    same ``Recipe`` object (whose key is memoised on it) and for a new, equal ``Recipe``
+    built every call (which pays validation and keying each time);
   * node-tier hit: ``forget_memory()`` before every call, so each call reads the
     index entry and the blob from the node-local directory and verifies its digest.
-Both key the recipe on every call (the key is not cached on the Recipe object).
+Every answer's ``origin`` is checked once (``memory``, ``node``), outside the timing.
 
 Anchors, in the same run and on the same recipe (a vector add with 20 headers):
   * the floor: read the same blob file plus sha256 of the recipe's source and headers
@@ -30,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import emit, kcache_server
 from b2_resolve_hit import twenty_header_recipe
-from kcache_client import KernelCache
+from kcache_client import Artifact, KernelCache
 
 from kcache import Recipe
 
@@ -105,14 +107,14 @@ def main() -> None:
         source = str(fields["source"])
         headers: dict[str, str] = fields["headers"]  # type: ignore[assignment]
 
-        def memory_hit() -> object:
+        def memory_hit() -> Artifact:
             return cache.get(recipe)
 
-        def fresh_recipe_hit() -> object:
+        def fresh_recipe_hit() -> Artifact:
             # A new, equal Recipe object every call: validation and key hashing are not memoised.
             return cache.get(Recipe(**fields))  # type: ignore[arg-type]
 
-        def node_hit() -> object:
+        def node_hit() -> Artifact:
             cache.forget_memory()
             return cache.get(recipe)
 
@@ -128,6 +130,9 @@ def main() -> None:
             hashlib.sha256(data).digest()  # plus the integrity check the node tier does
             return data
 
+        # What each variant measures, checked once outside the timing.
+        origins = [memory_hit().origin, fresh_recipe_hit().origin, node_hit().origin]
+        assert origins == ["memory", "memory", "node"], origins
         variants: dict[str, Callable[[], object]] = {
             "memory": memory_hit,
             "memory_fresh_recipe": fresh_recipe_hit,

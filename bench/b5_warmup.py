@@ -112,15 +112,12 @@ def rank_main(cfg_path: str, rank: int) -> None:
     own = [Recipe.from_dict(d) for d in cfg["recipes"]]
     out: dict[str, Any] = {"rank": rank}
     if cfg["mode"] == "ours":
-        from kcache_client import KernelCache
+        from kcache_client import ClientSettings, KernelCache
 
-        cache = KernelCache(
-            url=cfg["url"],
-            cache_dir=cfg["cache_dir"],
-            auto_target="sm_90",
-            job_id="bench-b5",
-            send_events=False,
+        settings = ClientSettings.from_env(
+            auto_target="sm_90", job_id="bench-b5", send_events=False
         )
+        cache = KernelCache(cfg["url"], cache_dir=cfg["cache_dir"], settings=settings)
         dist.barrier()
         out["start"] = time.time()
         result = cache.warmup(own, timeout=TIMEOUT, progress=False)

@@ -63,13 +63,14 @@ INCLUDES = [f"-I{d}" for d in os.environ.get("B7_INCLUDES", "").split(":") if d]
 # Every variant imports its libraries before the clock starts, as a job does at start-up.
 if variant == "ours":
     from kcache import Recipe
-    from kcache_client import KernelCache
+    from kcache_client import ClientSettings, KernelCache
     from cuda.core import launch, LaunchConfig, Device
 elif variant == "nvrtc":
     from cuda.bindings import nvrtc
 started = time.perf_counter()
 if variant == "ours":
-    cache = KernelCache(url=None, cache_dir=os.path.join(where, "..", "tier"), send_events=False)
+    quiet = ClientSettings.from_env(send_events=False)
+    cache = KernelCache(cache_dir=os.path.join(where, "..", "tier"), settings=quiet)
     kernel = cache.get(Recipe.from_dict(json.load(open(os.path.join(where, "recipe.json"))))).load()
     stream = Device().create_stream()
     launch(stream, LaunchConfig(grid=4, block=256), kernel, *[int(b) for b in bufs], ctypes.c_int(n))
@@ -113,7 +114,7 @@ print(json.dumps({"ms": elapsed_ms, "exact": exact}))
 def prepare(where: Path) -> None:
     """Fill ``where/tier`` through a real server and KernelCache.warmup (build machine)."""
     from _harness import kcache_server
-    from kcache_client import KernelCache
+    from kcache_client import ClientSettings, KernelCache
 
     from kcache import Recipe
 
@@ -122,7 +123,8 @@ def prepare(where: Path) -> None:
         for name, source in KERNELS.items()
     }
     with kcache_server() as url:
-        cache = KernelCache(url=url, cache_dir=where / "tier", send_events=False)
+        quiet = ClientSettings.from_env(send_events=False)
+        cache = KernelCache(url, cache_dir=where / "tier", settings=quiet)
         cache.warmup(list(recipes.values()))
         for name, recipe in recipes.items():
             (where / name).mkdir(parents=True, exist_ok=True)

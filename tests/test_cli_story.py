@@ -164,13 +164,14 @@ def test_warmup_local_compile_compiles_when_the_server_is_down(home: Path) -> No
 
 
 def test_python_warmup_with_local_compile_compiles_when_the_server_is_down(tmp_path: Path) -> None:
-    from kcache_client import KernelCache, RetryPolicy
+    from kcache_client import ClientSettings, KernelCache, RetryPolicy
 
     from kcache import Recipe
 
     fast = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.02, budget_s=1.0)
     recipe = Recipe(source=ADD.replace("add(", "py_warm("), target="sm_90")
-    with KernelCache(_dead_url(), cache_dir=tmp_path, local_compile=True, retry=fast) as cache:
+    settings = ClientSettings.from_env(local_compile=True, retry=fast)
+    with KernelCache(_dead_url(), cache_dir=tmp_path, settings=settings) as cache:
         result = cache.warmup([recipe])
         assert result.statuses == ["compiled"] and cache.stats.local_compiles == 1
         assert result.artifacts[0].data[:4] == b"\x7fELF"

@@ -6,6 +6,9 @@ from kcache_client import KernelCache
 cache = KernelCache()                      # KCACHE_URL, KCACHE_TOKEN, KCACHE_CACHE_DIR
 cache.warmup(recipes)                      # once per job under torch.distributed
 kernel = cache.get(recipes[0]).load()      # a cuda.core Kernel
+results = cache.get_many(recipes)          # an Artifact or a typed error per recipe
+
+Everything else a cache can be told is one ``ClientSettings`` (``KernelCache(settings=...)``).
 """
 
 import importlib
@@ -16,7 +19,9 @@ from kcache_client.errors import (
     AuthenticationError,
     ClientError,
     DigestMismatchError,
+    MetadataError,
     NoDeviceError,
+    RecipeRefusedError,
     RemoteCompileError,
     RemoteNotFoundError,
     RequestRejectedError,
@@ -29,14 +34,15 @@ from kcache_client.errors import (
 )
 
 if TYPE_CHECKING:
-    from kcache_client._artifact import Artifact
-    from kcache_client._cache import CacheStats, KernelCache, Resolved, WarmupResult
+    from kcache_client._artifact import Artifact, ArtifactOrigin
+    from kcache_client._cache import KernelCache
     from kcache_client._collective import Collective, StoreCollective, TorchCollective
     from kcache_client._device import auto_target
     from kcache_client._events import EventSink
-    from kcache_client._http import RetryPolicy
-    from kcache_client._settings import ClientSettings
+    from kcache_client._settings import ClientSettings, RetryPolicy
+    from kcache_client._stats import CacheStats
     from kcache_client._tier import NodeTier, default_cache_dir
+    from kcache_client._warmup import WarmupResult
 
 __version__ = "0.1.0"
 
@@ -44,16 +50,16 @@ __version__ = "0.1.0"
 # the client's subcommands) does not pay for httpx, threads and the tier until they are used.
 _LAZY = {
     "Artifact": "kcache_client._artifact",
-    "CacheStats": "kcache_client._cache",
+    "ArtifactOrigin": "kcache_client._artifact",
+    "CacheStats": "kcache_client._stats",
     "KernelCache": "kcache_client._cache",
-    "Resolved": "kcache_client._cache",
-    "WarmupResult": "kcache_client._cache",
+    "WarmupResult": "kcache_client._warmup",
     "Collective": "kcache_client._collective",
     "StoreCollective": "kcache_client._collective",
     "TorchCollective": "kcache_client._collective",
     "auto_target": "kcache_client._device",
     "EventSink": "kcache_client._events",
-    "RetryPolicy": "kcache_client._http",
+    "RetryPolicy": "kcache_client._settings",
     "ClientSettings": "kcache_client._settings",
     "NodeTier": "kcache_client._tier",
     "default_cache_dir": "kcache_client._tier",
@@ -62,6 +68,7 @@ _LAZY = {
 __all__ = [
     "ArchitectureMismatchError",
     "Artifact",
+    "ArtifactOrigin",
     "AuthenticationError",
     "CacheStats",
     "ClientError",
@@ -70,12 +77,13 @@ __all__ = [
     "DigestMismatchError",
     "EventSink",
     "KernelCache",
+    "MetadataError",
     "NoDeviceError",
     "NodeTier",
+    "RecipeRefusedError",
     "RemoteCompileError",
     "RemoteNotFoundError",
     "RequestRejectedError",
-    "Resolved",
     "RetryPolicy",
     "ServerBusyError",
     "ServerResponseError",

@@ -12,17 +12,33 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kcache.artifact import ArtifactMeta
 from kcache.elf import cubin_sm
 from kcache.errors import RecipeError
+from kcache.outcomes import Outcome
 from kcache.recipe import Recipe
 from kcache.targets import parse_target
 from kcache_client._device import driver_version
 from kcache_client.errors import ArchitectureMismatchError
 
-__all__ = ["Artifact", "check_loadable"]
+__all__ = ["Artifact", "ArtifactOrigin", "check_loadable"]
+
+#: Where ``KernelCache.get`` found an artifact: this process's ``memory``, the ``node``
+#: tier, a ``server`` hit, a compile on the server (``compiled`` by this request, or
+#: ``waited`` for another's), or a ``local_compile`` here when the server could not answer.
+ArtifactOrigin = Literal["memory", "node", "server", "compiled", "waited", "local_compile"]
+
+#: The audit outcome (design §5) of each origin.
+_OUTCOMES: dict[str, Outcome] = {
+    "memory": "local_hit",
+    "node": "local_hit",
+    "server": "hit",
+    "compiled": "compiled",
+    "waited": "waited",
+    "local_compile": "compiled",
+}
 
 _PTX_VERSION = re.compile(rb"^[ \t]*\.version[ \t]+(\d+)\.(\d+)", re.MULTILINE)
 _PTX_TARGET = re.compile(rb"^[ \t]*\.target[ \t]+sm_(\d+)([af]?)\b", re.MULTILINE)
@@ -164,8 +180,9 @@ class Artifact:
     """A compiled kernel whose bytes have been checked against ``digest``.
 
     ``path`` is the blob in the node-local tier (read-only; copy it to modify it),
-    ``metadata`` the server's record (target, toolchain, compile log, dependencies),
-    ``recipe`` the concrete recipe (``auto`` and the toolchain filled in) it was keyed from.
+    ``metadata`` the server's record (target, toolchain, lowered names, dependencies),
+    ``recipe`` the concrete recipe (``auto`` and the toolchain filled in) it was keyed from,
+    ``origin`` where this call found it (:data:`ArtifactOrigin`).
     """
 
     recipe_key: str
@@ -175,6 +192,20 @@ class Artifact:
     path: Path
     metadata: ArtifactMeta = field(repr=False)
     recipe: Recipe = field(repr=False)
+    origin: ArtifactOrigin
+
+    @property
+    def outcome(self) -> Outcome:
+        """The audit word for how it was obtained: ``local_hit``, ``hit``, ``compiled``, ``waited``."""
+        return _OUTCOMES[self.origin]
+
+    def found_in(self, origin: ArtifactOrigin) -> Artifact:
+        """The same artifact, as found in ``origin`` (a copy; the bytes are shared)."""
+        # A shallow copy of the fields, not dataclasses.replace (which runs __init__ and its
+        # frozen setattr per field): this runs on every node-tier hit, where 2 us show.
+        copy = object.__new__(Artifact)
+        vars(copy).update(vars(self), origin=origin)
+        return copy
 
     @property
     def lowered_names(self) -> dict[str, str]:

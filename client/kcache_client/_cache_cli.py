@@ -87,12 +87,16 @@ def _server(args: argparse.Namespace, *, required: bool) -> Transport | None:
         if required:
             raise ClientError("pins live on a server: pass --server URL or set KCACHE_URL")
         return None
-    from kcache_client._http import RetryPolicy, Transport
+    import httpx
+
+    from kcache_client._http import Transport
+    from kcache_client._settings import RetryPolicy
 
     token = args.token or os.environ.get("KCACHE_TOKEN") or None
     # Run by a person: a few quick retries, not a training job's patience.
     retry = RetryPolicy(attempts=3, budget_s=10.0)
-    return Transport(url, token, retry=retry, read_timeout=300.0, user_agent="kcache-cli")
+    timeout = httpx.Timeout(300.0, connect=5.0)
+    return Transport(url, token, retry=retry, timeout=timeout, user_agent="kcache-cli")
 
 
 def _server_info(server: Transport, args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ from kcache.recipe import Recipe
 
 if TYPE_CHECKING:
     from kcache_client._cache import KernelCache
-    from kcache_client._http import RetryPolicy
+    from kcache_client._settings import RetryPolicy
 
 __all__ = ["compile_remote", "load_recipes", "register"]
 
@@ -90,7 +90,7 @@ def _announcing_retry(url: str) -> RetryPolicy:
     """
     from dataclasses import dataclass
 
-    from kcache_client._http import RetryPolicy
+    from kcache_client._settings import RetryPolicy
 
     gave_up = False
 
@@ -115,20 +115,24 @@ def _announcing_retry(url: str) -> RetryPolicy:
 
 
 def _open_cache(args: argparse.Namespace, url: str | None) -> KernelCache:
+    import httpx
+
     from kcache_client._cache import KernelCache
+    from kcache_client._settings import DEFAULT_TIMEOUT, ClientSettings
 
     explicit = getattr(args, "cache_dir", None)
     refuse_server_dir(cache_dir(explicit), "--cache-dir" if explicit else "$KCACHE_CACHE_DIR")
-    return KernelCache(
+    settings = ClientSettings.from_env(
         url=url,
         token=getattr(args, "token", None),
-        cache_dir=getattr(args, "cache_dir", None),
+        cache_dir=explicit,
         auto_target=getattr(args, "auto_target", None),
         local_compile=True if getattr(args, "local_compile", False) else None,
         include_sets=include_set_dirs(args),
         retry=_announcing_retry(url) if url else None,
-        connect_timeout=_CONNECT_TIMEOUT_S,
+        timeout=httpx.Timeout(DEFAULT_TIMEOUT.read, connect=_CONNECT_TIMEOUT_S),
     )
+    return KernelCache(settings=settings)
 
 
 @contextmanager
@@ -255,11 +259,10 @@ def compile_remote(args: argparse.Namespace, recipe: Recipe) -> int:
             print(cache.key(recipe))
         return 0
     with _session(args, url, "this recipe") as cache:
-        resolved = cache.resolve(_prepare(cache, recipe, url))
-        art = resolved.artifact
+        art = cache.get(_prepare(cache, recipe, url), refresh=True)
         path = write_output("-o", args.o, art.data) if args.o else art.path
-        _note_offline(cache, url, resolved.status, asked_server=True)
-        print_result(resolved.status, art.recipe_key, art.digest, path)
+        _note_offline(cache, url, art.outcome, asked_server=True)
+        print_result(art.outcome, art.recipe_key, art.digest, path)
     return 0
 
 
@@ -267,11 +270,10 @@ def _cmd_get(args: argparse.Namespace) -> int:
     recipe = recipe_from_args(args)
     url = server_url(args)
     with _session(args, url, "this recipe") as cache:
-        resolved = cache.obtain(_prepare(cache, recipe, url), compile=args.compile)
-        art = resolved.artifact
+        art = cache.get(_prepare(cache, recipe, url), compile=args.compile)
         path = write_output("-o", args.o, art.data) if args.o else art.path
-        _note_offline(cache, url, resolved.status, asked_server=False)
-        print_result(resolved.status, art.recipe_key, art.digest, path)
+        _note_offline(cache, url, art.outcome, asked_server=False)
+        print_result(art.outcome, art.recipe_key, art.digest, path)
     return 0
 
 

@@ -20,7 +20,8 @@ import threading
 import time
 from typing import Any
 
-from kcache_client._http import RetryPolicy, Transport
+from kcache_client._http import Transport
+from kcache_client._settings import RetryPolicy
 from kcache_client.errors import ClientError, ServerUnavailableError
 
 __all__ = ["MAX_EVENT_COUNT", "EventSink"]

@@ -10,16 +10,17 @@ identical concurrent resolves join one compile on the server.
 from __future__ import annotations
 
 import email.utils
-import random
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from kcache_client._settings import DEFAULT_TIMEOUT, RetryPolicy
 from kcache_client.errors import (
     AuthenticationError,
+    ClientError,
+    RecipeRefusedError,
     RemoteCompileError,
     RemoteNotFoundError,
     RequestRejectedError,
@@ -28,29 +29,9 @@ from kcache_client.errors import (
     ServerUnavailableError,
 )
 
-__all__ = ["RetryPolicy", "Transport"]
+__all__ = ["Transport", "batch_item_error", "parse_retry_after"]
 
 _BUSY = frozenset({429, 502, 503, 504})
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Bounded retries: at most ``attempts`` tries and ``budget_s`` seconds of waiting in all.
-
-    The wait before try ``n`` is uniform in ``[0, min(cap_s, base_s * 2**n)]`` ("full
-    jitter", so a thousand ranks retrying at once spread out), or the server's
-    ``Retry-After`` when it gave one (capped by ``max_retry_after_s``).
-    """
-
-    attempts: int = 6
-    base_s: float = 0.2
-    cap_s: float = 10.0
-    budget_s: float = 60.0
-    max_retry_after_s: float = 30.0
-
-    def backoff(self, attempt: int) -> float:
-        """The jittered wait before retry number ``attempt`` (0-based)."""
-        return random.uniform(0.0, min(self.cap_s, self.base_s * (2.0**attempt)))
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -71,6 +52,10 @@ def parse_retry_after(value: str | None) -> float | None:
 class Transport:
     """One server: a pooled ``httpx.Client`` plus the retry and error policy.
 
+    ``client``, when given, is used as it is (its timeouts, limits, proxies, event hooks
+    and transport apply) and never closed here; kcache adds its ``Authorization`` and
+    ``User-Agent`` headers to each request and sends absolute URLs. Otherwise the
+    transport opens its own client with ``timeout`` and closes it in :meth:`close`.
     ``requests`` counts the HTTP requests sent (retries included), for diagnostics.
     """
 
@@ -80,24 +65,24 @@ class Transport:
         token: str | None = None,
         *,
         retry: RetryPolicy | None = None,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 600.0,
+        timeout: httpx.Timeout | None = None,
+        client: httpx.Client | None = None,
         user_agent: str = "kcache-client",
     ) -> None:
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
-        headers = {"User-Agent": user_agent}
+        self._headers = {"User-Agent": user_agent}
         if token:
-            headers["Authorization"] = f"Bearer {token}"
-        # A compile can take minutes on a cold server; connecting should not.
-        timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
-        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._owned = client is None
+        self._client = client or httpx.Client(timeout=timeout or DEFAULT_TIMEOUT)
         self._count_lock = threading.Lock()
         self.requests = 0
 
     def close(self) -> None:
-        """Close the connection pool."""
-        self._client.close()
+        """Close the connection pool (not an injected client: its owner closes it)."""
+        if self._owned:
+            self._client.close()
 
     def request(
         self,
@@ -121,8 +106,9 @@ class Transport:
             try:
                 response = self._client.request(
                     method,
-                    path,
+                    self.url + path,
                     json=json,
+                    headers=self._headers,
                     timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
                 )
             except httpx.TransportError as exc:
@@ -176,3 +162,20 @@ class Transport:
         if status in (400, 413, 422):
             return RequestRejectedError(url, status, code, detail)
         return ServerResponseError(url, status, code, detail)
+
+
+def batch_item_error(url: str, item: dict[str, Any], recipe_key: str) -> ClientError:
+    """The typed error of one failed recipe of ``POST /v1/resolve/batch``.
+
+    ``item`` is its result ``{"status": "error", "error", "detail", "log"?, "recipe_key"?}``:
+    a compile error is a RemoteCompileError, a miss without compile a RemoteNotFoundError,
+    anything else a RecipeRefusedError carrying the server's code.
+    """
+    code = str(item.get("error") or "error")
+    detail = str(item.get("detail") or "")
+    log = str(item.get("log") or "")
+    if code == "compile_error":
+        return RemoteCompileError(str(item.get("recipe_key") or recipe_key), log, detail=detail)
+    if code == "not_found":
+        return RemoteNotFoundError(url, 404, code, detail)
+    return RecipeRefusedError(url, code, detail, recipe_key=recipe_key, log=log)

@@ -11,7 +11,9 @@ Hierarchy (every class is also a :class:`kcache.errors.KCacheError`)::
         │   ├── RequestRejectedError (ValueError)      400/413/422: the server refused the input
         │   └── RemoteNotFoundError (ArtifactNotFoundError)  404: unknown recipe, blob, or no compile allowed
         ├── RemoteCompileError (CompileError)          the server's compiler rejected the recipe; carries the log
+        ├── RecipeRefusedError                         one recipe of a batch failed otherwise on the server (its code)
         ├── DigestMismatchError                        received bytes do not hash to the digest they claim
+        ├── MetadataError                              the server's artifact metadata is malformed or does not fit
         ├── NoDeviceError (RuntimeError)               target "auto" without a usable CUDA device
         ├── ArchitectureMismatchError (RuntimeError)   an artifact built for another GPU or a newer driver
         └── WarmupError                                a warmup failed; raised identically on every rank
@@ -34,7 +36,9 @@ __all__ = [
     "AuthenticationError",
     "ClientError",
     "DigestMismatchError",
+    "MetadataError",
     "NoDeviceError",
+    "RecipeRefusedError",
     "RemoteCompileError",
     "RemoteNotFoundError",
     "RequestRejectedError",
@@ -109,6 +113,36 @@ class DigestMismatchError(ClientError):
         self.url = url
         self.expected = expected
         self.actual = actual
+
+
+class RecipeRefusedError(ClientError):
+    """One recipe of a batch failed on the server for another reason than its compile.
+
+    ``code`` is the server's error code (``invalid_recipe``, ``quota_exceeded``, ...),
+    ``detail`` its sentence, ``recipe_key`` the recipe, ``log`` a compiler log if any.
+    """
+
+    def __init__(self, url: str, code: str, detail: str, *, recipe_key: str, log: str = "") -> None:
+        super().__init__(f"{url}: recipe {recipe_key} refused: {code}: {detail}")
+        self.url = url
+        self.code = code
+        self.detail = detail
+        self.recipe_key = recipe_key
+        self.log = log
+
+
+class MetadataError(ClientError):
+    """The server's metadata for an artifact cannot be trusted; nothing was stored.
+
+    It is malformed, contradicts the response it came with (another digest, another
+    size), or does not fit the recipe (another target, kind or toolchain). ``url`` is
+    where it came from, ``problem`` what was wrong.
+    """
+
+    def __init__(self, url: str, problem: str) -> None:
+        super().__init__(f"artifact metadata from {url} refused: {problem}")
+        self.url = url
+        self.problem = problem
 
 
 class NoDeviceError(ClientError, RuntimeError):

@@ -11,7 +11,9 @@ caller's token is decided by the token cache, this ASGI middleware answers with 
 It still audits the fetch and counts it in the request metrics, exactly as the
 FastAPI route (``routes/recipes.py``) does; anything else (a cold key, a token the
 database must check, an error) goes to that route unchanged, which also fills the
-caches for next time.
+caches for next time. Both answer with the same headers, the artifact's metadata among
+them (``X-KCache-Meta``, :mod:`kcache.artifact_header`), encoded here once per artifact:
+a client's fetch is one round trip.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from kcache.artifact import ArtifactMeta
 from kcache.keys import is_hex_key
 from kcache.lru import LruCache
-from kcache_server.http_cache import blob_headers, etag_matches
+from kcache_server.http_cache import artifact_headers, etag_matches
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.state import ServerState
 
@@ -55,9 +58,12 @@ class ArtifactFastPath:
         self.ok = metrics.requests.labels(route=ROUTE, method="GET", status="200")
         self.not_modified = metrics.requests.labels(route=ROUTE, method="GET", status="304")
         self.seconds = metrics.request_seconds.labels(route=ROUTE)
-        # Response headers per digest, encoded once (a digest's headers never change);
-        # as many digests as the resolver keeps recipe keys.
-        self._headers: LruCache[str, list[tuple[bytes, bytes]]] = LruCache(max_entries=100_000)
+        # Response headers per digest, encoded once (the metadata header included), with
+        # the metadata they were made from: a digest's row can be rewritten (a recovered
+        # row completed by a later compile); as many digests as the resolver keeps keys.
+        self._headers: LruCache[str, tuple[ArtifactMeta, list[tuple[bytes, bytes]]]] = LruCache(
+            max_entries=100_000
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer from memory, or hand the request to the app."""
@@ -89,13 +95,15 @@ class ArtifactFastPath:
         principal = self.tokens.authenticate_cached(authorization)
         if principal is None or not principal.allows("read"):
             return False  # the route produces the precise 401/403
-        headers = self._headers.get(meta.digest)
-        if headers is None:
+        encoded = self._headers.get(meta.digest)
+        if encoded is not None and (encoded[0] is meta or encoded[0] == meta):
+            headers = encoded[1]
+        else:
             headers = [
                 (name.lower().encode(), value.encode())
-                for name, value in blob_headers(meta.digest, meta.size).items()
+                for name, value in artifact_headers(meta).items()
             ]
-            self._headers.put(meta.digest, headers)
+            self._headers.put(meta.digest, (meta, headers))
         request_id = (HEADER, new_request_id().encode())
         if etag_matches(if_none_match, meta.digest):
             await send(

@@ -8,7 +8,11 @@ the same headers.
 
 from __future__ import annotations
 
-__all__ = ["IMMUTABLE", "blob_headers", "etag_matches"]
+from kcache.artifact import ArtifactMeta
+from kcache.artifact_header import HEADER as META_HEADER
+from kcache.artifact_header import encode_meta
+
+__all__ = ["IMMUTABLE", "artifact_headers", "blob_headers", "etag_matches"]
 
 #: ``Cache-Control`` of a response whose bytes are named by their hash.
 IMMUTABLE = "public, max-age=31536000, immutable"
@@ -22,6 +26,19 @@ def blob_headers(digest: str, size: int) -> dict[str, str]:
         "X-Kcache-Digest": digest,
         "X-Kcache-Size": str(size),
     }
+
+
+def artifact_headers(meta: ArtifactMeta) -> dict[str, str]:
+    """A fetch by key's headers: the blob's, plus its metadata in ``X-KCache-Meta`` (design §5).
+
+    The metadata header is left out when it would be too long (see
+    :mod:`kcache.artifact_header`); clients then read ``GET /v1/recipes/{key}``.
+    """
+    headers = blob_headers(meta.digest, meta.size)
+    encoded = encode_meta(meta)
+    if encoded is not None:
+        headers[META_HEADER] = encoded
+    return headers
 
 
 def etag_matches(if_none_match: str | None, digest: str) -> bool:

@@ -123,7 +123,8 @@ class Faults:
     ``corrupt``: flip one byte of that many next responses whose path starts with
     ``corrupt_prefix``. ``cut_after``: once a request whose path starts with this
     prefix has been answered, drop every later connection without a reply (the
-    server is lost).
+    server is lost). ``rewrite``: called with each upstream answer (the request, its
+    headers with lower-case names, its body) for the headers and body to send instead.
     """
 
     busy: int = 0
@@ -132,6 +133,7 @@ class Faults:
     corrupt_prefix: str = "/v1/blobs/"
     cut_after: str | None = None
     cut: bool = False
+    rewrite: Callable[[Seen, dict[str, str], bytes], tuple[dict[str, str], bytes]] | None = None
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -248,7 +250,11 @@ class Proxy(_Base):
                 payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
             if f.cut_after is not None and seen.path.startswith(f.cut_after):
                 f.cut = True
-        return response.status_code, dict(response.headers), payload
+            rewrite = f.rewrite
+        headers = dict(response.headers)
+        if rewrite is not None:
+            headers, payload = rewrite(seen, headers, payload)
+        return response.status_code, headers, payload
 
 
 class Scripted(_Base):

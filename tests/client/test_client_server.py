@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from client_harness import KCACHE, Proxy, kernels, start_server
 from kcache_client import (
+    ClientSettings,
     DigestMismatchError,
     KernelCache,
     RemoteCompileError,
@@ -27,7 +28,8 @@ FAST = RetryPolicy(attempts=3, base_s=0.01, cap_s=0.05, budget_s=3.0)
 
 
 def _cache(url: str, cache_dir: Path, **kw: object) -> KernelCache:
-    return KernelCache(url=url, cache_dir=cache_dir, auto_target="sm_80", retry=FAST, **kw)  # type: ignore[arg-type]
+    settings = ClientSettings.from_env(auto_target="sm_80", retry=FAST, **kw)  # type: ignore[arg-type]
+    return KernelCache(url, cache_dir=cache_dir, settings=settings)
 
 
 def test_second_get_makes_no_request_and_the_tier_outlives_the_server(tmp_path: Path) -> None:
@@ -43,7 +45,10 @@ def test_second_get_makes_no_request_and_the_tier_outlives_the_server(tmp_path: 
             assert art.path.read_bytes() == art.data
             sent = proxy.count()
             assert sent >= 2 and proxy.count("POST", "/v1/resolve") == 1  # it really compiled there
-            assert cache.get(recipe) is art
+            assert art.origin == "compiled" and art.outcome == "compiled"
+            again = cache.get(recipe)
+            assert again.origin == "memory" and again.outcome == "local_hit"
+            assert again.data is art.data and again.metadata is art.metadata
             assert proxy.count() == sent  # the second get made no HTTP request at all
         server.stop()
         # A new process on the same node: memory is empty, the server is gone; the tier answers,
@@ -51,7 +56,7 @@ def test_second_get_makes_no_request_and_the_tier_outlives_the_server(tmp_path: 
         with _cache(proxy.url, tmp_path / "tier", send_events=False) as offline:
             again = offline.get(recipe)
             assert again.digest == art.digest and again.data == art.data
-            assert offline.stats.node_hits == 1
+            assert again.origin == "node" and offline.stats.node_hits == 1
             # Something the tier does not have fails clearly, naming the server and the cause.
             with pytest.raises(ServerUnavailableError) as info:
                 offline.get(kernels(1, "absent")[0])
@@ -145,10 +150,13 @@ def test_nodes_processes_download_each_blob_once(proxy: Proxy, tmp_path: Path) -
     recipes = kernels(3, "procs", target="sm_80")
     with _cache(proxy.url, tmp_path / "seed", send_events=False) as seed:
         digests = [seed.get(r).digest for r in recipes]  # compiled on the server beforehand
+        keys = [seed.key(r) for r in recipes]
     before = proxy.paths("GET", "/v1/recipes/")
     code = (
-        "import sys, json; from kcache import Recipe; from kcache_client import KernelCache\n"
-        "c = KernelCache(url=sys.argv[1], cache_dir=sys.argv[2], send_events=False)\n"
+        "import sys, json; from kcache import Recipe\n"
+        "from kcache_client import ClientSettings, KernelCache\n"
+        "s = ClientSettings.from_env(send_events=False)\n"
+        "c = KernelCache(url=sys.argv[1], cache_dir=sys.argv[2], settings=s)\n"
         "rs = [Recipe.from_dict(d) for d in json.loads(sys.argv[3])]\n"
         "print(json.dumps([c.get(r).digest for r in rs]))\n"
     )
@@ -163,8 +171,8 @@ def test_nodes_processes_download_each_blob_once(proxy: Proxy, tmp_path: Path) -
     outs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     assert outs == [digests] * 4
     fetched = proxy.paths("GET", "/v1/recipes/") - before
-    artifact_gets = {path: n for path, n in fetched.items() if path.endswith("/artifact")}
-    assert len(artifact_gets) == 3 and set(artifact_gets.values()) == {1}  # once per blob per node
+    # Once per kernel per node (the tier's per-key lock), and nothing else: one round trip.
+    assert fetched == {f"/v1/recipes/{key}/artifact": 1 for key in keys}
 
 
 def test_single_process_warmup_then_everything_is_local(proxy: Proxy, tmp_path: Path) -> None:

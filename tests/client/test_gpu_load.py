@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from client_harness import start_server
-from kcache_client import KernelCache, auto_target
+from kcache_client import ClientSettings, KernelCache, auto_target
 
 from kcache import Recipe, load_toolchain
 
@@ -93,7 +93,8 @@ def test_templated_kernel_loads_by_its_name_expression(tmp_path: Path) -> None:
     except Exception as exc:  # an NVRTC older than the core needs (the image's own, say)
         pytest.skip(f"no usable local NVRTC: {exc}")
     recipe = Recipe(source=SCALE, name_expressions=["scale<float, 3>"])
-    with KernelCache(url=None, cache_dir=tmp_path, local_compile=True) as cache:
+    local = ClientSettings.from_env(local_compile=True)
+    with KernelCache(cache_dir=tmp_path, settings=local) as cache:
         art = cache.get(recipe)
     assert art.metadata.target == auto_target()
     assert art.lowered_names["scale<float, 3>"].startswith("_Z")  # mangled, as NVRTC lowered it

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from client_harness import free_port
 from kcache_client import (
+    ClientSettings,
     KernelCache,
     NodeTier,
     NoDeviceError,
@@ -29,6 +30,10 @@ def _recipe(tag: str, **kw: object) -> Recipe:
 
 def _dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
+
+
+def _settings(**kw: object) -> ClientSettings:
+    return ClientSettings.from_env(retry=FAST, **kw)  # type: ignore[arg-type]
 
 
 def test_a_corrupt_tier_blob_is_quarantined_and_reads_as_absent(tmp_path: Path) -> None:
@@ -56,14 +61,14 @@ def test_auto_target_without_a_gpu_is_a_clear_error(tmp_path: Path) -> None:
         pass
     else:
         pytest.skip("this machine has a GPU")
-    cache = KernelCache(url=_dead_url(), cache_dir=tmp_path, retry=FAST)
+    cache = KernelCache(url=_dead_url(), cache_dir=tmp_path, settings=_settings())
     with pytest.raises(NoDeviceError, match=r"GPU|device"):
         cache.key(_recipe("auto", toolchain="tc-1"))
     cache.close()
 
 
 def test_auto_target_override_keys_like_an_explicit_target(tmp_path: Path) -> None:
-    cache = KernelCache(url=_dead_url(), cache_dir=tmp_path, auto_target="sm_80", retry=FAST)
+    cache = KernelCache(_dead_url(), cache_dir=tmp_path, settings=_settings(auto_target="sm_80"))
     assert (
         cache.key(_recipe("x", toolchain="tc-1"))
         == _recipe("x", target="sm_80", toolchain="tc-1").key()
@@ -77,7 +82,7 @@ def test_auto_target_override_keys_like_an_explicit_target(tmp_path: Path) -> No
 
 def test_unreachable_server_without_local_compile_names_url_and_cause(tmp_path: Path) -> None:
     url = _dead_url()
-    cache = KernelCache(url=url, cache_dir=tmp_path, local_compile=False, retry=FAST)
+    cache = KernelCache(url, cache_dir=tmp_path, settings=_settings(local_compile=False))
     with pytest.raises(ServerUnavailableError) as info:
         cache.get(_recipe("nolocal", target="sm_80", toolchain="tc-1"))
     text = str(info.value)
@@ -92,15 +97,17 @@ def test_offline_local_compile_fills_the_tier_for_every_later_process(tmp_path: 
     toolchain = load_toolchain().id
     url = _dead_url()
     recipe = _recipe("local", target="sm_80")
-    with KernelCache(url=url, cache_dir=tmp_path, local_compile=True, retry=FAST) as first:
+    with KernelCache(url, cache_dir=tmp_path, settings=_settings(local_compile=True)) as first:
         art = first.get(recipe)  # no toolchain in the recipe: the local NVRTC's id is used
-        assert first.stats.local_compiles == 1
+        assert first.stats.local_compiles == 1 and art.origin == "local_compile"
         assert art.metadata.toolchain == toolchain
         assert art.data[:4] == b"\x7fELF" and hashlib.sha256(art.data).hexdigest() == art.digest
         assert art.path.read_bytes() == art.data
-        assert first.get(recipe) is art and first.stats.memory_hits == 1
+        again = first.get(recipe)
+        assert again.origin == "memory" and again.data is art.data
+        assert first.stats.memory_hits == 1
     # Another process (a fresh cache on the same directory), local compiles off: the tier answers.
-    with KernelCache(url=url, cache_dir=tmp_path, local_compile=False, retry=FAST) as second:
+    with KernelCache(url, cache_dir=tmp_path, settings=_settings(local_compile=False)) as second:
         again = second.get(recipe.with_defaults(toolchain=toolchain))
         assert again.digest == art.digest and again.data == art.data
         assert second.stats.node_hits == 1 and second.stats.local_compiles == 0

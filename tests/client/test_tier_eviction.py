@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from client_harness import KcacheServer
-from kcache_client import KernelCache, NodeTier
+from kcache_client import ClientSettings, KernelCache, NodeTier
 
 from kcache import Recipe
 from kcache.eviction import parse_size
@@ -28,16 +28,20 @@ PAD = 48 << 10
 PROCESSES = 8
 GETS = 60
 
+#: Settings of the caches here: no audit events, so every request is a fetch.
+QUIET = ClientSettings.from_env(send_events=False)
+
 # One process of the test: JSON config path in argv[1], a JSON summary on stdout.
 WORKER = r"""
 import hashlib, json, random, sys
 from kcache import Recipe
-from kcache_client import KernelCache
+from kcache_client import ClientSettings, KernelCache
 
 config = json.load(open(sys.argv[1]))
 rng = random.Random(int(sys.argv[2]))
 items = [(Recipe.from_dict(r), d) for r, d in config["recipes"]]
-cache = KernelCache(config["url"], cache_dir=config["tier"], send_events=False)
+quiet = ClientSettings.from_env(send_events=False)
+cache = KernelCache(config["url"], cache_dir=config["tier"], settings=quiet)
 summary = {"gets": 0, "bad": [], "node_hits": 0, "server_fetches": 0}
 for _ in range(config["gets"]):
     recipe, digest = rng.choice(items)
@@ -73,7 +77,7 @@ def test_eight_processes_share_a_small_tier_while_it_evicts(
     kserver: KcacheServer, tmp_path: Path
 ) -> None:
     recipes = [padded(f"{tmp_path.name}-{i}") for i in range(16)]
-    with KernelCache(kserver.url, cache_dir=tmp_path / "compiler", send_events=False) as cache:
+    with KernelCache(kserver.url, cache_dir=tmp_path / "compiler", settings=QUIET) as cache:
         items: list[tuple[dict[str, Any], str]] = []
         for recipe in recipes:
             art = cache.get(recipe)
@@ -123,12 +127,11 @@ def test_eight_processes_share_a_small_tier_while_it_evicts(
 def test_lru_order_rm_and_clear(tmp_path: Path, kserver: KcacheServer) -> None:
     """The least recently *read* entry goes first; rm and clear remove what they name."""
     recipes = [padded(f"{tmp_path.name}-lru-{i}") for i in range(5)]
-    with KernelCache(kserver.url, cache_dir=tmp_path / "sizes", send_events=False) as sizer:
+    with KernelCache(kserver.url, cache_dir=tmp_path / "sizes", settings=QUIET) as sizer:
         size = max(sizer.get(r).metadata.size for r in recipes)
     cap = int(4.5 * size / 0.9)  # four fit under the high-water mark, five do not
-    with KernelCache(
-        kserver.url, cache_dir=tmp_path / "tier", max_bytes=cap, send_events=False
-    ) as cache:
+    capped = ClientSettings.from_env(cache_max_bytes=cap, send_events=False)
+    with KernelCache(kserver.url, cache_dir=tmp_path / "tier", settings=capped) as cache:
         arts = [cache.get(recipe) for recipe in recipes[:4]]
         assert cache.tier.usage().entries == 4
         # Read the first one again, from the tier: it becomes the most recently used.
@@ -155,7 +158,7 @@ def test_lru_order_rm_and_clear(tmp_path: Path, kserver: KcacheServer) -> None:
 def test_cache_commands_on_a_node_tier(tmp_path: Path, kserver: KcacheServer) -> None:
     """`kcache cache info|ls|rm|clear` on a cache directory, as a user sees them."""
     tier_dir = tmp_path / "tier"
-    with KernelCache(kserver.url, cache_dir=tier_dir, send_events=False) as cache:
+    with KernelCache(kserver.url, cache_dir=tier_dir, settings=QUIET) as cache:
         arts = [cache.get(padded(f"{tmp_path.name}-cli-{i}")) for i in range(2)]
     kcache = [sys.executable, "-m", "kcache.cli", "cache"]
     env = {**os.environ, "KCACHE_CACHE_MAX_BYTES": "1MiB"}

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from kcache_client import KernelCache, RetryPolicy, WarmupError
+from kcache_client import ClientSettings, KernelCache, RetryPolicy, WarmupError
 
 from kcache import Recipe
 from kcache.errors import CompileError
@@ -101,11 +101,11 @@ def warmup_once(
 def die_while_leading(cache: KernelCache) -> None:
     """Make this process's next resolve of a warmup's union end the process, as a crash would."""
 
-    def resolve_many(*args: Any, **kwargs: Any) -> Any:
+    def get_many(*args: Any, **kwargs: Any) -> Any:
         os.kill(os.getpid(), signal.SIGKILL)
         raise AssertionError("unreachable")
 
-    cache.resolve_many = resolve_many  # type: ignore[method-assign]
+    cache.get_many = get_many  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -118,15 +118,14 @@ def main() -> None:
         None,
     )
     recipes = [Recipe.from_dict(d) for d in cfg["recipes"][rank]]
-    cache = KernelCache(
-        url=cfg["url"],
-        cache_dir=cfg["cache_dirs"][rank],
+    settings = ClientSettings.from_env(
         auto_target=cfg["targets"][rank],
         retry=RetryPolicy(**cfg.get("retry", {})),
         job_id="warmup-test",
         host=cfg["hosts"][rank] if "hosts" in cfg else None,
         send_events=False,
     )
+    cache = KernelCache(cfg["url"], cache_dir=cfg["cache_dirs"][rank], settings=settings)
     report = Path(cfg["out"], f"{rank}.json")
     schedule = cfg.get("schedule")
     if schedule is None:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from kcache_client import ArchitectureMismatchError, KernelCache
+from kcache_client import ArchitectureMismatchError, ClientSettings, KernelCache
 from kcache_client._device import driver_version
 
 from kcache import Recipe
@@ -209,9 +209,8 @@ def main() -> int:
         workdir=str(workdir),
     )
 
-    cache = KernelCache(
-        url=url, cache_dir=workdir / "tier", device=local_rank, job_id="warmup-nccl-check"
-    )
+    settings = ClientSettings.from_env(device=local_rank, job_id="warmup-nccl-check")
+    cache = KernelCache(url, cache_dir=workdir / "tier", settings=settings)
     base = {
         "add": Recipe(source=VECTOR_ADD),
         "scale": Recipe(source=SCALE, name_expressions=["scale<float, 3>"]),

@@ -7,17 +7,19 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from kcache.artifact_header import HEADER as META_HEADER
+from kcache.artifact_header import MAX_CHARS
 from kcache.errors import ArtifactNotFoundError
-from kcache_server.http_cache import blob_headers, etag_matches
+from kcache_server.http_cache import artifact_headers, etag_matches
 from kcache_server.routes._deps import ERRORS, Reader, State
-from kcache_server.schemas import ArtifactBody, check_key
+from kcache_server.schemas import ArtifactBody, RecipeKeyPath, check_key
 
 router = APIRouter(prefix="/v1/recipes", tags=["recipes"])
 
 
 @router.get("/{recipe_key}", response_model=ArtifactBody, responses=ERRORS)
 async def recipe_metadata(
-    recipe_key: str,
+    recipe_key: RecipeKeyPath,
     _: Reader,
     state: State,
 ) -> ArtifactBody:
@@ -27,32 +29,62 @@ async def recipe_metadata(
     return ArtifactBody.model_validate(meta.to_dict())
 
 
+_FETCH_HEADERS = {
+    "ETag": {
+        "description": "the digest (sha256 of the bytes), quoted",
+        "schema": {"type": "string"},
+    },
+    "X-Kcache-Digest": {"description": "the digest, unquoted", "schema": {"type": "string"}},
+    "X-Kcache-Size": {"description": "the size in bytes", "schema": {"type": "integer"}},
+    META_HEADER: {
+        "description": (
+            "the artifact's metadata: base64url (RFC 4648 section 5, no padding) of the compact "
+            "JSON object GET /v1/recipes/{recipe_key} returns, without its compile log (digest, "
+            "size, kind, target, toolchain, lowered_names, kernel, dependencies, "
+            "dependencies_exact, compile_seconds, created_at). Check the body's sha256 and size "
+            f"against it. Absent when it would exceed {MAX_CHARS} characters (read the metadata "
+            "route then)."
+        ),
+        "schema": {"type": "string"},
+    },
+}
+
+
 @router.get(
     "/{recipe_key}/artifact",
     response_class=Response,
     responses={
         **ERRORS,
-        200: {"content": {"application/octet-stream": {}}},
-        304: {"description": "unchanged"},
+        200: {
+            "description": "the bytes; the metadata in X-KCache-Meta",
+            "content": {"application/octet-stream": {}},
+            "headers": _FETCH_HEADERS,
+        },
+        304: {
+            "description": "unchanged (If-None-Match named the digest)",
+            "headers": _FETCH_HEADERS,
+        },
     },
 )
 async def recipe_artifact(
-    recipe_key: str,
+    recipe_key: RecipeKeyPath,
     request: Request,
     _: Reader,
     state: State,
 ) -> Response:
-    """The artifact's bytes in one round trip; ``ETag`` is the digest, cacheable forever.
+    """The artifact's bytes and its metadata in one round trip; ``ETag`` is the digest.
 
-    Warm keys are answered before this route by :mod:`kcache_server.fastpath`; this
-    one serves the rest (and fills the memory caches the fast path reads).
+    The body is the bytes, cacheable forever; ``X-KCache-Meta`` carries the metadata a
+    client needs to trust and use them (see the 200 response's headers). Warm keys are
+    answered before this route by :mod:`kcache_server.fastpath`; this one serves the
+    rest (and fills the memory caches the fast path reads).
     """
     started = time.perf_counter()
     check_key(recipe_key, "recipe_key")
     resolver = state.resolver
     try:
         meta = await resolver.artifact(recipe_key)
-        headers = blob_headers(meta.digest, meta.size)
+        headers = artifact_headers(meta)
         if etag_matches(request.headers.get("if-none-match"), meta.digest):
             resolver.record_fetch(recipe_key, meta, started, "hit")
             return Response(status_code=304, headers=headers)

@@ -1,0 +1,94 @@
+"""Compiling here when the server cannot: the core engine over the node tier.
+
+A worker with the NVRTC wheels and local compiles enabled (``ClientSettings.local_compile``;
+on by default without a server) compiles a miss itself with the same engine the server
+runs, over the node tier's own store, index and per-key lock, so every process of the
+node compiles a kernel once and finds it afterwards. Recipes are keyed with this NVRTC's
+toolchain id when the server's default cannot be learnt.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kcache.artifact import ArtifactMeta
+from kcache.engine import Engine
+from kcache.errors import ToolchainError
+from kcache.recipe import Recipe
+from kcache_client._artifact import ArtifactOrigin
+from kcache_client._settings import ClientSettings
+from kcache_client._tier import NodeTier
+from kcache_client.errors import ServerUnavailableError
+
+__all__ = ["LocalCompiler"]
+
+
+class LocalCompiler:
+    """The engine over ``tier``, built on first use (loading NVRTC takes a moment)."""
+
+    def __init__(self, tier: NodeTier, settings: ClientSettings) -> None:
+        self.tier = tier
+        self.settings = settings
+        self._engine: Engine | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether misses may be compiled here (the settings; NVRTC is checked when used)."""
+        return self.settings.compiles_locally
+
+    def engine(self) -> Engine:
+        """The core engine over the node tier (same store, index and lock); ToolchainError without NVRTC."""
+        with self._lock:
+            if self._engine is None:
+                from kcache.compilers import InProcessCompiler
+                from kcache.include_sets import IncludeSets
+                from kcache.toolchain import load_toolchain
+
+                self._engine = Engine(
+                    self.tier.store,
+                    self.tier.index,
+                    self.tier.lock,
+                    InProcessCompiler(load_toolchain(), IncludeSets(self.settings.include_sets)),
+                )
+            return self._engine
+
+    def compile(
+        self, concrete: Recipe, key: str, *, compile: bool, offline: ServerUnavailableError
+    ) -> tuple[ArtifactOrigin, ArtifactMeta, bytes]:
+        """The artifact of ``concrete``, compiled here (or found by the engine in the tier).
+
+        ``offline`` is why the server did not answer; when local compiles are off, or
+        ``compile`` is false, or NVRTC is missing or another toolchain, it is raised
+        again with that reason added. A compile error raises the core's CompileError.
+        """
+        where = f"the node tier {self.tier.root} has no artifact for recipe {key}"
+        if not self.enabled or not compile:
+            reason = (
+                "local compiles are off (KCACHE_LOCAL_COMPILE=1)" if compile else "compile=False"
+            )
+            raise ServerUnavailableError(
+                offline.url, f"{offline.cause}; {where}, and {reason}"
+            ) from offline
+        try:
+            engine = self.engine()
+        except ToolchainError as exc:
+            raise ServerUnavailableError(
+                offline.url, f"{offline.cause}; {where}, and {exc}"
+            ) from exc
+        if concrete.toolchain != engine.toolchain_id:
+            raise ServerUnavailableError(
+                offline.url,
+                f"{offline.cause}; {where}, and it names toolchain {concrete.toolchain} while the "
+                f"local NVRTC is {engine.toolchain_id}",
+            ) from offline
+        result = engine.resolve(concrete)
+        data = engine.read(result.artifact)
+        if result.status == "compiled":
+            self.tier.stored(len(data))  # the engine stored it in the tier: keep the cap
+        origin: ArtifactOrigin = "local_compile"
+        if result.status == "hit":
+            origin = "node"  # the engine found it in the tier (through a manifest)
+        elif result.status == "waited":
+            origin = "waited"  # another process of the node compiled it meanwhile
+        return origin, result.artifact, data

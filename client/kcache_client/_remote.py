@@ -1,0 +1,200 @@
+"""The server as a client speaks to it: a fetch in one round trip, resolves, batches, blobs.
+
+Every answer is checked before anything is handed back: the metadata is well formed
+(:func:`kcache.artifact_header.parse_meta`), fits the recipe that was asked for (its
+kind, target and toolchain), and the bytes hash to its digest and have its size. A
+fetch by key is one request: ``GET /v1/recipes/{key}/artifact`` answers with the bytes
+and their metadata (``X-KCache-Meta``, design §5). Bytes damaged on the way are
+fetched again by digest (bounded); metadata that contradicts its own response is
+refused with :class:`~kcache_client.errors.MetadataError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kcache.artifact import ArtifactMeta
+from kcache.artifact_header import HEADER as META_HEADER
+from kcache.artifact_header import decode_meta, parse_meta
+from kcache.outcomes import ResolveStatus
+from kcache.recipe import Recipe
+from kcache_client._http import Transport, batch_item_error
+from kcache_client._stats import CacheStats
+from kcache_client.errors import (
+    ClientError,
+    DigestMismatchError,
+    MetadataError,
+    RemoteNotFoundError,
+)
+
+__all__ = ["Remote", "Resolution"]
+
+#: Tries of a download whose bytes do not match their digest.
+_DIGEST_TRIES = 3
+_RESOLVED: frozenset[str] = frozenset({"hit", "compiled", "waited"})
+
+#: What a resolve answered: its status and the (checked) artifact metadata.
+Resolution = tuple[ResolveStatus, ArtifactMeta]
+
+
+class Remote:
+    """One server, through a :class:`Transport`; see the module docstring."""
+
+    def __init__(self, transport: Transport, stats: CacheStats) -> None:
+        self.transport = transport
+        self.url = transport.url
+        self._stats = stats
+
+    def toolchains(self) -> dict[str, Any]:
+        """``GET /v1/toolchains``: the server's toolchain ids, default and targets."""
+        body = self.transport.request("GET", "/v1/toolchains").json()
+        if not isinstance(body, dict) or not isinstance(body.get("default"), str):
+            raise ClientError(f"{self.url}/v1/toolchains did not name a default toolchain")
+        return body
+
+    def fetch(self, concrete: Recipe, key: str) -> tuple[ArtifactMeta, bytes] | None:
+        """The artifact of ``key`` and its verified bytes in one round trip; None when unknown.
+
+        One ``GET /v1/recipes/{key}/artifact``. Only an artifact whose metadata is too
+        long for a header costs a second request (the metadata route), and only bytes
+        damaged on the way are fetched again (by digest).
+        """
+        path = f"/v1/recipes/{key}/artifact"
+        try:
+            response = self.transport.request("GET", path)
+        except RemoteNotFoundError:
+            return None
+        where = self.url + path
+        encoded = response.headers.get(META_HEADER)
+        if encoded is None:
+            try:  # too long for a header (design §5): the metadata route says it
+                meta = self._metadata(key)
+            except RemoteNotFoundError:
+                return None  # forgotten in between (evicted, collected)
+        else:
+            try:
+                meta = decode_meta(encoded)
+            except ValueError as exc:
+                raise MetadataError(where, str(exc)) from None
+            claimed = response.headers.get("X-Kcache-Digest")
+            if claimed != meta.digest:
+                raise MetadataError(
+                    where, f"{META_HEADER} names digest {meta.digest}, the response {claimed}"
+                )
+        _check_fits(meta, concrete, where)
+        data = response.content
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != meta.digest:
+            # Damaged on the way (or, without the header, the alias moved between the two
+            # requests): the blob by digest is immutable, so fetch that, verified.
+            self._stats.add("digest_mismatches")
+            try:
+                data = self.blob(meta.digest)
+            except RemoteNotFoundError:  # no such blob: the metadata named bytes nobody has
+                raise DigestMismatchError(where, meta.digest, actual) from None
+        if len(data) != meta.size:
+            raise MetadataError(where, f"its size is {meta.size}, its bytes are {len(data)}")
+        return meta, data
+
+    def resolve(
+        self, concrete: Recipe, key: str, *, compile: bool, context: Mapping[str, Any]
+    ) -> Resolution:
+        """``POST /v1/resolve``: hit, or compiled (or joined) on the server; the bytes are not sent."""
+        body = {"recipe": concrete.to_dict(), "compile": compile, "context": dict(context)}
+        answer = self.transport.request("POST", "/v1/resolve", json=body).json()
+        return self._resolution(answer, concrete, key, f"{self.url}/v1/resolve")
+
+    def resolve_batch(
+        self,
+        recipes: Sequence[tuple[str, Recipe]],
+        *,
+        compile: bool,
+        context: Mapping[str, Any],
+    ) -> list[Resolution | ClientError]:
+        """``POST /v1/resolve/batch`` of ``(key, concrete recipe)`` pairs: a result per recipe.
+
+        A recipe that failed on the server is its typed error (see
+        :func:`~kcache_client._http.batch_item_error`); a failure of the whole request
+        raises.
+        """
+        where = f"{self.url}/v1/resolve/batch"
+        body = {
+            "recipes": [recipe.to_dict() for _, recipe in recipes],
+            "compile": compile,
+            "context": dict(context),
+        }
+        answer = self.transport.request("POST", "/v1/resolve/batch", json=body).json()
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or len(results) != len(recipes):
+            raise ClientError(f"{where} returned a malformed results list")
+        out: list[Resolution | ClientError] = []
+        for (key, recipe), result in zip(recipes, results, strict=True):
+            if isinstance(result, dict) and result.get("status") == "error":
+                out.append(batch_item_error(where, result, key))
+            else:
+                out.append(self._resolution(result, recipe, key, where))
+        return out
+
+    def blob(self, digest: str) -> bytes:
+        """``GET /v1/blobs/{digest}``, fetched again until the bytes hash to ``digest`` (bounded)."""
+        path = f"/v1/blobs/{digest}"
+        actual = ""
+        for _ in range(_DIGEST_TRIES):
+            data = self.transport.request("GET", path).content
+            actual = hashlib.sha256(data).hexdigest()
+            if actual == digest:
+                return data
+            self._stats.add("digest_mismatches")
+        raise DigestMismatchError(self.url + path, digest, actual)
+
+    def download(self, meta: ArtifactMeta) -> bytes:
+        """The verified bytes of a resolved artifact (by digest), which must have its size."""
+        data = self.blob(meta.digest)
+        if len(data) != meta.size:
+            raise MetadataError(
+                f"{self.url}/v1/blobs/{meta.digest}",
+                f"its size is {meta.size}, its bytes are {len(data)}",
+            )
+        return data
+
+    # ------------------------------------------------------------------ internals
+    def _metadata(self, key: str) -> ArtifactMeta:
+        path = f"/v1/recipes/{key}"
+        return _parse(self.transport.request("GET", path).json(), self.url + path)
+
+    def _resolution(self, answer: Any, concrete: Recipe, key: str, where: str) -> Resolution:
+        """A resolve body (alone or in a batch), checked against the recipe asked for."""
+        if not isinstance(answer, dict) or answer.get("status") not in _RESOLVED:
+            raise MetadataError(
+                where, "a resolve answer without a status of hit, compiled or waited"
+            )
+        if answer.get("recipe_key") not in (None, key):
+            raise ClientError(
+                f"the server keyed the recipe as {answer.get('recipe_key')}, this client as {key}: "
+                "client and server run different kcache versions"
+            )
+        meta = _parse(answer.get("artifact"), where)
+        _check_fits(meta, concrete, where)
+        status: ResolveStatus = answer["status"]
+        return status, meta
+
+
+def _parse(data: Any, where: str) -> ArtifactMeta:
+    try:
+        return parse_meta(data, "artifact")
+    except ValueError as exc:
+        raise MetadataError(where, str(exc)) from None
+
+
+def _check_fits(meta: ArtifactMeta, concrete: Recipe, where: str) -> None:
+    """Refuse metadata of an artifact that is not what ``concrete`` asks for."""
+    for name, wanted in (
+        ("kind", concrete.produces),
+        ("target", concrete.target),
+        ("toolchain", concrete.toolchain),
+    ):
+        got = getattr(meta, name)
+        if got != wanted:
+            raise MetadataError(where, f"its {name} is {got!r}, the recipe asks for {wanted!r}")

@@ -1,0 +1,29 @@
+"""Counters of where a ``KernelCache``'s answers came from, for diagnostics and the CLI."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["CacheStats"]
+
+
+@dataclass
+class CacheStats:
+    """How many ``get()`` answers came from memory, the node tier, the server, a local compile.
+
+    ``digest_mismatches`` counts downloads refused because their bytes did not hash to
+    their digest (each was fetched again).
+    """
+
+    memory_hits: int = 0
+    node_hits: int = 0
+    server_fetches: int = 0
+    local_compiles: int = 0
+    digest_mismatches: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Thread-safe increment."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)

@@ -1,0 +1,127 @@
+"""The artifact metadata a fetch by key carries in one HTTP header (design §5), both ways.
+
+``GET /v1/recipes/{key}/artifact`` answers with the bytes as the body and the metadata a
+client needs to trust and use them in the header ``X-KCache-Meta``: the base64url
+(RFC 4648 §5, no padding) of the compact, sorted JSON of the artifact's metadata
+(:meth:`ArtifactMeta.to_dict`) without its compile ``log``, which may be long and which
+the metadata route ``GET /v1/recipes/{key}`` still serves. The server encodes it once
+per artifact; the client decodes it as untrusted input (:func:`parse_meta` checks every
+field, as it does for the metadata in JSON answers) and then checks the body against it
+(sha256 and size).
+
+A value longer than :data:`MAX_CHARS` (a dependency list of several hundred headers) is
+not sent: the response then has no ``X-KCache-Meta``, and a client reads the metadata
+route instead, a second round trip for such artifacts only.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from typing import Any
+
+from kcache.artifact import ArtifactMeta
+from kcache.deps import Dependency
+from kcache.keys import canonical_json, is_hex_key
+
+__all__ = ["HEADER", "MAX_CHARS", "decode_meta", "encode_meta", "parse_meta"]
+
+#: The header's name (HTTP header names are case-insensitive).
+HEADER = "X-KCache-Meta"
+#: The longest value sent: well under what HTTP clients accept for all headers together
+#: (httpx: 100 KiB), and what a proxy in front must allow (nginx: ``proxy_buffer_size 64k``).
+MAX_CHARS = 32 * 1024
+_KINDS = frozenset({"cubin", "ptx", "ltoir"})
+#: Longest text field (kernel name, target, toolchain id) accepted from a header.
+_MAX_TEXT = 4096
+
+
+def encode_meta(meta: ArtifactMeta) -> str | None:
+    """The ``X-KCache-Meta`` value for ``meta``, or None when it would exceed :data:`MAX_CHARS`."""
+    fields = meta.to_dict()
+    del fields["log"]
+    value = base64.urlsafe_b64encode(canonical_json(fields)).rstrip(b"=").decode("ascii")
+    return value if len(value) <= MAX_CHARS else None
+
+
+def decode_meta(value: str) -> ArtifactMeta:
+    """Parse an ``X-KCache-Meta`` value; ValueError naming the field for anything malformed."""
+    if len(value) > MAX_CHARS:
+        raise ValueError(f"{HEADER} is {len(value)} characters, over the limit of {MAX_CHARS}")
+    try:
+        data = json.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{HEADER} is not base64url-encoded JSON: {exc}") from None
+    return parse_meta(data, HEADER)
+
+
+def parse_meta(data: object, where: str = "artifact") -> ArtifactMeta:
+    """Artifact metadata from its JSON object (as the API sends it), every field checked.
+
+    For metadata received from elsewhere: ValueError naming ``where`` and the field for
+    anything missing or of the wrong type. ``log`` may be absent (a header omits it).
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a JSON object, not {type(data).__name__}")
+    digest = _field(data, "digest", str, where)
+    if not is_hex_key(digest):
+        raise ValueError(f"{where}: digest must be 64 lowercase hex digits")
+    size = _field(data, "size", int, where)
+    if size < 0:
+        raise ValueError(f"{where}: size must not be negative")
+    kind = _field(data, "kind", str, where)
+    if kind not in _KINDS:
+        raise ValueError(f"{where}: kind {kind!r} is not one of {', '.join(sorted(_KINDS))}")
+    names = _field(data, "lowered_names", dict, where)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
+        raise ValueError(f"{where}: lowered_names must map strings to strings")
+    dependencies = []
+    for i, dep in enumerate(_field(data, "dependencies", list, where)):
+        if (
+            not isinstance(dep, dict)
+            or not isinstance(dep.get("name"), str)
+            or not is_hex_key(dep.get("sha256"))
+        ):
+            raise ValueError(f"{where}: dependencies[{i}] must be {{name, sha256}}")
+        dependencies.append(Dependency(dep["name"], dep["sha256"]))
+    log = data.get("log", "")
+    if not isinstance(log, str):
+        raise ValueError(f"{where}: log must be a JSON str")
+    return ArtifactMeta(
+        digest=digest,
+        size=size,
+        kind=kind,
+        target=_text(data, "target", where),
+        toolchain=_text(data, "toolchain", where),
+        lowered_names=dict(names),
+        compile_seconds=_number(data, "compile_seconds", where),
+        log=log,
+        dependencies=tuple(dependencies),
+        dependencies_exact=_field(data, "dependencies_exact", bool, where),
+        kernel=_text(data, "kernel", where),
+        created_at=_number(data, "created_at", where),
+    )
+
+
+def _field(data: dict[str, Any], name: str, kind: type[Any], where: str) -> Any:
+    value = data.get(name)
+    # bool is an int in Python, and JSON's true is not a size.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{where}: {name} must be a JSON {kind.__name__}")
+    return value
+
+
+def _text(data: dict[str, Any], name: str, where: str) -> str:
+    value: str = _field(data, name, str, where)
+    if len(value) > _MAX_TEXT:
+        raise ValueError(f"{where}: {name} is longer than {_MAX_TEXT} characters")
+    return value
+
+
+def _number(data: dict[str, Any], name: str, where: str) -> float:
+    value = data.get(name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{where}: {name} must be a finite number")
+    return float(value)
