@@ -1,5 +1,6 @@
 """kcache core: recipes and keys, NVRTC/nvJitLink compiles, a content-addressed store, locks."""
 
+from kcache._version import __version__ as __version__
 from kcache.artifact import ArtifactMeta, CompileFailure, CompileOutput, ManifestEntry
 from kcache.compilers import Compiler, InProcessCompiler
 from kcache.deps import Dependency
@@ -24,8 +25,6 @@ from kcache.locks import FileKeyLock, KeyLock, SingleFlight
 from kcache.recipe import LinkInput, Recipe
 from kcache.store import ArtifactStore, LocalArtifactStore
 from kcache.toolchain import Toolchain, load_toolchain
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ArtifactMeta",

@@ -26,7 +26,11 @@ if TYPE_CHECKING:
     from kcache.recipe import Recipe
 from kcache.fsutil import atomic_write
 
-__all__ = ["Toolchain", "load_toolchain"]
+__all__ = ["Toolchain", "load_toolchain", "nvrtc_install_advice"]
+
+# The first NVRTC (and cuda-bindings) with nvrtcInstallBundledHeaders, whose headers every
+# compile includes; the core's `nvrtc` extra asks for at least this.
+_BUNDLED_HEADERS_SINCE = "13.3"
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,18 @@ def _tree_hash(root: Path) -> str:
     return combined.hexdigest()
 
 
+def nvrtc_install_advice() -> str:
+    """The pip command that installs the NVRTC and nvJitLink this kcache compiles with.
+
+    It names this kcache's own version, so pip adds the wheels of its ``nvrtc`` extra
+    (upgrading an older NVRTC, nvJitLink or cuda-bindings in place) and keeps the
+    kcache that is installed. ``kcache-client[compile]`` is the same set of wheels.
+    """
+    from kcache._version import __version__
+
+    return f"pip install 'kcache[nvrtc]=={__version__}'"
+
+
 def _check(result: tuple[object, ...], what: str) -> tuple[object, ...]:
     from cuda.bindings import nvrtc
 
@@ -129,8 +145,11 @@ def _check(result: tuple[object, ...], what: str) -> tuple[object, ...]:
     return result
 
 
-def _install_headers(dest: Path) -> str:
-    """Extract NVRTC's bundled headers into ``dest`` once; return the tree hash."""
+def _install_headers(dest: Path, found: str) -> str:
+    """Extract NVRTC's bundled headers into ``dest`` once; return the tree hash.
+
+    ``found`` names the NVRTC loaded (version and library), for the error when it has none.
+    """
     from cuda.bindings import nvrtc
 
     marker = dest / "tree.sha256"
@@ -146,9 +165,11 @@ def _install_headers(dest: Path) -> str:
         try:
             result = nvrtc.nvrtcInstallBundledHeaders(str(staging / "include").encode(), 0)
         except Exception as exc:  # cuda-bindings raises its own type when the symbol is absent
+            # Either this NVRTC predates the call or the installed cuda-bindings does.
             raise ToolchainError(
-                "this NVRTC has no bundled headers (nvrtcInstallBundledHeaders needs CUDA >= 13.3): "
-                "pip install -U 'nvidia-cuda-nvrtc>=13.3' 'cuda-bindings>=13.3'"
+                f"{found} has no bundled headers (nvrtcInstallBundledHeaders needs NVRTC and "
+                f"cuda-bindings >= {_BUNDLED_HEADERS_SINCE}), so kcache cannot compile with it; "
+                f"install the NVRTC and nvJitLink wheels: {nvrtc_install_advice()}"
             ) from exc
         _check(result, "nvrtcInstallBundledHeaders")
         tree = _tree_hash(staging / "include")
@@ -166,15 +187,17 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
         from cuda.pathfinder import load_nvidia_dynamic_lib
     except ImportError as exc:
         raise ToolchainError(
-            "NVRTC is not installed: pip install 'kcache[nvrtc]' "
-            "(cuda-bindings, nvidia-cuda-nvrtc, nvidia-nvjitlink)"
+            f"compiling needs NVRTC and nvJitLink through cuda-bindings ({exc}): "
+            f"{nvrtc_install_advice()}"
         ) from exc
     root = root or toolchain_dir()
     try:
         nvrtc_lib = Path(load_nvidia_dynamic_lib("nvrtc").abs_path)
         jitlink_lib = Path(load_nvidia_dynamic_lib("nvJitLink").abs_path)
     except Exception as exc:  # pathfinder raises several unrelated types
-        raise ToolchainError(f"cannot locate the NVRTC/nvJitLink libraries: {exc}") from exc
+        raise ToolchainError(
+            f"cannot locate the NVRTC/nvJitLink libraries ({exc}): {nvrtc_install_advice()}"
+        ) from exc
     builtins = sorted(nvrtc_lib.parent.glob("libnvrtc-builtins.so*"))
     libraries = [nvrtc_lib, jitlink_lib, *builtins[-1:]]
     _, major, minor = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
@@ -183,7 +206,7 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
     nvjitlink_version = f"{jl_major}.{jl_minor}"
     lib_hash = _library_hash(libraries, root)
     include_root = root / f"nvrtc{nvrtc_version}-{lib_hash[:16]}"
-    tree = _install_headers(include_root)
+    tree = _install_headers(include_root, f"NVRTC {nvrtc_version} ({nvrtc_lib})")
     combined = hashlib.sha256(f"{lib_hash}\n{tree}\n".encode()).hexdigest()
     (_, archs) = _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
     return Toolchain(

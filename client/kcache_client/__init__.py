@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from kcache_client._tier import NodeTier, default_cache_dir
     from kcache_client._warmup import WarmupResult
 
-__version__ = "0.1.0"
+from kcache_client._version import __version__ as __version__
 
 # Imported on first use, so `import kcache_client` (and the `kcache` command, which loads
 # the client's subcommands) does not pay for httpx, threads and the tier until they are used.

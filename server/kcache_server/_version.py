@@ -1,0 +1,1 @@
+../../kcache/_version.py

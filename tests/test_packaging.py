@@ -1,0 +1,355 @@
+"""The three distributions as users get them: an sdist and a wheel each, of the one version.
+
+``python -m build`` builds each distribution's sdist and then its wheel from that sdist,
+in a copy of the sources (without build isolation: setuptools comes from this
+environment), so the ``build/`` directories that editable installs leave behind cannot
+leak stale modules into a wheel, and a file an sdist forgot breaks its wheel here. The
+tests read the archives and their metadata, run ``twine check --strict``, and run the
+server's migrations from an installed (``pip install --target``) copy, not the checkout.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from email.message import Message
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from kcache._version import __version__ as VERSION
+from kcache.toolchain import nvrtc_install_advice
+from tests.support import ROOT
+
+# distribution -> (its directory, its package's directory), relative to the repository
+DISTRIBUTIONS = {
+    "kcache": (".", "kcache"),
+    "kcache-client": ("client", "client/kcache_client"),
+    "kcache-server": ("server", "server/kcache_server"),
+}
+# What users already have in a training image: never pinned, always a lower bound.
+USER_SIDE = re.compile(r"torch|httpx|filelock|tqdm|numpy|cupy.*|cuda-.*|nvidia-.*")
+SERVER_ONLY = re.compile(r"fastapi|uvicorn|sqlalchemy|alembic|pydantic.*|prometheus-client|psycopg")
+
+
+@dataclass(frozen=True)
+class Built:
+    """One distribution's sdist and wheel, and the wheel's METADATA."""
+
+    sdist: Path
+    wheel: Path
+    metadata: Message
+
+    @property
+    def requirements(self) -> list[Requirement]:
+        return [Requirement(text) for text in self.metadata.get_all("Requires-Dist") or []]
+
+    def base_requirements(self) -> dict[str, Requirement]:
+        """The requirements every install gets (no ``extra ==`` marker)."""
+        return {r.name: r for r in self.requirements if r.marker is None}
+
+    def extra(self, name: str) -> dict[str, Requirement]:
+        """The requirements the extra ``name`` adds."""
+        return {
+            r.name: r
+            for r in self.requirements
+            if r.marker is not None and r.marker.evaluate({"extra": name})
+        }
+
+    def wheel_files(self) -> set[str]:
+        with zipfile.ZipFile(self.wheel) as archive:
+            return set(archive.namelist())
+
+
+@dataclass(frozen=True)
+class Build:
+    """The copy of the sources that was built, and what came of it."""
+
+    sources: Path
+    dists: dict[str, Built]
+
+
+def _copy_sources(dest: Path) -> None:
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
+        shutil.copy2(ROOT / name, dest / name)
+    skip = shutil.ignore_patterns("__pycache__", "build", "dist", "*.egg-info", ".kcache")
+    for name in ("kcache", "client", "server"):
+        # symlinks=True: the client's and server's _version.py and LICENSE are links, and
+        # the sdists must turn them into files.
+        shutil.copytree(ROOT / name, dest / name, symlinks=True, ignore=skip)
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    sources = tmp_path_factory.mktemp("sources")
+    _copy_sources(sources)
+    out = tmp_path_factory.mktemp("dist")
+    dists = {}
+    for project, (where, _) in DISTRIBUTIONS.items():
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "build",
+                "--no-isolation",
+                "--outdir",
+                str(out / project),
+                str(sources / where),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert run.returncode == 0, f"building {project}:\n{run.stdout}\n{run.stderr}"
+        (sdist,) = (out / project).glob("*.tar.gz")
+        (wheel,) = (out / project).glob("*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            (meta,) = (n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+            metadata = email.parser.Parser().parsestr(archive.read(meta).decode())
+        dists[project] = Built(sdist, wheel, metadata)
+    return Build(sources, dists)
+
+
+@pytest.fixture(scope="module")
+def built(build: Build) -> dict[str, Built]:
+    return build.dists
+
+
+def test_each_distribution_is_an_sdist_and_a_wheel_of_the_one_version(
+    built: dict[str, Built],
+) -> None:
+    for project, dist in built.items():
+        stem = project.replace("-", "_")
+        assert dist.wheel.name == f"{stem}-{VERSION}-py3-none-any.whl"
+        assert dist.sdist.name == f"{stem}-{VERSION}.tar.gz"
+        assert (dist.metadata["Name"], dist.metadata["Version"]) == (project, VERSION)
+        with tarfile.open(dist.sdist) as archive:
+            pkg_info = archive.extractfile(f"{stem}-{VERSION}/PKG-INFO")
+            assert pkg_info is not None
+            assert f"\nVersion: {VERSION}\n" in pkg_info.read().decode()
+
+
+def test_metadata_is_complete_and_twine_check_passes(built: dict[str, Built]) -> None:
+    for project, dist in built.items():
+        meta = dist.metadata
+        assert meta["License-Expression"] == "Apache-2.0", project
+        assert meta.get_all("License-File") == ["LICENSE"], project
+        assert meta["Requires-Python"] == ">=3.10", project
+        assert meta["Description-Content-Type"] == "text/markdown", project
+        assert project in meta.get_payload(), project  # the README is the long description
+        classifiers = meta.get_all("Classifier") or []
+        assert (
+            "Typing :: Typed" in classifiers and "Operating System :: POSIX :: Linux" in classifiers
+        )
+    files = [str(p) for d in built.values() for p in (d.sdist, d.wheel)]
+    run = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", *files],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("PASSED") == len(files), run.stdout
+
+
+def test_client_and_server_need_the_core_of_their_own_release_series(
+    built: dict[str, Built],
+) -> None:
+    this = Version(VERSION)
+    same_series = f"{this.major}.{this.minor}.{this.micro + 7}"
+    next_series = f"{this.major}.{this.minor + 1}.0"
+    older = f"{this.major}.{this.minor}.0.dev0"
+    for project, extras in (("kcache-client", set()), ("kcache-server", {"nvrtc"})):
+        core = built[project].base_requirements()["kcache"]
+        assert core.extras == extras, project
+        assert core.specifier.contains(VERSION), (project, core)
+        assert core.specifier.contains(same_series), (project, core)
+        assert not core.specifier.contains(next_series, prereleases=True), (project, core)
+        assert not core.specifier.contains(older, prereleases=True), (project, core)
+
+
+def test_dependencies_are_ranges_never_pins(built: dict[str, Built]) -> None:
+    pinned = []
+    unbounded = []
+    for project, dist in built.items():
+        for req in dist.requirements:
+            if any(spec.operator in ("==", "===") for spec in req.specifier):
+                pinned.append(f"{project}: {req}")
+            if USER_SIDE.fullmatch(req.name) and not any(
+                spec.operator == ">=" for spec in req.specifier
+            ):
+                unbounded.append(f"{project}: {req}")
+    assert pinned == []
+    assert unbounded == []  # a lower bound says which releases were tested
+
+
+def test_the_client_brings_no_torch_nvrtc_or_server_packages_unless_asked(
+    built: dict[str, Built],
+) -> None:
+    client = built["kcache-client"]
+    assert set(client.base_requirements()) == {"kcache", "httpx", "filelock", "tqdm"}
+    assert {"torch", "gpu", "compile"} <= set(client.metadata.get_all("Provides-Extra") or [])
+    assert set(client.extra("torch")) == {"torch"}
+    assert set(client.extra("gpu")) == {"cuda-bindings", "cuda-core"}
+    compile_extra = client.extra("compile")["kcache"]
+    assert compile_extra.extras == {"nvrtc"}
+    for req in client.requirements:
+        assert not SERVER_ONLY.fullmatch(req.name), req
+        if req.name == "torch" or req.name.startswith(("cuda-", "nvidia-")):
+            assert req.marker is not None and "extra" in str(req.marker), req
+
+    core = built["kcache"]
+    assert set(core.base_requirements()) == {"filelock"}
+    nvrtc = core.extra("nvrtc")
+    assert set(nvrtc) == {
+        "cuda-bindings",
+        "cuda-pathfinder",
+        "nvidia-cuda-nvrtc",
+        "nvidia-nvjitlink",
+    }
+    for name in ("cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-nvjitlink"):
+        # Bundled headers (nvrtcInstallBundledHeaders) start at 13.3; CUDA 13 only.
+        assert not nvrtc[name].specifier.contains("13.2.99"), nvrtc[name]
+        assert nvrtc[name].specifier.contains("13.3"), nvrtc[name]
+        assert not nvrtc[name].specifier.contains("14.0"), nvrtc[name]
+
+
+def test_the_old_nvrtc_advice_names_the_extra_that_installs_it(built: dict[str, Built]) -> None:
+    found = re.fullmatch(r"pip install '([^']+)'", nvrtc_install_advice())
+    assert found is not None, nvrtc_install_advice()
+    advised = Requirement(found.group(1))
+    assert (advised.name, advised.extras) == ("kcache", {"nvrtc"})
+    assert advised.specifier.contains(VERSION) and len(list(advised.specifier)) == 1
+    assert "nvrtc" in (built["kcache"].metadata.get_all("Provides-Extra") or [])
+
+
+def test_wheels_hold_every_module_and_data_file(build: Build) -> None:
+    for project, (_, package) in DISTRIBUTIONS.items():
+        source = build.sources / package
+        prefix = source.name
+        wheel = build.dists[project].wheel_files()
+        expected_py = {
+            f"{prefix}/{p.relative_to(source).as_posix()}"
+            for p in source.rglob("*.py")
+            if "__pycache__" not in p.parts
+        }
+        assert {n for n in wheel if n.endswith(".py")} == expected_py, project
+        assert f"{prefix}/py.typed" in wheel, project
+        stem = project.replace("-", "_")
+        with zipfile.ZipFile(build.dists[project].wheel) as archive:
+            licence = archive.read(f"{stem}-{VERSION}.dist-info/licenses/LICENSE")
+        assert licence == (ROOT / "LICENSE").read_bytes(), project
+    server_source = build.sources / "server/kcache_server"
+    data = {
+        f"kcache_server/{p.relative_to(server_source).as_posix()}"
+        for p in [
+            *(server_source / "static").rglob("*"),
+            *(server_source / "migrations").rglob("*"),
+        ]
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    assert "kcache_server/migrations/script.py.mako" in data
+    assert "kcache_server/static/dashboard/index.html" in data
+    assert data <= build.dists["kcache-server"].wheel_files()
+
+
+def test_sdists_carry_the_license_and_the_version_as_files_not_links(
+    built: dict[str, Built],
+) -> None:
+    for project, dist in built.items():
+        base = f"{project.replace('-', '_')}-{VERSION}"
+        with tarfile.open(dist.sdist) as archive:
+            members = {m.name: m for m in archive.getmembers()}
+            assert members[f"{base}/LICENSE"].isfile(), project
+            licence = archive.extractfile(f"{base}/LICENSE")
+            assert licence is not None and licence.read() == (ROOT / "LICENSE").read_bytes()
+            if project != "kcache":
+                package = DISTRIBUTIONS[project][1].split("/")[-1]
+                version_file = members[f"{base}/{package}/_version.py"]
+                assert version_file.isfile(), project
+                copied = archive.extractfile(version_file)
+                assert copied is not None
+                assert copied.read() == (ROOT / "kcache/_version.py").read_bytes()
+        assert not any(name.startswith(f"{base}/tests/") for name in members), project
+
+
+INSTALLED_MIGRATION = """
+import json, sys
+import sqlalchemy as sa
+import kcache, kcache_client, kcache_server, kcache_server.migrate as migrate
+url = sys.argv[1]
+migrate.upgrade(url)
+engine = sa.create_engine(url)
+print(json.dumps({
+    "modules": [kcache.__file__, kcache_client.__file__, kcache_server.__file__],
+    "migrations": str(migrate.migrations_dir()),
+    "current": sorted(migrate.current_revisions(engine)),
+    "head": sorted(migrate.head_revisions(url)),
+    "tables": sorted(sa.inspect(engine).get_table_names()),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(built: dict[str, Built], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("installed")
+    wheels = [str(d.wheel) for d in built.values()]
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(target),
+            *wheels,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    return target
+
+
+def test_an_installed_server_runs_its_migrations_from_the_package(
+    installed: Path, tmp_path: Path
+) -> None:
+    # -S: no site processing, so the checkout's editable installs (.pth finders) stay out;
+    # the third-party dependencies come from this environment's site-packages, after
+    # the installed copy.
+    site = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    env = {k: v for k, v in os.environ.items() if k != "KCACHE_MIGRATIONS_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(installed), *sorted(site)])
+    url = f"sqlite:///{tmp_path / 'kcache.db'}"
+    run = subprocess.run(
+        [sys.executable, "-S", "-c", INSTALLED_MIGRATION, url],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.splitlines()[-1])
+    for module in result["modules"]:
+        assert Path(module).is_relative_to(installed), module
+    assert Path(result["migrations"]) == installed / "kcache_server" / "migrations"
+    assert result["current"] == result["head"] and result["head"], result
+    assert {"alembic_version", "artifacts", "audit_events"} <= set(result["tables"])
