@@ -30,8 +30,8 @@ from packaging.version import Version
 
 from kcache._version import __version__ as VERSION
 from kcache.toolchain import nvrtc_install_advice
-from tests.support import ROOT
 
+ROOT = Path(__file__).resolve().parents[1]
 # distribution -> (its directory, its package's directory), relative to the repository
 DISTRIBUTIONS = {
     "kcache": (".", "kcache"),
