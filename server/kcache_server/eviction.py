@@ -13,9 +13,9 @@ Order of an eviction, so that no row ever names a missing blob:
    pass began, or pinned meanwhile, is skipped);
 2. this process forgets those recipe keys and blobs in its memory caches; every
    other replica does the same when it reads the log (every ``poll_s``);
-3. the blob goes last, through :meth:`LocalArtifactStore.collect`: set aside,
+3. the blob goes last, by :meth:`LocalArtifactStore.collect`'s protocol: set aside,
    re-checked against the index, then unlinked, so a compile that stored the same
-   bytes again in the meantime keeps them. A blob written or reused within
+   bytes again in the meantime keeps them (blobs in a bucket: see ``_collect_remote``). A blob written or reused within
    ``blob_grace_s`` stays until a later pass (a compile publishes its blob before
    it commits the row that names it). A reader holding the blob open finishes its
    read: unlinking a file does not take it from an open descriptor.
@@ -45,6 +45,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 
 from kcache.eviction import WaterMarks
+from kcache.store.cached import CachedArtifactStore
 from kcache.store.local import SET_ASIDE_PREFIX
 from kcache_server.auditing.writer import AuditRecord
 from kcache_server.db import is_postgres
@@ -353,26 +354,30 @@ class Evictor:
     def _collect(self, digests: Sequence[str]) -> None:
         """Delete the blobs of evicted artifacts that no row names; young ones wait for the grace.
 
+        With blobs in a bucket (:class:`CachedArtifactStore`) see :meth:`_collect_remote`.
+
         :meth:`LocalArtifactStore.collect`'s protocol, batched (one query per thousand
         blobs instead of one each): set every blob aside by rename, ask the index once
         which digests a row names again, then put those back (and any whose mtime moved:
         the same bytes stored again) and unlink the rest. A killed evictor leaves set-aside
         blobs that :meth:`LocalArtifactStore.restore_set_aside` (``kcache db gc``) puts back.
         """
+        if isinstance(self.store, CachedArtifactStore):
+            self._collect_remote(digests, due=False)
+            return
         cutoff = time.time() - self.blob_grace_s
+        suffix = f"{os.getpid()}-{secrets.token_hex(4)}"  # unique to this pass, as collect's are
         for start in range(0, len(digests), _COLLECT_BATCH):
-            aside: list[tuple[str, Path, Path]] = []
+            aside: list[tuple[str, str, str]] = []
             for digest in digests[start : start + _COLLECT_BATCH]:
-                path = self.store.path(digest)
+                path = os.fspath(self.store.path(digest))  # strings: pathlib costs per blob here
                 try:
-                    mtime = path.stat().st_mtime
+                    mtime = os.stat(path).st_mtime
                     if mtime >= cutoff:
                         with self._deferred_lock:
                             self._deferred[digest] = mtime + self.blob_grace_s
                         continue
-                    moved = path.with_name(
-                        f"{SET_ASIDE_PREFIX}{digest}-{os.getpid()}-{secrets.token_hex(4)}"
-                    )
+                    moved = f"{os.path.dirname(path)}/{SET_ASIDE_PREFIX}{digest}-{suffix}"
                     os.rename(path, moved)
                 except FileNotFoundError:
                     continue
@@ -386,10 +391,31 @@ class Evictor:
                     os.replace(moved, path)
                 raise
             for digest, path, moved in aside:
-                if digest in named or moved.stat().st_mtime >= cutoff:
+                if digest in named or os.stat(moved).st_mtime >= cutoff:
                     os.replace(moved, path)  # a fresh copy published meanwhile has the same bytes
                 else:
-                    moved.unlink()
+                    os.unlink(moved)
+
+    def _collect_remote(self, digests: Sequence[str], *, due: bool) -> None:
+        """Blobs in a bucket: deleted ``blob_grace_s`` after their rows, if no row names them then.
+
+        A bucket has no rename to set a blob aside, and a compile storing the same bytes
+        again does not touch the object (its conditional PUT finds it there), so the
+        grace runs from the eviction for every blob: a compile that stored its blob
+        before the rows went has committed its row by then, and the index says so. (One
+        whose commit lands between that check and the delete leaves a row without its
+        blob; the engine sees the blob missing and compiles the recipe again.)
+        """
+        if not due:
+            when = time.time() + self.blob_grace_s
+            with self._deferred_lock:
+                for digest in digests:
+                    self._deferred[digest] = when
+            return
+        named = self.index.named(list(digests))
+        for digest in digests:
+            if digest not in named:
+                self.store.delete(digest)  # the bucket's object and the local copy
 
     def _collect_due(self) -> None:
         now = time.time()
@@ -397,8 +423,12 @@ class Evictor:
             due = [d for d, when in self._deferred.items() if when <= now]
             for digest in due:
                 del self._deferred[digest]
-        if due:
-            # Named again meanwhile (recompiled): index.names keeps it; else it goes now.
+        if not due:
+            return
+        if isinstance(self.store, CachedArtifactStore):
+            self._collect_remote(due, due=True)
+        else:
+            # Named again meanwhile (recompiled): kept; else it goes now.
             self._collect(due)
 
     # ------------------------------------------------------------------ the eviction log

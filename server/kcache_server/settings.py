@@ -11,7 +11,7 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ByteSize, Field, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["AuditSettings", "Settings", "is_loopback"]
@@ -231,17 +231,6 @@ class Settings(BaseSettings):
 
         parse_s3_url(value)  # its ValueError names the bad part
         return value
-
-    @model_validator(mode="after")
-    def _no_server_cap_on_a_bucket(self) -> Settings:
-        """The server evictor deletes files; over a bucket it would only drop local copies."""
-        if self.store_url and self.max_store_bytes:
-            raise ValueError(
-                "max_store_bytes cannot be used with store_url yet: the evictor removes blobs "
-                "from the data directory, not from the bucket; unset KCACHE_MAX_STORE_BYTES "
-                "(store_cache_bytes bounds each replica's local copies)"
-            )
-        return self
 
     @property
     def database_url(self) -> str:

@@ -254,7 +254,8 @@ def test_pins_are_listed_removable_and_block_removal(server: ServerThread) -> No
         assert bad.status_code == 422 and bad.json()["field"] == "recipe_keys[0]"
         bad = client.post("/v1/pins", json={"recipe_keys": [key], "group": "x\x1b[31m"})
         assert bad.status_code == 422 and bad.json()["field"] == "group"
-        assert client.delete("/v1/pins").status_code == 422  # unpin everything: say what
+        # A DELETE naming neither keys nor a group removes nothing (never the whole list).
+        assert client.delete("/v1/pins").json() == {"unpinned": 0}
         assert client.delete("/v1/pins", params={"group": "g2"}).json() == {"unpinned": 2}
         assert client.post("/v1/cache/remove", json={"keys": [key]}).json()["evicted"] == 1
 
@@ -351,6 +352,33 @@ def test_admin_scope_and_per_token_quota(tmp_path: Path) -> None:
         with server.client(ci) as client:  # evicted bytes no longer count against the quota
             again = client.post("/v1/resolve", json={"recipe": padded(unique("q6"))})
             assert again.status_code == 200 and again.json()["status"] == "compiled"
+    finally:
+        server.stop()
+
+
+def test_evicted_blob_leaves_the_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With blobs in an S3 bucket, an evicted artifact's object is deleted after the grace."""
+    from kcache.store.s3 import S3ArtifactStore
+    from tests.s3_server import s3_server
+
+    bucket_server = s3_server()
+    for name, value in bucket_server.env.items():
+        monkeypatch.setenv(name, value)
+    store_url = f"s3://{bucket_server.new_bucket()}/blobs"
+    bucket = S3ArtifactStore.from_url(store_url)
+    server = ServerThread(_settings(tmp_path / "data", store_url=store_url))
+    try:
+        with server.client() as client:
+            kept = client.post("/v1/resolve", json={"recipe": padded(unique("s3k"))}).json()
+            gone = client.post("/v1/resolve", json={"recipe": padded(unique("s3g"))}).json()
+            assert bucket.has(gone["artifact"]["digest"]) and bucket.has(kept["artifact"]["digest"])
+            removed = client.post("/v1/cache/remove", json={"keys": [gone["recipe_key"]]}).json()
+            assert removed["evicted"] == 1
+            wait_until(lambda: not bucket.has(gone["artifact"]["digest"]), "the object deleted")
+            assert bucket.has(kept["artifact"]["digest"])
+            assert client.get(f"/v1/recipes/{gone['recipe_key']}/artifact").status_code == 404
+            again = client.post("/v1/resolve", json={"recipe": padded(unique("s3k"))})
+            assert again.status_code == 200
     finally:
         server.stop()
 
