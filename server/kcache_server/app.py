@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from kcache.errors import KCacheError
 from kcache_server import migrate
@@ -48,6 +49,7 @@ from kcache_server.errors import (
 from kcache_server.eviction import install_eviction
 from kcache_server.fastpath import ArtifactFastPath
 from kcache_server.metrics import MetricsMiddleware, ServerMetrics, pool_sampler, store_sampler
+from kcache_server.openapi import install_openapi
 from kcache_server.request_ids import HEADER, new_request_id, request_id_var
 from kcache_server.routes import ROUTERS
 from kcache_server.schemas import invalid_request
@@ -169,15 +171,36 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return _error_response(invalid_request(exc.errors()))
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at the request's path, sorted.
+
+    Starlette answers a 405 with the methods of the first route whose path matched,
+    but one path can have several routes (``GET`` and ``HEAD /v1/blobs/{digest}``,
+    ``GET``/``POST``/``DELETE /v1/pins``): ``Allow`` must name them all.
+    """
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if isinstance(exc.__cause__, KCacheError):  # FastAPI wraps errors raised while reading the body
         return _error_response(exc.__cause__)
+    headers = dict(exc.headers or {})
+    detail = str(exc.detail)
+    if exc.status_code == 405:
+        allowed = allowed_methods(request)
+        headers["Allow"] = ", ".join(allowed)
+        detail = f"{request.method} is not allowed here; this path serves {', '.join(allowed)}"
     codes = {404: "not_found", 405: "method_not_allowed"}
     return JSONResponse(
-        {"error": codes.get(exc.status_code, "http_error"), "detail": str(exc.detail)},
+        {"error": codes.get(exc.status_code, "http_error"), "detail": detail},
         exc.status_code,
-        headers=exc.headers,
+        headers=headers or None,
     )
 
 
@@ -248,6 +271,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.kcache = state
     app.state.evictor = evictor
+    install_openapi(app, state)
     for router in ROUTERS:
         app.include_router(router)
     # Middleware added first runs innermost: the body limit, then the token gate

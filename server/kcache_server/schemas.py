@@ -8,6 +8,13 @@ columns hold (``models.py``) on SQLite and PostgreSQL alike: integers fit a 32-b
 ``INTEGER`` and are never booleans, strings have a size and no control characters
 or lone surrogates. :func:`load_model` parses a body and turns every refusal into
 the server's error naming the field.
+
+The published schema says the same (``/openapi.json`` is the contract clients are
+generated from): every check here that JSON Schema can state is stated, as a
+``pattern``, a bound or a strict type, so a request the schema allows is one the
+server accepts. A check keeps its own precise message (which field, what was wrong)
+and the schema only carries its pattern: :class:`SchemaPattern` adds a pattern to
+the published schema without a second check.
 """
 
 from __future__ import annotations
@@ -15,17 +22,22 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
+from fastapi import Path
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     StringConstraints,
     ValidationError,
 )
-from pydantic_core import PydanticCustomError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError
 
 from kcache.errors import InvalidKeyError
 from kcache.keys import require_hex_key
@@ -33,7 +45,12 @@ from kcache.outcomes import ResolveStatus
 from kcache_server.errors import BadRequestError, InvalidRequestError
 
 __all__ = [
+    "HEX_KEY_PATTERN",
     "INT32_MAX",
+    "INTEGRAL",
+    "PRINTABLE_PATTERN",
+    "RECIPE_MARK",
+    "SETTING_MARK",
     "ArtifactBody",
     "BatchError",
     "BatchRequest",
@@ -41,15 +58,19 @@ __all__ = [
     "BatchResult",
     "Context",
     "DependencyBody",
+    "DigestPath",
     "ErrorBody",
     "HealthBody",
+    "HexKey",
     "Label32",
     "Label128",
     "Label256",
     "Label1024",
     "ReadyBody",
+    "RecipeKeyPath",
     "ResolveRequest",
     "ResolveResponse",
+    "SchemaPattern",
     "ToolchainBody",
     "ToolchainsResponse",
     "check_key",
@@ -60,6 +81,35 @@ __all__ = [
 
 #: The largest value of the ``INTEGER`` columns (pid, rank, world_size) on PostgreSQL.
 INT32_MAX = 2**31 - 1
+
+#: What :func:`kcache.keys.require_hex_key` accepts (a recipe key, base key or digest),
+#: as the published schema states it. ECMA-262 ``$`` ends the string (a trailing
+#: newline does not match), so the pattern is as full-string as the check.
+HEX_KEY_PATTERN = "^[0-9a-f]{64}$"
+#: What :func:`check_label` accepts: no C0 or C1 control character. (A lone
+#: surrogate is refused too; JSON Schema patterns cannot name one, nor can JSON
+#: text that a schema-driven client sends carry one.)
+PRINTABLE_PATTERN = "^[^\\x00-\\x1f\\x7f-\\x9f]*$"
+
+
+@dataclass(frozen=True)
+class SchemaPattern:
+    """Annotation: publish ``pattern`` in the field's JSON schema; the field's own check enforces it.
+
+    Used where a validator already checks exactly what the pattern says and says
+    what is wrong more precisely than "does not match" would.
+    """
+
+    pattern: str
+
+    def __get_pydantic_json_schema__(
+        self, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """The wrapped type's schema with the pattern added."""
+        schema = handler(core_schema)
+        schema["pattern"] = self.pattern
+        return schema
+
 
 # C0 and C1 control characters (NUL included) and UTF-16 surrogates: none of them
 # belongs in a name, and PostgreSQL refuses NUL outright.
@@ -84,14 +134,62 @@ def check_label(value: str) -> str:
 
 
 _Printable = AfterValidator(check_label)
+_PrintableDoc = SchemaPattern(PRINTABLE_PATTERN)
 #: Printable strings sized like the ``String(n)`` columns they are stored in.
-Label32 = Annotated[str, StringConstraints(max_length=32), _Printable]
-Label128 = Annotated[str, StringConstraints(max_length=128), _Printable]
-Label256 = Annotated[str, StringConstraints(max_length=256), _Printable]
-Label1024 = Annotated[str, StringConstraints(max_length=1024), _Printable]
+Label32 = Annotated[str, StringConstraints(max_length=32), _Printable, _PrintableDoc]
+Label128 = Annotated[str, StringConstraints(max_length=128), _Printable, _PrintableDoc]
+Label256 = Annotated[str, StringConstraints(max_length=256), _Printable, _PrintableDoc]
+Label1024 = Annotated[str, StringConstraints(max_length=1024), _Printable, _PrintableDoc]
 
-# Strict: JSON true is not the integer 1, and "3" is not 3.
-_Int32 = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]
+
+def _hex_key(value: str) -> str:
+    try:
+        return require_hex_key(value, "key")  # the one check of keys, shared with the core
+    except InvalidKeyError as exc:
+        raise ValueError(exc.detail) from None  # pydantic names the field
+
+
+#: A recipe key, base key or digest in a body: 64 lowercase hex digits (checked, and published).
+HexKey = Annotated[str, AfterValidator(_hex_key), SchemaPattern(HEX_KEY_PATTERN)]
+
+_KEY_DOC = "64 lowercase hex digits (a sha256); anything else is a 400"
+#: A recipe key in a path. The route checks it with :func:`check_key` (a 400 naming
+#: it); the published parameter carries the same pattern.
+RecipeKeyPath = Annotated[
+    str,
+    Path(description=f"the recipe key: {_KEY_DOC}", json_schema_extra={"pattern": HEX_KEY_PATTERN}),
+]
+#: A blob digest in a path, as :data:`RecipeKeyPath`.
+DigestPath = Annotated[
+    str,
+    Path(
+        description=f"the sha256 of the bytes: {_KEY_DOC}",
+        json_schema_extra={"pattern": HEX_KEY_PATTERN},
+    ),
+]
+
+
+def _integral(value: object) -> object:
+    # JSON has one number type: 3.0 is the integer 3 to JSON Schema, and to us.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+#: Annotation for a strict ``int`` (no bool, no string) that takes an integer as JSON
+#: means it: 3 or 3.0. It comes after the field's bounds (``Annotated[int, Field(strict=True,
+#: ge=...), INTEGRAL]``): before them, pydantic would publish them as ``ge``/``le``.
+INTEGRAL = BeforeValidator(_integral)
+_Int32 = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX), INTEGRAL]
+_Size = Annotated[int, Field(strict=True, ge=1, le=INT32_MAX), INTEGRAL]
+
+#: Marks a schema node whose bounds are settings of this server: ``{keyword: setting}``
+#: (``{"maxItems": "max_batch"}``; a dotted name reaches into ``audit``).
+#: :mod:`kcache_server.openapi` writes the configured values in its place.
+SETTING_MARK = "x-kcache-setting"
+#: Marks where the server's recipe schema goes: it names this server's toolchain,
+#: targets and include sets, so it is built with the app (:mod:`kcache_server.recipe_schema`).
+RECIPE_MARK = "x-kcache-recipe"
 
 _RECIPE_DOC = (
     "A recipe (ARCHITECTURE section 3): source, name, headers, flags, target (sm_XX; "
@@ -166,13 +264,15 @@ class Context(_Strict):
     pid: _Int32 | None = None
     job_id: Label256 | None = None
     rank: _Int32 | None = None
-    world_size: Annotated[_Int32, Field(ge=1)] | None = None
+    world_size: _Size | None = None
 
 
 class ResolveRequest(_Strict):
     """Body of ``POST /v1/resolve``."""
 
-    recipe: dict[str, Any] = Field(description=_RECIPE_DOC, examples=[_RECIPE_EXAMPLE])
+    recipe: dict[str, Any] = Field(
+        description=_RECIPE_DOC, examples=[_RECIPE_EXAMPLE], json_schema_extra={RECIPE_MARK: True}
+    )
     compile: bool = Field(
         default=True, strict=True, description="compile on a miss (needs the compile scope)"
     )
@@ -182,7 +282,14 @@ class ResolveRequest(_Strict):
 class BatchRequest(_Strict):
     """Body of ``POST /v1/resolve/batch``: many recipes, misses compiled in parallel."""
 
-    recipes: list[dict[str, Any]] = Field(description="recipes, as in /v1/resolve")
+    recipes: list[dict[str, Any]] = Field(
+        description=(
+            "recipes, each as in /v1/resolve (the Recipe schema). Each is checked on its own: "
+            "a recipe that is wrong is an error result in its place, not a refused batch, so "
+            "an item only has to be a JSON object here"
+        ),
+        json_schema_extra={SETTING_MARK: {"maxItems": "max_batch"}},
+    )
     compile: bool = Field(default=True, strict=True)
     context: Context = Field(default_factory=Context)
 

@@ -18,14 +18,20 @@ from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, cast
 
 import sqlalchemy as sa
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from kcache.errors import InvalidKeyError
-from kcache.keys import require_hex_key
 from kcache.outcomes import CLIENT_OUTCOMES, ClientOutcome
 from kcache_server.errors import InvalidRequestError
 from kcache_server.models import Artifact, AuditEvent
-from kcache_server.schemas import Context, Label32, Label128, Label1024
+from kcache_server.schemas import (
+    INTEGRAL,
+    SETTING_MARK,
+    Context,
+    HexKey,
+    Label32,
+    Label128,
+    Label1024,
+)
 
 __all__ = [
     "CLIENT_OUTCOMES",
@@ -44,14 +50,10 @@ CLIENT_TIERS = ("memory", "node")
 MAX_EVENT_COUNT = 1_000_000
 
 
-def _hex_key(value: str) -> str:
-    try:
-        return require_hex_key(value, "key")  # the one check of keys, shared with the core
-    except InvalidKeyError as exc:
-        raise ValueError(exc.detail) from None  # pydantic names the field and the event
-
-
-_Hex64 = Annotated[str, AfterValidator(_hex_key)]
+#: The latest event time the schema states: the last second of the year 9999. The
+#: server refuses far less (``audit.max_clock_skew_s`` past its clock), but a bound
+#: relative to now is one JSON Schema cannot state.
+MAX_EVENT_TIME = 253_402_300_799.0
 _events = cast(sa.Table, AuditEvent.__table__)
 _artifacts = cast(sa.Table, Artifact.__table__)
 
@@ -62,20 +64,30 @@ class ClientEvent(Context):
     # A newer client may send more fields; dropping them beats refusing its audit trail.
     model_config = ConfigDict(extra="ignore")
 
-    time: float = Field(gt=0, strict=True, allow_inf_nan=False, description="when, in unix seconds")
+    time: float = Field(
+        gt=0,
+        strict=True,
+        allow_inf_nan=False,
+        description=(
+            "when, in unix seconds. A time more than x-max-clock-skew-s seconds past the "
+            "server's clock when the batch arrives is refused (422 naming the event's time: "
+            "check the client's clock); JSON Schema cannot state a bound relative to now"
+        ),
+        json_schema_extra={
+            "maximum": MAX_EVENT_TIME,
+            SETTING_MARK: {"x-max-clock-skew-s": "audit.max_clock_skew_s"},
+        },
+    )
     outcome: ClientOutcome = Field(description="only local_hit: the server records the rest")
     tier: Literal["memory", "node"]
-    recipe_key: _Hex64 | None = None
-    base_key: _Hex64 | None = None
-    digest: _Hex64 | None = None
+    recipe_key: HexKey | None = None
+    base_key: HexKey | None = None
+    digest: HexKey | None = None
     kernel: Label1024 | None = None
     target: Label32 | None = None
     toolchain: Label128 | None = None
-    count: int = Field(
+    count: Annotated[int, Field(strict=True, ge=1, le=MAX_EVENT_COUNT), INTEGRAL] = Field(
         default=1,
-        ge=1,
-        le=MAX_EVENT_COUNT,
-        strict=True,
         description="identical lookups this event stands for",
     )
     latency_ms: float = Field(default=0.0, ge=0, le=86_400_000, strict=True, allow_inf_nan=False)
@@ -86,7 +98,9 @@ class EventBatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    events: list[ClientEvent]
+    events: list[ClientEvent] = Field(
+        json_schema_extra={SETTING_MARK: {"maxItems": "audit.max_events_per_batch"}}
+    )
 
 
 class IngestResult(BaseModel):

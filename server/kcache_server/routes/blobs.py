@@ -10,30 +10,33 @@ from fastapi.responses import Response
 from kcache.errors import ArtifactNotFoundError
 from kcache_server.http_cache import blob_headers, etag_matches
 from kcache_server.routes._deps import ERRORS, Reader, State
-from kcache_server.schemas import check_key
+from kcache_server.schemas import DigestPath, check_key
 
 router = APIRouter(prefix="/v1/blobs", tags=["blobs"])
 
+_BYTES = "application/octet-stream"
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERRORS,
-    200: {"content": {"application/octet-stream": {}}},
+    200: {"content": {_BYTES: {}}},
     304: {"description": "unchanged"},
 }
 
 
 @router.head("/{digest}", response_class=Response, responses=_RESPONSES)
-async def head_blob(digest: str, _: Reader, state: State) -> Response:
-    """The blob's headers (size, ETag) without its bytes."""
+async def head_blob(digest: DigestPath, _: Reader, state: State) -> Response:
+    """The blob's headers (type, size, ETag) without its bytes: what ``GET`` would send."""
     check_key(digest, "digest")
     try:
         size = state.backends.store.path(digest).stat().st_size
     except FileNotFoundError:
         raise ArtifactNotFoundError(f"no blob {digest}") from None
-    return Response(headers={**blob_headers(digest, size), "Content-Length": str(size)})
+    return Response(
+        media_type=_BYTES, headers={**blob_headers(digest, size), "Content-Length": str(size)}
+    )
 
 
 @router.get("/{digest}", response_class=Response, responses=_RESPONSES)
-async def get_blob(digest: str, request: Request, _: Reader, state: State) -> Response:
+async def get_blob(digest: DigestPath, request: Request, _: Reader, state: State) -> Response:
     """The blob's bytes, verified against the digest."""
     check_key(digest, "digest")
     store = state.backends.store
@@ -42,6 +45,4 @@ async def get_blob(digest: str, request: Request, _: Reader, state: State) -> Re
             status_code=304, headers=blob_headers(digest, store.path(digest).stat().st_size)
         )
     data = await state.resolver.blob(digest)
-    return Response(
-        data, media_type="application/octet-stream", headers=blob_headers(digest, len(data))
-    )
+    return Response(data, media_type=_BYTES, headers=blob_headers(digest, len(data)))

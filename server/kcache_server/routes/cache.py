@@ -20,7 +20,7 @@ from kcache_server.eviction import Evictor, list_entries
 from kcache_server.pins import MAX_KEYS
 from kcache_server.routes._deps import ERRORS, State, body_doc, read_body
 from kcache_server.routes.pins import Admin
-from kcache_server.schemas import check_key, load_model, parse_json
+from kcache_server.schemas import HEX_KEY_PATTERN, SchemaPattern, check_key, load_model, parse_json
 
 __all__ = ["router"]
 
@@ -70,7 +70,11 @@ class RemoveRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    keys: list[str] = Field(min_length=1, max_length=MAX_KEYS)
+    keys: list[Annotated[str, SchemaPattern(HEX_KEY_PATTERN)]] = Field(
+        min_length=1,
+        max_length=MAX_KEYS,
+        description="recipe keys or digests (each checked: a 400)",
+    )
 
 
 class RemoveResult(BaseModel):

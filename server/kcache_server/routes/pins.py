@@ -12,7 +12,7 @@ from kcache_server.auth import Principal
 from kcache_server.errors import InvalidRequestError
 from kcache_server.pins import MAX_KEYS, PinStore, check_group
 from kcache_server.routes._deps import ERRORS, State, body_doc, caller, read_body
-from kcache_server.schemas import load_model, parse_json
+from kcache_server.schemas import HEX_KEY_PATTERN, SchemaPattern, load_model, parse_json
 
 __all__ = ["Admin", "router"]
 
@@ -28,21 +28,38 @@ async def require_admin(principal: Annotated[Principal, Depends(caller)]) -> Pri
 #: The calling principal, checked for the ``admin`` scope.
 Admin = Annotated[Principal, Depends(require_admin)]
 
+#: Recipe keys one ``DELETE /v1/pins`` names: they travel in the request line, which
+#: uvicorn reads only up to 64 KiB of (this many keys take 20 KiB).
+MAX_QUERY_KEYS = 256
+#: What :func:`~kcache_server.pins.check_group` accepts, as the published schema states it.
+GROUP_PATTERN = "^[^\\x00-\\x1f\\x7f-\\x9f]{1,256}$"
+_GROUP_DOC = "a label for pins made together (a release, a job): 1 to 256 printable characters"
+
 
 class PinRequest(BaseModel):
     """Body of ``POST /v1/pins``: recipe keys, or a job whose looked-up recipes to pin, under a group."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Recipe keys, a job, or both: one of them is required (a 422 names recipe_keys).
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["recipe_keys"], "properties": {"recipe_keys": {"minItems": 1}}},
+                {"required": ["job_id"], "properties": {"job_id": {"type": "string"}}},
+            ]
+        },
+    )
 
-    recipe_keys: list[str] = Field(
+    recipe_keys: list[Annotated[str, SchemaPattern(HEX_KEY_PATTERN)]] = Field(
         default_factory=list, max_length=MAX_KEYS, description="recipe keys to pin"
     )
-    group: str | None = Field(
-        default=None, description="a label for pins made together (a release, a job)"
+    group: Annotated[str, SchemaPattern(GROUP_PATTERN)] | None = Field(
+        default=None, description=_GROUP_DOC
     )
     job_id: str | None = Field(
         default=None,
         max_length=256,
+        json_schema_extra={"minLength": 1},
         description="also pin every recipe this job was served (its audit events), e.g. its warmup set",
     )
 
@@ -85,7 +102,9 @@ def _parse(raw: bytes) -> PinRequest:
 async def list_pins(
     _: Admin,
     state: State,
-    group: Annotated[str | None, Query(max_length=256)] = None,
+    group: Annotated[
+        str | None, Query(description=_GROUP_DOC, json_schema_extra={"pattern": GROUP_PATTERN})
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_KEYS)] = 1000,
 ) -> PinsResponse:
     """Pins, newest first (of one group if given)."""
@@ -118,9 +137,24 @@ async def add_pins(request: Request, principal: Admin, state: State) -> PinResul
 async def remove_pins(
     _: Admin,
     state: State,
-    recipe_key: Annotated[list[str] | None, Query(max_length=MAX_KEYS)] = None,
-    group: Annotated[str | None, Query(max_length=256)] = None,
+    recipe_key: Annotated[
+        list[str] | None,
+        Query(
+            max_length=MAX_QUERY_KEYS,
+            description="recipe keys to unpin (repeat the parameter)",
+            json_schema_extra={"items": {"type": "string", "pattern": HEX_KEY_PATTERN}},
+        ),
+    ] = None,
+    group: Annotated[
+        str | None, Query(description=_GROUP_DOC, json_schema_extra={"pattern": GROUP_PATTERN})
+    ] = None,
 ) -> UnpinResult:
-    """Unpin the ``recipe_key`` s given (within ``group`` if given), or all pins of ``group``."""
+    """Unpin the ``recipe_key`` s given (within ``group`` if given), or all pins of ``group``.
+
+    With neither, no pin matches and none is removed: unpinning everything takes
+    naming each group (a request without a filter never empties the pin list).
+    """
+    if not recipe_key and group is None:
+        return UnpinResult(unpinned=0)
     removed = await state.run(PinStore(state.backends.db).remove, recipe_key or [], group)
     return UnpinResult(unpinned=removed)

@@ -6,13 +6,35 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from kcache_server.auditing.stats import GroupBy, Stats, StatsQuery, compute_stats, parse_time
+from kcache_server.auditing.stats import (
+    SPAN_PATTERN,
+    UNIX_TIME_PATTERN,
+    YEAR_PATTERN,
+    GroupBy,
+    Stats,
+    StatsQuery,
+    compute_stats,
+    parse_time,
+)
 from kcache_server.routes._deps import ERRORS, Reader, State
 from kcache_server.state import ServerState
 
 router = APIRouter(prefix="/v1/stats", tags=["audit"])
 
-_TIME_DOC = "unix seconds, ISO 8601, or a span back from now: 15m, 6h, 7d"
+_TIME_DOC = (
+    "unix seconds (up to the year 9999), an RFC 3339 date or date-time from 1970 to 9998 "
+    "(2024-05-01, 2024-05-01T10:00:00Z), or a span back from now: 15m, 6h, 7d; empty: no bound"
+)
+#: The forms :func:`~kcache_server.auditing.stats.parse_time` reads, as the schema states them.
+_TIME_FORMS = {
+    "anyOf": [
+        {"type": "string", "pattern": UNIX_TIME_PATTERN},
+        {"type": "string", "pattern": SPAN_PATTERN},
+        {"type": "string", "format": "date-time", "pattern": YEAR_PATTERN},
+        {"type": "string", "format": "date", "pattern": YEAR_PATTERN},
+        {"type": "string", "maxLength": 0},
+    ]
+}
 
 
 def _stats(state: ServerState, query: StatsQuery) -> Stats:
@@ -28,10 +50,18 @@ async def get_stats(
     _: Reader,
     state: State,
     since: Annotated[
-        str | None, Query(max_length=64, description=f"window start: {_TIME_DOC}")
+        str | None,
+        Query(
+            max_length=64, description=f"window start: {_TIME_DOC}", json_schema_extra=_TIME_FORMS
+        ),
     ] = None,
     until: Annotated[
-        str | None, Query(max_length=64, description=f"window end (exclusive): {_TIME_DOC}")
+        str | None,
+        Query(
+            max_length=64,
+            description=f"window end (exclusive): {_TIME_DOC}",
+            json_schema_extra=_TIME_FORMS,
+        ),
     ] = None,
     job_id: Annotated[str | None, Query(max_length=256)] = None,
     client_id: Annotated[str | None, Query(max_length=256)] = None,

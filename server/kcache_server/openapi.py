@@ -1,0 +1,86 @@
+"""The published API contract: ``/openapi.json``, as this server enforces it.
+
+FastAPI writes the document from the routes and their pydantic models; this
+module completes it with what only the running server knows, so that the
+document states every limit the server enforces:
+
+- the ``Recipe`` schema (:mod:`kcache_server.recipe_schema`) for this server's
+  toolchain, targets and include sets, where a model marks it
+  (:data:`~kcache_server.schemas.RECIPE_MARK`);
+- bounds that are settings (``max_batch``, ``audit.max_events_per_batch``, ...),
+  where a model marks them (:data:`~kcache_server.schemas.SETTING_MARK`).
+
+The document is built once per app, on the first request for it, and versioned
+with the API (``/v1``): ``info.version`` is the server's version, the paths carry
+the API version.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from kcache_server.recipe_schema import recipe_components
+from kcache_server.schemas import RECIPE_MARK, SETTING_MARK
+from kcache_server.settings import Settings
+from kcache_server.state import ServerState
+
+__all__ = ["install_openapi", "openapi_document", "setting_value"]
+
+
+def setting_value(settings: Settings, name: str) -> Any:
+    """The setting ``name`` (``max_batch``, or dotted into a section: ``audit.max_events_per_batch``)."""
+    value: Any = settings
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _complete(node: Any, settings: Settings) -> Any:
+    """``node`` with every mark replaced by what it stands for on this server."""
+    if isinstance(node, list):
+        return [_complete(item, settings) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _complete(value, settings) for key, value in node.items()}
+    if out.pop(RECIPE_MARK, False):
+        # The model's own field schema said "a JSON object"; the Recipe schema says which.
+        return {"$ref": "#/components/schemas/Recipe"}
+    for keyword, name in out.pop(SETTING_MARK, {}).items():
+        out[keyword] = setting_value(settings, name)
+    return out
+
+
+def openapi_document(app: FastAPI, state: ServerState) -> dict[str, Any]:
+    """The OpenAPI document of ``app`` with this server's recipe schema and limits filled in."""
+    document = get_openapi(
+        title=app.title,
+        version=app.version,
+        summary=app.summary,
+        description=app.description,
+        routes=app.routes,
+    )
+    toolchain = state.backends.toolchain
+    components = document.setdefault("components", {}).setdefault("schemas", {})
+    components.update(
+        recipe_components(
+            sms=toolchain.supported_sms,
+            toolchains=[toolchain.id],
+            include_sets=state.backends.compiler.include_sets.names,
+        )
+    )
+    completed: dict[str, Any] = _complete(document, state.settings)
+    return completed
+
+
+def install_openapi(app: FastAPI, state: ServerState) -> None:
+    """Serve :func:`openapi_document` as ``app``'s ``/openapi.json`` (built on first use, then kept)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, state)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise it

@@ -1,0 +1,360 @@
+"""The JSON Schema of a recipe as this server accepts it: the core's checks, stated for clients.
+
+A recipe is validated by the core (:meth:`kcache.recipe.Recipe.from_dict`, then
+:func:`kcache_server.recipe_checks.prepare_recipe`), with its own messages. This
+module states the same rules for the published OpenAPI document, built from the
+core's own limits and patterns (:data:`kcache.recipe.LIMITS`,
+:mod:`kcache.specialization`) and from what this server runs: its toolchain id,
+the targets its NVRTC compiles for, and its registered include sets. So the
+schema allows exactly what the server takes, with these exceptions that JSON
+Schema cannot state (each is said in the field's description, and refused with a
+422 naming the field):
+
+- sizes in bytes of UTF-8: ``maxLength`` counts characters, so it is the bound for
+  ASCII text and a looser one otherwise; the headers' total size;
+- a specialization's macros: two keys that render to one macro (``n`` and ``N``
+  are both ``KC_N``), and their rendered size in all.
+
+The cross-field rules are stated as three variants (``anyOf``), each a closed object:
+a cubin linked with nvJitLink (``lto: true``, ``link`` allowed), a plain cubin
+(``sm_XX`` target), and PTX or LTO-IR (any target, no link). Linked recipes nest
+:attr:`~kcache.recipe.LIMITS.link_depth` deep, one schema per level (``LinkedRecipe1``
+...), the deepest linking digests only.
+
+Every pattern is ECMA-262 that means the same in Python's ``re``, Rust's ``regex``
+and JavaScript (explicit classes instead of ``\\S``, ``\\d`` or ``.``), anchored
+with ``^...$``; ``tests/server/test_recipe_schema.py`` checks each one against the
+core's check it states.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kcache import specialization
+from kcache.recipe import _ALLOWED_FLAGS, LIMITS
+from kcache_server.schemas import HEX_KEY_PATTERN, PRINTABLE_PATTERN
+
+__all__ = [
+    "DTYPE_PATTERN",
+    "FLAG_PATTERN",
+    "INCLUDE_NAME_PATTERN",
+    "NO_NUL_PATTERN",
+    "SPEC_KEY_PATTERN",
+    "SPEC_STRING_PATTERN",
+    "recipe_components",
+    "target_pattern",
+]
+
+# Characters of an include name: a part is never "." or "..", never empty, and the
+# first character of the name is not "." or "/" (kcache.recipe.check_include_name).
+_NAME_FIRST = "[A-Za-z0-9_+\\-]"
+_NAME_CHAR = "[A-Za-z0-9_.+\\-]"
+_NAME_PART = f"(?:{_NAME_FIRST}{_NAME_CHAR}*|\\.{_NAME_FIRST}{_NAME_CHAR}*|\\.\\.{_NAME_CHAR}+)"
+#: An include name (and a program ``name``): relative, no ``.``/``..``/empty parts.
+INCLUDE_NAME_PATTERN = f"^{_NAME_FIRST}{_NAME_CHAR}*(?:/{_NAME_PART})*$"
+#: Text without a NUL (``source``, header texts).
+NO_NUL_PATTERN = "^[^\\x00]*$"
+# A character of a single line (kcache.recipe._check_line): no C0 or C1 control.
+_LINE_CHAR = "[^\\x00-\\x1f\\x7f-\\x9f]"
+# ... and not whitespace either: Python's ASCII \S within a line.
+_LINE_NON_SPACE = "[^\\x00-\\x20\\x7f-\\x9f]"
+
+
+def _portable_flags(pattern: str) -> str:
+    r"""The core's flag pattern with the classes whose meaning differs between regex engines spelt out.
+
+    ``\S`` (ASCII, in the core) and ``.`` become explicit classes that also leave
+    out the control characters a flag may not hold; ``\d`` becomes ``[0-9]``.
+    """
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            pair = pattern[i : i + 2]
+            out.append(
+                {"\\S": _LINE_NON_SPACE, "\\d": "[0-9]"}.get(pair, pair) if not in_class else pair
+            )
+            i += 2
+            continue
+        if char == "[" and not in_class:
+            in_class = True
+        elif char == "]" and in_class:
+            in_class = False
+        out.append(_LINE_CHAR if char == "." and not in_class else char)
+        i += 1
+    return "".join(out)
+
+
+#: A flag the core allows (``kcache.recipe._ALLOWED_FLAGS``), on one line.
+FLAG_PATTERN = f"^{_portable_flags(_ALLOWED_FLAGS.pattern)}$"
+#: A specialization key (``kcache.specialization``).
+SPEC_KEY_PATTERN = f"^(?:{specialization._KEY_RE.pattern})$"
+#: A string value of a specialization.
+SPEC_STRING_PATTERN = f"^(?:{specialization._STRING_VALUE_RE.pattern})$"
+
+
+def _any_case(word: str) -> str:
+    """``word`` as a pattern that ignores case (ECMA-262 has no inline ``(?i)``)."""
+    return "".join(
+        f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c).replace("\\-", "-")
+        for c in word
+    )
+
+
+# canonical_dtype: "torch." then "numpy." stripped (as written), then any case.
+_DTYPE_NAMES = sorted({*specialization.DTYPES, *specialization._DTYPE_ALIASES})
+#: A ``specialization.dtype`` that :func:`kcache.specialization.canonical_dtype` accepts.
+DTYPE_PATTERN = (
+    "^(?:torch\\.)?(?:numpy\\.)?(?:" + "|".join(_any_case(n) for n in _DTYPE_NAMES) + ")$"
+)
+
+
+def target_pattern(sms: Iterable[int], *, families: Sequence[str] = ("sm", "compute")) -> str:
+    """Targets naming one of ``sms``: ``sm_XX``, ``sm_XXa``, ``sm_XXf`` (and ``compute_XX...``).
+
+    :func:`kcache.targets.parse_target` reads two or three digits, so a two-digit
+    SM may be written with a leading zero (``sm_080`` is SM 80).
+    """
+    numbers = "|".join(f"0?{sm}" if sm < 100 else str(sm) for sm in sorted(set(sms)))
+    return f"^(?:{'|'.join(families)})_(?:{numbers})[af]?$"
+
+
+def _text(limit: int, pattern: str, what: str) -> dict[str, Any]:
+    return {
+        "type": "string",
+        "maxLength": limit,
+        "pattern": pattern,
+        "description": f"{what}; at most {limit} bytes of UTF-8",
+    }
+
+
+def _specialization_schema() -> dict[str, Any]:
+    scalar: dict[str, Any] = {
+        "anyOf": [
+            {"type": "boolean"},
+            {"type": "number"},
+            {"type": "string", "maxLength": 256, "pattern": SPEC_STRING_PATTERN},
+        ]
+    }
+    integers = {"type": "array", "maxItems": specialization.MAX_LIST, "items": {"type": "integer"}}
+    return {
+        "type": "object",
+        "maxProperties": specialization.MAX_KEYS,
+        "propertyNames": {"pattern": SPEC_KEY_PATTERN},
+        "properties": {
+            "dtype": {
+                "type": "string",
+                "pattern": DTYPE_PATTERN,
+                "description": "rendered as KC_DTYPE: "
+                + ", ".join(f"{k} ({v})" for k, v in specialization.DTYPES.items()),
+            },
+            "shape": {**integers, "description": "rendered as KC_NDIM and KC_SHAPE_0..."},
+            "strides": {**integers, "description": "rendered as KC_STRIDE_0..."},
+        },
+        "additionalProperties": {
+            "anyOf": [
+                scalar,
+                {"type": "array", "maxItems": specialization.MAX_LIST, "items": scalar},
+            ]
+        },
+        "description": (
+            "named values rendered as KC_<KEY> macros (lists as KC_<KEY>_0...). Also refused "
+            "(422, not stated by the schema): two keys that render to one macro, and macros of "
+            f"more than {specialization.MAX_RENDERED_BYTES} bytes in all"
+        ),
+    }
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _shared_fields(
+    sms: Sequence[int], toolchains: Sequence[str], include_sets: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """Components for what every recipe level shares: its fields' schemas and the two target kinds."""
+    return {
+        "RecipeSource": _text(LIMITS.source_bytes, NO_NUL_PATTERN, "CUDA C++ text, without NUL"),
+        "RecipeName": {
+            "type": "string",
+            "maxLength": LIMITS.name_chars,
+            "pattern": INCLUDE_NAME_PATTERN,
+            "default": "kernel.cu",
+            "description": (
+                "the program name given to NVRTC (it changes the output bytes): relative, "
+                "letters, digits and _.+-/, no '.', '..' or empty parts"
+            ),
+        },
+        "RecipeHeaders": {
+            "type": "object",
+            "maxProperties": LIMITS.header_count,
+            "propertyNames": {"maxLength": LIMITS.name_chars, "pattern": INCLUDE_NAME_PATTERN},
+            "additionalProperties": _text(
+                LIMITS.header_bytes_total, NO_NUL_PATTERN, "the header's text, without NUL"
+            ),
+            "description": (
+                "in-memory headers: include name (as `name`) -> text; at most "
+                f"{LIMITS.header_bytes_total} bytes of text in all"
+            ),
+        },
+        "RecipeFlags": {
+            "type": "array",
+            "maxItems": LIMITS.flag_count,
+            "items": _text(
+                LIMITS.flag_chars, FLAG_PATTERN, "an NVRTC option that reads and writes no file"
+            ),
+            "description": "NVRTC options, order kept (-arch is `target`, -dlto is `output`/`lto`)",
+        },
+        "RecipeNameExpressions": {
+            "type": "array",
+            "maxItems": LIMITS.name_expressions,
+            "items": _text(
+                LIMITS.name_expression_bytes, PRINTABLE_PATTERN, "e.g. add<float, 256>; one line"
+            ),
+        },
+        "RecipeSpecialization": _specialization_schema(),
+        "RecipeToolchain": {
+            "enum": [*toolchains, None],
+            "description": "this server's toolchain id (GET /v1/toolchains); omitted or null: that",
+        },
+        "RecipeIncludeSets": {
+            "type": "array",
+            "maxItems": LIMITS.include_sets if include_sets else 0,
+            "items": (
+                {"type": "string", "enum": list(include_sets)}
+                if include_sets
+                else {"type": "string"}
+            ),
+            "description": "include sets registered on this server (GET /v1/toolchains lists them)",
+        },
+        "Target": {
+            "type": "string",
+            "pattern": target_pattern(sms),
+            "description": "sm_XX, sm_XXa, sm_XXf or compute_XX, for an SM this server's NVRTC targets",
+        },
+        "CubinTarget": {
+            "type": "string",
+            "pattern": target_pattern(sms, families=("sm",)),
+            "description": "sm_XX, sm_XXa or sm_XXf, for an SM this server's NVRTC targets",
+        },
+    }
+
+
+def _fields(level: int, target: str) -> dict[str, Any]:
+    """Every field of a recipe at nesting ``level`` (``target``: a target component's name)."""
+    link_items: list[dict[str, Any]] = [
+        {
+            "type": "object",
+            "required": ["digest"],
+            "additionalProperties": False,
+            "properties": {"digest": {"type": "string", "pattern": HEX_KEY_PATTERN}},
+        }
+    ]
+    if level < LIMITS.link_depth:
+        link_items.insert(
+            0,
+            {
+                "type": "object",
+                "required": ["recipe"],
+                "additionalProperties": False,
+                "properties": {"recipe": _ref(f"LinkedRecipe{level + 1}")},
+            },
+        )
+    target_schema: dict[str, Any] = _ref(target)
+    if level > 0:  # "auto" (or nothing) in a linked recipe takes the outer recipe's target
+        target_schema = {"anyOf": [target_schema, {"const": "auto"}]}
+    return {
+        "source": _ref("RecipeSource"),
+        "name": _ref("RecipeName"),
+        "headers": _ref("RecipeHeaders"),
+        "flags": _ref("RecipeFlags"),
+        "target": target_schema,
+        "output": {"type": "string", "enum": ["cubin", "ptx", "ltoir"], "default": "cubin"},
+        "name_expressions": _ref("RecipeNameExpressions"),
+        "specialization": _ref("RecipeSpecialization"),
+        "link": {
+            "type": "array",
+            "maxItems": LIMITS.link_inputs,
+            "items": {"oneOf": link_items},
+            "description": (
+                "further nvJitLink inputs: a recipe compiled to LTO-IR, or a stored artifact by "
+                f"digest; recipes nest at most {LIMITS.link_depth} deep"
+            ),
+        },
+        "lto": {"type": "boolean", "default": False},
+        "toolchain": _ref("RecipeToolchain"),
+        "include_sets": _ref("RecipeIncludeSets"),
+    }
+
+
+def _variant(
+    fields: dict[str, Any], title: str, required: Sequence[str], **overrides: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "title": title,
+        "type": "object",
+        "required": list(required),
+        "additionalProperties": False,
+        "properties": {**fields, **overrides},
+    }
+
+
+def _recipe(level: int) -> dict[str, Any]:
+    """The recipe schema at nesting ``level``: its three variants."""
+    required = ["source", "target"] if level == 0 else ["source"]
+    cubin_fields = _fields(level, "CubinTarget")
+    any_fields = _fields(level, "Target")
+    cubin = {"type": "string", "const": "cubin", "default": "cubin"}
+    plain = {"type": "boolean", "const": False, "default": False}
+    where = "a recipe" if level == 0 else f"a linked recipe (level {level})"
+    return {
+        "description": (
+            f"{where}: everything that changes the generated code, checked as the server's "
+            "compiles need it (its toolchain, its NVRTC's targets, its include sets)"
+            + ("" if level == 0 else "; target and toolchain default to the outer recipe's")
+        ),
+        "anyOf": [
+            _variant(
+                cubin_fields,
+                "cubin linked by nvJitLink (lto)",
+                [*required, "lto"],
+                lto={"type": "boolean", "const": True},
+                output=cubin,
+            ),
+            _variant(
+                cubin_fields,
+                "cubin",
+                required,
+                lto=plain,
+                output=cubin,
+                link={**cubin_fields["link"], "maxItems": 0},
+            ),
+            _variant(
+                any_fields,
+                "PTX or LTO-IR",
+                [*required, "output"],
+                lto=plain,
+                output={"type": "string", "enum": ["ptx", "ltoir"]},
+                link={**any_fields["link"], "maxItems": 0},
+            ),
+        ],
+    }
+
+
+def recipe_components(
+    *, sms: Sequence[int], toolchains: Sequence[str], include_sets: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """OpenAPI components ``Recipe``, ``LinkedRecipe1``... and their parts, for a server with these targets.
+
+    ``sms`` are the SM numbers its NVRTC compiles for, ``toolchains`` its toolchain
+    ids, ``include_sets`` its registered include set names.
+    """
+    components = {"Recipe": _recipe(0)}
+    for level in range(1, LIMITS.link_depth + 1):
+        components[f"LinkedRecipe{level}"] = _recipe(level)
+    components.update(_shared_fields(sms, toolchains, include_sets))
+    return components
