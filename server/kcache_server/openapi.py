@@ -8,7 +8,9 @@ document states every limit the server enforces:
   toolchain, targets and include sets, where a model marks it
   (:data:`~kcache_server.schemas.RECIPE_MARK`);
 - bounds that are settings (``max_batch``, ``audit.max_events_per_batch``, ...),
-  where a model marks them (:data:`~kcache_server.schemas.SETTING_MARK`).
+  where a model marks them (:data:`~kcache_server.schemas.SETTING_MARK`);
+- every setting that bounds a request, under ``info.x-limits`` (the body size
+  too, which no schema keyword states: over it is a 413).
 
 The document is built once per app, on the first request for it, and versioned
 with the API (``/v1``): ``info.version`` is the server's version, the paths carry
@@ -27,7 +29,15 @@ from kcache_server.schemas import RECIPE_MARK, SETTING_MARK
 from kcache_server.settings import Settings
 from kcache_server.state import ServerState
 
-__all__ = ["install_openapi", "openapi_document", "setting_value"]
+__all__ = ["REQUEST_LIMITS", "install_openapi", "openapi_document", "setting_value"]
+
+#: The settings that bound a request, published under ``info.x-limits``.
+REQUEST_LIMITS = (
+    "max_request_bytes",
+    "max_batch",
+    "audit.max_events_per_batch",
+    "audit.max_clock_skew_s",
+)
 
 
 def setting_value(settings: Settings, name: str) -> Any:
@@ -71,6 +81,9 @@ def openapi_document(app: FastAPI, state: ServerState) -> dict[str, Any]:
             include_sets=state.backends.compiler.include_sets.names,
         )
     )
+    document["info"]["x-limits"] = {
+        name: setting_value(state.settings, name) for name in REQUEST_LIMITS
+    }
     completed: dict[str, Any] = _complete(document, state.settings)
     return completed
 
