@@ -10,8 +10,10 @@ only in client reports is marked ``reported``.
 Counts come from one ``UNION ALL`` of raw events (weight 1) and roll-up rows
 (weight ``count``), so a window that reaches past the retention horizon still adds
 up; what needs single events (the last miss of a kernel and its reason, rank
-divergence) reads raw events only. Every aggregate is computed in SQL, so the cost
-grows with the number of groups, not of events.
+divergence) reads raw events only. Every aggregate is computed in SQL, and each piece
+of the answer is a fixed number of statements (window functions, joins, ``EXISTS``),
+never a query per kernel, job or recipe: one ``/v1/stats`` sends the same number of
+statements at any size (tests/audit/test_stats_queries.py counts them).
 """
 
 from __future__ import annotations
@@ -470,100 +472,159 @@ def _add_ranks(
 
 
 def _top_missed(conn: sa.Connection, src: sa.Subquery, query: StatsQuery) -> list[MissedKernel]:
-    misses = sa.func.sum(src.c.n).label("misses")
-    top = conn.execute(
-        sa.select(src.c.kernel, misses)
+    """The kernels with the most misses, each with its misses by outcome and its last miss.
+
+    Three statements, however many kernels: the ranking with its per-outcome counts,
+    the last raw miss of every top kernel, and (only when some top kernel has no raw
+    miss in the window) the last rolled-up one.
+    """
+    per_outcome = (
+        sa.select(src.c.kernel, src.c.outcome, sa.func.sum(src.c.n).label("c"))
         .where(src.c.outcome.in_(sorted(MISS_OUTCOMES)))
-        .group_by(src.c.kernel)
-        .order_by(misses.desc(), src.c.kernel)
-        .limit(query.top)
+        .group_by(src.c.kernel, src.c.outcome)
+        .subquery("per_outcome")
+    )
+    with_total = sa.select(
+        per_outcome,
+        sa.func.sum(per_outcome.c.c).over(partition_by=per_outcome.c.kernel).label("misses"),
+    ).subquery("with_total")
+    # dense_rank: every outcome row of one kernel shares its kernel's place.
+    ranked = sa.select(
+        with_total,
+        sa.func.dense_rank()
+        .over(order_by=(with_total.c.misses.desc(), with_total.c.kernel))
+        .label("place"),
+    ).subquery("ranked")
+    rows = conn.execute(
+        sa.select(ranked.c.place, ranked.c.kernel, ranked.c.misses, ranked.c.outcome, ranked.c.c)
+        .where(ranked.c.place <= query.top)
+        .order_by(ranked.c.place, ranked.c.outcome)
     ).all()
-    result = []
-    for kernel, n in top:
-        outcomes = {
-            o: int(c)
-            for o, c in conn.execute(
-                sa.select(src.c.outcome, sa.func.sum(src.c.n))
-                .where(
-                    src.c.kernel.is_not_distinct_from(kernel),
-                    src.c.outcome.in_(sorted(MISS_OUTCOMES)),
-                )
-                .group_by(src.c.outcome)
+    items: dict[int, MissedKernel] = {}
+    for place, kernel, misses, outcome, c in rows:
+        item = items.get(place)
+        if item is None:
+            item = items[place] = MissedKernel(
+                kernel=kernel, misses=int(misses), errors=0, outcomes={}
             )
-        }
-        item = MissedKernel(
-            kernel=kernel, misses=int(n), errors=outcomes.get("error", 0), outcomes=outcomes
-        )
-        _last_miss(conn, query, item)
-        result.append(item)
+        item.outcomes[outcome] = int(c)
+    result = [items[p] for p in sorted(items)]
+    for item in result:
+        item.errors = item.outcomes.get("error", 0)
+    if result:
+        _last_misses(conn, query, result)
     return result
 
 
-def _last_miss(conn: sa.Connection, query: StatsQuery, item: MissedKernel) -> None:
-    ev = _events.c
-    last = conn.execute(
-        sa.select(ev.id, ev.at, ev.outcome, ev.error, ev.recipe_key, ev.base_key, ev.target)
-        .where(
-            *_filters(query, ev, ev.at),
-            ev.kernel.is_not_distinct_from(item.kernel),
-            ev.outcome.in_(sorted(MISS_OUTCOMES)),
-        )
-        .order_by(ev.at.desc(), ev.id.desc())
-        .limit(1)
-    ).first()
-    if last is None:  # only rolled-up misses in this window
-        rolled = conn.execute(
-            sa.select(_rollups.c.last_at, _rollups.c.outcome, _rollups.c.last_error)
-            .where(
-                _rollups.c.kernel.is_not_distinct_from(item.kernel),
-                _rollups.c.outcome.in_(sorted(MISS_OUTCOMES)),
-            )
-            .order_by(_rollups.c.last_at.desc())
-            .limit(1)
-        ).first()
-        if rolled is not None:
-            item.last_miss_at = rolled.last_at.timestamp()
-            item.last_miss_outcome = rolled.outcome
-            item.last_miss_reason = _reason(rolled.outcome, rolled.last_error, None)
-        return
-    item.last_miss_at = last.at.timestamp()
-    item.last_miss_outcome = last.outcome
-    item.target = last.target
-    item.recipe_key = last.recipe_key
-    item.last_miss_reason = _reason(last.outcome, last.error, _history(conn, last))
+def _kernel_in(column: Any, kernels: list[str | None]) -> sa.ColumnElement[bool]:
+    """``column`` is one of ``kernels`` (None among them matching NULL)."""
+    named = [k for k in kernels if k is not None]
+    cond: sa.ColumnElement[bool] = column.in_(named) if named else sa.false()
+    return sa.or_(cond, column.is_(None)) if None in kernels else cond
 
 
-def _history(conn: sa.Connection, last: Any) -> str | None:
-    """Why a compile was needed, from what was seen before it: ``evicted``, ``headers`` or None."""
-    if last.outcome not in ("compiled", "waited") or last.recipe_key is None:
-        return None
+def _last_misses(conn: sa.Connection, query: StatsQuery, items: list[MissedKernel]) -> None:
+    """Fill each item's last miss (and why it was needed) in one statement, plus one for roll-ups."""
     ev = _events.c
-    before = ev.at <= last.at, ev.id < last.id
-    served = conn.execute(
-        sa.select(ev.id)
-        .where(
-            *before,
-            ev.recipe_key == last.recipe_key,
-            ev.outcome.in_(("hit", "local_hit", "compiled")),
+    kernels = [item.kernel for item in items]
+    misses = sorted(MISS_OUTCOMES)
+    latest = (
+        sa.select(
+            ev.id,
+            ev.at,
+            ev.kernel,
+            ev.outcome,
+            ev.error,
+            ev.recipe_key,
+            ev.base_key,
+            ev.target,
+            sa.func.row_number()
+            .over(partition_by=ev.kernel, order_by=(ev.at.desc(), ev.id.desc()))
+            .label("from_last"),
         )
-        .limit(1)
-    ).first()
-    if served is not None:
-        return "evicted"
-    if last.base_key is not None:
-        sibling = conn.execute(
-            sa.select(ev.id)
-            .where(
-                *before,
-                ev.base_key == last.base_key,
-                ev.target.is_not_distinct_from(last.target),
-                ev.recipe_key != last.recipe_key,
-            )
-            .limit(1)
-        ).first()
-        if sibling is not None:
-            return "headers"
-    return None
+        .where(*_filters(query, ev, ev.at), _kernel_in(ev.kernel, kernels), ev.outcome.in_(misses))
+        .subquery("latest")
+    )
+    # Why a compile was needed, from what was seen before it (any window): the same
+    # recipe served earlier means it was evicted; a sibling recipe (same base key and
+    # target, other headers) built earlier means the headers changed.
+    before = sa.alias(_events, "before")
+    earlier = (before.c.at <= latest.c.at, before.c.id < latest.c.id)
+    served = sa.exists().where(
+        *earlier,
+        before.c.recipe_key == latest.c.recipe_key,
+        before.c.outcome.in_(("hit", "local_hit", "compiled")),
+    )
+    sibling = sa.exists().where(
+        *earlier,
+        before.c.base_key == latest.c.base_key,
+        before.c.target.is_not_distinct_from(latest.c.target),
+        before.c.recipe_key != latest.c.recipe_key,
+    )
+    rebuilt = sa.and_(
+        latest.c.outcome.in_(("compiled", "waited")), latest.c.recipe_key.is_not(None)
+    )
+    history = sa.case(
+        (sa.and_(rebuilt, served), "evicted"),
+        (sa.and_(rebuilt, latest.c.base_key.is_not(None), sibling), "headers"),
+        else_=sa.null(),
+    )
+    rows = conn.execute(
+        sa.select(
+            latest.c.kernel,
+            latest.c.at,
+            latest.c.outcome,
+            latest.c.error,
+            latest.c.recipe_key,
+            latest.c.target,
+            history.label("history"),
+        ).where(latest.c.from_last == 1)
+    ).all()
+    last = {row.kernel: row for row in rows}
+    for item in items:
+        row = last.get(item.kernel)
+        if row is not None:
+            item.last_miss_at = row.at.timestamp()
+            item.last_miss_outcome = row.outcome
+            item.target = row.target
+            item.recipe_key = row.recipe_key
+            item.last_miss_reason = _reason(row.outcome, row.error, row.history)
+    rolled_only = [item for item in items if item.kernel not in last]
+    if rolled_only:
+        _last_rolled_up_misses(conn, query, rolled_only)
+
+
+def _last_rolled_up_misses(
+    conn: sa.Connection, query: StatsQuery, items: list[MissedKernel]
+) -> None:
+    """The last miss of kernels whose misses in the window are all rolled up (one statement)."""
+    ru = _rollups.c
+    latest = (
+        sa.select(
+            ru.kernel,
+            ru.last_at,
+            ru.outcome,
+            ru.last_error,
+            sa.func.row_number()
+            .over(partition_by=ru.kernel, order_by=(ru.last_at.desc(), ru.id.desc()))
+            .label("from_last"),
+        )
+        .where(
+            *_filters(query, ru, ru.bucket),
+            _kernel_in(ru.kernel, [item.kernel for item in items]),
+            ru.outcome.in_(sorted(MISS_OUTCOMES)),
+        )
+        .subquery("latest")
+    )
+    last = {
+        row.kernel: row for row in conn.execute(sa.select(latest).where(latest.c.from_last == 1))
+    }
+    for item in items:
+        row = last.get(item.kernel)
+        if row is not None:
+            item.last_miss_at = row.last_at.timestamp()
+            item.last_miss_outcome = row.outcome
+            item.last_miss_reason = _reason(row.outcome, row.last_error, None)
 
 
 def _reason(outcome: str, error: str | None, history: str | None) -> str:
@@ -581,6 +642,11 @@ def _reason(outcome: str, error: str | None, history: str | None) -> str:
 
 
 def _divergence(conn: sa.Connection, query: StatsQuery) -> list[Divergence]:
+    """Recipes (base key and target) that ranks of one job got different digests for.
+
+    Two statements, however many there are: one finds them, one reads what each rank
+    got last, every digest, and the first kernel name of all of them at once.
+    """
     ev = _events.c
     scope = [
         *_filters(query, ev, ev.at),
@@ -591,44 +657,97 @@ def _divergence(conn: sa.Connection, query: StatsQuery) -> list[Divergence]:
     # Digests of the server's own events only: a divergence they do not show rests
     # on client reports alone, and is marked so.
     server_digests = sa.func.count(sa.distinct(sa.case((ev.tier == SERVER_TIER, ev.digest))))
-    suspects = conn.execute(
-        sa.select(ev.job_id, ev.base_key, ev.target, server_digests)
+    suspects = (
+        sa.select(
+            ev.job_id,
+            ev.base_key,
+            ev.target,
+            server_digests.label("observed"),
+            sa.func.row_number().over(order_by=(ev.job_id, ev.base_key)).label("place"),
+        )
         .where(*scope)
         .group_by(ev.job_id, ev.base_key, ev.target)
         .having(sa.func.count(sa.distinct(ev.digest)) > 1)
         .order_by(ev.job_id, ev.base_key)
         .limit(query.limit)
-    ).all()
-    found = []
-    for job_id, base_key, target, observed in suspects:
-        rows = conn.execute(
-            sa.select(ev.rank, ev.digest, ev.kernel)
-            .where(
-                *scope,
-                ev.job_id == job_id,
-                ev.base_key == base_key,
-                ev.target.is_not_distinct_from(target),
-            )
-            .order_by(ev.at, ev.id)
-        ).all()
-        ranks = {("-" if r.rank is None else str(r.rank)): r.digest for r in rows}  # last one wins
-        found.append(
-            Divergence(
-                job_id=job_id,
-                base_key=base_key,
-                target=target,
-                kernel=next((r.kernel for r in rows if r.kernel), None),
-                digests=sorted({r.digest for r in rows}),
-                ranks=dict(
-                    sorted(
-                        ranks.items(),
-                        key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0),
-                    )
+        .cte("suspects")
+    )
+    recipe = (ev.job_id, ev.base_key, ev.target)
+    named = sa.func.coalesce(ev.kernel, "") != ""
+    # Each event of a suspect, marked when it is its rank's last, its digest's first,
+    # or the first that names the kernel; only marked rows are read back.
+    marked = (
+        sa.select(
+            suspects.c.place,
+            suspects.c.job_id,
+            suspects.c.base_key,
+            suspects.c.target,
+            suspects.c.observed,
+            ev.rank,
+            ev.digest,
+            ev.kernel,
+            named.label("named"),
+            sa.func.row_number()
+            .over(partition_by=(*recipe, ev.rank), order_by=(ev.at.desc(), ev.id.desc()))
+            .label("rank_last"),
+            sa.func.row_number()
+            .over(partition_by=(*recipe, ev.digest), order_by=ev.id)
+            .label("digest_first"),
+            sa.func.row_number()
+            .over(partition_by=(*recipe, named), order_by=(ev.at, ev.id))
+            .label("kernel_first"),
+        )
+        .select_from(
+            _events.join(
+                suspects,
+                sa.and_(
+                    ev.job_id == suspects.c.job_id,
+                    ev.base_key == suspects.c.base_key,
+                    ev.target.is_not_distinct_from(suspects.c.target),
                 ),
-                reported=int(observed) <= 1,
             )
         )
-    return found
+        .where(*scope)
+        .subquery("marked")
+    )
+    rows = conn.execute(
+        sa.select(marked).where(
+            sa.or_(
+                marked.c.rank_last == 1,
+                marked.c.digest_first == 1,
+                sa.and_(marked.c.kernel_first == 1, marked.c.named),
+            )
+        )
+    ).all()
+    found: dict[int, Divergence] = {}
+    for row in rows:
+        item = found.get(row.place)
+        if item is None:
+            item = found[row.place] = Divergence(
+                job_id=row.job_id,
+                base_key=row.base_key,
+                target=row.target,
+                kernel=None,
+                digests=[],
+                ranks={},
+                reported=int(row.observed) <= 1,
+            )
+        if row.rank_last == 1:
+            item.ranks["-" if row.rank is None else str(row.rank)] = row.digest
+        if row.digest_first == 1:
+            item.digests.append(row.digest)
+        if row.kernel_first == 1 and row.named:
+            item.kernel = row.kernel
+    result = [found[p] for p in sorted(found)]
+    for item in result:
+        item.digests.sort()
+        item.ranks = dict(
+            sorted(
+                item.ranks.items(),
+                key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0),
+            )
+        )
+    return result
 
 
 def _series(
