@@ -1,4 +1,7 @@
-"""Shared pieces of the benchmarks: ports, a real kcache server, wrk, JSON lines.
+"""Shared pieces of the benchmarks: a real kcache server, wrk, JSON lines.
+
+Ports, the server process and the recipes come from ``tests/support.py``, which the
+tests use too (the repository root goes on ``sys.path`` here).
 
 Every figure is a ratio against an anchor measured in the same run on the same
 machine (bench/README.md); nothing here asserts a time.
@@ -11,32 +14,16 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+from tests.support import ServerProcess
 
-ROOT = Path(__file__).resolve().parent.parent
 KCACHE = [sys.executable, "-m", "kcache.cli"]
-
-VECTOR_ADD = """
-extern "C" __global__ void add(const float* x, const float* y, float* out, int n) {
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = x[i] + y[i];
-}
-"""
-
-
-def free_port() -> int:
-    """An unused loopback TCP port."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def emit(
@@ -55,20 +42,9 @@ def emit(
     return line
 
 
-def wait_http(url: str, timeout: float = 60.0) -> None:
-    """Poll ``url`` until it answers 200."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up within {timeout:.0f}s")
-
-
 @contextlib.contextmanager
 def kcache_server(workers: int = 1, data_dir: Path | None = None) -> Iterator[str]:
-    """A real ``kcache serve`` on an ephemeral loopback port, SQLite in a temp data dir."""
+    """A real ``kcache serve`` on an ephemeral loopback port, SQLite in a temp data dir; its URL."""
     with contextlib.ExitStack() as stack:
         if data_dir is None:
             data_dir = Path(
@@ -76,34 +52,8 @@ def kcache_server(workers: int = 1, data_dir: Path | None = None) -> Iterator[st
             )
         env = {**os.environ, "KCACHE_DATA_DIR": str(data_dir)}
         subprocess.run([*KCACHE, "db", "upgrade"], env=env, check=True, capture_output=True)
-        port = free_port()
-        proc = subprocess.Popen(
-            [
-                *KCACHE,
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--data-dir",
-                str(data_dir),
-                "--workers",
-                str(workers),
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_http(url + "/healthz")
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        with ServerProcess(data_dir, workers=workers, env=env) as server:
+            yield server.url
 
 
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}

@@ -20,8 +20,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import VECTOR_ADD, emit, free_port, kcache_server, wait_http, wrk
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+from _harness import emit, kcache_server, wrk
+
+from tests.support import VECTOR_ADD, answers_200, free_port, wait_until
 
 SECONDS = int(os.environ.get("BENCH_SECONDS", "5"))
 
@@ -49,7 +52,7 @@ http {{ access_log off; sendfile on; tcp_nopush on;
         path.chmod(0o644)
     proc = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(directory.parent)])
     try:
-        wait_http(f"http://127.0.0.1:{port}/blob", timeout=15)
+        wait_until(lambda: answers_200(f"http://127.0.0.1:{port}/blob"), "nginx", timeout=15)
         yield f"http://127.0.0.1:{port}/blob"
     finally:
         proc.terminate()

@@ -15,8 +15,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import VECTOR_ADD, emit, kcache_server
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+from _harness import emit, kcache_server
+
+from tests.support import VECTOR_ADD
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "15"))
 

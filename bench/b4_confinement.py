@@ -16,14 +16,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import VECTOR_ADD, emit
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+from _harness import emit
 from kcache_server.compile_pool import ProcessPoolCompiler
 
 from kcache.include_sets import IncludeSets
 from kcache.recipe import Recipe
 from kcache.sandbox import probe
 from kcache.toolchain import load_toolchain
+from tests.support import VECTOR_ADD
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "30"))
 

@@ -35,8 +35,11 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import emit, free_port, kcache_server
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+from _harness import emit, kcache_server
+
+from tests.support import free_port
 
 WORLD = int(os.environ.get("B5_WORLD", "8"))
 KERNELS = 24

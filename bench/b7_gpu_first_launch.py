@@ -26,8 +26,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import VECTOR_ADD, emit
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+from _harness import emit
+
+from tests.support import VECTOR_ADD
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
 #: The same ``add`` kernel twice: plain, and pulling in cub (a CCCL-heavy compile).

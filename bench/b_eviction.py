@@ -36,9 +36,12 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import KCACHE, VECTOR_ADD, emit, kcache_server, post_json_lua, wrk
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+from _harness import KCACHE, emit, kcache_server, post_json_lua, wrk
 from b2_resolve_hit import twenty_header_recipe
+
+from tests.support import VECTOR_ADD
 
 SECONDS = int(os.environ.get("BENCH_SECONDS", "5"))
 HIGH = 0.9  # the default high-water mark

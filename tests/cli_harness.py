@@ -7,27 +7,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-#: The console script a user runs (the venv's), not ``python -m``.
-KCACHE = str(Path(sys.executable).with_name("kcache"))
+from tests.support import KCACHE, answers_200, wait_until
+
+__all__ = ["PROGRESS", "Served", "assert_user_error", "error_lines", "kcache", "user_env"]
+
 #: Lines a command prints while it waits; they are progress, not the error's text.
 PROGRESS = "kcache: waiting for the server"
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def user_env(home: Path, **extra: str) -> dict[str, str]:
@@ -97,23 +86,20 @@ class Served:
 
     def wait_ready(self, url: str, timeout: float = 90.0) -> None:
         """Until ``url`` answers 200 (a liveness bound, not a timing: it fails only if it never does)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"exited {self.proc.returncode}: {self.log.read_text(errors='replace')[-3000:]}"
-                )
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise AssertionError(
-            f"{url} did not answer 200 within {timeout}s: {self.log.read_text()[-3000:]}"
-        )
+        try:
+            wait_until(
+                lambda: self.proc.poll() is not None or answers_200(url),
+                f"{url} to answer 200",
+                timeout,
+                interval=0.1,
+            )
+        except AssertionError as exc:
+            self.stop()
+            raise AssertionError(f"{exc}: {self.log.read_text(errors='replace')[-3000:]}") from None
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"exited {self.proc.returncode}: {self.log.read_text(errors='replace')[-3000:]}"
+            )
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it lingers."""

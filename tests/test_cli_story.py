@@ -16,21 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_harness import (
-    KCACHE,
-    PROGRESS,
-    Served,
-    assert_user_error,
-    free_port,
-    kcache,
-    user_env,
-)
-
-ADD = """extern "C" __global__ void add(const float* x, const float* y, float* out, int n) {
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = x[i] + y[i];
-}
-"""
+from tests.cli_harness import PROGRESS, Served, assert_user_error, kcache, user_env
+from tests.support import KCACHE, VECTOR_ADD, free_port
 
 
 class Server:
@@ -62,7 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture
 def home(tmp_path: Path) -> Path:
-    (tmp_path / "add.cu").write_text(ADD)
+    (tmp_path / "add.cu").write_text(VECTOR_ADD)
     return tmp_path
 
 
@@ -77,7 +64,7 @@ def test_compile_uses_the_configured_server_and_never_writes_its_data_directory(
     env = user_env(home, KCACHE_URL=server.url)
     before = sum(server.stats().values())
     source = home / "story.cu"
-    source.write_text(ADD.replace("x[i] + y[i]", "x[i] + y[i] + 1.0f"))
+    source.write_text(VECTOR_ADD.replace("x[i] + y[i]", "x[i] + y[i] + 1.0f"))
     first = kcache("compile", str(source), "--target", "sm_90", env=env, cwd=home)
     second = kcache("compile", str(source), "--target", "sm_90", env=env, cwd=home)
     got = kcache("get", str(source), "--target", "sm_90", env=env, cwd=home)
@@ -147,8 +134,8 @@ def test_warmup_local_compile_compiles_when_the_server_is_down(home: Path) -> No
     recipes.write_text(
         json.dumps(
             [
-                {"source": ADD.replace("add(", "warm_a("), "target": "sm_90"},
-                {"source": ADD.replace("add(", "warm_b("), "target": "sm_80"},
+                {"source": VECTOR_ADD.replace("add(", "warm_a("), "target": "sm_90"},
+                {"source": VECTOR_ADD.replace("add(", "warm_b("), "target": "sm_80"},
             ]
         )
     )
@@ -169,7 +156,7 @@ def test_python_warmup_with_local_compile_compiles_when_the_server_is_down(tmp_p
     from kcache import Recipe
 
     fast = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.02, budget_s=1.0)
-    recipe = Recipe(source=ADD.replace("add(", "py_warm("), target="sm_90")
+    recipe = Recipe(source=VECTOR_ADD.replace("add(", "py_warm("), target="sm_90")
     settings = ClientSettings.from_env(local_compile=True, retry=fast)
     with KernelCache(_dead_url(), cache_dir=tmp_path, settings=settings) as cache:
         result = cache.warmup([recipe])
@@ -283,7 +270,7 @@ def test_an_empty_source_is_refused(home: Path) -> None:
 
 
 def test_a_missing_header_gets_a_hint_about_the_flags(home: Path) -> None:
-    (home / "m.cu").write_text('#include "nothere.h"\n' + ADD)
+    (home / "m.cu").write_text('#include "nothere.h"\n' + VECTOR_ADD)
     result = kcache("compile", "m.cu", "--target", "sm_90", env=user_env(home), cwd=home)
     assert_user_error(result, "nothere.h", "--header", "--include-set")
 

@@ -31,7 +31,8 @@ from typing import Any
 
 import pytest
 
-from tests.cli_harness import ROOT, Served, free_port, user_env
+from tests.cli_harness import Served, user_env
+from tests.support import ROOT, free_port
 
 yaml = pytest.importorskip("yaml")
 

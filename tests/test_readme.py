@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_harness import ROOT, Served, free_port, user_env
+from tests.cli_harness import Served, user_env
+from tests.support import ROOT, free_port
 
 README = ROOT / "README.md"
 URL_IN_README = "http://127.0.0.1:8470"

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
-from tests.audit.conftest import Workload
-
-KCACHE = str(Path(sys.executable).with_name("kcache"))
+from tests.audit.workload import Workload
+from tests.support import KCACHE
 
 
 def _run(*args: str) -> str:

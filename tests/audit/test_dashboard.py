@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.audit.conftest import Workload
+from tests.audit.workload import Workload
 
 CHROMIUM = os.environ.get("KCACHE_TEST_CHROMIUM", "/usr/bin/chromium")
 ARGS = [

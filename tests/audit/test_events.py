@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from tests.audit.conftest import Workload
+from tests.audit.workload import Workload
 
 
 def _event(**overrides: Any) -> dict[str, Any]:

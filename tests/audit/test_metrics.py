@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.audit.conftest import Workload
+from tests.audit.workload import Workload
 
 
 def _families(w: Workload) -> dict:

@@ -18,6 +18,8 @@ from kcache_server.auditing.retention import RetentionWorker
 from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.db import open_database
 
+from tests.support import wait_until
+
 NOW = datetime.now(timezone.utc).replace(microsecond=0)
 # On the hour, so events at +0 and +10 minutes share an hourly bucket at any time of day.
 OLD = (NOW - timedelta(days=3)).replace(minute=0, second=0)
@@ -181,11 +183,7 @@ def test_the_worker_rolls_up_on_its_own(engine: sa.Engine) -> None:
     worker = RetentionWorker(engine, retention_days=1, interval_s=3600)
     worker.start()
     try:
-        deadline = datetime.now(timezone.utc) + timedelta(seconds=20)
-        while worker.rolled_up < 10 and datetime.now(timezone.utc) < deadline:
-            import time
-
-            time.sleep(0.05)
+        wait_until(lambda: worker.rolled_up >= 10, "the worker's first roll-up", timeout=20)
     finally:
         worker.close()
     assert worker.rolled_up == 10

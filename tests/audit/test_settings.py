@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tests.server.conftest import ServerThread
+from tests.support import ServerThread
 
 
 def test_the_audit_section_reads_the_same_variables_and_merges_what_code_gives(

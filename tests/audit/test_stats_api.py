@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.audit.conftest import Workload
+from tests.audit.workload import Workload
 
 
 def _stats(w: Workload, **params: str) -> dict:

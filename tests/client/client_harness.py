@@ -26,16 +26,10 @@ import httpx
 import pytest
 
 from kcache import Recipe
+from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 KCACHE = Path(sys.executable).with_name("kcache")
-
-
-def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ServerUnavailable(Exception):

@@ -11,7 +11,7 @@ from kcache.nvrtc import compile_recipe
 from kcache.recipe import LinkInput, Recipe
 from kcache.targets import parse_target
 from kcache.toolchain import Toolchain
-from tests.conftest import VECTOR_ADD
+from tests.support import VECTOR_ADD
 
 
 def _compile(toolchain: Toolchain, link_inputs: list[bytes] | None = None, **fields: object):  # type: ignore[no-untyped-def]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kcache.artifact import ArtifactMeta
 from kcache.engine import Engine
 from kcache.local_engine import open_local_engine
 from kcache.recipe import Recipe
@@ -64,12 +65,14 @@ def test_manifest_hits_on_unused_header_misses_on_nested_edit(engine: Engine) ->
 
 
 def test_alias_is_recorded_after_a_manifest_match(engine: Engine) -> None:
-    engine.resolve(_recipe())
+    first = engine.resolve(_recipe())
     other = _recipe({**HEADERS, "unused.cuh": "// edited"})
-    engine.resolve(other)
+    assert engine.resolve(other).status == "hit"  # by the manifest: its key was new
     resolved = other.with_defaults(toolchain=engine.toolchain_id)
     looked_up = engine.index.lookup(resolved.key())
-    assert looked_up is not None and not isinstance(looked_up, Exception)
+    # The new key now names the same artifact directly (no manifest walk next time).
+    assert isinstance(looked_up, ArtifactMeta), looked_up
+    assert looked_up.digest == first.artifact.digest
 
 
 def test_header_in_an_untaken_if_branch_is_not_a_dependency(engine: Engine) -> None:

@@ -21,9 +21,7 @@ from kcache.compilers import InProcessCompiler
 from kcache.errors import ArtifactNotFoundError, CompileError
 from kcache.local_engine import open_local_engine
 from kcache.recipe import Recipe
-from tests.conftest import VECTOR_ADD
-
-KCACHE = [sys.executable, "-m", "kcache.cli"]
+from tests.support import KCACHE, VECTOR_ADD
 
 
 def test_compile_then_hit_with_the_same_artifact(tmp_path: Path) -> None:
@@ -71,7 +69,7 @@ def test_eight_processes_compile_once(tmp_path: Path) -> None:
     data = tmp_path / "data"
     procs = [
         subprocess.Popen(
-            [*KCACHE, "compile", str(source), "--target", "sm_90", "--cache-dir", str(data)],
+            [KCACHE, "compile", str(source), "--target", "sm_90", "--cache-dir", str(data)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -147,7 +145,7 @@ def test_cli_prints_compiler_log_on_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.cu"
     bad.write_text('extern "C" __global__ void k(float* o) { o[0] = ; }')
     proc = subprocess.run(
-        [*KCACHE, "compile", str(bad), "--target", "sm_90", "--cache-dir", str(tmp_path / "d")],
+        [KCACHE, "compile", str(bad), "--target", "sm_90", "--cache-dir", str(tmp_path / "d")],
         capture_output=True,
         text=True,
     )

@@ -13,7 +13,7 @@ from kcache.errors import InvalidKeyError, RecipeError, UnresolvedRecipeError
 from kcache.keys import is_hex_key, require_hex_key, sha256_hex
 from kcache.recipe import Recipe
 from kcache.specialization import render_macros
-from tests.conftest import VECTOR_ADD
+from tests.support import VECTOR_ADD
 
 BASE = {
     "source": VECTOR_ADD,

@@ -5,19 +5,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from kcache.local_engine import open_local_engine
 from kcache.recipe import Recipe
-from tests.conftest import VECTOR_ADD
-
-KCACHE = [sys.executable, "-m", "kcache.cli"]
+from tests.support import KCACHE, VECTOR_ADD
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*KCACHE, *args], capture_output=True, text=True)
+    return subprocess.run([KCACHE, *args], capture_output=True, text=True)
 
 
 def test_verify_finds_a_flipped_byte_and_a_missing_blob(tmp_path: Path) -> None:

@@ -160,6 +160,7 @@ def start_server(workdir: Path) -> Any:
     PYTHONPATH entries are made absolute first)."""
     entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     os.environ["PYTHONPATH"] = os.pathsep.join(str(Path(e).resolve()) for e in entries if e)
+    sys.path.insert(0, str(ROOT))  # tests.support, which client_harness imports
     sys.path.insert(0, str(ROOT / "tests" / "client"))
     from client_harness import KcacheServer
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from tests.server.conftest import audit_rows, unique, vector_add
+from tests.support import audit_rows, unique, vector_add
 
 BROKEN = {"source": "__global__ void broken() { this is not cuda; }", "target": "sm_80"}
 

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from kcache.cli import main
-from tests.server.conftest import unique, vector_add
+from tests.support import unique, vector_add
 
 
 def _token(capsys: pytest.CaptureFixture[str], data_dir: Any, name: str, *scopes: str) -> str:

@@ -23,7 +23,7 @@ from kcache.nvrtc import compile_recipe
 from kcache.recipe import Recipe
 from kcache.sandbox import probe
 from kcache.toolchain import load_toolchain
-from tests.server.conftest import ServerThread, unique
+from tests.support import ServerThread, unique
 
 KERNEL = 'extern "C" __global__ void k(int* o) { o[0] = 1; }\n'
 MARKER = f"kc-secret-{uuid.uuid4().hex}"

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from typing import Any
 
-from tests.server.conftest import unique, vector_add
+from tests.support import KCACHE, unique, vector_add
 
 
 def test_db_gc_keeps_indexed_blobs_and_removes_old_orphans(make_settings: Any, serve: Any) -> None:
@@ -26,7 +25,7 @@ def test_db_gc_keeps_indexed_blobs_and_removes_old_orphans(make_settings: Any, s
     for kept_or_old in (digest, orphan):
         os.utime(store.path(kept_or_old), (past, past))
     result = subprocess.run(
-        [sys.executable, "-m", "kcache.cli", "db", "gc", "--data-dir", str(settings.data_dir)],
+        [KCACHE, "db", "gc", "--data-dir", str(settings.data_dir)],
         capture_output=True,
         text=True,
     )

@@ -10,7 +10,7 @@ from typing import Any
 from kcache_server.fastpath import ROUTE, ArtifactFastPath
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import audit_rows, unique, vector_add
+from tests.support import audit_rows, unique, vector_add
 
 
 class _Inner:

@@ -34,12 +34,11 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from tests.server.conftest import PG_ADMIN_URL, ServerThread, unique, vector_add
+from tests.support import ROOT, ServerThread, pg_database, unique, vector_add
 
 #: /healthz must answer within this after (and during) any hostile request.
 LIVENESS_S = 2.0
 HEX = "ab" * 32
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -92,21 +91,9 @@ def fresh_pg_database() -> Iterator[str]:
     """The URL of a new PostgreSQL database at the head revision, dropped afterwards (or a skip)."""
     from kcache_server import migrate
 
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
-    name = f"kcache_hostile_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    except sa.exc.OperationalError as exc:
-        pytest.skip(f"PostgreSQL is not reachable at {PG_ADMIN_URL}: {exc}")
-    url = sa.engine.make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    try:
+    with pg_database("kcache_hostile") as url:
         migrate.upgrade(url)
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,8 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +30,15 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from tests.server.conftest import ServerThread, unique, upgrade, vector_add
-from tests.server.test_workers_and_locks import SLOW
+from tests.support import (
+    KCACHE,
+    ServerThread,
+    never_finishes,
+    unique,
+    upgrade,
+    vector_add,
+    wait_until,
+)
 
 #: Liveness: /healthz must answer within this, whatever else is going on.
 LIVENESS_S = 2.0
@@ -44,24 +50,11 @@ PAST = time.time() - 7200
 
 def _gc(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kcache.cli", "db", "gc", *args],
+        [KCACHE, "db", "gc", *args],
         capture_output=True,
         text=True,
         check=False,
     )
-
-
-def _wait_until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def _slow(tag: str) -> dict[str, Any]:
-    """A recipe whose template never finishes instantiating (runs into compile_timeout_s)."""
-    return {"source": f"// {tag}\n{SLOW}", "target": "sm_80"}
 
 
 def _healthy(server: ServerThread, recipe: dict[str, Any], token: str | None = None) -> None:
@@ -125,7 +118,7 @@ def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ops]:
 def test_row7_a_caller_flooding_timeouts_cannot_starve_another(ops: Ops) -> None:
     server, pool = ops.server, ops.server.state.backends.compiler
     restarts = pool.restarts
-    x, y = _slow(unique("x")), _slow(unique("y"))
+    x, y = never_finishes(unique("x")), never_finishes(unique("y"))
     finished: dict[str, tuple[float, httpx.Response]] = {}
 
     def send(name: str, token: str, recipe: dict[str, Any]) -> None:
@@ -138,7 +131,7 @@ def test_row7_a_caller_flooding_timeouts_cannot_starve_another(ops: Ops) -> None
     with ThreadPoolExecutor(11) as executor:
         for i, recipe in enumerate([x, y] * 5):
             executor.submit(send, f"flood{i}", ops.flooder, recipe)
-        _wait_until(lambda: pool.pending >= 1, "the flood's first compile")
+        wait_until(lambda: pool.pending >= 1, "the flood's first compile")
         executor.submit(send, "neighbour", ops.neighbour, vector_add(unique("neighbour")))
     neighbour_at, neighbour = finished.pop("neighbour")
     assert neighbour.status_code == 200 and neighbour.json()["status"] == "compiled", neighbour.text
@@ -192,13 +185,13 @@ def test_row11_dead_idle_workers_are_replaced_and_no_wait_is_unbounded(
 ) -> None:
     caplog.set_level(logging.INFO, logger="kcache_server.compile_pool")
     server, pool = ops.server, ops.server.state.backends.compiler
-    _wait_until(lambda: pool.idle == 2, "two idle workers")
+    wait_until(lambda: pool.idle == 2, "two idle workers")
     for pid in pool.pids:
         os.kill(pid, signal.SIGKILL)  # what the OOM killer does to an idle worker
     with server.client(ops.neighbour) as client:
         after = client.post("/v1/resolve", json={"recipe": vector_add(unique())})
     assert after.status_code == 200 and after.json()["status"] == "compiled", after.text
-    _wait_until(lambda: pool.idle == 2, "both workers replaced")
+    wait_until(lambda: pool.idle == 2, "both workers replaced")
     deaths = [r.getMessage() for r in caplog.records if "died while idle" in r.getMessage()]
     assert len(deaths) == 2
     assert any("started as a replacement" in r.getMessage() for r in caplog.records)
@@ -229,7 +222,7 @@ def test_row11_dead_idle_workers_are_replaced_and_no_wait_is_unbounded(
     finally:
         pool.tmp_dir = scratch_parent
     assert any("could not start" in r.getMessage() for r in caplog.records)
-    _wait_until(lambda: pool.idle == 2, "the background restarts to succeed")
+    wait_until(lambda: pool.idle == 2, "the background restarts to succeed")
     with server.client(ops.neighbour) as client:
         recovered = client.post("/v1/resolve", json={"recipe": vector_add(unique())})
     assert recovered.status_code == 200 and recovered.json()["status"] == "compiled"
@@ -540,7 +533,7 @@ def test_row13_a_full_disk_is_507_store_full_everywhere(small_disk: Path) -> Non
 
             filler.unlink()
             pool.min_free_bytes = 8 << 20
-            _wait_until(
+            wait_until(
                 lambda: client.get("/readyz").status_code == 200, "ready again once space is free"
             )
             assert (

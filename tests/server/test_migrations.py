@@ -12,9 +12,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from tests.server.conftest import KCACHE, upgrade
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import KCACHE, ROOT, upgrade
 
 
 def _agree(url: str) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.conftest import KCACHE, audit_rows, free_port, unique, upgrade, vector_add
+from tests.support import ServerProcess, audit_rows, unique, upgrade, vector_add
 
 
 def _restart_keeps_everything(make_settings: Any, serve: Any, **db: Any) -> None:
@@ -43,40 +41,16 @@ def test_restart_keeps_everything_on_postgres(make_settings: Any, serve: Any, pg
     _restart_keeps_everything(make_settings, serve, db_url=pg_url)
 
 
-def _start(port: int, data_dir: Path, db_url: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "KCACHE_COMPILE_WORKERS": "2", "KCACHE_AUDIT_FLUSH_S": "0.1"}
-    return subprocess.Popen(
-        [KCACHE, "serve", "--port", str(port), "--data-dir", str(data_dir), "--db-url", db_url],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-
-
-def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(
-                process.stderr.read().decode() if process.stderr else "server exited"
-            )
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not become ready")
-
-
 def _two_replicas_compile_each_recipe_once(data_dir: Path, db_url: str) -> None:
     upgrade(db_url)
-    ports = [free_port(), free_port()]
-    processes = [_start(port, data_dir, db_url) for port in ports]
+    env = {**os.environ, "KCACHE_COMPILE_WORKERS": "2", "KCACHE_AUDIT_FLUSH_S": "0.1"}
+    replicas = [ServerProcess(data_dir, db_url=db_url, env=env) for _ in range(2)]
     try:
-        urls = [f"http://127.0.0.1:{port}" for port in ports]
-        for url, process in zip(urls, processes, strict=True):
-            _wait_ready(url, process)
+        for replica in replicas:
+            replica.launch()
+        for replica in replicas:
+            replica.wait_ready(ready="/readyz")
+        urls = [replica.url for replica in replicas]
         tag = unique()
         recipes = [vector_add(f"{tag}-{i}") for i in range(20)]
         jobs = [
@@ -99,10 +73,8 @@ def _two_replicas_compile_each_recipe_once(data_dir: Path, db_url: str) -> None:
         }
         assert all(len(d) == 1 for d in digests.values())
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=30)
+        for replica in replicas:
+            replica.stop()
     # The audit trail (flushed on shutdown) agrees: 20 compiles, 40 answers, no errors.
     rows = audit_rows(db_url)
     keys = {r.recipe_key for r in rows if r.outcome == "compiled"}

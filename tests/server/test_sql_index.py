@@ -12,7 +12,7 @@ from kcache.artifact import ArtifactMeta, CompileFailure
 from kcache.deps import Dependency
 from kcache.index.base import MANIFEST_LIMIT, Index
 from kcache.index.file import FileIndex
-from tests.server.conftest import upgrade
+from tests.support import upgrade
 
 
 def h(text: str) -> str:

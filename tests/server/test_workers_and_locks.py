@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,15 +16,7 @@ from kcache.errors import CompileTimeoutError, LockTimeoutError, ToolchainError
 from kcache.include_sets import IncludeSets
 from kcache.recipe import Recipe
 from kcache.toolchain import load_toolchain
-from tests.server.conftest import unique, upgrade, vector_add
-
-SLOW = (
-    "template <int N, unsigned long long K> struct X {\n"
-    "  enum : unsigned long long { v = X<N - 1, K * 2>::v + X<N - 1, K * 2 + 1>::v };\n"
-    "};\n"
-    "template <unsigned long long K> struct X<0, K> { enum : unsigned long long { v = K }; };\n"
-    "__global__ void k(unsigned long long* o) { *o = X<60, 1>::v; }\n"
-)
+from tests.support import NEVER_FINISHES, unique, upgrade, vector_add, wait_until
 
 
 def _pool(tmp_path: Path, **kwargs: object):  # type: ignore[no-untyped-def]
@@ -37,6 +30,15 @@ def _pool(tmp_path: Path, **kwargs: object):  # type: ignore[no-untyped-def]
     }
     options.update(kwargs)
     return ProcessPoolCompiler(load_toolchain(), IncludeSets(), tmp_dir=tmp_path / "tmp", **options)  # type: ignore[arg-type]
+
+
+def _wait_until_compiling(scratch: Path) -> None:
+    """Until the worker with this scratch directory is inside NVRTC.
+
+    A compile makes its trace directory (``kcache-trace-*``, in the worker's ``TMPDIR``)
+    just before it calls NVRTC, and removes it when the compile ends.
+    """
+    wait_until(lambda: any(scratch.glob("kcache-trace-*")), "the worker to start compiling")
 
 
 def _recipe(source: str) -> Recipe:
@@ -58,15 +60,15 @@ def test_a_crashing_worker_fails_one_compile_and_is_replaced(pool) -> None:  # t
 
     def compile_slow() -> None:
         try:
-            pool.compile(_recipe(f"// {unique()}\n{SLOW}"))
+            pool.compile(_recipe(f"// {unique()}\n{NEVER_FINISHES}"))
         except BaseException as exc:
             errors.append(exc)
 
-    worker_pid = next(iter(pool._all)).process.pid
+    worker = next(iter(pool._all))
     thread = threading.Thread(target=compile_slow)
     thread.start()
-    time.sleep(0.5)
-    os.kill(worker_pid, signal.SIGKILL)  # what a segfault in NVRTC looks like from outside
+    _wait_until_compiling(worker.scratch)
+    os.kill(worker.process.pid, signal.SIGKILL)  # what a segfault in NVRTC looks like from outside
     thread.join(timeout=30)
     assert len(errors) == 1 and isinstance(errors[0], CompileWorkerCrashedError)
     assert "died while compiling" in str(errors[0])
@@ -84,13 +86,13 @@ def test_timeout_kills_the_worker_and_the_queue_is_bounded(tmp_path: Path) -> No
 
         def compile_slow() -> None:
             try:
-                pool.compile(_recipe(SLOW))
+                pool.compile(_recipe(NEVER_FINISHES))
             except BaseException as exc:
                 results.append(exc)
 
         thread = threading.Thread(target=compile_slow)
         thread.start()
-        time.sleep(0.5)
+        wait_until(lambda: pool.pending == 1, "the slow compile to take the one worker")
         with pytest.raises(
             OverloadedError
         ) as overloaded:  # one worker busy, no queue: refused at once
@@ -127,18 +129,20 @@ def test_workers_are_handed_out_in_turn_across_callers(tmp_path: Path) -> None:
     def start(caller: str, name: str, source: str, pending: int) -> threading.Thread:
         thread = threading.Thread(target=compile_as, args=(caller, name, source))
         thread.start()
-        deadline = time.monotonic() + 30
-        while pool.pending < pending and thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(
+            lambda: pool.pending >= pending or not thread.is_alive(),
+            f"{name} to be running or queued",
+            timeout=30,
+        )
         return thread
 
     try:
         threads = [
-            start("token:a", "a1", f"// {unique()}\n{SLOW}", 1),
-            start("token:a", "a2", f"// {unique()}\n{SLOW}", 2),
+            start("token:a", "a1", f"// {unique()}\n{NEVER_FINISHES}", 1),
+            start("token:a", "a2", f"// {unique()}\n{NEVER_FINISHES}", 2),
         ]
         # A holds its one worker and has its one queued compile: a third is refused at once.
-        compile_as("token:a", "a3", f"// {unique()}\n{SLOW}")
+        compile_as("token:a", "a3", f"// {unique()}\n{NEVER_FINISHES}")
         refused = outcomes["a3"]
         assert isinstance(refused, OverloadedError) and "compile_caller_queue_limit=1" in str(
             refused
@@ -181,7 +185,7 @@ def test_pg_advisory_lock_reports_waiting_and_times_out(pg_url: str) -> None:
             outcome: list[bool] = []
             waiter = threading.Thread(target=lambda: outcome.append(_hold(second, key)))
             waiter.start()
-            time.sleep(0.5)
+            wait_until(lambda: _advisory_waiters(engine) == 1, "the second holder to wait")
         waiter.join(timeout=10)
         assert outcome == [True]  # it had to wait for the first holder
         with second.hold(key, 1) as waited:
@@ -189,6 +193,22 @@ def test_pg_advisory_lock_reports_waiting_and_times_out(pg_url: str) -> None:
     finally:
         engine.dispose()
         other.dispose()
+
+
+def _advisory_waiters(engine: Any) -> int:
+    """Sessions of this database waiting for an advisory lock another session holds."""
+    import sqlalchemy as sa
+
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database"
+                    " WHERE l.locktype = 'advisory' AND NOT l.granted"
+                    " AND d.datname = current_database()"
+                )
+            ).scalar_one()
+        )
 
 
 def _hold(lock: object, key: str) -> bool:
