@@ -172,7 +172,12 @@ class AuditEvent(Base):
     """One lookup outcome: ``hit``, ``local_hit``, ``compiled``, ``waited``, ``miss`` or ``error``."""
 
     __tablename__ = "audit_events"
-    __table_args__ = (Index(None, "outcome", "at"),)
+    __table_args__ = (
+        Index(None, "outcome", "at"),
+        # Covers /v1/stats' rank divergence (group by job, base key, target; distinct
+        # digests; server tier) and, by its prefix, every lookup by job (migration 0006).
+        Index(None, "job_id", "base_key", "target", "digest", "tier"),
+    )
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
     at: Mapped[Stamp] = mapped_column(index=True)
@@ -189,7 +194,7 @@ class AuditEvent(Base):
     client_id: Mapped[str | None] = mapped_column(String(256), index=True)
     host: Mapped[str | None] = mapped_column(String(256))
     pid: Mapped[int | None]
-    job_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    job_id: Mapped[str | None] = mapped_column(String(256))
     rank: Mapped[int | None]
     world_size: Mapped[int | None]
     latency_ms: Mapped[float]  # the mean, when the row stands for several lookups
