@@ -1,0 +1,261 @@
+"""B8: what a rank does. N processes of one node, one empty node tier, ``get()`` 24 kernels.
+
+Ours: N (``B8_RANKS``, default 8) real processes share one empty node-local tier and
+each call ``KernelCache.get`` on the same 24 kernels, which a warm ``kcache serve`` holds
+(compiled beforehand, its memory caches filled by one fetch each). The processes start,
+import and build their cache first, then wait for a "go" line; the wall time runs from
+"go" to the last rank holding all 24 verified artifacts.
+
+Figures (median of ``B8_ROUNDS`` rounds, default 3, ours and the anchor interleaved):
+
+* ``B8.rank_fetch.requests``: HTTP requests that reached the server during a round,
+  from its ``/metrics`` (every route but ``/metrics``), against the goal of 24 for the
+  node: one request per kernel (``GET /v1/recipes/{key}/artifact`` carries the bytes
+  and the metadata), made once per node (the tier's per-key lock makes the other ranks
+  wait and read the tier), not 24 x N and not 48. The ranks' own counts
+  (``KernelCache.requests``) and where their artifacts came from are reported too.
+* ``B8.rank_fetch.wall_ms``: against N curl processes each fetching the same 24 files
+  from nginx (1 worker, files on disk) over one connection, started beforehand and
+  released at "go" the same way (curl reads its URL list from stdin). Beside it: one
+  rank alone on an empty tier (what the node's one fetch of each kernel costs, publishing
+  included) and one curl fetching the 24 files once. Goal <= 1.5 x.
+
+    python b8_rank_fetch.py                 # the benchmark
+    python b8_rank_fetch.py rank CONFIG     # one rank (started by the benchmark)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness, b1_fetch
+from _harness import emit, kcache_server
+from b1_fetch import nginx_serving
+
+RANKS = int(os.environ.get("B8_RANKS", "8"))
+ROUNDS = int(os.environ.get("B8_ROUNDS", "3"))
+KERNELS = 24
+TARGET = "sm_90"
+
+
+def kernel_source(i: int) -> str:
+    """The i-th of 24 distinct small kernels (a few KB of cubin each)."""
+    return (
+        f'extern "C" __global__ void axpb_{i}(const float* x, float* y, int n) {{\n'
+        "  int j = blockIdx.x * blockDim.x + threadIdx.x;\n"
+        f"  if (j < n) y[j] = {i + 2}.0f * x[j] + {i}.5f;\n"
+        "}\n"
+    )
+
+
+# ---------------------------------------------------------------------------- one rank
+def rank_main(config_path: str) -> None:
+    """One rank: build the cache, say ready, wait for "go", get the 24 kernels, report."""
+    from kcache_client import ClientSettings, KernelCache
+
+    from kcache import Recipe
+
+    cfg = json.loads(Path(config_path).read_text())
+    recipes = [Recipe.from_dict(d) for d in cfg["recipes"]]
+    settings = ClientSettings.from_env(send_events=False)
+    cache = KernelCache(cfg["url"], cache_dir=cfg["tier"], settings=settings)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    start = time.monotonic()
+    artifacts = [cache.get(r) for r in recipes]
+    end = time.monotonic()
+    verified = all(hashlib.sha256(a.data).hexdigest() == a.digest for a in artifacts)
+    print(
+        json.dumps(
+            {
+                "start": start,
+                "end": end,
+                "requests": cache.requests,
+                "origins": Counter(a.origin for a in artifacts),
+                "digests": [a.digest for a in artifacts],
+                "verified": verified,
+            }
+        ),
+        flush=True,
+    )
+    cache.close()
+
+
+# ---------------------------------------------------------------------------- the benchmark
+def server_requests(url: str) -> int:
+    """Requests the server has answered so far, every route but ``/metrics`` itself."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "kcache_http_requests_total" and sample.labels["route"] != "/metrics":
+                total += sample.value
+    return int(total)
+
+
+def ours(
+    url: str, work: Path, recipes: list[dict[str, Any]], ranks: int, tag: str
+) -> dict[str, Any]:
+    """One round of ``ranks`` ranks on an empty tier: wall ms, server-side requests, their reports."""
+    config = work / f"ours-{tag}.json"
+    config.write_text(
+        json.dumps({"url": url, "tier": str(work / f"tier-{tag}"), "recipes": recipes})
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "rank", str(config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(ranks)
+    ]
+    for proc in procs:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("a rank did not start")
+    before = server_requests(url)
+    go = time.monotonic()
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.close()
+    reports = []
+    for proc in procs:
+        assert proc.stdout is not None
+        out = proc.stdout.read()  # not communicate(): it would flush the stdin closed above
+        if proc.wait(timeout=300) != 0:
+            raise RuntimeError(f"a rank exited {proc.returncode}")
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    wall_ms = (max(r["end"] for r in reports) - go) * 1000.0
+    return {"wall_ms": wall_ms, "server": server_requests(url) - before, "reports": reports}
+
+
+def curls(urls: list[str], work: Path, ranks: int, tag: str) -> float:
+    """``ranks`` curl processes, each fetching ``urls`` into its own directory: wall ms."""
+    procs, configs = [], []
+    for rank in range(ranks):
+        out = work / f"curl-{tag}-{rank}"
+        out.mkdir(parents=True)
+        configs.append(
+            "".join(f'url = "{u}"\noutput = "{out / u.rsplit("/", 1)[1]}"\n' for u in urls)
+        )
+        procs.append(
+            subprocess.Popen(
+                ["curl", "--silent", "--fail", "--config", "-"], stdin=subprocess.PIPE, text=True
+            )
+        )
+    # curl reads its whole config before it starts: started above, released here.
+    go = time.monotonic()
+    for proc, config in zip(procs, configs, strict=True):
+        assert proc.stdin is not None
+        proc.stdin.write(config)
+        proc.stdin.close()
+    for proc in procs:
+        if proc.wait(timeout=120) != 0:
+            raise RuntimeError(f"curl exited {proc.returncode}")
+    wall_ms = (time.monotonic() - go) * 1000.0
+    for rank in range(ranks):
+        shutil.rmtree(work / f"curl-{tag}-{rank}")
+    return wall_ms
+
+
+def main() -> None:
+    from kcache_client import ClientSettings, KernelCache
+
+    from kcache import Recipe
+
+    if shutil.which("nginx") is None or shutil.which("curl") is None:
+        emit("B8.rank_fetch.wall_ms", 0.0, None, "ms", skipped="needs nginx and curl")
+        return
+    with (
+        tempfile.TemporaryDirectory(prefix="kcache-b8-") as tmp_name,
+        kcache_server() as url,
+    ):
+        work = Path(tmp_name)
+        toolchain = httpx.get(f"{url}/v1/toolchains", timeout=10).json()["default"]
+        recipes = [
+            Recipe(source=kernel_source(i), target=TARGET, toolchain=toolchain)
+            for i in range(KERNELS)
+        ]
+        # Compiled on the server beforehand, through another node's tier.
+        quiet = ClientSettings.from_env(send_events=False)
+        with KernelCache(url, cache_dir=work / "seed", settings=quiet) as seed:
+            seed.warmup(recipes, progress=False)
+            artifacts = [seed.get(r) for r in recipes]
+        files = work / "files"  # nginx_serving opens its parent (the temp dir) to nginx
+        files.mkdir(parents=True)
+        for i, art in enumerate(artifacts):
+            (files / f"k{i:02d}.cubin").write_bytes(art.data)
+        (files / "blob").write_bytes(artifacts[0].data)  # what nginx_serving probes
+        keys = [r.key() for r in recipes]
+        for key in keys:  # warm: the fast path's memory caches hold every kernel
+            httpx.get(f"{url}/v1/recipes/{key}/artifact", timeout=10).raise_for_status()
+        expected = [a.digest for a in artifacts]
+        payload = [r.to_dict() for r in recipes]
+        with nginx_serving(files) as blob_url:
+            base = blob_url.rsplit("/", 1)[0]
+            urls = [f"{base}/k{i:02d}.cubin" for i in range(KERNELS)]
+            rounds, anchor, alone, single = [], [], [], []
+            for n in range(ROUNDS):
+                rounds.append(ours(url, work, payload, RANKS, f"{n}-all"))
+                anchor.append(curls(urls, work, RANKS, f"{n}-all"))
+                alone.append(ours(url, work, payload, 1, f"{n}-one")["wall_ms"])
+                single.append(curls(urls, work, 1, f"{n}-one"))
+    for r in rounds:
+        for report in r["reports"]:
+            if report["digests"] != expected or not report["verified"]:
+                raise RuntimeError("a rank got other bytes than the server's")
+    server = [r["server"] for r in rounds]
+    clients = [sum(rep["requests"] for rep in r["reports"]) for r in rounds]
+    origins: Counter[str] = Counter()
+    for report in rounds[-1]["reports"]:
+        origins.update(report["origins"])
+    emit(
+        "B8.rank_fetch.requests",
+        float(statistics.median(server)),
+        float(KERNELS),
+        "requests",
+        goal="== 24 per node (not 24 x N, not 48)",
+        met=max(server) == KERNELS,
+        ranks=RANKS,
+        server_per_round=server,
+        client_counted_per_round=clients,
+        origins_last_round=dict(origins),
+        without_a_shared_tier=KERNELS * RANKS,
+    )
+    emit(
+        "B8.rank_fetch.wall_ms",
+        statistics.median(r["wall_ms"] for r in rounds),
+        statistics.median(anchor),
+        "ms",
+        goal="<= 1.5 x (N curl processes, 24 files each, from nginx)",
+        met=statistics.median(r["wall_ms"] for r in rounds) <= 1.5 * statistics.median(anchor),
+        ranks=RANKS,
+        rounds=ROUNDS,
+        ours_per_round=[round(r["wall_ms"], 1) for r in rounds],
+        anchor_per_round=[round(a, 1) for a in anchor],
+        one_rank_alone_ms=round(statistics.median(alone), 1),
+        one_curl_24_files_ms=round(statistics.median(single), 1),
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["rank"]:
+        rank_main(sys.argv[2])
+    else:
+        main()
