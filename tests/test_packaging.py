@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
+import time
 import zipfile
 from dataclasses import dataclass
 from email.message import Message
@@ -353,3 +354,149 @@ def test_an_installed_server_runs_its_migrations_from_the_package(
     assert Path(result["migrations"]) == installed / "kcache_server" / "migrations"
     assert result["current"] == result["head"] and result["head"], result
     assert {"alembic_version", "artifacts", "audit_events"} <= set(result["tables"])
+
+
+def _venv(where: Path, *wheels: Path) -> Path:
+    """A fresh virtual environment with ``wheels`` installed (not editable); its bin directory.
+
+    The wheels' own requirements come from the package index like any user's install (pip's
+    cache makes the second run quick); the sibling wheels are found by ``--find-links`` so a
+    ``kcache`` requirement takes this build, not a release.
+    """
+    subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
+    links = sorted({str(w.parent) for w in wheels})
+    pip = [
+        str(where / "bin" / "python"),
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+    ]
+    run = subprocess.run(
+        [*pip, *(f"--find-links={d}" for d in links), *(str(w) for w in wheels)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, (
+        f"installing {[w.name for w in wheels]}:\n{run.stdout}\n{run.stderr}"
+    )
+    return where / "bin"
+
+
+def _kcache(bin_dir: Path, *args: str, env: dict[str, str], cwd: Path) -> str:
+    """Run the installed ``kcache`` command; what it printed."""
+    run = subprocess.run(
+        [str(bin_dir / "kcache"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        check=False,
+    )
+    assert run.returncode == 0, f"kcache {' '.join(args)}:\n{run.stdout}\n{run.stderr}"
+    return run.stdout
+
+
+def _json_line(text: str) -> dict[str, object]:
+    line: dict[str, object] = json.loads(text.strip().splitlines()[-1])
+    return line
+
+
+def test_wheels_serve_and_a_client_only_venv_compiles_and_fetches(
+    built: dict[str, Built], tmp_path: Path
+) -> None:
+    """The smoke test of a real install: a server venv from the three wheels (the core with
+    its NVRTC extra), a client venv with only kcache-client and the core (no FastAPI, no
+    SQLAlchemy), then ``db upgrade``, ``serve``, a compile and a ``get`` through the server,
+    and ``stats``, each with the installed commands, never the checkout."""
+    import httpx
+
+    from tests.support import free_port
+
+    core = built["kcache"].wheel
+    server_bin = _venv(tmp_path / "server-venv", core, built["kcache-server"].wheel)
+    client_bin = _venv(tmp_path / "client-venv", core, built["kcache-client"].wheel)
+    probe = subprocess.run(
+        [
+            str(client_bin / "python"),
+            "-c",
+            "import importlib.util as u; print([m for m in ('fastapi', 'sqlalchemy', 'uvicorn', "
+            "'kcache_server') if u.find_spec(m)])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert probe.stdout.strip() == "[]", probe.stdout
+
+    work = tmp_path / "work"
+    work.mkdir()
+    # Only what a user's shell would have: no PYTHONPATH into the checkout, no KCACHE_*.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KCACHE_", "PYTHON"))}
+    env["KCACHE_CACHE_DIR"] = str(tmp_path / "node-tier")
+    data = tmp_path / "data"
+    _kcache(server_bin, "db", "upgrade", "--data-dir", str(data), env=env, cwd=work)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "serve.log").open("wb")
+    server = subprocess.Popen(
+        [str(server_bin / "kcache"), "serve", "--port", str(port), "--data-dir", str(data)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=work,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
+        source = work / "add.cu"
+        source.write_text(
+            'extern "C" __global__ void add(float* o, const float* a, int n) {\n'
+            "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+            "  if (i < n) o[i] += a[i];\n}\n"
+        )
+        first = _json_line(
+            _kcache(
+                client_bin,
+                "compile",
+                "add.cu",
+                "--target",
+                "sm_90",
+                "--server",
+                url,
+                env=env,
+                cwd=work,
+            )
+        )
+        assert first["status"] == "compiled", first
+        again = _json_line(
+            _kcache(
+                client_bin, "get", "add.cu", "--target", "sm_90", "--server", url, env=env, cwd=work
+            )
+        )
+        assert again["digest"] == first["digest"], again
+        stats = httpx.get(f"{url}/v1/stats", timeout=10).json()
+        assert stats["totals"].get("compiled") == 1, stats
+        shown = subprocess.run(
+            [str(server_bin / "kcache"), "stats", "--server", url],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=work,
+            check=False,
+        )
+        assert shown.returncode == 0 and "compiled" in shown.stdout, shown.stdout + shown.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
