@@ -204,6 +204,13 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
     nvrtc_version = f"{major}.{minor}"
     jl_major, jl_minor = nvjitlink.version()
     nvjitlink_version = f"{jl_major}.{jl_minor}"
+    if (int(jl_major), int(jl_minor)) < (int(major), int(minor)):  # type: ignore[call-overload]
+        # nvJitLink links LTO-IR only from an NVRTC no newer than itself: refuse the pair
+        # here, by name, rather than let every LTO recipe fail with ERROR_OUTDATED_LIBRARY.
+        raise ToolchainError(
+            f"nvJitLink {nvjitlink_version} ({jitlink_lib}) is older than NVRTC {nvrtc_version} "
+            f"({nvrtc_lib}) and cannot link its LTO-IR: {nvrtc_install_advice()}"
+        )
     lib_hash = _library_hash(libraries, root)
     include_root = root / f"nvrtc{nvrtc_version}-{lib_hash[:16]}"
     tree = _install_headers(include_root, f"NVRTC {nvrtc_version} ({nvrtc_lib})")
