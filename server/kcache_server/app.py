@@ -179,7 +179,14 @@ def allowed_methods(request: Request) -> list[str]:
     ``GET``/``POST``/``DELETE /v1/pins``): ``Allow`` must name them all.
     """
     methods: set[str] = set()
-    for route in request.app.router.routes:
+    routes = list(request.app.router.routes)
+    while routes:
+        route = routes.pop()
+        # FastAPI >= 0.160 mounts each included router as one route holding its own.
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            routes.extend(inner.routes)
+            continue
         match, _ = route.matches(request.scope)
         if match is not Match.NONE:
             methods.update(getattr(route, "methods", None) or ())

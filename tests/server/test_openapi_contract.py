@@ -47,6 +47,8 @@ class Contract:
     server: ServerThread
     openapi: dict[str, Any]
     answers: list[tuple[Sample, httpx.Response]]
+    recipe_key: str
+    digest: str
 
 
 def _closed(node: Any) -> Any:
@@ -164,7 +166,7 @@ def contract(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Contract]:
                 for s in samples
             ]
             openapi = http.get("/openapi.json").json()
-        yield Contract(server, openapi, answers)
+        yield Contract(server, openapi, answers, seed["recipe_key"], seed["artifact"]["digest"])
     finally:
         server.stop()
 
@@ -286,3 +288,36 @@ def test_the_published_schema_is_the_one_the_models_generate(contract: Contract)
     generated = ResolveResponse.model_json_schema(ref_template="#/components/schemas/{model}")
     generated.pop("$defs", None)
     assert published == generated
+
+
+def test_head_answers_what_get_would_with_no_body(contract: Contract) -> None:
+    """HEAD /v1/blobs/{digest}: GET's status, type, length and ETag, and no bytes."""
+    with contract.server.client() as http:
+        got = http.get(f"/v1/blobs/{contract.digest}")
+        head = http.head(f"/v1/blobs/{contract.digest}")
+    assert (head.status_code, got.status_code) == (200, 200)
+    for header in ("content-type", "content-length", "etag", "cache-control"):
+        assert head.headers[header] == got.headers[header], header
+    assert head.headers["content-type"] == "application/octet-stream"
+    assert head.content == b"" and len(got.content) == int(got.headers["content-length"])
+    responses = contract.openapi["paths"]["/v1/blobs/{digest}"]["head"]["responses"]
+    assert "application/octet-stream" in responses["200"]["content"]
+
+
+@pytest.mark.parametrize("method", ["OPTIONS", "PUT", "PATCH"])
+@pytest.mark.parametrize(
+    "route", ["/v1/blobs/{digest}", "/v1/pins", "/v1/recipes/{recipe_key}", "/v1/resolve"]
+)
+def test_a_405_allows_exactly_the_documented_methods(
+    contract: Contract, method: str, route: str
+) -> None:
+    """``Allow`` names every method the path serves, even when they are separate routes."""
+    url = route.format(digest=contract.digest, recipe_key=contract.recipe_key)
+    with contract.server.client() as http:
+        response = http.request(method, url)
+    assert response.status_code == 405, response.text
+    documented = {m.upper() for m in contract.openapi["paths"][route]}
+    allowed = {m.strip() for m in response.headers["allow"].split(",")}
+    assert allowed == documented
+    assert response.json()["error"] == "method_not_allowed"
+    assert method in response.json()["detail"]
