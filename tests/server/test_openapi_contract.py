@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 from jsonschema import Draft202012Validator
 
-from tests.server.conftest import ServerThread, unique, vector_add
+from tests.support import ServerThread, unique, vector_add
 
 BROKEN = {"source": "__global__ void broken() { this is not cuda; }", "target": "sm_80"}
 

@@ -43,10 +43,10 @@ from schemathesis.engine import events
 
 from kcache.errors import RecipeError
 from kcache.specialization import normalize_specialization
-from tests.server.conftest import ServerThread
+from tests.support import ServerThread
 
 #: Examples per operation in the fuzzing phase (the coverage phase adds its own).
-EXAMPLES = 20
+EXAMPLES = 25
 FIXED_SEED = 20_240_520
 #: The operations that compile on a miss unless told not to.
 _RESOLVES = ("POST /v1/resolve", "POST /v1/resolve/batch")
