@@ -111,7 +111,7 @@ YEAR_PATTERN = "^(?:19[7-9][0-9]|[2-8][0-9]{3}|9[0-8][0-9]{2}|99[0-8][0-9]|999[0
 _UNIX = re.compile(UNIX_TIME_PATTERN[1:-1])
 _RELATIVE = re.compile("-?([0-9.]+)([smhdw])")  # its digits, once SPAN_PATTERN matched
 _SPAN = re.compile(SPAN_PATTERN[1:-1])
-_YEAR = re.compile(YEAR_PATTERN[1:])
+_YEARS = range(1970, 9999)  # what YEAR_PATTERN allows
 # RFC 3339 (what JSON Schema's "date" and "date-time" formats are), as written.
 _RFC3339 = re.compile(
     r"([0-9]{4})-([0-9]{2})-([0-9]{2})"
@@ -156,7 +156,7 @@ def parse_time(value: str | None, field: str, now: float | None = None) -> datet
         if seconds < 0:  # only with a clock set before 2001
             raise InvalidRequestError(field, f"{value!r} reaches back before 1970")
         return datetime.fromtimestamp(seconds, timezone.utc)
-    parsed = _rfc3339(value) if _YEAR.match(value) else None
+    parsed = _rfc3339(value)
     if parsed is None:
         raise InvalidRequestError(
             field,
@@ -177,6 +177,8 @@ def _rfc3339(text: str) -> datetime | None:
     if match is None:
         return None
     year, month, day, hour, minute, second, fraction, zulu, sign, off_h, off_m = match.groups()
+    if int(year) not in _YEARS:
+        return None
     try:
         if hour is None:
             return datetime(int(year), int(month), int(day), tzinfo=timezone.utc)
