@@ -57,6 +57,13 @@ __all__ = ["ProcessPoolCompiler"]
 
 log = logging.getLogger(__name__)
 
+#: How a worker's start failure reads when its address-space limit was the cause.
+_MEMORY_FAILURES = (
+    "MemoryError",
+    "out of memory",
+    "failed to map segment",
+    "Cannot allocate memory",
+)
 _START_TIMEOUT_S = 180.0
 #: Waits between attempts to start a replacement worker that failed to start.
 _RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -226,11 +233,12 @@ class ProcessPoolCompiler:
                     f"a compile worker loaded toolchain {message[1]}, not {self.toolchain.id}"
                 )
             detail = str(message[1])
-            # Only a memory failure is about the limit; anything else (a mismatched
-            # nvJitLink, a missing library) must not send the operator after memory.
+            # Only a memory failure is about the limit (under RLIMIT_AS a library that does
+            # not fit fails to dlopen with "failed to map segment"); anything else (a
+            # mismatched nvJitLink, a missing library) must not send the operator after memory.
             hint = (
                 f"; compile_memory_mb={self.memory_mb} may be too small"
-                if "MemoryError" in detail or "out of memory" in detail
+                if any(sign in detail for sign in _MEMORY_FAILURES)
                 else ""
             )
             raise ToolchainError(f"a compile worker could not start ({detail}){hint}")
