@@ -22,7 +22,7 @@ def core_requirement(extras: str = "") -> str:
     A new minor release may change the recipe schema or the engine's API, so a client
     or server never runs against another series.
     """
-    release = re.match(r"(\d+)\.(\d+)", __version__)
+    release = re.fullmatch(r"([0-9]+)\.([0-9]+)(?:[.+-].*)?", __version__)
     if release is None:  # a malformed version must fail the build, not yield a wrong range
         raise ValueError(f"kcache version {__version__!r} does not start with MAJOR.MINOR")
     major, minor = int(release.group(1)), int(release.group(2))

@@ -9,8 +9,9 @@ from kcache.errors import RecipeError
 
 __all__ = ["Target", "parse_target"]
 
-# fullmatch, ASCII digits only: "sm_90\n" or "sm_٩٠" must not name sm_90 under another key.
-_TARGET_RE = re.compile(r"(sm|compute)_([0-9]{2,3})([af]?)")
+# fullmatch, ASCII digits, no leading zero: "sm_90\n", "sm_٩٠" or "sm_090" must not name
+# sm_90 under another key.
+_TARGET_RE = re.compile(r"(sm|compute)_([1-9][0-9]{1,2})([af]?)")
 
 
 @dataclass(frozen=True)

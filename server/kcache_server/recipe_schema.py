@@ -116,10 +116,10 @@ DTYPE_PATTERN = (
 def target_pattern(sms: Iterable[int], *, families: Sequence[str] = ("sm", "compute")) -> str:
     """Targets naming one of ``sms``: ``sm_XX``, ``sm_XXa``, ``sm_XXf`` (and ``compute_XX...``).
 
-    :func:`kcache.targets.parse_target` reads two or three digits, so a two-digit
-    SM may be written with a leading zero (``sm_080`` is SM 80).
+    :func:`kcache.targets.parse_target` reads the number without a leading zero
+    (``sm_080`` is refused: it would name SM 80 under another recipe key).
     """
-    numbers = "|".join(f"0?{sm}" if sm < 100 else str(sm) for sm in sorted(set(sms)))
+    numbers = "|".join(str(sm) for sm in sorted(set(sms)))
     return f"^(?:{'|'.join(families)})_(?:{numbers})[af]?$"
 
 
