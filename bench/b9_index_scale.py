@@ -37,7 +37,7 @@ import sqlalchemy as sa
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 from _harness import emit
-from b10_stats_scale import database
+from b10_stats_scale import database, settle
 
 from tests.support import VECTOR_ADD, ServerProcess
 
@@ -109,7 +109,7 @@ def fill(
                         for _, alias in pairs:
                             c.write_row(alias)
                 raw.commit()
-                conn.exec_driver_sql("ANALYZE")
+            settle(engine)
         else:
             a_rows: list[dict[str, Any]] = []
             r_rows: list[dict[str, Any]] = []
