@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kcache.cli import UsageError
 from kcache.dirs import data_dir
 from kcache.errors import KCacheError
+from kcache_server.errors import DatabaseUnavailableError
 
 if TYPE_CHECKING:
     from kcache_server.settings import Settings
@@ -145,6 +146,12 @@ def database_errors(
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
+        except DatabaseUnavailableError as exc:
+            # The engine's outage error says what a server's caller needs; a command names --db-url.
+            problem = _database_problem(exc.driver_error, args) if exc.driver_error else None
+            if problem is None:
+                raise
+            raise problem from exc
         except KCacheError:
             raise
         except Exception as exc:

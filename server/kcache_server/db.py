@@ -4,7 +4,11 @@ SQLite (the embedded default) runs in WAL mode with a busy timeout, so many
 threads and a CLI can share it; PostgreSQL gets a connection pool sized for
 advisory-lock holders plus index queries. On both, a statement that fails because
 the disk is full raises :class:`~kcache.errors.StoreFullError` (507) instead of the
-driver's error: one translation at the boundary, for every caller.
+driver's error, and a database that cannot be reached (connecting fails, or a connection
+is lost: PostgreSQL restarted, the network cut, the database closed to connections)
+raises :class:`~kcache_server.errors.DatabaseUnavailableError` (503 + Retry-After):
+one translation at the boundary, for every caller. The pool reconnects by itself
+(pre-ping), so the first statement after the database is back succeeds.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from sqlalchemy.engine import make_url
 
 from kcache.errors import StoreFullError
 from kcache.fsutil import is_disk_full
+from kcache_server.errors import DatabaseUnavailableError
 
 __all__ = ["DatabaseFile", "is_postgres", "is_sqlite", "open_database", "sqlite_path"]
 
@@ -63,8 +68,37 @@ def _disk_full(exc: BaseException) -> bool:
     return getattr(exc, "sqlstate", None) == _PG_DISK_FULL or is_disk_full(exc)
 
 
+def _unreachable(context: Any) -> bool:
+    """Whether the failure is the database being out of reach, not a statement being refused.
+
+    A connect that failed (no connection yet) or a connection the dialect reports lost.
+    A failed pre-ping is left alone: the pool reconnects after it, and only if that
+    connect fails is the database unavailable.
+    """
+    if context.is_pre_ping:
+        return False
+    return bool(context.is_disconnect) or context.connection is None
+
+
+def _translate(context: Any) -> None:
+    """``handle_error`` hook: disk full -> StoreFullError, out of reach -> DatabaseUnavailableError.
+
+    SQLAlchemy has cleaned up (and invalidated a lost connection) by the time this runs.
+    """
+    if not _disk_full(context.original_exception) and _unreachable(context):
+        # Not logged here (a command reports it in its own words); the server logs the
+        # driver's error with each 503 it answers (errors.error_body).
+        exc = context.sqlalchemy_exception or context.original_exception
+        raise DatabaseUnavailableError(
+            "the database cannot be reached right now; kernels this server holds in memory are "
+            "still served. Retry in a few seconds (the server log has the driver's error)",
+            driver_error=exc,
+        ) from exc
+    _translate_disk_full(context)
+
+
 def _translate_disk_full(context: Any) -> None:
-    """``handle_error`` hook: a full disk becomes StoreFullError (SQLAlchemy has cleaned up by now)."""
+    """A full disk becomes StoreFullError."""
     if _disk_full(context.original_exception):
         log.error(
             "a database statement failed because the disk is full: %s", context.original_exception
@@ -101,7 +135,7 @@ def open_database(url: str, *, pool_size: int = 16, max_overflow: int = 64) -> s
         engine = sa.create_engine(
             url, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True
         )
-    event.listen(engine, "handle_error", _translate_disk_full)
+    event.listen(engine, "handle_error", _translate)
     return engine
 
 

@@ -11,6 +11,7 @@ Hierarchy (the core's errors are in :mod:`kcache.errors`)::
         ├── PayloadTooLargeError                    413: body over max_request_bytes
         ├── OverloadedError                         503 + Retry-After: compile queue full
         │   └── CompilerUnavailableError            503 + Retry-After: no compile worker is running
+        ├── DatabaseUnavailableError (ConnectionError)  503 + Retry-After: the database cannot be reached
         ├── QuotaExceededError                      507: the token's stored compiles reach its quota
         ├── CompileWorkerCrashedError (ToolchainError)  500: the worker died mid-compile
         ├── SchemaOutOfDateError                    start-up refusal: run `kcache db upgrade`
@@ -50,6 +51,7 @@ __all__ = [
     "BadRequestError",
     "CompileWorkerCrashedError",
     "CompilerUnavailableError",
+    "DatabaseUnavailableError",
     "ErrorInfo",
     "IndexMissingError",
     "InsecureBindError",
@@ -106,6 +108,27 @@ class CompilerUnavailableError(OverloadedError):
     """No compile worker is running and none is starting (they died and could not be restarted)."""
 
 
+class DatabaseUnavailableError(ServerError, ConnectionError):
+    """The database cannot be reached: connecting failed, or the connection was lost.
+
+    Raised by the engine's error hook (:mod:`kcache_server.db`) in place of the driver's
+    error, so every caller sees one type; the driver's text (host, user, database) goes
+    to the log only. ``connection_invalidated`` mirrors the attribute of SQLAlchemy's
+    ``DBAPIError``: code that asks a database error whether it was an outage (the audit
+    writer keeps its rows for later then) gets the same answer from this one. ``driver_error``
+    is SQLAlchemy's error it replaces (for a command, which names the URL and the cause).
+    """
+
+    connection_invalidated = True
+
+    def __init__(
+        self, message: str, *, driver_error: BaseException | None = None, retry_after: int = 5
+    ) -> None:
+        super().__init__(message)
+        self.driver_error = driver_error
+        self.retry_after = retry_after
+
+
 class QuotaExceededError(ServerError):
     """The caller's stored compiles reach its storage quota (``token_quota_bytes``)."""
 
@@ -156,6 +179,8 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     StoreFullError: ErrorInfo(507, "store_full"),
     # The bucket is down: retry soon (a replica's local blob cache still serves what it holds).
     StoreUnavailableError: ErrorInfo(503, "store_unavailable", retry=True),
+    # PostgreSQL is down: retry soon (fetches this replica holds in memory are still served).
+    DatabaseUnavailableError: ErrorInfo(503, "database_unavailable", retry=True),
     QuotaExceededError: ErrorInfo(507, "quota_exceeded"),
     CompileWorkerCrashedError: ErrorInfo(500, "compiler_crashed"),
     InvalidArtifactError: ErrorInfo(500, "invalid_artifact"),
@@ -177,6 +202,15 @@ def error_info(exc: BaseException) -> ErrorInfo:
 
 
 _log = logging.getLogger("kcache_server.errors")
+
+
+def _driver_reason(exc: BaseException) -> str:
+    """`` (driver: <first line>)`` for an error that replaced a driver's, for the log only."""
+    driver = getattr(exc, "driver_error", None)
+    if driver is None:
+        return ""
+    first = (str(getattr(driver, "orig", None) or driver).strip().splitlines() or [""])[0]
+    return f" (driver: {type(driver).__name__}: {first[:300]})"
 
 
 def error_body(exc: BaseException) -> dict[str, Any]:
@@ -204,7 +238,12 @@ def error_body(exc: BaseException) -> dict[str, Any]:
         }
     if info.status >= 500:  # overloaded, store full: expected conditions, one line each
         _log.warning(
-            "request %s answered %d %s: %s", current_request_id(), info.status, info.code, exc
+            "request %s answered %d %s: %s%s",
+            current_request_id(),
+            info.status,
+            info.code,
+            exc,
+            _driver_reason(exc),
         )
     body: dict[str, Any] = {"error": info.code, "detail": str(exc)}
     if isinstance(exc, RecipeError | InvalidRequestError):

@@ -39,8 +39,9 @@ def _checks(state: ServerState) -> dict[str, str]:
     except Exception as exc:  # any driver error means not ready
         # The driver's text can hold the host, user and database name: log it, do not answer it.
         request_id = current_request_id()
+        cause = getattr(exc, "driver_error", None) or exc  # DatabaseUnavailableError's original
         log.warning(
-            "readyz %s: the database check failed: %s: %s", request_id, type(exc).__name__, exc
+            "readyz %s: the database check failed: %s: %s", request_id, type(cause).__name__, cause
         )
         checks["database"] = (
             f"failed: database unreachable (the server log has the error under request id {request_id})"
