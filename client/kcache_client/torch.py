@@ -59,31 +59,11 @@ _SCALARS = {
     "float": "float32",
     "double": "float64",
 }
-#: Pointee C types -> torch dtype names (a ``void*`` takes any dtype).
+#: Pointee C types -> torch dtype names (a ``void*`` takes any dtype): every scalar type
+#: under its torch name, and bfloat16, which NumPy has no scalar for.
 _POINTEES = {
-    "bool": "bool",
-    "char": "int8",
-    "signed char": "int8",
-    "int8_t": "int8",
-    "unsigned char": "uint8",
-    "uint8_t": "uint8",
-    "short": "int16",
-    "int16_t": "int16",
-    "unsigned short": "uint16",
-    "uint16_t": "uint16",
-    "int": "int32",
-    "int32_t": "int32",
-    "unsigned int": "uint32",
-    "uint32_t": "uint32",
-    "long long": "int64",
-    "int64_t": "int64",
-    "unsigned long long": "uint64",
-    "uint64_t": "uint64",
-    "__half": "float16",
-    "half": "float16",
+    **{c_type: name.removesuffix("_") for c_type, name in _SCALARS.items()},
     "__nv_bfloat16": "bfloat16",
-    "float": "float32",
-    "double": "float64",
 }
 _QUALIFIERS = re.compile(r"\b(?:const|volatile|__restrict__|__restrict|restrict)\b")
 
