@@ -10,12 +10,9 @@ import http.server
 import itertools
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +23,7 @@ import httpx
 import pytest
 
 from kcache import Recipe
-from tests.support import free_port
+from tests.support import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 KCACHE = Path(sys.executable).with_name("kcache")
@@ -36,63 +33,22 @@ class ServerUnavailable(Exception):
     """The kcache server package is not installed or cannot start here."""
 
 
-class KcacheServer:
-    """``kcache serve`` on a free loopback port with its own data directory."""
+class KcacheServer(ServerProcess):
+    """``kcache serve`` as a client sees it: no token in its environment, run from its own
+    data directory, and :class:`ServerUnavailable` when it cannot start here."""
 
     def __init__(self, data_dir: Path, *, env: dict[str, str] | None = None) -> None:
-        self.data_dir = data_dir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = data_dir.parent / f"server-{self.port}.log"
-        self._env = {**os.environ, **(env or {})}
-        self._env.pop("KCACHE_TOKEN", None)
-        self.proc: subprocess.Popen[bytes] | None = None
+        merged = {**os.environ, **(env or {})}
+        merged.pop("KCACHE_TOKEN", None)
+        super().__init__(data_dir, env=merged, cwd=data_dir, log=data_dir.parent / "server.log")
 
-    def start(self, timeout: float = 60.0) -> KcacheServer:
-        """Start and wait for ``/healthz``; ServerUnavailable when there is no ``serve`` command."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
-        cmd = [
-            sys.executable,
-            "-m",
-            "kcache.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--data-dir",
-            str(self.data_dir),
-        ]
-        self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env, cwd=self.data_dir
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                text = self.log_path.read_text(errors="replace")
-                raise ServerUnavailable(
-                    f"kcache serve exited {self.proc.returncode}: {text[-2000:]}"
-                )
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise ServerUnavailable(f"kcache serve did not answer /healthz within {timeout}s")
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it lingers."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
+    def start(self, timeout: float = 60.0, ready: str = "/healthz") -> KcacheServer:
+        """Start and wait for ``ready``; ServerUnavailable with the log's end otherwise."""
         try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+            super().start(timeout, ready)
+        except RuntimeError as exc:
+            raise ServerUnavailable(str(exc)) from None
+        return self
 
 
 @dataclass

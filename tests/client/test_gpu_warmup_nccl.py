@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from client_harness import free_port
+
+from tests.support import free_port
 
 pytestmark = pytest.mark.gpu
 

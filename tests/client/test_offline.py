@@ -6,7 +6,6 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from client_harness import free_port
 from kcache_client import (
     ClientSettings,
     KernelCache,
@@ -19,6 +18,7 @@ from kcache_client import (
 
 from kcache import Recipe, load_toolchain
 from kcache.artifact import ArtifactMeta
+from tests.support import free_port
 
 FAST = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.02, budget_s=1.0)
 

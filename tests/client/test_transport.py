@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from client_harness import Scripted, Seen, free_port, json_response
+from client_harness import Scripted, Seen, json_response
 from kcache_client import (
     AuthenticationError,
     EventSink,
@@ -20,6 +20,7 @@ from kcache_client import (
 from kcache_client._http import Transport, parse_retry_after
 
 from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError
+from tests.support import free_port
 
 FAST = RetryPolicy(attempts=4, base_s=0.01, cap_s=0.05, budget_s=5.0)
 

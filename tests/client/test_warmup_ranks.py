@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from client_harness import Proxy, free_port, kernels
+from client_harness import Proxy, kernels
 
 from kcache import Recipe
+from tests.support import free_port
 
 dist = pytest.importorskip("torch.distributed")
 
