@@ -24,7 +24,7 @@ import filelock
 from kcache.errors import LockTimeoutError
 from kcache.keys import require_hex_key
 
-__all__ = ["FileKeyLock", "KeyLock", "SingleFlight"]
+__all__ = ["FileKeyLock", "KeyLock", "SingleFlight", "try_file_lock"]
 
 
 @runtime_checkable
@@ -105,3 +105,20 @@ class FileKeyLock:
             yield waited
         finally:
             lock.release()
+
+
+@contextlib.contextmanager
+def try_file_lock(path: Path, wait_s: float) -> Iterator[bool]:
+    """Hold the file lock at ``path`` across processes: yields True while held, False when it
+    was not had within ``wait_s`` (the caller then leaves the work to the holder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(str(path), thread_local=False)
+    try:
+        lock.acquire(timeout=wait_s)
+    except filelock.Timeout:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()

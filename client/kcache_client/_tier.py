@@ -37,8 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import filelock
-
 from kcache.artifact import ArtifactMeta, CompileFailure
 from kcache.dirs import cache_dir
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, LockTimeoutError
@@ -46,7 +44,7 @@ from kcache.eviction import LruCandidate, WaterMarks, default_tier_cap, least_re
 from kcache.fsutil import atomic_write
 from kcache.index.file import FileIndex
 from kcache.keys import sha256_hex
-from kcache.locks import FileKeyLock, SingleFlight
+from kcache.locks import FileKeyLock, SingleFlight, try_file_lock
 from kcache.lru import LruCache
 from kcache.store.local import LocalArtifactStore
 
@@ -224,17 +222,8 @@ class NodeTier:
     @contextlib.contextmanager
     def _evicting(self, wait_s: float) -> Iterator[bool]:
         """The tier's one-evictor-at-a-time file lock; yields False when not had within ``wait_s``."""
-        self._evict_lock_path.parent.mkdir(parents=True, exist_ok=True)
-        lock = filelock.FileLock(str(self._evict_lock_path), thread_local=False)
-        try:
-            lock.acquire(timeout=wait_s)
-        except filelock.Timeout:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            lock.release()
+        with try_file_lock(self._evict_lock_path, wait_s) as held:
+            yield held
 
     def evict(self) -> TierRemoval | None:
         """Evict least recently used entries down to the low-water mark if over the high one.

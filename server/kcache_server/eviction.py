@@ -40,11 +40,11 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
-import filelock
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 
 from kcache.eviction import WaterMarks
+from kcache.locks import try_file_lock
 from kcache.store.cached import CachedArtifactStore
 from kcache.store.local import SET_ASIDE_PREFIX
 from kcache_server.auditing.writer import AuditRecord
@@ -133,17 +133,8 @@ class _OneEvictor:
                 with self._advisory(wait_s) as held:
                     yield held
             else:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                lock = filelock.FileLock(str(self.path), thread_local=False)
-                try:
-                    lock.acquire(timeout=wait_s)
-                except filelock.Timeout:
-                    yield False
-                    return
-                try:
-                    yield True
-                finally:
-                    lock.release()
+                with try_file_lock(self.path, wait_s) as held:
+                    yield held
         finally:
             self._local.release()
 
