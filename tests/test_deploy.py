@@ -59,10 +59,24 @@ def _dockerfile_json(instruction: str) -> list[str]:
 
 
 def _kcache_lines(argv: list[str]) -> list[list[str]]:
-    """The ``kcache`` invocations an argument list runs (one, or each of an ``sh -c`` chain)."""
+    """The ``kcache`` invocations an argument list runs (one, or each of an ``sh -c`` chain).
+
+    ``export`` steps of a chain (secrets read into variables) are left out; ``exec`` is dropped.
+    """
     if argv[:2] == ["sh", "-c"]:
-        return [shlex.split(part) for part in argv[2].split("&&") if part.strip()]
+        parts = [shlex.split(part) for part in argv[2].split("&&") if part.strip()]
+        return [p[1:] if p[0] == "exec" else p for p in parts if p[0] != "export"]
     return [argv]
+
+
+def _compose_replicas() -> list[str]:
+    """compose's kcache replicas: the services built from the image that serve on 8470."""
+    services = _yaml("compose.yaml")["services"]
+    return [
+        name
+        for name, svc in services.items()
+        if "build" in svc and any(p.endswith(":8470") for p in svc.get("ports", []))
+    ]
 
 
 def _all_commands() -> dict[str, list[str]]:
@@ -71,6 +85,7 @@ def _all_commands() -> dict[str, list[str]]:
     return {
         "Dockerfile CMD": _dockerfile_json("CMD"),
         "compose migrate": compose["migrate"]["command"],
+        **{f"compose {name}": compose[name]["command"] for name in _compose_replicas()},
         "kubernetes init": k8s["initContainers"][0]["command"],
         "kubernetes server": k8s["containers"][0]["command"],
     }
@@ -89,8 +104,11 @@ def test_every_kcache_command_line_parses() -> None:
             except SystemExit:
                 pytest.fail(f"{where}: `{shlex.join(words)}` does not parse")
             seen += 1
-    assert seen >= 8
-    assert _all_commands()["kubernetes server"] == _dockerfile_json("CMD")
+    assert seen >= 10
+    commands = _all_commands()
+    assert commands["kubernetes server"] == _dockerfile_json("CMD")
+    for name in _compose_replicas():  # the image's server command, after the secrets
+        assert _kcache_lines(commands[f"compose {name}"]) == [_dockerfile_json("CMD")]
 
 
 def test_migrate_steps_upgrade_and_store_the_tokens_first() -> None:
@@ -137,9 +155,6 @@ def test_kubernetes_takes_its_secrets_from_the_secrets_it_documents() -> None:
     pod = k8s["Deployment/kcache"]["spec"]["template"]["spec"]
     header = (DEPLOY / "kubernetes.yaml").read_text().split("apiVersion", 1)[0]
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["store"]["persistentVolumeClaim"]["claimName"] in {
-        d["metadata"]["name"] for d in k8s.values() if d["kind"] == "PersistentVolumeClaim"
-    }
     secret = volumes["tokens"]["secret"]["secretName"]
     assert f"kubectl create secret generic {secret}" in header
     (init,) = pod["initContainers"]
@@ -164,6 +179,84 @@ def test_kubernetes_takes_its_secrets_from_the_secrets_it_documents() -> None:
     assert _yaml("compose.yaml")["x-kcache-env"]["KCACHE_DB_URL"].startswith(
         "postgresql+psycopg://"
     )
+
+
+SECRET_DIR = "/run/secrets/"
+AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def _exported_secrets(argv: list[str]) -> dict[str, str]:
+    """``export NAME="$(cat /run/secrets/FILE)"`` steps of an ``sh -c`` chain: NAME -> FILE."""
+    found: dict[str, str] = {}
+    for part in argv[2].split("&&") if argv[:2] == ["sh", "-c"] else []:
+        match = re.fullmatch(r'\s*export (\w+)="\$\$\(cat /run/secrets/([\w.-]+)\)"\s*', part)
+        if match:
+            found[match.group(1)] = match.group(2)
+    return found
+
+
+def test_compose_replicas_share_no_filesystem_and_reach_the_bucket() -> None:
+    compose = _yaml("compose.yaml")
+    services, secrets = compose["services"], compose["secrets"]
+    replicas = _compose_replicas()
+    assert len(replicas) >= 2
+    bucket_job = services["bucket"]
+    assert bucket_job["image"].split(":")[0] == "minio/mc"
+    assert bucket_job["depends_on"] == {"minio": {"condition": "service_healthy"}}
+    mb = [w for w in _kcache_lines(bucket_job["entrypoint"]) if w[:2] == ["mc", "mb"]]
+    assert mb and "--ignore-existing" in mb[0], bucket_job["entrypoint"]
+    minio = services["minio"]
+    assert minio["image"].split(":")[0] == "minio/minio" and minio["command"] == ["server", "/data"]
+    # MinIO's root key pair is the secret pair the bucket job and the replicas use.
+    minio_files = {
+        minio["environment"][f"MINIO_ROOT_{v}_FILE"].removeprefix(SECRET_DIR)
+        for v in ("USER", "PASSWORD")
+    }
+    assert minio_files <= set(minio["secrets"]) and minio_files <= set(secrets)
+    assert all(f"/run/secrets/{name}" in bucket_job["entrypoint"][2] for name in minio_files)
+    data_volumes: list[str] = []
+    for name in replicas:
+        svc = services[name]
+        env = svc["environment"]
+        store_url = env["KCACHE_STORE_URL"]
+        assert store_url.startswith("s3://") and mb[0][-1] == "minio/" + store_url[5:].split("/")[0]
+        assert env["AWS_ENDPOINT_URL"] == "http://minio:9000" and env["AWS_REGION"], name
+        assert env["KCACHE_DB_URL"].startswith("postgresql+psycopg://"), name
+        exported = _exported_secrets(svc["command"])
+        assert set(exported) == set(AWS_KEYS), (name, svc["command"])
+        assert set(exported.values()) == minio_files, name
+        assert set(exported.values()) <= set(svc["secrets"]), name
+        assert svc["depends_on"]["bucket"] == {"condition": "service_completed_successfully"}
+        assert svc["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
+        mounts = [v.split(":") for v in svc["volumes"]]
+        assert [m[1] for m in mounts] == [env["KCACHE_DATA_DIR"]], name
+        assert all(m[0] in compose["volumes"] for m in mounts), name  # named, not a host path
+        data_volumes += [m[0] for m in mounts]
+    assert len(set(data_volumes)) == len(data_volumes), f"replicas share a volume: {data_volumes}"
+    # Nothing else mounts a replica's volume (the migrate step needs none).
+    for name, svc in services.items():
+        if name not in replicas:
+            assert not {v.split(":")[0] for v in svc.get("volumes", [])} & set(data_volumes), name
+
+
+def test_kubernetes_pods_keep_their_own_data_and_reach_the_bucket() -> None:
+    k8s = _k8s()
+    header = (DEPLOY / "kubernetes.yaml").read_text().split("apiVersion", 1)[0]
+    assert "bucket is external" in header
+    assert not [d for d in k8s.values() if d["kind"] == "PersistentVolumeClaim"]
+    pod = k8s["Deployment/kcache"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for container in (*pod["initContainers"], *pod["containers"]):
+        env = {e["name"]: e for e in container["env"]}
+        assert env["KCACHE_STORE_URL"]["value"].startswith("s3://")
+        assert env["AWS_ENDPOINT_URL"]["value"].startswith("http") and env["AWS_REGION"]["value"]
+        for key in AWS_KEYS:
+            ref = env[key]["valueFrom"]["secretKeyRef"]
+            assert f"kubectl create secret generic {ref['name']}" in header, key
+            assert f"--from-literal={ref['key']}=" in header, key
+        data = next(m for m in container["volumeMounts"] if m["mountPath"] == "/data")
+        assert env["KCACHE_DATA_DIR"]["value"] == "/data"
+        assert "emptyDir" in volumes[data["name"]], "the data directory must be the pod's own"
 
 
 # ---------------------------------------------------------------------------- run them here
