@@ -60,13 +60,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(dest: Path, data: bytes, *, verify: bytes | None = None) -> None:
+def atomic_write(
+    dest: Path, data: bytes, *, verify: bytes | None = None, durable: bool = True
+) -> None:
     """Publish ``data`` at ``dest`` so readers see the old file, or all of the new one.
 
     The temp file is uniquely named in ``dest``'s own directory (same filesystem, so
     the rename is atomic), written, fsynced, optionally read back and compared with
     ``verify`` (catching a short write on a flaky filesystem), renamed over ``dest``,
     and the directory fsynced. On any failure the temp file is removed.
+
+    ``durable=False`` skips both fsyncs, for caches only (the client's node tier):
+    readers still see the old file or all of the new one while the machine runs
+    (the rename is atomic either way), but after a power loss or kernel crash the
+    file may be missing, empty or hold stale blocks. That is acceptable only where
+    every reader treats an unreadable file as absent and verifies content by digest,
+    so the loss costs a refetch, never wrong data. A source of truth (the server's
+    store and index) keeps the default.
     """
     tmp = dest.parent / f"{TMP_PREFIX}{dest.name}-{os.getpid()}-{secrets.token_hex(6)}"
     try:
@@ -78,7 +88,8 @@ def atomic_write(dest: Path, data: bytes, *, verify: bytes | None = None) -> Non
             while view:
                 written = os.write(fd, view)
                 view = view[written:]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         if verify is not None and tmp.read_bytes() != verify:
@@ -92,4 +103,5 @@ def atomic_write(dest: Path, data: bytes, *, verify: bytes | None = None) -> Non
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(dest.parent)
+    if durable:
+        fsync_dir(dest.parent)

@@ -3,7 +3,9 @@
 Every process of a node (every rank, every job) opens the same directory. Blobs
 are published by the core's atomic write under their digest, index entries by
 atomic rename, so readers never see half a file and two processes that download
-the same blob agree. The per-key lock (in-process single-flight around a file
+the same blob agree. Nothing is fsynced (``durable=False``): after a power loss a
+file may be empty or garbage, which every read treats as absent (a blob fails its
+digest check), so the kernel is fetched again. The per-key lock (in-process single-flight around a file
 lock) only makes the node download a blob once instead of once per rank; it
 guards no correctness. The same holds on a shared filesystem where ``flock`` is
 advisory or granted to everyone: duplicate downloads, never a wrong result.
@@ -116,8 +118,13 @@ class NodeTier:
         max_bytes: int | None = None,
     ) -> None:
         self.root = Path(root)
-        self.store = LocalArtifactStore(self.root)
-        self.index = FileIndex(self.root)
+        # No fsync on publish: the tier is a cache, not a source of truth. An fsync per
+        # file and directory was most of a cold rank's fetch time (B8). Renames stay
+        # atomic, so running readers never see part of a file; after a power loss a
+        # file may be empty or garbage, which reads as absent (FileIndex) or fails the
+        # blob's digest check (the store), and the kernel is fetched again.
+        self.store = LocalArtifactStore(self.root, durable=False)
+        self.index = FileIndex(self.root, durable=False)
         self.lock = SingleFlight(FileKeyLock(self.root))
         self.lock_timeout = lock_timeout
         #: The cap and its water marks (``max_bytes`` None: the default; 0: unbounded).
@@ -357,6 +364,7 @@ class NodeTier:
         atomic_write(
             self._facts_path(url),
             json.dumps({"url": url, "saved_at": time.time(), **facts}).encode(),
+            durable=False,  # a cache too: load_server_facts reads garbage as absent
         )
 
     def load_server_facts(self, url: str) -> dict[str, Any] | None:

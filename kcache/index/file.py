@@ -4,7 +4,9 @@ Layout under ``<root>/index/``: ``recipes/ab/<recipe_key>.json`` (alias, with a 
 of the artifact's metadata so a hit reads one small file, or a negative entry),
 ``artifacts/ab/<digest>.json`` (metadata), ``manifests/ab/<base_key>.json``.
 Every file is published atomically (temp, fsync, rename), and the alias is written
-last, so a crash leaves at worst an unreferenced artifact record.
+last, so a crash leaves at worst an unreferenced artifact record. A cache may open
+the index with ``durable=False`` (no fsync): then a power loss may leave any file
+empty or garbage, and every read treats such a file as absent.
 """
 
 from __future__ import annotations
@@ -27,8 +29,15 @@ __all__ = ["FileIndex"]
 class FileIndex:
     """An :class:`~kcache.index.base.Index` over a directory of JSON files."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+        """The index under ``root/index``; ``durable=False`` writes without fsync (caches only).
+
+        Without fsync a power loss may leave any file empty or garbage; every read
+        here treats such a file as absent, so a cache (the client's node tier) refetches
+        instead of answering wrongly. See :func:`kcache.fsutil.atomic_write`.
+        """
         self.root = Path(root) / "index"
+        self.durable = durable
         for sub in ("recipes", "artifacts", "manifests", ".locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._root_str = str(self.root)
@@ -48,15 +57,30 @@ class FileIndex:
         except FileNotFoundError:
             return None
         except ValueError:
-            return None  # a torn file cannot exist (atomic writes); treat garbage as absent
+            # Garbage or empty: a file published without fsync (durable=False) before a
+            # power loss, or a damaged disk. Absent, never a wrong answer.
+            return None
 
     def _write(self, kind: str, key: str, value: Any) -> None:
-        atomic_write(self._path(kind, key), json.dumps(value, sort_keys=True).encode())
+        atomic_write(
+            self._path(kind, key),
+            json.dumps(value, sort_keys=True).encode(),
+            durable=self.durable,
+        )
 
     def lookup(self, recipe_key: str) -> ArtifactMeta | CompileFailure | None:
-        """Follow the alias to the artifact metadata, or return the negative entry."""
+        """Follow the alias to the artifact metadata, or return the negative entry.
+
+        An alias that parses as JSON but is not a well-formed entry reads as absent too.
+        """
+        try:
+            return self._lookup(recipe_key)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def _lookup(self, recipe_key: str) -> ArtifactMeta | CompileFailure | None:
         entry = self._read("recipes", recipe_key)
-        if entry is None:
+        if not isinstance(entry, dict):
             return None
         if "failure" in entry:
             failure = CompileFailure.from_dict(entry["failure"])
@@ -68,11 +92,22 @@ class FileIndex:
     def artifact(self, digest: str) -> ArtifactMeta | None:
         """Metadata by digest."""
         data = self._read("artifacts", digest)
-        return ArtifactMeta.from_dict(data) if data else None
+        if not isinstance(data, dict) or not data:
+            return None
+        try:
+            return ArtifactMeta.from_dict(data)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None  # well-formed JSON, malformed record: absent (see _read)
 
     def manifest(self, base_key: str) -> list[ManifestEntry]:
-        """Entries newest first."""
-        return [ManifestEntry.from_dict(e) for e in self._read("manifests", base_key) or []]
+        """Entries newest first (none when the file is absent or malformed)."""
+        data = self._read("manifests", base_key)
+        if not isinstance(data, list):
+            return []
+        try:
+            return [ManifestEntry.from_dict(e) for e in data]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return []
 
     def record_artifact(self, recipe_key: str, base_key: str, meta: ArtifactMeta) -> None:
         """Artifact metadata, then the manifest entry, then the alias (the commit point)."""

@@ -35,8 +35,15 @@ SET_ASIDE_PREFIX = ".gc-"
 class LocalArtifactStore:
     """An :class:`~kcache.store.base.ArtifactStore` over a directory."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+        """Blobs under ``root``; ``durable=False`` publishes without fsync (caches only).
+
+        Only a cache whose readers verify every blob's digest (they do: :meth:`get`)
+        and refetch what is missing or wrong may pass ``durable=False``; see
+        :func:`kcache.fsutil.atomic_write`. A source of truth keeps the default.
+        """
         self.root = Path(root)
+        self.durable = durable
         self.blobs = self.root / "blobs"
         self.quarantine_dir = self.root / "quarantine"
         self.blobs.mkdir(parents=True, exist_ok=True)
@@ -68,7 +75,7 @@ class LocalArtifactStore:
                 return digest
         except FileNotFoundError:
             pass  # absent, or set aside by the collector a moment ago: publish a fresh copy
-        atomic_write(dest, data, verify=data)
+        atomic_write(dest, data, verify=data, durable=self.durable)
         return digest
 
     def get(self, digest: str) -> bytes:
