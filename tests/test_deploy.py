@@ -8,6 +8,11 @@
   the migrate step (compose's ``migrate`` service, Kubernetes' init container) upgrades
   the database and stores the tokens before any replica starts, since a server bound to
   0.0.0.0 refuses to start without one.
+- Replicas share no filesystem: compose's each mount a data volume of their own and
+  Kubernetes' an emptyDir; every replica has ``KCACHE_STORE_URL`` and the ``AWS_*``
+  variables, the key pair from a secret (compose: files the replica's command exports;
+  Kubernetes: the documented ``kcache-s3`` Secret), and compose's replicas start only
+  after the one-shot bucket job (``mc mb --ignore-existing``) and the migrate step.
 - The container's entrypoint runs here: compose's migrate chain twice (the second run
   changes nothing), Kubernetes' init chain on the same directory, then the image's CMD on
   a free port with the image's environment (SQLite in a temporary data directory instead
