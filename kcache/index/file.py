@@ -71,7 +71,11 @@ class FileIndex:
     def lookup(self, recipe_key: str) -> ArtifactMeta | CompileFailure | None:
         """Follow the alias to the artifact metadata, or return the negative entry.
 
-        An alias that parses as JSON but is not a well-formed entry reads as absent too.
+        An alias that parses as JSON but is not a well-formed entry reads as absent too,
+        and so does one that names another recipe key (or metadata of another digest):
+        a filesystem that lost unsynced data can show a file with another file's old
+        blocks. Every entry names its own key; in a non-durable index one that does not
+        (written before entries did) is absent as well, since nothing vouches for it.
         """
         try:
             return self._lookup(recipe_key)
@@ -84,10 +88,15 @@ class FileIndex:
             return None
         if "failure" in entry:
             failure = CompileFailure.from_dict(entry["failure"])
-            return None if failure.expired() else failure
+            return None if failure.expired() or failure.recipe_key != recipe_key else failure
+        owner = entry.get("recipe_key")
+        if owner != recipe_key and (owner is not None or not self.durable):
+            return None
+        digest = entry["digest"]
         if "artifact" in entry:
-            return ArtifactMeta.from_dict(entry["artifact"])
-        return self.artifact(entry["digest"])
+            meta = ArtifactMeta.from_dict(entry["artifact"])
+            return meta if meta.digest == digest else None
+        return self.artifact(digest)
 
     def artifact(self, digest: str) -> ArtifactMeta | None:
         """Metadata by digest."""
@@ -95,9 +104,10 @@ class FileIndex:
         if not isinstance(data, dict) or not data:
             return None
         try:
-            return ArtifactMeta.from_dict(data)
+            meta = ArtifactMeta.from_dict(data)
         except (KeyError, TypeError, ValueError, AttributeError):
             return None  # well-formed JSON, malformed record: absent (see _read)
+        return meta if meta.digest == digest else None  # another record's old blocks
 
     def manifest(self, base_key: str) -> list[ManifestEntry]:
         """Entries newest first (none when the file is absent or malformed)."""
@@ -120,13 +130,23 @@ class FileIndex:
             entries = [e for e in self.manifest(base_key) if e.dependencies != entry.dependencies]
             entries = [entry, *entries][:MANIFEST_LIMIT]
             self._write("manifests", base_key, [e.to_dict() for e in entries])
-        self._write("recipes", recipe_key, {"digest": meta.digest, "artifact": meta.to_dict()})
+        self._write(
+            "recipes",
+            recipe_key,
+            {"recipe_key": recipe_key, "digest": meta.digest, "artifact": meta.to_dict()},
+        )
 
     def record_alias(self, recipe_key: str, digest: str) -> None:
         """``recipe_key`` -> ``digest`` (with the artifact's metadata when it is recorded)."""
-        meta = self._read("artifacts", digest)
+        meta = self.artifact(digest)
         self._write(
-            "recipes", recipe_key, {"digest": digest, **({"artifact": meta} if meta else {})}
+            "recipes",
+            recipe_key,
+            {
+                "recipe_key": recipe_key,
+                "digest": digest,
+                **({"artifact": meta.to_dict()} if meta else {}),
+            },
         )
 
     def record_failure(self, failure: CompileFailure) -> None:

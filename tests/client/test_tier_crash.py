@@ -155,3 +155,40 @@ def test_the_node_tier_publishes_without_fsync_and_the_server_store_with(
         assert cache.tier.index.durable is False
     assert LocalArtifactStore(tmp_path / "s").durable is True
     assert FileIndex(tmp_path / "s").durable is True
+
+
+def test_another_files_old_blocks_read_as_absent(tmp_path: Path) -> None:
+    """A file showing another entry's old contents (valid JSON, wrong owner) is no answer."""
+    index = FileIndex(tmp_path, durable=False)
+    one = ArtifactMeta(digest="aa" * 32, size=3, kind="cubin", target="sm_80", toolchain="t")
+    two = ArtifactMeta(digest="bb" * 32, size=4, kind="cubin", target="sm_80", toolchain="t")
+    index.record_artifact("01" * 32, "10" * 32, one)
+    index.record_artifact("02" * 32, "20" * 32, two)
+    assert index.lookup("02" * 32) == two
+
+    alias_one = index._path("recipes", "01" * 32).read_bytes()
+    index._path("recipes", "02" * 32).write_bytes(alias_one)
+    assert index.lookup("02" * 32) is None  # would answer kernel one for recipe two
+    assert index.lookup("01" * 32) == one
+
+    index._path("artifacts", two.digest).write_bytes(
+        index._path("artifacts", one.digest).read_bytes()
+    )
+    assert index.artifact(two.digest) is None
+    index.record_alias("02" * 32, two.digest)  # an alias to a record that is not there
+    assert index.lookup("02" * 32) is None
+    index.record_artifact("02" * 32, "20" * 32, two)  # the next publish heals both
+    assert index.artifact(two.digest) == two
+    assert index.lookup("02" * 32) == two
+
+
+def test_a_tier_alias_without_its_key_is_absent_a_durable_one_is_kept(tmp_path: Path) -> None:
+    """Nothing vouches for a non-durable alias that does not name its key (written before
+    aliases did, or old blocks); a durable index (fsynced) keeps reading such files."""
+    meta = ArtifactMeta(digest="cc" * 32, size=3, kind="cubin", target="sm_80", toolchain="t")
+    for durable, expected in ((False, None), (True, meta)):
+        index = FileIndex(tmp_path / str(durable), durable=durable)
+        index.record_artifact("03" * 32, "30" * 32, meta)
+        path = index._path("recipes", "03" * 32)
+        path.write_text(json.dumps({"digest": meta.digest, "artifact": meta.to_dict()}))
+        assert index.lookup("03" * 32) == expected
