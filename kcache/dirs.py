@@ -26,6 +26,7 @@ __all__ = [
     "cache_dir",
     "data_dir",
     "directory_kind",
+    "mark_cache_dir",
     "toolchain_dir",
     "user_cache_dir",
 ]
@@ -34,6 +35,13 @@ __all__ = [
 SERVER_DATABASE_FILE = "kcache.db"
 
 DirectoryKind = Literal["cache", "server", "absent"]
+
+#: Marks a cache directory (https://bford.info/cachedir/: backup tools skip it too).
+CACHE_TAG_FILE = "CACHEDIR.TAG"
+_CACHE_TAG = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file marks a kcache cache directory (the node tier and local compiles).\n"
+)
 
 
 def user_cache_dir(name: str, override_env: str | None = None) -> Path:
@@ -68,17 +76,32 @@ def data_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     return Path(os.environ.get("KCACHE_DATA_DIR") or ".kcache")
 
 
+def mark_cache_dir(root: Path) -> None:
+    """Create ``root`` as a cache directory: the tag is written before any blob can be, so
+    :func:`directory_kind` never mistakes a cache that is being filled for a server's."""
+    tag = root / CACHE_TAG_FILE
+    if tag.exists():
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".{CACHE_TAG_FILE}.{os.getpid()}"
+    staging.write_text(_CACHE_TAG)
+    os.replace(staging, tag)  # concurrent creators write the same bytes
+
+
 def directory_kind(root: Path) -> DirectoryKind:
     """``server`` for a server's data directory, ``cache`` for a cache directory, ``absent``.
 
     A server's directory has its SQLite index (``kcache.db``) or, with PostgreSQL,
-    blobs and no JSON index beside them; anything else that exists is a cache
-    directory (possibly still empty).
+    blobs and neither a cache tag nor a JSON index beside them; anything else that
+    exists is a cache directory (possibly still empty). The tag matters while a new
+    cache is being filled: its first blob lands before its first index file.
     """
     if not root.is_dir():
         return "absent"
     if (root / SERVER_DATABASE_FILE).exists():
         return "server"
-    if (root / "blobs").is_dir() and not (root / "index").is_dir():
+    if (root / CACHE_TAG_FILE).exists() or (root / "index").is_dir():
+        return "cache"
+    if (root / "blobs").is_dir():
         return "server"
     return "cache"

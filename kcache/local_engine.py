@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kcache.compilers import InProcessCompiler
-from kcache.dirs import cache_dir
+from kcache.dirs import cache_dir, mark_cache_dir
 from kcache.engine import Engine
 from kcache.include_sets import IncludeSets
 from kcache.index.file import FileIndex
@@ -31,6 +31,7 @@ def open_local_engine(
     directory is indexed in SQL and is never the default here.
     """
     root = cache_dir(data_dir)
+    mark_cache_dir(root)
     return Engine(
         store=LocalArtifactStore(root),
         index=FileIndex(root),

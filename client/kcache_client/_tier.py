@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kcache.artifact import ArtifactMeta, CompileFailure
-from kcache.dirs import cache_dir
+from kcache.dirs import cache_dir, mark_cache_dir
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, LockTimeoutError
 from kcache.eviction import LruCandidate, WaterMarks, default_tier_cap, least_recently_used
 from kcache.fsutil import atomic_write
@@ -118,6 +118,7 @@ class NodeTier:
         max_bytes: int | None = None,
     ) -> None:
         self.root = Path(root)
+        mark_cache_dir(self.root)
         # No fsync on publish: the tier is a cache, not a source of truth. An fsync per
         # file and directory was most of a cold rank's fetch time (B8). Renames stay
         # atomic, so running readers never see part of a file; after a power loss a
