@@ -11,16 +11,7 @@ from typing import Any
 
 import pytest
 
-# Re-exported for the test files other work is still editing (test_eviction.py,
-# test_openapi_contract.py, test_schemathesis.py); remove once they import from tests.support.
-from tests.support import (  # noqa: F401
-    KCACHE,
-    ServerThread,
-    free_port,
-    unique,
-    upgrade,
-    vector_add,
-)
+from tests.support import ServerThread
 
 
 @pytest.fixture

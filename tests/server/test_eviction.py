@@ -24,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 from kcache_server.index import SqlIndex
 
-from tests.server.conftest import KCACHE, ServerThread, free_port, unique, upgrade
+from tests.support import KCACHE, ServerThread, free_port, unique, upgrade
 
 CAP = 2 << 20
 HIGH, LOW = 0.9, 0.7
