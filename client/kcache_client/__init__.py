@@ -11,9 +11,9 @@ results = cache.get_many(recipes)          # an Artifact or a typed error per re
 Everything else a cache can be told is one ``ClientSettings`` (``KernelCache(settings=...)``).
 """
 
-import importlib
 from typing import TYPE_CHECKING
 
+from kcache.lazy import lazy_exports
 from kcache_client.errors import (
     ArchitectureMismatchError,
     AuthenticationError,
@@ -99,14 +99,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kcache_client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports("kcache_client", _LAZY, globals(), __all__)

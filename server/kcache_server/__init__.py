@@ -3,8 +3,9 @@
 ``create_app(settings)`` builds the FastAPI application; ``kcache serve`` runs it.
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from kcache.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kcache_server.app import create_app
@@ -26,14 +27,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kcache_server' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports("kcache_server", _LAZY, globals(), __all__)

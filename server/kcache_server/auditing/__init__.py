@@ -13,8 +13,9 @@ Their settings are ``Settings.audit`` (:class:`~kcache_server.settings.AuditSett
 :func:`kcache_server.create_app` wires them into the app with everything else.
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from kcache.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kcache_server.auditing.events import ClientEvent, EventBatch, ingest_events
@@ -65,14 +66,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kcache_server.auditing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports("kcache_server.auditing", _LAZY, globals(), __all__)
