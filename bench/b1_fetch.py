@@ -3,7 +3,8 @@
 Ours: ``GET /v1/recipes/{key}/artifact`` on a real ``kcache serve``. Anchors, in the
 same run: nginx (1 worker) serving the same file from disk, and Redis GET of the
 same bytes (redis-benchmark, 32 clients) as Triton's remote cache backend does.
-Goal: >= 0.5 x nginx req/s, p99 < 10 ms.
+Goal: >= 0.5 x nginx req/s, p99 < 10 ms. Both servers stay up and their rounds
+alternate (``BENCH_ROUNDS``, 3); the figures are the median rounds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from _harness import emit, kcache_server, wrk
 from tests.support import VECTOR_ADD, answers_200, free_port, wait_until
 
 SECONDS = int(os.environ.get("BENCH_SECONDS", "5"))
+#: Interleaved rounds of ours and nginx; each figure is the median round.
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 
 
 @contextlib.contextmanager
@@ -80,34 +83,59 @@ def redis_get_rps(size: int) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def main() -> None:
-    workers = int(os.environ.get("BENCH_WORKERS", str(os.cpu_count() or 1)))
+@contextlib.contextmanager
+def warm_artifact(workers: int) -> Iterator[tuple[str, str, bytes]]:
+    """A real server holding a compiled vector add: its URL, the fetch URL and the cubin."""
     with kcache_server(workers=workers) as url:
         body = {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
         resolved = httpx.post(url + "/v1/resolve", json=body, timeout=120).raise_for_status().json()
-        key = resolved["recipe_key"]
-        artifact_url = f"{url}/v1/recipes/{key}/artifact"
-        data = httpx.get(artifact_url).raise_for_status().content
-        ours = wrk(artifact_url, seconds=SECONDS)
-        time.sleep(1)
-        with tempfile.TemporaryDirectory() as tmp:
-            root = Path(tmp) / "www"
-            root.mkdir()
-            (Path(tmp) / "tmp").mkdir()
-            (root / "blob").write_bytes(data)
-            with nginx_serving(root) as nginx_url:
-                anchor = wrk(nginx_url, seconds=SECONDS)
+        artifact_url = f"{url}/v1/recipes/{resolved['recipe_key']}/artifact"
+        yield url, artifact_url, httpx.get(artifact_url).raise_for_status().content
+
+
+def median_round(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """The round with the median requests/s (its p99 with it: one real round, not a mix)."""
+    return sorted(rounds, key=lambda r: r["rps"])[len(rounds) // 2]
+
+
+def main() -> None:
+    workers = int(os.environ.get("BENCH_WORKERS", str(os.cpu_count() or 1)))
+    ours_rounds: list[dict[str, float]] = []
+    anchor_rounds: list[dict[str, float]] = []
+    with warm_artifact(workers) as (_, artifact_url, data), tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "www"
+        root.mkdir()
+        (Path(tmp) / "tmp").mkdir()
+        (root / "blob").write_bytes(data)
+        with nginx_serving(root) as nginx_url:
+            # Both stay up; their rounds alternate, so each sees the same machine.
+            for _ in range(ROUNDS):
+                ours_rounds.append(wrk(artifact_url, seconds=SECONDS))
+                time.sleep(0.5)
+                anchor_rounds.append(wrk(nginx_url, seconds=SECONDS))
+                time.sleep(0.5)
+    ours, anchor = median_round(ours_rounds), median_round(anchor_rounds)
     emit(
         "B1.fetch_by_key.rps",
         ours["rps"],
         anchor["rps"],
         "req/s",
         goal=">= 0.5",
+        met=ours["rps"] >= 0.5 * anchor["rps"],
         bytes=len(data),
         workers=workers,
-        non_2xx=ours["non_2xx"],
+        rounds_ours=[round(r["rps"]) for r in ours_rounds],
+        rounds_anchor=[round(r["rps"]) for r in anchor_rounds],
+        non_2xx=sum(r["non_2xx"] for r in ours_rounds),
     )
-    emit("B1.fetch_by_key.p99_ms", ours["p99_ms"], anchor["p99_ms"], "ms", goal="ours < 10 ms")
+    emit(
+        "B1.fetch_by_key.p99_ms",
+        ours["p99_ms"],
+        anchor["p99_ms"],
+        "ms",
+        goal="ours < 10 ms",
+        met=ours["p99_ms"] < 10,
+    )
     redis_rps = redis_get_rps(len(data))
     if redis_rps is not None:
         emit("B1.fetch_by_key.vs_redis_get", ours["rps"], redis_rps, "req/s")
