@@ -35,6 +35,8 @@ from sqlalchemy.types import TypeDecorator
 
 __all__ = [
     "Artifact",
+    "AuditCount",
+    "AuditDigest",
     "AuditEvent",
     "Base",
     "CompileCharge",
@@ -177,6 +179,8 @@ class AuditEvent(Base):
         # Covers /v1/stats' rank divergence (group by job, base key, target; distinct
         # digests; server tier) and, by its prefix, every lookup by job (migration 0006).
         Index(None, "job_id", "base_key", "target", "digest", "tier"),
+        # The last miss of a top missed kernel: one backward probe per kernel (0007).
+        Index(None, "kernel", "at", "id"),
     )
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
@@ -187,7 +191,7 @@ class AuditEvent(Base):
     recipe_key: Mapped[str | None] = mapped_column(String(64), index=True)
     base_key: Mapped[str | None] = mapped_column(String(64))
     digest: Mapped[str | None] = mapped_column(String(64))
-    kernel: Mapped[str | None] = mapped_column(String(1024), index=True)
+    kernel: Mapped[str | None] = mapped_column(String(1024))
     target: Mapped[str | None] = mapped_column(String(32))
     toolchain: Mapped[str | None] = mapped_column(String(128))
     error: Mapped[str | None] = mapped_column(String(64))
@@ -241,6 +245,47 @@ class AuditRollup(Base):
     compile_seconds_saved: Mapped[float]
     last_at: Mapped[Stamp]
     last_error: Mapped[str | None] = mapped_column(String(64))
+
+
+class AuditCount(Base):
+    """Lookups per time bucket, dimension, group value and outcome, kept as events are written.
+
+    See :mod:`kcache_server.auditing.counts`: ``key``/``key2`` hold the group value
+    encoded (``""`` for NULL), so the primary key has no NULL and concurrent writers
+    merge with ``ON CONFLICT DO UPDATE``. ``tier`` is set for dimension ``all`` only,
+    ``world_size`` (the largest seen) for dimension ``job`` only.
+    """
+
+    __tablename__ = "audit_counts"
+
+    dim: Mapped[str] = mapped_column(String(16), primary_key=True)
+    level: Mapped[int] = mapped_column(Integer, primary_key=True)  # bucket width, seconds
+    bucket: Mapped[Stamp] = mapped_column(primary_key=True)
+    key: Mapped[str] = mapped_column(Text, primary_key=True)
+    key2: Mapped[str] = mapped_column(Text, primary_key=True)
+    outcome: Mapped[str] = mapped_column(String(16), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(16), primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+    saved: Mapped[float]  # compile seconds saved
+    world_size: Mapped[int | None]
+
+
+class AuditDigest(Base):
+    """A digest one job got for one recipe (base key and target), first and last seen.
+
+    Two rows under one (job, base key, target) make it a divergence candidate for
+    ``/v1/stats``, which confirms it from the raw events. ``target`` is encoded like
+    :class:`AuditCount` keys.
+    """
+
+    __tablename__ = "audit_digests"
+
+    job_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    base_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    target: Mapped[str] = mapped_column(String(33), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    first_at: Mapped[Stamp]
+    last_at: Mapped[Stamp] = mapped_column(index=True)
 
 
 class Pin(Base):

@@ -76,7 +76,8 @@ def _hex(*parts: object) -> str:
 
 def _seed(db: sa.Engine, job: str, n: int) -> None:
     """``n`` missed kernels and ``n`` divergent recipes in ``job`` (events one second apart)."""
-    from kcache_server.models import AuditEvent, AuditRollup
+    from kcache_server.auditing.counts import write_events
+    from kcache_server.models import AuditRollup
 
     events: list[dict[str, Any]] = []
     rollups: list[dict[str, Any]] = []
@@ -151,7 +152,7 @@ def _seed(db: sa.Engine, job: str, n: int) -> None:
                 world_size=2,
             )
     with db.begin() as conn:
-        conn.execute(sa.insert(AuditEvent.__table__), events)
+        write_events(conn, events)  # the writer's own path: events and their counts
         if rollups:
             conn.execute(sa.insert(AuditRollup.__table__), rollups)
 

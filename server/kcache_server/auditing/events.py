@@ -21,8 +21,9 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field
 
 from kcache.outcomes import CLIENT_OUTCOMES, ClientOutcome
+from kcache_server.auditing.counts import write_events
 from kcache_server.errors import InvalidRequestError
-from kcache_server.models import Artifact, AuditEvent
+from kcache_server.models import Artifact
 from kcache_server.schemas import (
     INTEGRAL,
     SETTING_MARK,
@@ -54,7 +55,6 @@ MAX_EVENT_COUNT = 1_000_000
 #: server refuses far less (``audit.max_clock_skew_s`` past its clock), but a bound
 #: relative to now is one JSON Schema cannot state.
 MAX_EVENT_TIME = 253_402_300_799.0
-_events = cast(sa.Table, AuditEvent.__table__)
 _artifacts = cast(sa.Table, Artifact.__table__)
 
 
@@ -174,6 +174,6 @@ def ingest_events(engine: sa.Engine, events: Sequence[ClientEvent]) -> int:
     # cannot upgrade to the write lock once another writer has committed meanwhile.
     with engine.connect() as conn:
         saved = _compile_seconds(conn, {e.digest for e in events if e.digest})
-    with engine.begin() as conn:
-        conn.execute(sa.insert(_events), [_row(e, saved) for e in events])
+    with engine.begin() as conn:  # events and their counts together, as the writer does
+        write_events(conn, [_row(e, saved) for e in events])
     return len(events)

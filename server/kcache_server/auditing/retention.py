@@ -10,6 +10,12 @@ rows cover disjoint events and simply add up in :mod:`~kcache_server.auditing.st
 What a roll-up keeps: counts, compile time saved, latency sums, the time and
 error code of the last event of each group. What it drops: digests and keys of
 single events, so rank divergence is only reported inside the retention window.
+
+The counts ``/v1/stats`` sums (:mod:`~kcache_server.auditing.counts`) already hold
+every event, raw or rolled up, so a roll-up leaves them alone; stats reads roll-ups
+only where it reads raw events (the partial hours at a window's edges, filtered
+queries, the last miss of a kernel with no raw miss left). Divergence candidates
+whose events are all gone are dropped after the roll-up.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from typing import Any, cast
 
 import sqlalchemy as sa
 
-from kcache_server.models import AuditEvent, AuditRollup
+from kcache_server.auditing.counts import decode
+from kcache_server.models import AuditDigest, AuditEvent, AuditRollup
 
 __all__ = ["RetentionWorker", "roll_up"]
 
@@ -30,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _events = cast(sa.Table, AuditEvent.__table__)
 _rollups = cast(sa.Table, AuditRollup.__table__)
+_digests = cast(sa.Table, AuditDigest.__table__)
 _KEYS = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank")
 # Events rolled up per transaction: bounds the transaction's size and lock time.
 _CHUNK = 50_000
@@ -93,7 +101,27 @@ def roll_up(engine: sa.Engine, older_than: datetime) -> int:
         n = _roll_chunk(engine, older_than)
         total += n
         if n < _CHUNK:
-            return total
+            break
+    _forget_digests(engine, older_than)
+    return total
+
+
+def _forget_digests(engine: sa.Engine, older_than: datetime) -> None:
+    """Drop divergence candidates last seen before ``older_than`` that no raw event backs any more.
+
+    The ``NOT EXISTS`` keeps a row whose old event (a client's late report, say)
+    arrived after the roll-up read its chunk: a candidate is only dropped once no
+    event could make it a divergence.
+    """
+    ev, dg = _events.c, _digests.c
+    backed = sa.exists().where(
+        ev.job_id == dg.job_id,
+        ev.base_key == dg.base_key,
+        ev.target.is_not_distinct_from(decode(dg.target)),
+        ev.digest == dg.digest,
+    )
+    with engine.begin() as conn:
+        conn.execute(sa.delete(_digests).where(dg.last_at < older_than, ~backed))
 
 
 class RetentionWorker:

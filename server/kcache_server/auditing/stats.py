@@ -7,13 +7,23 @@ What the server observed itself (tier ``server``) and what clients reported thro
 and ``lookups`` add both, as ARCHITECTURE defines the hit rate. A divergence seen
 only in client reports is marked ``reported``.
 
-Counts come from one ``UNION ALL`` of raw events (weight 1) and roll-up rows
-(weight ``count``), so a window that reaches past the retention horizon still adds
-up; what needs single events (the last miss of a kernel and its reason, rank
-divergence) reads raw events only. Every aggregate is computed in SQL, and each piece
-of the answer is a fixed number of statements (window functions, joins, ``EXISTS``),
-never a query per kernel, job or recipe: one ``/v1/stats`` sends the same number of
-statements at any size (tests/audit/test_stats_queries.py counts them).
+Counts come from ``audit_counts`` (:mod:`~kcache_server.auditing.counts`), kept by
+every audit write per minute, hour and day and per dimension, so an unfiltered query
+costs what the buckets of its window cost, not what its events do. Raw events (and
+roll-ups, weighted by their ``count``) are read only where counts cannot answer
+exactly, in one ``UNION ALL`` with the count rows: the partial hours at the edges of
+a window (a window from 10:20 reads 10:20-11:00 raw, the full hours and days after it
+from counts), a series step under a minute, and queries filtered by job, client,
+kernel or target (the counts have one dimension at a time). What needs single
+events reads raw events through indexes: the last miss of each top kernel (one
+backward probe per kernel on ``(kernel, at, id)``) and rank divergence (only the
+recipes ``audit_digests`` lists with two digests for one job). Each piece of the
+answer is a fixed number of statements, never a query per kernel, job or recipe:
+one ``/v1/stats`` sends the same number of statements at any size
+(tests/audit/test_stats_queries.py counts them).
+
+One figure differs from a scan of the raw events by design: a job's ``world_size``
+is the largest in its counts, which keep events that retention rolled up.
 """
 
 from __future__ import annotations
@@ -31,9 +41,10 @@ import sqlalchemy as sa
 from pydantic import BaseModel, Field
 
 from kcache.outcomes import CLIENT_OUTCOMES, HIT_OUTCOMES, MISS_OUTCOMES, OUTCOMES, SERVER_OUTCOMES
+from kcache_server.auditing.counts import DIMENSIONS, LEVELS, decode, encode
 from kcache_server.errors import InvalidRequestError
 from kcache_server.index import SqlIndex
-from kcache_server.models import AuditEvent, AuditRollup, Eviction
+from kcache_server.models import AuditCount, AuditDigest, AuditEvent, AuditRollup, Eviction
 
 __all__ = [
     "GROUP_BY",
@@ -73,6 +84,8 @@ GROUP_BY: dict[str, str] = {
 
 _events = cast(sa.Table, AuditEvent.__table__)
 _rollups = cast(sa.Table, AuditRollup.__table__)
+_counts_t = cast(sa.Table, AuditCount.__table__)
+_digests = cast(sa.Table, AuditDigest.__table__)
 _evictions = cast(sa.Table, Eviction.__table__)
 # Times a query may name: the unix epoch up to the last second of year 9999.
 _MAX_UNIX_S = 253_402_300_799.0
@@ -327,38 +340,142 @@ class Stats(BaseModel):
 
 
 # ---------------------------------------------------------------------- SQL pieces
+Span = tuple[datetime | None, datetime | None]  # [start, end), None: unbounded
+_HOUR = 3600
+_FILTERS = ("job_id", "client_id", "kernel", "target")
+
+
+def _within(at: Any, span: Span) -> sa.ColumnElement[bool]:
+    lo, hi = span
+    return sa.and_(
+        sa.true() if lo is None else at >= lo,
+        sa.true() if hi is None else at < hi,
+    )
+
+
 def _filters(
-    query: StatsQuery, cols: Any, at: sa.ColumnElement[Any]
+    query: StatsQuery, cols: Any, at: sa.ColumnElement[Any], pieces: list[Span] | None = None
 ) -> list[sa.ColumnElement[bool]]:
+    """The query's conditions on ``cols``; its window, or only ``pieces`` of it where given."""
     conds: list[sa.ColumnElement[bool]] = []
-    if query.since is not None:
-        conds.append(at >= query.since)
-    if query.until is not None:
-        conds.append(at < query.until)
-    for name in ("job_id", "client_id", "kernel", "target"):
+    if pieces is not None:
+        conds.append(sa.or_(sa.false(), *(_within(at, p) for p in pieces)))
+    else:
+        if query.since is not None:
+            conds.append(at >= query.since)
+        if query.until is not None:
+            conds.append(at < query.until)
+    for name in _FILTERS:
         value = getattr(query, name)
         if value is not None:
             conds.append(cols[name] == value)
     return conds
 
 
-def _source(query: StatsQuery) -> sa.Subquery:
-    """Raw events and roll-ups as one relation with a weight ``n``."""
-    names = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank")
+_NAMES = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank")
+
+
+def _counted(query: StatsQuery) -> bool:
+    """Whether the counts can answer ``query``: they hold one dimension at a time, no filters."""
+    return all(getattr(query, name) is None for name in _FILTERS)
+
+
+def _ceil(at: datetime, level: int) -> datetime:
+    floor = _floor(at, level)
+    return floor if floor == at else floor + timedelta(seconds=level)
+
+
+def _floor(at: datetime, level: int) -> datetime:
+    seconds = math.floor(at.timestamp())
+    return datetime.fromtimestamp(seconds - seconds % level, timezone.utc)
+
+
+def _cover(
+    lo: datetime | None, hi: datetime | None, levels: tuple[int, ...]
+) -> tuple[list[tuple[int, Span]], list[Span]]:
+    """``[lo, hi)`` as spans of count rows (coarsest level first), and what is left for raw."""
+    if lo is not None and hi is not None and lo >= hi:
+        return [], []
+    if not levels:
+        return [], [(lo, hi)]
+    level, finer = levels[0], levels[1:]
+    a = None if lo is None else _ceil(lo, level)
+    b = None if hi is None else _floor(hi, level)
+    if a is not None and b is not None and a >= b:
+        return _cover(lo, hi, finer)
+    spans: list[tuple[int, Span]] = [(level, (a, b))]
+    raw: list[Span] = []
+    for piece in ((lo, a), (b, hi)):
+        if piece[0] is not None and piece[1] is not None and piece[0] != piece[1]:
+            more, left = _cover(*piece, finer)
+            spans += more
+            raw += left
+    return spans, raw
+
+
+def _plan(query: StatsQuery, levels: tuple[int, ...]) -> tuple[list[tuple[int, Span]], list[Span]]:
+    """Count spans and raw pieces that together make the query's window exactly.
+
+    Partial hours at the edges are raw: a roll-up counts an event by its hour's start,
+    so only raw events and roll-ups together say what such a window held.
+    """
+    since, until = query.since, query.until
+    lo = None if since is None else _ceil(since, _HOUR)
+    hi = None if until is None else _floor(until, _HOUR)
+    if lo is not None and hi is not None and hi <= lo:
+        return [], [(since, until)]
+    edges = [p for p in ((since, lo), (hi, until)) if p[0] is not None and p[0] != p[1]]
+    spans, raw = _cover(lo, hi, tuple(sorted((lv for lv in levels if lv >= 60), reverse=True)))
+    return spans, edges + raw
+
+
+def _source(
+    query: StatsQuery, dim: str | None = None, levels: tuple[int, ...] | None = None
+) -> sa.Subquery:
+    """Raw events, roll-ups and (``dim`` given) count rows of ``dim`` as one relation with a weight ``n``.
+
+    Without ``dim`` every event of the window is read raw. With it, the window is
+    split by :func:`_plan` over ``levels`` (default: all of the dimension's); count
+    rows carry only their dimension's columns (the others NULL).
+    """
     ev, ru = _events.c, _rollups.c
+    spans: list[tuple[int, Span]] = []
+    pieces: list[Span] | None = None
+    if dim is not None:
+        spans, pieces = _plan(query, LEVELS[dim] if levels is None else levels)
     raw = sa.select(
         ev.at.label("at"),
-        *(ev[n] for n in names),
+        *(ev[n] for n in _NAMES),
         ev["count"].label("n"),
         ev.compile_seconds_saved.label("saved"),
-    ).where(*_filters(query, ev, ev.at))
+    ).where(*_filters(query, ev, ev.at, pieces))
     rolled = sa.select(
         ru.bucket.label("at"),
-        *(ru[n] for n in names),
+        *(ru[n] for n in _NAMES),
         ru["count"].label("n"),
         ru.compile_seconds_saved.label("saved"),
-    ).where(*_filters(query, ru, ru.bucket))
-    return sa.union_all(raw, rolled).subquery("src")
+    ).where(*_filters(query, ru, ru.bucket, pieces))
+    if dim is None or not spans:
+        return sa.union_all(raw, rolled).subquery("src")
+    c = _counts_t.c
+    first, second = DIMENSIONS[dim]
+    values: dict[str, sa.ColumnElement[Any]] = {name: sa.null() for name in _NAMES[2:]}
+    if first:
+        values[first] = decode(c.key, as_int=first == "rank")
+    if second:
+        values[second] = decode(c.key2, as_int=True)
+    counted = sa.select(
+        c.bucket.label("at"),
+        c.outcome,
+        c.tier,
+        *(values[n].label(n) for n in _NAMES[2:]),
+        c["count"].label("n"),
+        c.saved.label("saved"),
+    ).where(
+        c.dim == dim,
+        sa.or_(*(sa.and_(c.level == level, _within(c.bucket, span)) for level, span in spans)),
+    )
+    return sa.union_all(raw, rolled, counted).subquery("src")
 
 
 def _epoch(dialect: str, column: Any) -> sa.ColumnElement[Any]:
@@ -415,11 +532,10 @@ def _totals(
     return totals, reported, by_tier, saved, reported_saved
 
 
-def _groups(
-    conn: sa.Connection, src: sa.Subquery, query: StatsQuery, divergent_jobs: set[str]
-) -> list[GroupStats]:
+def _groups(conn: sa.Connection, query: StatsQuery, divergent_jobs: set[str]) -> list[GroupStats]:
     if query.group_by is None:
         return []
+    src = _source(query, query.group_by if _counted(query) else None)
     col = src.c[GROUP_BY[query.group_by]]
     rows = conn.execute(
         sa.select(col, src.c.outcome, sa.func.sum(src.c.n), sa.func.sum(src.c.saved)).group_by(
@@ -436,16 +552,17 @@ def _groups(
         GroupStats(key=k, compile_seconds_saved=saved[k], **_counts(outcomes[k])) for k in keys
     ]
     if query.group_by == "job":
-        _add_ranks(conn, src, groups, divergent_jobs)
+        _add_ranks(conn, query, groups, divergent_jobs)
     return groups
 
 
 def _add_ranks(
-    conn: sa.Connection, src: sa.Subquery, groups: list[GroupStats], divergent_jobs: set[str]
+    conn: sa.Connection, query: StatsQuery, groups: list[GroupStats], divergent_jobs: set[str]
 ) -> None:
     jobs = [g.key for g in groups if g.key is not None]
     if not jobs:
         return
+    src = _source(query, "job_rank" if _counted(query) else None)
     rows = conn.execute(
         sa.select(src.c.job_id, src.c.rank, src.c.outcome, sa.func.sum(src.c.n))
         .where(src.c.job_id.in_(jobs))
@@ -454,11 +571,16 @@ def _add_ranks(
     per: dict[Any, dict[Any, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
     for job, rank, outcome, n in rows:
         per[job][rank][outcome] = int(n)
+    c = _counts_t.c
     sizes = dict(
         conn.execute(
-            sa.select(_events.c.job_id, sa.func.max(_events.c.world_size))
-            .where(_events.c.job_id.in_(jobs))
-            .group_by(_events.c.job_id)
+            sa.select(decode(c.key), sa.func.max(c.world_size))
+            .where(
+                c.dim == "job",
+                c.level == max(LEVELS["job"]),
+                c.key.in_([encode(j) for j in jobs]),
+            )
+            .group_by(c.key)
         ).all()
     )
     for group in groups:
@@ -473,13 +595,14 @@ def _add_ranks(
         group.divergent = group.key in divergent_jobs
 
 
-def _top_missed(conn: sa.Connection, src: sa.Subquery, query: StatsQuery) -> list[MissedKernel]:
+def _top_missed(conn: sa.Connection, query: StatsQuery) -> list[MissedKernel]:
     """The kernels with the most misses, each with its misses by outcome and its last miss.
 
     Three statements, however many kernels: the ranking with its per-outcome counts,
     the last raw miss of every top kernel, and (only when some top kernel has no raw
     miss in the window) the last rolled-up one.
     """
+    src = _source(query, "kernel" if _counted(query) else None)
     per_outcome = (
         sa.select(src.c.kernel, src.c.outcome, sa.func.sum(src.c.n).label("c"))
         .where(src.c.outcome.in_(sorted(MISS_OUTCOMES)))
@@ -526,10 +649,31 @@ def _kernel_in(column: Any, kernels: list[str | None]) -> sa.ColumnElement[bool]
 
 
 def _last_misses(conn: sa.Connection, query: StatsQuery, items: list[MissedKernel]) -> None:
-    """Fill each item's last miss (and why it was needed) in one statement, plus one for roll-ups."""
+    """Fill each item's last miss (and why it was needed) in one statement, plus one for roll-ups.
+
+    Each kernel's last miss is one scalar subquery that walks ``(kernel, at, id)``
+    backwards from the window's end, so a kernel with millions of events costs a
+    probe, not a sort of its misses.
+    """
     ev = _events.c
-    kernels = [item.kernel for item in items]
     misses = sorted(MISS_OUTCOMES)
+
+    def last_of(kernel: str | None) -> sa.ScalarSelect[Any]:
+        return (
+            sa.select(ev.id)
+            .where(
+                *_filters(query, ev, ev.at),
+                ev.kernel.is_(None) if kernel is None else ev.kernel == kernel,
+                ev.outcome.in_(misses),
+            )
+            .order_by(ev.at.desc(), ev.id.desc())
+            .limit(1)
+            .scalar_subquery()
+        )
+
+    picked = sa.union_all(
+        *(sa.select(last_of(item.kernel).label("id")) for item in items)
+    ).subquery("picked")
     latest = (
         sa.select(
             ev.id,
@@ -540,11 +684,8 @@ def _last_misses(conn: sa.Connection, query: StatsQuery, items: list[MissedKerne
             ev.recipe_key,
             ev.base_key,
             ev.target,
-            sa.func.row_number()
-            .over(partition_by=ev.kernel, order_by=(ev.at.desc(), ev.id.desc()))
-            .label("from_last"),
         )
-        .where(*_filters(query, ev, ev.at), _kernel_in(ev.kernel, kernels), ev.outcome.in_(misses))
+        .where(ev.id.in_(sa.select(picked.c.id)))
         .subquery("latest")
     )
     # Why a compile was needed, from what was seen before it (any window): the same
@@ -580,7 +721,7 @@ def _last_misses(conn: sa.Connection, query: StatsQuery, items: list[MissedKerne
             latest.c.recipe_key,
             latest.c.target,
             history.label("history"),
-        ).where(latest.c.from_last == 1)
+        )
     ).all()
     last = {row.kernel: row for row in rows}
     for item in items:
@@ -647,9 +788,31 @@ def _divergence(conn: sa.Connection, query: StatsQuery) -> list[Divergence]:
     """Recipes (base key and target) that ranks of one job got different digests for.
 
     Two statements, however many there are: one finds them, one reads what each rank
-    got last, every digest, and the first kernel name of all of them at once.
+    got last, every digest, and the first kernel name of all of them at once. Both
+    read only the events of candidates: recipes ``audit_digests`` lists with two
+    digests for one job, seen in the window (first seen before its end, last seen
+    after its start); the events then decide exactly.
     """
-    ev = _events.c
+    ev, dg = _events.c, _digests.c
+    narrow = [dg.first_at < query.until] if query.until is not None else []
+    if query.since is not None:
+        narrow.append(dg.last_at >= query.since)
+    if query.job_id is not None:
+        narrow.append(dg.job_id == query.job_id)
+    if query.target is not None:
+        narrow.append(dg.target == encode(query.target))
+    candidates = (
+        sa.select(dg.job_id, dg.base_key, dg.target)
+        .where(*narrow)
+        .group_by(dg.job_id, dg.base_key, dg.target)
+        .having(sa.func.count() > 1)
+        .cte("candidates")
+    )
+    is_candidate = sa.and_(
+        ev.job_id == candidates.c.job_id,
+        ev.base_key == candidates.c.base_key,
+        ev.target.is_not_distinct_from(decode(candidates.c.target)),
+    )
     scope = [
         *_filters(query, ev, ev.at),
         ev.job_id.is_not(None),
@@ -667,6 +830,7 @@ def _divergence(conn: sa.Connection, query: StatsQuery) -> list[Divergence]:
             server_digests.label("observed"),
             sa.func.row_number().over(order_by=(ev.job_id, ev.base_key)).label("place"),
         )
+        .select_from(_events.join(candidates, is_candidate))
         .where(*scope)
         .group_by(ev.job_id, ev.base_key, ev.target)
         .having(sa.func.count(sa.distinct(ev.digest)) > 1)
@@ -752,20 +916,46 @@ def _divergence(conn: sa.Connection, query: StatsQuery) -> list[Divergence]:
     return result
 
 
-def _series(
-    conn: sa.Connection, src: sa.Subquery, query: StatsQuery
-) -> tuple[int, list[SeriesPoint]]:
+def _extent(conn: sa.Connection, query: StatsQuery) -> tuple[float, float] | None:
+    """Unix seconds (floored) of the first and last event or roll-up in the window, None if none.
+
+    Four index probes (``at`` and ``bucket``), whatever the window holds.
+    """
+    ev, ru = _events.c, _rollups.c
+    found: list[datetime] = []
+    for table, at in ((_events, ev.at), (_rollups, ru.bucket)):
+        first, last = conn.execute(
+            sa.select(sa.func.min(at), sa.func.max(at)).where(*_filters(query, table.c, at))
+        ).one()
+        found += [t for t in (first, last) if t is not None]
+    if not found:
+        return None
+    return float(math.floor(min(found).timestamp())), float(math.floor(max(found).timestamp()))
+
+
+def _series(conn: sa.Connection, query: StatsQuery) -> tuple[int, list[SeriesPoint]]:
     dialect = conn.dialect.name
-    epoch = _epoch(dialect, src.c.at)
+    counted = _counted(query)
     lo: float | None = _epoch_of(query.since)
     hi: float | None = _epoch_of(query.until)
     if lo is None or hi is None:
-        first, last = conn.execute(sa.select(sa.func.min(epoch), sa.func.max(epoch))).one()
+        first: Any
+        last: Any
+        if counted:
+            extent = _extent(conn, query)
+            first, last = extent if extent is not None else (None, None)
+        else:
+            epoch = _epoch(dialect, _source(query).c.at)
+            first, last = conn.execute(sa.select(sa.func.min(epoch), sa.func.max(epoch))).one()
         if first is None:
             return 0, []
         lo = float(first) if lo is None else lo
         hi = float(last) + 1 if hi is None else hi
     step = _step(max(hi - lo, 1.0), query.buckets)
+    # Count rows of a level that divides the step lie in one bucket each.
+    levels = tuple(lv for lv in LEVELS["all"] if step % lv == 0)
+    src = _source(query, "all" if counted else None, levels)
+    epoch = _epoch(dialect, src.c.at)
     # Integer floor division in SQL (SQLAlchemy's "/" is true division): rows of one
     # bucket must group together.
     bucket = (
@@ -813,13 +1003,13 @@ def compute_stats(engine: sa.Engine, query: StatsQuery, store_cap: int | None = 
     ``store_cap`` is the server's ``max_store_bytes`` (None: unbounded), reported with the
     store's size.
     """
-    src = _source(query)
     with engine.connect() as conn:
+        src = _source(query, "all" if _counted(query) else None)
         totals, reported, by_tier, saved, reported_saved = _totals(conn, src)
         divergence = _divergence(conn, query)
-        groups = _groups(conn, src, query, {d.job_id for d in divergence if not d.reported})
-        top_missed = _top_missed(conn, src, query)
-        step, series = _series(conn, src, query)
+        groups = _groups(conn, query, {d.job_id for d in divergence if not d.reported})
+        top_missed = _top_missed(conn, query)
+        step, series = _series(conn, query)
         store = _store(engine, conn, query, store_cap)
     server_lookups = sum(totals.values())
     lookups = server_lookups + sum(reported.values())

@@ -1,8 +1,9 @@
 """The audit writer: the server's own lookups, one ``audit_events`` row each, written in batches off the request path.
 
 Requests only append to an in-memory queue; a background thread inserts what has
-gathered every ``flush_s`` seconds (and on shutdown), and bumps ``last_used_at``
-of the artifacts that were served. A crash can lose the last fraction of a second
+gathered every ``flush_s`` seconds (and on shutdown), adding them to the counts
+``/v1/stats`` reads in the same transaction (:mod:`~kcache_server.auditing.counts`),
+and bumps ``last_used_at`` of the artifacts that were served. A crash can lose the last fraction of a second
 of events, never an artifact.
 
 No single row can block the writer. A batch the database refuses is split in
@@ -27,12 +28,12 @@ from typing import cast
 
 import sqlalchemy as sa
 
-from kcache_server.models import Artifact, AuditEvent, utcnow
+from kcache_server.auditing.counts import write_events
+from kcache_server.models import Artifact, utcnow
 
 __all__ = ["AuditLog", "AuditRecord"]
 
 log = logging.getLogger(__name__)
-_events = cast(sa.Table, AuditEvent.__table__)
 _artifacts = cast(sa.Table, Artifact.__table__)
 
 # The database is unreachable or busy: the rows are fine, try them again later.
@@ -253,8 +254,8 @@ class AuditLog:
         return written
 
     def _insert(self, rows: Sequence[AuditRecord]) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(sa.insert(_events), [asdict(e) for e in rows])
+        with self.engine.begin() as conn:  # events and their counts in one transaction
+            write_events(conn, [asdict(e) for e in rows])
 
     def _drop(self, row: AuditRecord, reason: str, exc: BaseException | None = None) -> None:
         self.dropped[reason] += 1

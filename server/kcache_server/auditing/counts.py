@@ -1,0 +1,276 @@
+"""Audit counts kept as events are written: what ``/v1/stats`` sums instead of scanning events.
+
+Every write of audit events (the server's writer, clients' ``POST /v1/events``) goes
+through :func:`write_events`, which in the same transaction inserts the events and
+adds them to two narrow tables, so counts and events never disagree:
+
+- ``audit_counts``: per time bucket, dimension and group value, the lookups by outcome
+  (``count``) and the compile time they saved. Dimensions are ``all`` (by outcome and
+  tier: totals and the series), ``kernel``, ``target``, ``client``, ``job``, ``rank``
+  and ``job_rank`` (a job's per-rank breakdown); buckets are hours and UTC days, and
+  minutes for ``all`` (series steps under an hour). A group value is stored encoded
+  (:func:`encode`: ``""`` for NULL, ``"=" + value`` otherwise) so that the primary
+  key has no NULL and ``INSERT ... ON CONFLICT DO UPDATE SET count = count +
+  excluded.count`` merges concurrent writers on SQLite and PostgreSQL alike.
+- ``audit_digests``: one row per (job, base key, target, digest) ever seen, with the
+  first and last time: rank divergence starts from the recipes with two of them
+  instead of grouping every event (stats re-checks them against the raw events).
+
+The counts cover every event ever written, raw or since rolled up by retention
+(:mod:`~kcache_server.auditing.retention` moves events into ``audit_rollups`` and
+leaves the counts alone), so stats never adds roll-ups to counts. :func:`rebuild`
+computes the same tables from ``audit_events`` and ``audit_rollups`` in bulk SQL
+(migration 0007's backfill, the B10 bench's fill); tests/audit/test_counts.py checks
+that it equals what the writer maintained. One difference by construction: a
+roll-up keeps only the hour, so rebuilt minute counts place rolled-up events at
+their hour's start, where the writer had put them at their minute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any, cast
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from kcache_server.models import AuditCount, AuditDigest, AuditEvent, AuditRollup
+
+__all__ = ["DIMENSIONS", "LEVELS", "decode", "encode", "rebuild", "write_events"]
+
+_events = cast(sa.Table, AuditEvent.__table__)
+_rollups = cast(sa.Table, AuditRollup.__table__)
+_counts = cast(sa.Table, AuditCount.__table__)
+_digests = cast(sa.Table, AuditDigest.__table__)
+
+MINUTE, HOUR, DAY = 60, 3600, 86400
+#: dimension -> (first key column, second key column) of ``audit_events`` ("" for none).
+DIMENSIONS: dict[str, tuple[str, str]] = {
+    "all": ("", ""),
+    "kernel": ("kernel", ""),
+    "target": ("target", ""),
+    "client": ("client_id", ""),
+    "job": ("job_id", ""),
+    "rank": ("rank", ""),
+    "job_rank": ("job_id", "rank"),
+}
+#: dimension -> bucket widths (seconds) it is counted at, coarsest first.
+LEVELS: dict[str, tuple[int, ...]] = {
+    dim: (DAY, HOUR, MINUTE) if dim == "all" else (DAY, HOUR) for dim in DIMENSIONS
+}
+_COUNT_KEY = ("dim", "level", "bucket", "key", "key2", "outcome", "tier")
+_DIGEST_KEY = ("job_id", "base_key", "target", "digest")
+
+
+def encode(value: object) -> str:
+    """A group value as stored in a key column: ``""`` for NULL, ``"=" + str(value)`` otherwise."""
+    return "" if value is None else f"={value}"
+
+
+def decode(column: Any, as_int: bool = False) -> sa.ColumnElement[Any]:
+    """SQL reading an :func:`encode` d key column back (NULL for ``""``)."""
+    value: sa.ColumnElement[Any] = sa.func.substr(column, 2)
+    if as_int:
+        value = sa.cast(value, sa.BigInteger)
+    return sa.case((column == "", sa.null()), else_=value)
+
+
+def _floor(at: datetime, level: int) -> datetime:
+    seconds = math.floor(at.timestamp())
+    return datetime.fromtimestamp(seconds - seconds % level, timezone.utc)
+
+
+def _count_rows(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The increments of ``audit_counts`` that ``events`` make, merged, in key order."""
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for e in events:
+        # A row may leave out nullable columns, as an INSERT may.
+        n, saved = int(e.get("count", 1)), float(e.get("compile_seconds_saved", 0.0))
+        size = e.get("world_size")
+        for dim, (first, second) in DIMENSIONS.items():
+            key = encode(e.get(first)) if first else ""
+            key2 = encode(e.get(second)) if second else ""
+            tier = e["tier"] if dim == "all" else ""
+            for level in LEVELS[dim]:
+                k = (dim, level, _floor(e["at"], level), key, key2, e["outcome"], tier)
+                row = rows.get(k)
+                if row is None:
+                    row = rows[k] = {
+                        **dict(zip(_COUNT_KEY, k, strict=True)),
+                        "count": 0,
+                        "saved": 0.0,
+                        "world_size": None,
+                    }
+                row["count"] += n
+                row["saved"] += saved
+                if dim == "job" and size is not None:
+                    old = row["world_size"]
+                    row["world_size"] = size if old is None else max(size, old)
+    return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1], k[2], *k[3:]))]
+
+
+def _digest_rows(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for e in events:
+        if e.get("job_id") is None or e.get("base_key") is None or e.get("digest") is None:
+            continue
+        k = (e["job_id"], e["base_key"], encode(e.get("target")), e["digest"])
+        row = rows.get(k)
+        if row is None:
+            rows[k] = {
+                **dict(zip(_DIGEST_KEY, k, strict=True)),
+                "first_at": e["at"],
+                "last_at": e["at"],
+            }
+        else:
+            row["first_at"] = min(row["first_at"], e["at"])
+            row["last_at"] = max(row["last_at"], e["at"])
+    return [rows[k] for k in sorted(rows)]
+
+
+def _insert(conn: sa.Connection, table: sa.Table) -> Any:
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    return dialect.insert(table)
+
+
+def _upsert_counts(conn: sa.Connection) -> Any:
+    stmt = _insert(conn, _counts)
+    old, new = _counts.c, stmt.excluded
+    larger = sa.case(
+        (new.world_size.is_(None), old.world_size),
+        (old.world_size.is_(None), new.world_size),
+        (new.world_size > old.world_size, new.world_size),
+        else_=old.world_size,
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=list(_COUNT_KEY),
+        set_={
+            "count": old["count"] + new["count"],
+            "saved": old.saved + new.saved,
+            "world_size": larger,
+        },
+    )
+
+
+def _upsert_digests(conn: sa.Connection) -> Any:
+    stmt = _insert(conn, _digests)
+    old, new = _digests.c, stmt.excluded
+    return stmt.on_conflict_do_update(
+        index_elements=list(_DIGEST_KEY),
+        set_={
+            "first_at": sa.case((new.first_at < old.first_at, new.first_at), else_=old.first_at),
+            "last_at": sa.case((new.last_at > old.last_at, new.last_at), else_=old.last_at),
+        },
+    )
+
+
+def write_events(conn: sa.Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Insert ``rows`` into ``audit_events`` and add them to the counts, in ``conn``'s transaction.
+
+    Each row names every column of ``audit_events`` but ``id``. Upserts go in key
+    order, so concurrent writers on PostgreSQL lock count rows in one order and
+    cannot deadlock each other.
+    """
+    if not rows:
+        return
+    conn.execute(sa.insert(_events), list(rows))
+    conn.execute(_upsert_counts(conn), _count_rows(rows))
+    digests = _digest_rows(rows)
+    if digests:
+        conn.execute(_upsert_digests(conn), digests)
+
+
+# ---------------------------------------------------------------------- bulk rebuild
+def _bucket_sql(conn: sa.Connection, column: Any, level: int) -> sa.ColumnElement[Any]:
+    """``column`` floored to ``level`` seconds in UTC, stored as ``UTCDateTime`` stores it."""
+    if conn.dialect.name == "postgresql":
+        unit = {MINUTE: "minute", HOUR: "hour", DAY: "day"}[level]
+        return sa.func.date_trunc(unit, column, "UTC")
+    fmt = {MINUTE: "%Y-%m-%d %H:%M:00.000000", HOUR: "%Y-%m-%d %H:00:00.000000"}
+    return sa.func.strftime(fmt.get(level, "%Y-%m-%d 00:00:00.000000"), column)
+
+
+def _encode_sql(column: Any) -> sa.ColumnElement[Any]:
+    text = sa.cast(column, sa.Text) if isinstance(column.type, sa.Integer) else column
+    return sa.case((column.is_(None), ""), else_=sa.literal("=") + text)
+
+
+def rebuild(conn: sa.Connection) -> None:
+    """Recompute ``audit_counts`` and ``audit_digests`` from events and roll-ups (bulk SQL).
+
+    The same rows :func:`write_events` would have made (see the module docstring for
+    the one difference); used by migration 0007 and the B10 bench. Each dimension's
+    finest level is read from the events, its coarser ones from that level's rows.
+    """
+    conn.execute(sa.delete(_counts))
+    conn.execute(sa.delete(_digests))
+    ev, ru = _events.c, _rollups.c
+    columns = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank")
+    src = sa.union_all(
+        sa.select(
+            ev.at.label("at"),
+            *(ev[c] for c in columns),
+            ev["count"].label("n"),
+            ev.compile_seconds_saved.label("saved"),
+            ev.world_size.label("world_size"),
+        ),
+        sa.select(
+            ru.bucket.label("at"),
+            *(ru[c] for c in columns),
+            ru["count"].label("n"),
+            ru.compile_seconds_saved.label("saved"),
+            sa.cast(sa.null(), sa.Integer).label("world_size"),
+        ),
+    ).subquery("src")
+    target = [*_COUNT_KEY, "count", "saved", "world_size"]
+    for dim, (first, second) in DIMENSIONS.items():
+        finest, *coarser = LEVELS[dim][::-1]
+        bucket = _bucket_sql(conn, src.c.at, finest)
+        key = _encode_sql(src.c[first]) if first else sa.literal("")
+        key2 = _encode_sql(src.c[second]) if second else sa.literal("")
+        tier = src.c.tier if dim == "all" else sa.literal("")
+        size = sa.func.max(src.c.world_size) if dim == "job" else sa.cast(sa.null(), sa.Integer)
+        group = (bucket, key, key2, src.c.outcome, tier)
+        conn.execute(
+            sa.insert(_counts).from_select(
+                target,
+                sa.select(
+                    sa.literal(dim),
+                    sa.literal(finest),
+                    *group,
+                    sa.func.sum(src.c.n),
+                    sa.func.sum(src.c.saved),
+                    size,
+                ).group_by(*group),
+            )
+        )
+        co = _counts.c
+        for level in coarser:
+            bucket = _bucket_sql(conn, co.bucket, level)
+            group = (bucket, co.key, co.key2, co.outcome, co.tier)
+            conn.execute(
+                sa.insert(_counts).from_select(
+                    target,
+                    sa.select(
+                        sa.literal(dim),
+                        sa.literal(level),
+                        *group,
+                        sa.func.sum(co["count"]),
+                        sa.func.sum(co.saved),
+                        sa.func.max(co.world_size),
+                    )
+                    .where(co.dim == dim, co.level == finest)
+                    .group_by(*group),
+                )
+            )
+    recipe = (ev.job_id, ev.base_key, _encode_sql(ev.target), ev.digest)
+    conn.execute(
+        sa.insert(_digests).from_select(
+            [*_DIGEST_KEY, "first_at", "last_at"],
+            sa.select(*recipe, sa.func.min(ev.at), sa.func.max(ev.at))
+            .where(ev.job_id.is_not(None), ev.base_key.is_not(None), ev.digest.is_not(None))
+            .group_by(*recipe),
+        )
+    )
