@@ -1,10 +1,12 @@
 """B10: ``GET /v1/stats`` over many audit events, on SQLite and PostgreSQL.
 
-A script fills ``audit_events`` with ``--events`` rows (default 1M; ``--events 10000000``
-for the issue's figure) spread the way a busy cluster would: a few thousand kernels with
-a long tail, hundreds of jobs of 8 ranks, every outcome and tier, a little rank
-divergence, over the last few days (inside the retention window, so every row stays raw:
-the worst case for the queries). A real ``kcache serve`` then answers ``/v1/stats``
+One SQL statement fills ``audit_events`` with ``--events`` rows (default 1M;
+``--events 10000000`` for the issue's figure; PostgreSQL ``generate_series``, SQLite a
+recursive CTE) spread the way a busy cluster would: 3,000 kernels with a long tail, 800
+jobs of 8 ranks, every outcome and tier, over the last five days (inside the retention
+window, so every row stays raw). Rank divergence as it happens: in one (job, recipe) pair
+in a thousand, rank 7 got other bytes every time. The counts are then built in bulk
+(:func:`kcache_server.auditing.counts.rebuild`). A real ``kcache serve`` then answers ``/v1/stats``
 (no grouping, and each ``group_by``); each figure is the median of ``--rounds`` calls.
 
 Anchor: one ``SELECT count(*), sum(count) FROM audit_events`` on the same database, the
@@ -17,15 +19,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import random
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import sqlalchemy as sa
@@ -36,112 +36,108 @@ from _harness import emit
 
 from tests.support import PG_ADMIN_URL, ServerProcess, upgrade
 
-COLUMNS = (
-    *("at", "outcome", "tier", "route", "recipe_key", "base_key", "digest", "kernel"),
-    *("target", "toolchain", "error", "client_id", "host", "pid", "job_id", "rank"),
-    *("world_size", "latency_ms", "compile_seconds_saved", "count"),
-)
-# Server-observed outcomes, then the client-reported one, with a plausible mix.
-OUTCOME_WEIGHTS = {
-    "hit": 60,
-    "local_hit": 25,
-    "compiled": 6,
-    "waited": 3,
-    "miss": 4,
-    "error": 2,
-}
-TARGETS = ("sm_80", "sm_90", "sm_100")
-CHUNK = 20_000
+# Hashes of the row number i (0 <= h < 1000003): the same row in SQLite and PostgreSQL,
+# and every column of one row derived from i alone (SQLite may evaluate random() once
+# per reference, which would let a row's tier disagree with its outcome).
+_P = 1000003
 
 
-def _hex(rng: random.Random) -> str:
-    return f"{rng.getrandbits(256):064x}"
+def _h(mult: int) -> str:
+    return f"((i * {mult}) % {_P})"
 
 
-def event_rows(n: int, seed: int = 13) -> Iterator[tuple[Any, ...]]:
-    """``n`` audit rows in :data:`COLUMNS` order, deterministic for ``seed``."""
-    rng = random.Random(seed)
-    kernels = [f"kernel_{i}" for i in range(3000)]
-    base = {k: _hex(rng) for k in kernels}
-    variants = {k: [_hex(rng) for _ in range(3)] for k in kernels}  # recipe keys per kernel
-    digests = {(key, t): _hex(rng) for vs in variants.values() for key in vs for t in TARGETS}
-    jobs = [f"job-{i:04d}" for i in range(800)]
-    # A job runs on one kind of GPU and one version of each kernel's headers.
-    job_target = {job: rng.choice(TARGETS) for job in jobs}
-    job_variant = {job: rng.randrange(3) for job in jobs}
-    outcomes = list(OUTCOME_WEIGHTS)
-    weights = list(OUTCOME_WEIGHTS.values())
-    now = datetime.now(timezone.utc)
-    span_s = 5 * 86400.0
-    for _ in range(n):
-        # A long tail: a few kernels take most lookups.
-        kernel = kernels[min(int(rng.paretovariate(1.2)) - 1, len(kernels) - 1)]
-        kernel = kernel if rng.random() < 0.7 else rng.choice(kernels)
-        outcome = rng.choices(outcomes, weights)[0]
-        job = rng.choice(jobs)
-        key, target = variants[kernel][job_variant[job]], job_target[job]
-        rank = rng.randrange(8)
-        digest = None if outcome in ("miss", "error") else digests[key, target]
-        if digest is not None and rng.random() < 0.0005:
-            digest = _hex(rng)  # a rank that got other bytes: divergence
-        yield (
-            now - timedelta(seconds=rng.random() * span_s),
-            outcome,
-            "node" if outcome == "local_hit" else "server",
-            "events" if outcome == "local_hit" else "resolve",
-            key,
-            base[kernel],
-            digest,
-            kernel,
-            target,
-            "nvrtc-13.0",
-            "compile_error" if outcome == "error" else None,
-            f"{job}-r{rank}",
-            f"node-{rng.randrange(200)}",
-            rng.randrange(1, 1 << 20),
-            job,
-            rank,
-            8,
-            rng.random() * 3,
-            rng.random() * 2 if outcome in ("hit", "local_hit") else 0.0,
-            1,
+def _fill_sql(dialect: str, n: int) -> str:
+    """One INSERT ... SELECT that writes ``n`` events (see the module docstring for their shape)."""
+    k3 = f"({_h(2654435761)} * {_h(2654435761)} / {_P} * {_h(2654435761)} / {_P} * 3000 / {_P})"
+    kernel = f"(CASE WHEN {_h(40503)} % 10 < 7 THEN {k3} ELSE {_h(97)} % 3000 END)"
+    job, rank = f"({_h(7919)} % 800)", "(i % 8)"
+    o = f"({_h(31337)} % 100)"
+    outcome = (
+        f"(CASE WHEN {o} < 60 THEN 'hit' WHEN {o} < 85 THEN 'local_hit' "
+        f"WHEN {o} < 91 THEN 'compiled' WHEN {o} < 94 THEN 'waited' "
+        f"WHEN {o} < 98 THEN 'miss' ELSE 'error' END)"
+    )
+    variant, target = f"({job} % 3)", f"(({job} / 3) % 3)"
+    # One recipe in a thousand (job, kernel) pairs diverges: rank 7 got other bytes.
+    diverged = f"(({job} * 31 + {kernel}) % 1000 = 0 AND {rank} = 7)"
+    offset_s, micros = f"({_h(104729)} * 432000 / {_P})", f"({_h(1299709)})"
+    if dialect == "postgresql":
+        pad = "lpad(({x})::text, 64, '0')"
+        text = "({x})::text"
+        at = f"(now() - make_interval(secs => {offset_s} + {micros} / 1e6))"
+        rows = f"generate_series(0::bigint, {n - 1}) AS s(i)"
+        head = ""
+    else:
+        pad = "printf('%064d', {x})"
+        text = "CAST(({x}) AS TEXT)"
+        at = (
+            f"(strftime('%Y-%m-%d %H:%M:%S', 'now', '-' || {offset_s} || ' seconds') "
+            f"|| printf('.%06d', {micros}))"
         )
+        rows = "s"
+        head = f"WITH RECURSIVE s(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM s WHERE i < {n - 1}) "
+    digest = (
+        f"(CASE WHEN {outcome} IN ('miss', 'error') THEN NULL "
+        f"WHEN {diverged} THEN {pad.format(x=f'{kernel} * 100 + {variant} * 10 + {target} + 99')} "
+        f"ELSE {pad.format(x=f'{kernel} * 100 + {variant} * 10 + {target}')} END)"
+    )
+    values = {
+        "at": at,
+        "outcome": outcome,
+        "tier": f"(CASE WHEN {outcome} = 'local_hit' THEN 'node' ELSE 'server' END)",
+        "route": f"(CASE WHEN {outcome} = 'local_hit' THEN 'events' ELSE 'resolve' END)",
+        "recipe_key": pad.format(x=f"{kernel} * 10 + {variant}"),
+        "base_key": pad.format(x=kernel),
+        "digest": digest,
+        "kernel": "'kernel_' || " + text.format(x=kernel),
+        "target": f"(CASE {target} WHEN 0 THEN 'sm_80' WHEN 1 THEN 'sm_90' ELSE 'sm_100' END)",
+        "toolchain": "'nvrtc-13.0'",
+        "error": f"(CASE WHEN {outcome} = 'error' THEN 'compile_error' END)",
+        "client_id": "'job-' || " + text.format(x=job) + " || '-r' || " + text.format(x=rank),
+        "host": "'node-' || " + text.format(x=f"{_h(613)} % 200"),
+        "pid": _h(17),
+        "job_id": "'job-' || " + text.format(x=job),
+        "rank": rank,
+        "world_size": "8",
+        "latency_ms": f"({_h(3)} * 3.0 / {_P})",
+        "compile_seconds_saved": (
+            f"(CASE WHEN {outcome} IN ('hit', 'local_hit') THEN {_h(5)} * 2.0 / {_P} ELSE 0 END)"
+        ),
+        "count": "1",
+    }
+    return (
+        f"INSERT INTO audit_events ({', '.join(values)}) {head}"
+        f"SELECT {', '.join(values.values())} FROM {rows}"
+    )
 
 
-def fill(url: str, n: int) -> float:
-    """Insert ``n`` events into the database at ``url``; seconds taken."""
-    from kcache_server.models import AuditEvent
+def fill(url: str, n: int) -> tuple[float, float]:
+    """Insert ``n`` events into the database at ``url`` and build their counts; seconds of each.
 
-    table = cast(sa.Table, AuditEvent.__table__)
+    The events are generated in SQL (no row crosses the wire); the counts are built by
+    :func:`kcache_server.auditing.counts.rebuild`, the bulk statements of migration 0007's
+    backfill, which tests/audit/test_counts.py proves equal to what the writer keeps.
+    """
+    from kcache_server.auditing.counts import rebuild
+
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    started = time.perf_counter()
     try:
+        started = time.perf_counter()
+        with engine.begin() as conn:
+            conn.execute(sa.text(_fill_sql(engine.dialect.name, n)))
+        events_s = time.perf_counter() - started
+        started = time.perf_counter()
+        with engine.begin() as conn:
+            rebuild(conn)
+        counts_s = time.perf_counter() - started
         if engine.dialect.name == "postgresql":
-            with engine.connect() as conn:
-                raw: Any = conn.connection.dbapi_connection
-                with (
-                    raw.cursor() as cur,
-                    cur.copy(f"COPY audit_events ({', '.join(COLUMNS)}) FROM STDIN") as copy,
-                ):
-                    for row in event_rows(n):
-                        copy.write_row(row)
-                raw.commit()
             settle(engine)
         else:
-            rows: list[dict[str, Any]] = []
-            with engine.begin() as conn:
-                for row in event_rows(n):
-                    rows.append(dict(zip(COLUMNS, row, strict=True)))
-                    if len(rows) == CHUNK:
-                        conn.execute(sa.insert(table), rows)
-                        rows.clear()
-                if rows:
-                    conn.execute(sa.insert(table), rows)
             with engine.connect() as conn:
                 conn.exec_driver_sql("ANALYZE")
     finally:
         engine.dispose()
-    return time.perf_counter() - started
+    return events_s, counts_s
 
 
 def settle(engine: sa.Engine) -> None:
@@ -240,22 +236,37 @@ def run(kind: str, events: int, rounds: int) -> None:
     """Fill one database of ``kind``, serve it, time every shape of ``/v1/stats``."""
     goal = "< 1 s at 10M" if kind == "postgresql" else "< 2 s at 10M"
     with tempfile.TemporaryDirectory(prefix="kcache-b10-") as tmp, database(kind, Path(tmp)) as url:
-        fill_s = fill(url, events)
+        events_s, counts_s = fill(url, events)
+        fill_s = events_s + counts_s
         floor = floor_scan_s(url, rounds)
         env = {**os.environ, "KCACHE_AUDIT_RETENTION_DAYS": "0"}  # keep every row raw
         with ServerProcess(Path(tmp) / "data", db_url=url, workers=1, env=env) as server:
-            for group in ("", "kernel", "job", "client", "target", "rank"):
-                params = {"group_by": group} if group else {}
+            now = time.time()
+            shapes: dict[str, dict[str, str]] = {
+                group or "all": {"group_by": group} if group else {}
+                for group in ("", "kernel", "job", "client", "target", "rank")
+            }
+            # What the dashboard asks first: the last 24 h (edges mid-hour), by job, 60 buckets.
+            shapes["dashboard_24h"] = {
+                "since": f"{now - 86400:.3f}",
+                "until": f"{now:.3f}",
+                "group_by": "job",
+                "buckets": "60",
+                "top": "10",
+            }
+            for shape, params in shapes.items():
                 seconds, body = time_stats(server.url, params, rounds)
-                assert body["lookups"] == events, body["lookups"]
+                assert "since" in params or body["lookups"] == events, body["lookups"]
                 emit(
-                    f"B10.stats.{kind}.{group or 'all'}_s",
+                    f"B10.stats.{kind}.{shape}_s",
                     seconds,
                     floor,
                     "s",
                     anchor_is="one full scan of audit_events",
                     events=events,
                     fill_s=round(fill_s, 1),
+                    fill_events_s=round(events_s, 1),
+                    fill_counts_s=round(counts_s, 1),
                     groups=len(body["groups"]),
                     top_missed=len(body["top_missed"]),
                     divergence=len(body["divergence"]),
