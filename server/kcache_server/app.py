@@ -51,6 +51,7 @@ from kcache_server.fastpath import ArtifactFastPath
 from kcache_server.metrics import MetricsMiddleware, ServerMetrics, pool_sampler, store_sampler
 from kcache_server.openapi import install_openapi
 from kcache_server.request_ids import HEADER, new_request_id, request_id_var
+from kcache_server.resolve_fastpath import ResolveFastPath
 from kcache_server.routes import ROUTERS
 from kcache_server.schemas import invalid_request
 from kcache_server.settings import Settings
@@ -295,12 +296,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def serving_app(app: FastAPI) -> ArtifactFastPath:
-    """What uvicorn serves: ``app`` behind the fetch-by-key fast path.
+    """What uvicorn serves: ``app`` behind the fetch-by-key and resolve-hit fast paths.
 
-    The fast path sits outside the framework (even outside FastAPI's own ``__call__``),
-    so a warm fetch costs a few microseconds of Python; everything else reaches ``app``.
+    The fast paths sit outside the framework (even outside FastAPI's own ``__call__``),
+    so a warm fetch costs a few microseconds of Python and a resolve hit little more
+    than reading its recipe; everything else reaches ``app``.
     """
-    return ArtifactFastPath(app, app.state.kcache)
+    state = app.state.kcache
+    return ArtifactFastPath(ResolveFastPath(app, state), state)
 
 
 def create_app_from_env() -> ArtifactFastPath:

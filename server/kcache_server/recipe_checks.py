@@ -14,8 +14,9 @@ from typing import Any
 from kcache.errors import RecipeError
 from kcache.recipe import Recipe
 from kcache_server.backends import Backends
+from kcache_server.schemas import ResolveRequest, load_json_model
 
-__all__ = ["prepare_recipe"]
+__all__ = ["parse_resolve", "prepare_recipe"]
 
 
 def prepare_recipe(data: Mapping[str, Any], backends: Backends) -> Recipe:
@@ -35,3 +36,13 @@ def prepare_recipe(data: Mapping[str, Any], backends: Backends) -> Recipe:
     recipe.key()
     recipe.base_key()
     return recipe
+
+
+def parse_resolve(raw: bytes, backends: Backends) -> tuple[ResolveRequest, Recipe]:
+    """The body of ``POST /v1/resolve``, parsed and validated, and its recipe prepared.
+
+    The one reading of a resolve body: the route and the resolve fast path both call
+    it, so a body the fast path answers is one the route would have accepted.
+    """
+    body = load_json_model(ResolveRequest, raw)
+    return body, prepare_recipe(body.recipe, backends)

@@ -127,16 +127,45 @@ class Resolver:
         The blob must still be in the store: a collected one is compiled again.
         """
         started = time.perf_counter()
-        key = recipe.key()
-        known = self._cached(key)
+        meta = self.memory_hit(recipe)
+        if meta is None:
+            return None
+        self.record_hit(recipe, context, route, started, meta)
+        return self.hit_response(recipe, meta)
+
+    def memory_hit(self, recipe: Recipe) -> ArtifactMeta | None:
+        """The artifact a resolve of ``recipe`` may be answered with from memory, or None.
+
+        The key must be known here and still servable (:meth:`_unservable`), and the
+        blob must still be in the store: a collected one is compiled again. This is
+        the whole decision of a memory hit, shared with the resolve fast path.
+        """
+        known = self._cached(recipe.key())
         if known is None or not self.backends.store.has(known.meta.digest):
             return None
+        return known.meta
+
+    def hit_response(self, recipe: Recipe, meta: ArtifactMeta) -> ResolveResponse:
+        """The answer to a resolve of ``recipe`` that :meth:`memory_hit` found ``meta`` for.
+
+        Nothing in it belongs to the request: one key always answers the same body
+        for the same ``meta``, so a caller may encode it once (the resolve fast path does).
+        """
+        key = recipe.key()
+        known = self._known.get(key)
+        if known is None or known.meta is not meta:
+            known = _Known(meta)  # built for this answer only
         if known.body is None:  # built once per key, not per hit
-            known.body = ArtifactBody.model_validate(known.meta.to_dict())
-        self._audit(recipe, context, route, started, "hit", known.meta)
+            known.body = ArtifactBody.model_validate(meta.to_dict())
         return ResolveResponse(
             status="hit", recipe_key=key, base_key=recipe.base_key(), artifact=known.body
         )
+
+    def record_hit(
+        self, recipe: Recipe, context: Context, route: str, started: float, meta: ArtifactMeta
+    ) -> None:
+        """Audit a resolve of ``recipe`` answered from memory with ``meta`` (tallied per caller)."""
+        self._audit(recipe, context, route, started, "hit", meta)
 
     def _resolve_with_engine(
         self, recipe: Recipe, compile: bool, context: Context, route: str

@@ -76,6 +76,7 @@ __all__ = [
     "check_key",
     "check_label",
     "invalid_request",
+    "load_json_model",
     "load_model",
 ]
 
@@ -242,6 +243,21 @@ def load_model(model: type[M], data: Any) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         raise invalid_request(exc.errors(include_url=False, include_input=False)) from None
+
+
+def load_json_model(model: type[M], raw: bytes) -> M:
+    """A JSON body validated as ``model`` in one pass, or the error :func:`load_model` gives.
+
+    pydantic's own JSON parser validates the bytes directly, in about half the time of
+    ``json.loads`` and :func:`load_model`; it is also stricter in places (a UTF-8 BOM, a
+    lone surrogate escape). Whatever it refuses goes the two-step way, which accepts the
+    same bodies as before or names their problem as before: one set of accepted bodies
+    and one set of messages.
+    """
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError:
+        return load_model(model, parse_json(raw))
 
 
 def check_key(value: str, what: str) -> str:

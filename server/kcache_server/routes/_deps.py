@@ -32,6 +32,7 @@ __all__ = [
     "body_doc",
     "caller",
     "get_state",
+    "is_json_content_type",
     "read_body",
     "require_read",
     "require_report",
@@ -112,7 +113,8 @@ def _doc(*statuses: int) -> dict[int | str, dict[str, Any]]:
 ERRORS = _doc(400, 401, 403, 404, 413, 422, 503, 507)
 
 
-def _is_json(content_type: str | None) -> bool:
+def is_json_content_type(content_type: str | None) -> bool:
+    """Whether a request body sent with ``content_type`` is taken as JSON (the rest are refused)."""
     if not content_type:
         return True  # curl -d without -H: taken as JSON, as FastAPI does
     media = content_type.split(";", 1)[0].strip().lower()
@@ -129,7 +131,7 @@ async def read_body(request: Request, state: ServerState, parse: Callable[[bytes
     A body that is not sent as JSON is refused: a browser form cannot post one
     cross-site without a preflight.
     """
-    if not _is_json(request.headers.get("content-type")):
+    if not is_json_content_type(request.headers.get("content-type")):
         raise InvalidRequestError("body", "send the body as JSON (Content-Type: application/json)")
     raw = await request.body()
     if len(raw) <= INLINE_BODY_BYTES:

@@ -13,7 +13,7 @@ from kcache.errors import KCacheError
 from kcache.recipe import Recipe
 from kcache_server.backends import Backends
 from kcache_server.errors import InvalidRequestError
-from kcache_server.recipe_checks import prepare_recipe
+from kcache_server.recipe_checks import parse_resolve, prepare_recipe
 from kcache_server.routes._deps import ERRORS, Reader, State, body_doc, read_body
 from kcache_server.schemas import (
     BatchRequest,
@@ -25,11 +25,6 @@ from kcache_server.schemas import (
 )
 
 router = APIRouter(prefix="/v1/resolve", tags=["resolve"])
-
-
-def _parse_resolve(raw: bytes, backends: Backends) -> tuple[ResolveRequest, Recipe]:
-    body = load_model(ResolveRequest, parse_json(raw))
-    return body, prepare_recipe(body.recipe, backends)
 
 
 def _parse_batch(
@@ -57,7 +52,7 @@ def _parse_batch(
 )
 async def resolve(request: Request, principal: Reader, state: State) -> ResolveResponse:
     """Find the recipe's artifact, compiling it once (across replicas) on a miss if ``compile``."""
-    body, recipe = await read_body(request, state, lambda raw: _parse_resolve(raw, state.backends))
+    body, recipe = await read_body(request, state, lambda raw: parse_resolve(raw, state.backends))
     if body.compile:
         principal.require("compile", "a resolve with compile true")
     return await state.resolver.resolve(recipe, compile=body.compile, context=body.context)

@@ -1,0 +1,164 @@
+"""``POST /v1/resolve`` hits, answered below the framework when they can be.
+
+A rank resolving a recipe the server already holds is the second hot path after the
+fetch by key (:mod:`~kcache_server.fastpath`). Through FastAPI a hit paid for routing,
+dependency solving, a ``Request``, response validation and serialisation on every
+call: several times what the answer itself costs. This ASGI middleware answers such a
+hit itself:
+
+- the body is read here, within the same limits (a ``Content-Length`` over
+  ``max_request_bytes`` or a body past :data:`~kcache_server.routes._deps.INLINE_BODY_BYTES`
+  is not read further), and only as JSON (:func:`~kcache_server.routes._deps.is_json_content_type`);
+- it is parsed, validated and keyed by the route's own function
+  (:func:`~kcache_server.recipe_checks.parse_resolve`), decided a hit by the resolver's
+  own check (:meth:`~kcache_server.resolving.Resolver.memory_hit`: key known and
+  servable, include-set files unchanged, blob still in the store) and audited by its own
+  :meth:`~kcache_server.resolving.Resolver.record_hit` (the same record, tallied alike);
+- the answer is the route's :class:`~kcache_server.schemas.ResolveResponse`, encoded
+  once per key (nothing in it belongs to the request), and the request is counted in the
+  request metrics under the route's label.
+
+Whenever anything is in doubt (no hit, a body that does not parse or validate, a token
+the token cache cannot decide or without the scopes the body needs, an unusual
+request) the request goes to the app with the body already read replayed to it, so
+the route produces every answer but a hit, errors included.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from kcache.artifact import ArtifactMeta
+from kcache.lru import LruCache
+from kcache_server.recipe_checks import parse_resolve
+from kcache_server.request_ids import HEADER, new_request_id
+from kcache_server.routes._deps import INLINE_BODY_BYTES, is_json_content_type
+from kcache_server.state import ServerState
+
+__all__ = ["ROUTE", "ResolveFastPath"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+#: The path served, and the route template the metrics label it with (the route's own).
+ROUTE = "/v1/resolve"
+_CONTENT_TYPE = (b"content-type", b"application/json")
+
+
+def _replaying(messages: list[Message], receive: Receive) -> Receive:
+    """A ``receive`` that first hands out ``messages`` (already read), then reads on."""
+    pending = list(reversed(messages))
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replayed
+
+
+class ResolveFastPath:
+    """Pure ASGI middleware in front of the app; see the module docstring."""
+
+    def __init__(
+        self,
+        app: Callable[[Scope, Receive, Send], Awaitable[None]],
+        state: ServerState,
+    ) -> None:
+        self.app = app
+        self.tokens = state.tokens
+        self.resolver = state.resolver
+        self.backends = state.backends
+        # Never read more than the route would: the lower of the two limits.
+        self.limit = min(INLINE_BODY_BYTES, state.settings.max_request_bytes)
+        metrics = state.metrics
+        self.ok = metrics.requests.labels(route=ROUTE, method="POST", status="200")
+        self.seconds = metrics.request_seconds.labels(route=ROUTE)
+        # Encoded answers per recipe key, with the metadata they were made from (a
+        # key's row can be rewritten); as many keys as the resolver keeps.
+        self._bodies: LruCache[str, tuple[ArtifactMeta, bytes]] = LruCache(max_entries=100_000)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer a resolve hit, or hand the request (its body replayed) to the app."""
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == ROUTE:
+            replayed = await self._serve(scope, receive, send)
+            if replayed is None:
+                return
+            receive = replayed
+        await self.app(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+        """None when answered; else the ``receive`` the app must read the body from."""
+        started = time.perf_counter()
+        authorization = content_type = length = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                if authorization is not None:
+                    return receive  # two of them: the app answers 400
+                authorization = value.decode("latin-1")
+            elif name == b"content-type":
+                if content_type is not None:
+                    return receive
+                content_type = value.decode("latin-1")
+            elif name == b"content-length":
+                if length is not None or not value.isdigit() or int(value) > self.limit:
+                    return receive  # the route refuses, or reads it on a worker thread
+                length = int(value)
+        if not is_json_content_type(content_type):
+            return receive
+        principal = self.tokens.authenticate_cached(authorization)
+        if principal is None or not principal.allows("read"):
+            return receive  # the gate and the route produce the precise 401/403
+        messages: list[Message] = []
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                return _replaying(messages, receive)  # a disconnect: the app sees it as sent
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return _replaying(messages, receive)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        try:
+            body, recipe = parse_resolve(raw, self.backends)
+            if body.compile and not principal.allows("compile"):
+                return _replaying(messages, receive)  # the route answers 403
+            looked_up = time.perf_counter()  # where the route's audit starts its clock
+            meta = self.resolver.memory_hit(recipe)
+            if meta is None:
+                return _replaying(messages, receive)
+            key = recipe.key()
+            encoded = self._bodies.get(key)
+            if encoded is not None and encoded[0] is meta:
+                data = encoded[1]
+            else:
+                data = self.resolver.hit_response(recipe, meta).model_dump_json().encode()
+                self._bodies.put(key, (meta, data))
+        except Exception:  # the route produces the answer to whatever this was, errors included
+            return _replaying(messages, receive)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-length", str(len(data)).encode()),
+                    _CONTENT_TYPE,
+                    (HEADER, new_request_id().encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": data})
+        self.resolver.record_hit(recipe, body.context, "resolve", looked_up, meta)
+        self.ok.inc()
+        self.seconds.observe(time.perf_counter() - started)
+        return None
