@@ -142,10 +142,14 @@ class ResolveFastPath:
             if encoded is not None and encoded[0] is meta:
                 data = encoded[1]
             else:
-                data = self.resolver.hit_response(recipe, meta).model_dump_json().encode()
+                data = (
+                    self.resolver.hit_response(recipe, meta).model_dump_json(by_alias=True).encode()
+                )
                 self._bodies.put(key, (meta, data))
         except Exception:  # the route produces the answer to whatever this was, errors included
             return _replaying(messages, receive)
+        # Audited before answering, as the route does (its latency is the lookup's).
+        self.resolver.record_hit(recipe, body.context, "resolve", looked_up, meta)
         await send(
             {
                 "type": "http.response.start",
@@ -158,7 +162,6 @@ class ResolveFastPath:
             }
         )
         await send({"type": "http.response.body", "body": data})
-        self.resolver.record_hit(recipe, body.context, "resolve", looked_up, meta)
         self.ok.inc()
         self.seconds.observe(time.perf_counter() - started)
         return None

@@ -9,7 +9,9 @@ One name per operation:
 - :meth:`Resolver.blob`: a blob's bytes, from memory, else the store.
 
 ``cached_artifact`` and ``cached_blob`` are the memory-only halves of the last two,
-for the fast path below the framework, which must not wait.
+for the fetch fast path below the framework, which must not wait; ``memory_hit``,
+``record_hit`` and ``hit_response`` are the memory-only half of ``resolve``, for the
+resolve fast path.
 
 The memory caches hold what the engine or the index answered for an exact recipe
 key. Aliases only ever point at identical bytes, so an entry cannot go stale by
@@ -124,7 +126,8 @@ class Resolver:
     ) -> ResolveResponse | None:
         """A hit answered from memory (no worker thread, no database), or None to ask the engine.
 
-        The blob must still be in the store: a collected one is compiled again.
+        :meth:`memory_hit` decides, :meth:`record_hit` audits, :meth:`hit_response` answers:
+        the resolve fast path below the framework calls the same three.
         """
         started = time.perf_counter()
         meta = self.memory_hit(recipe)
