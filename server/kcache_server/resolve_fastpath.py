@@ -47,6 +47,8 @@ Send = Callable[[Message], Awaitable[None]]
 #: The path served, and the route template the metrics label it with (the route's own).
 ROUTE = "/v1/resolve"
 _CONTENT_TYPE = (b"content-type", b"application/json")
+#: Bytes of encoded answers kept; past it the least recently used are encoded again.
+_MAX_ENCODED_BYTES = 64 << 20
 
 
 def _replaying(messages: list[Message], receive: Receive) -> Receive:
@@ -79,8 +81,11 @@ class ResolveFastPath:
         self.ok = metrics.requests.labels(route=ROUTE, method="POST", status="200")
         self.seconds = metrics.request_seconds.labels(route=ROUTE)
         # Encoded answers per recipe key, with the metadata they were made from (a
-        # key's row can be rewritten); as many keys as the resolver keeps.
-        self._bodies: LruCache[str, tuple[ArtifactMeta, bytes]] = LruCache(max_entries=100_000)
+        # key's row can be rewritten); as many keys as the resolver keeps, within a
+        # byte bound (an answer carries the compile log and the dependency list).
+        self._bodies: LruCache[str, tuple[ArtifactMeta, bytes]] = LruCache(
+            max_entries=100_000, max_bytes=_MAX_ENCODED_BYTES, size=lambda entry: len(entry[1])
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer a resolve hit, or hand the request (its body replayed) to the app."""
