@@ -19,11 +19,13 @@ from kcache_server.schemas import ResolveRequest, load_json_model
 __all__ = ["parse_resolve", "prepare_recipe"]
 
 
-def prepare_recipe(data: Mapping[str, Any], backends: Backends) -> Recipe:
+def prepare_recipe(data: Mapping[str, Any], backends: Backends, *, base_key: bool = True) -> Recipe:
     """Validate an untrusted recipe object, fill in the server's defaults, and key it.
 
     The keys are computed here (and memoised on the recipe) because this runs off
     the event loop for a large body, and hashing the headers is what grows with it.
+    ``base_key=False`` leaves the base key to be computed when first asked for: the
+    resolve fast path, which only takes small bodies, answers a hit without it.
     """
     try:
         recipe = Recipe.from_dict(data)
@@ -34,15 +36,19 @@ def prepare_recipe(data: Mapping[str, Any], backends: Backends) -> Recipe:
     recipe = backends.engine.prepare(recipe)
     backends.toolchain.check(recipe, "on this server")
     recipe.key()
-    recipe.base_key()
+    if base_key:
+        recipe.base_key()
     return recipe
 
 
-def parse_resolve(raw: bytes, backends: Backends) -> tuple[ResolveRequest, Recipe]:
+def parse_resolve(
+    raw: bytes, backends: Backends, *, base_key: bool = True
+) -> tuple[ResolveRequest, Recipe]:
     """The body of ``POST /v1/resolve``, parsed and validated, and its recipe prepared.
 
     The one reading of a resolve body: the route and the resolve fast path both call
     it, so a body the fast path answers is one the route would have accepted.
+    ``base_key`` is :func:`prepare_recipe`'s.
     """
     body = load_json_model(ResolveRequest, raw)
-    return body, prepare_recipe(body.recipe, backends)
+    return body, prepare_recipe(body.recipe, backends, base_key=base_key)

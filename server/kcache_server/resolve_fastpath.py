@@ -135,7 +135,8 @@ class ResolveFastPath:
                 break
         raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         try:
-            body, recipe = parse_resolve(raw, self.backends)
+            # The base key is in the encoded answer: a hit needs it once per key, not per request.
+            body, recipe = parse_resolve(raw, self.backends, base_key=False)
             if body.compile and not principal.allows("compile"):
                 return _replaying(messages, receive)  # the route answers 403
             looked_up = time.perf_counter()  # where the route's audit starts its clock
