@@ -8,7 +8,16 @@ from typing import Any
 
 from kcache.deps import Dependency
 
-__all__ = ["ArtifactMeta", "CompileFailure", "CompileOutput", "ManifestEntry"]
+__all__ = ["ArtifactMeta", "CompileFailure", "CompileOutput", "ManifestEntry", "now_us"]
+
+
+def now_us() -> float:
+    """The time, in epoch seconds to the microsecond: what an SQL index keeps of it.
+
+    A process that answers from the metadata it just made and one that reads the same
+    row back from the database then say the same ``created_at``.
+    """
+    return round(time.time(), 6)
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,7 @@ class ArtifactMeta:
     dependencies: tuple[Dependency, ...] = ()
     dependencies_exact: bool = True
     kernel: str = ""
-    created_at: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=now_us)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (the ``artifact`` object of API responses)."""
@@ -93,7 +102,7 @@ class CompileFailure:
 
     recipe_key: str
     log: str
-    created_at: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=now_us)
     kind: str = "error"
     expires_at: float | None = None
 
@@ -132,7 +141,7 @@ class ManifestEntry:
 
     digest: str
     dependencies: tuple[Dependency, ...]
-    created_at: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=now_us)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""

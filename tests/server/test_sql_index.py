@@ -87,3 +87,15 @@ def test_manifests_are_newest_first_and_bounded(index: Index) -> None:
     assert entries[0].digest == h("a5") and len(entries) == MANIFEST_LIMIT
     assert [e.digest for e in entries].count(h("a5")) == 1
     assert index.manifest(h("nothing")) == []
+
+
+def test_a_new_artifact_reads_back_as_made(index: Index) -> None:
+    """Metadata made now (default ``created_at``) equals the row read back: a server that
+    answers from what it just compiled and a replica reading the index say the same."""
+    fresh = [
+        ArtifactMeta(digest=h(f"now{i}"), size=1, kind="cubin", target="sm_90", toolchain="tc")
+        for i in range(50)
+    ]
+    for i, m in enumerate(fresh):
+        index.record_artifact(h(f"key{i}"), h("base"), m)
+    assert [index.lookup(h(f"key{i}")) for i in range(50)] == fresh
