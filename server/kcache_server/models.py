@@ -37,6 +37,7 @@ __all__ = [
     "Artifact",
     "AuditCount",
     "AuditDigest",
+    "AuditDivergence",
     "AuditEvent",
     "Base",
     "CompileCharge",
@@ -176,9 +177,11 @@ class AuditEvent(Base):
     __tablename__ = "audit_events"
     __table_args__ = (
         Index(None, "outcome", "at"),
-        # Covers /v1/stats' rank divergence (group by job, base key, target; distinct
-        # digests; server tier) and, by its prefix, every lookup by job (migration 0006).
-        Index(None, "job_id", "base_key", "target", "digest", "tier"),
+        # /v1/stats' rank divergence, by index probes (0007): whether a digest of a
+        # recipe was seen in a window (and by the server's own tier), and each rank's
+        # last digest. The first also serves, by its prefix, every lookup by job.
+        Index(None, "job_id", "base_key", "target", "digest", "tier", "at"),
+        Index(None, "job_id", "base_key", "target", "rank", "at", "id"),
         # The last miss of a top missed kernel: one backward probe per kernel (0007).
         Index(None, "kernel", "at", "id"),
     )
@@ -286,6 +289,22 @@ class AuditDigest(Base):
     digest: Mapped[str] = mapped_column(String(64), primary_key=True)
     first_at: Mapped[Stamp]
     last_at: Mapped[Stamp] = mapped_column(index=True)
+
+
+class AuditDivergence(Base):
+    """A recipe (base key and target) that one job got two or more digests for, ever.
+
+    The few rows :class:`AuditDigest` groups with two digests, kept as they appear
+    (:mod:`kcache_server.auditing.counts`), so ``/v1/stats`` starts from them
+    instead of grouping every (job, recipe) pair ever seen. ``target`` is encoded
+    like :class:`AuditCount` keys.
+    """
+
+    __tablename__ = "audit_divergences"
+
+    job_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    base_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    target: Mapped[str] = mapped_column(String(33), primary_key=True)
 
 
 class Pin(Base):

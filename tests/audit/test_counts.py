@@ -153,14 +153,92 @@ def _check_against_raw(db: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
         assert _answers(db, StatsQuery(**window))["lookups"] > 0 or window  # type: ignore[arg-type]
 
 
+_KEPT = ("audit_counts", "audit_digests", "audit_divergences")
+
+
+def _divergence_from_events(db: sa.Engine, query: StatsQuery) -> list[dict[str, Any]]:
+    """Rank divergence by grouping every raw event in Python: the definition, not the probes."""
+    with db.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT id, at, job_id, base_key, target, digest, rank, kernel, tier, client_id"
+                " FROM audit_events WHERE job_id IS NOT NULL AND base_key IS NOT NULL"
+                " AND digest IS NOT NULL"
+            )
+        ).all()
+    found: dict[tuple[Any, ...], list[Any]] = {}
+    for row in rows:
+        at = row.at if isinstance(row.at, datetime) else datetime.fromisoformat(row.at)
+        at = at.replace(tzinfo=timezone.utc) if at.tzinfo is None else at
+        if (query.since and at < query.since) or (query.until and at >= query.until):
+            continue
+        if any(
+            getattr(query, name) is not None and getattr(row, name) != getattr(query, name)
+            for name in ("job_id", "client_id", "kernel", "target")
+        ):
+            continue
+        found.setdefault((row.job_id, row.base_key, row.target or ""), []).append((at, row))
+    result = []
+    for (job, base, target), events in sorted(found.items()):
+        events.sort(key=lambda e: (e[0], e[1].id))
+        digests = sorted({row.digest for _, row in events})
+        if len(digests) < 2:
+            continue
+        ranks = {("-" if row.rank is None else str(row.rank)): row.digest for _, row in events}
+        server = {row.digest for _, row in events if row.tier == "server"}
+        result.append(
+            {
+                "job_id": job,
+                "base_key": base,
+                "target": target or None,
+                "kernel": next((row.kernel for _, row in events if row.kernel), None),
+                "digests": digests,
+                "ranks": dict(
+                    sorted(
+                        ranks.items(),
+                        key=lambda kv: (kv[0] == "-", int(kv[0]) if kv[0] != "-" else 0),
+                    )
+                ),
+                "reported": len(server) <= 1,
+            }
+        )
+    return result[: query.limit]
+
+
+def test_divergence_probes_equal_a_grouping_of_the_raw_events(engine: sa.Engine) -> None:
+    """Candidates from audit_divergences, confirmed by index probes, give the grouped answer.
+
+    The windows cut through runs of digests (a digest first seen before a window and
+    last seen after it, but not inside it, is not in the answer), and the seeded
+    recipes include NULL targets and NULL ranks, which the probes match apart.
+    """
+    _write_mixed(engine)
+    filters: list[dict[str, Any]] = [{}, {"job_id": "j1"}, {"client_id": "c2"}]
+    filters += [{"kernel": "k2"}, {"target": "sm_80"}, {"limit": 1}]
+    checked = 0
+    for window in WINDOWS:
+        for extra in filters:
+            query = StatsQuery(**window, **extra)
+            expected = _divergence_from_events(engine, query)
+            assert _answers(engine, query)["divergence"] == expected, (window, extra)
+            checked += len(expected)
+    assert checked > 20
+    with engine.connect() as conn:
+        nulls = conn.execute(
+            sa.text("SELECT count(*) FROM audit_divergences WHERE target = ''")
+        ).scalar_one()
+    assert nulls > 0, "a recipe without a target diverges too"
+
+
 def test_counts_equal_a_recount_of_the_events(
     engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _write_mixed(engine)
-    kept = _table(engine, "audit_counts"), _table(engine, "audit_digests")
+    kept = [_table(engine, table) for table in _KEPT]
+    assert kept[2], "the seeded recipes diverge"
     with engine.begin() as conn:
         counts.rebuild(conn)
-    assert (_table(engine, "audit_counts"), _table(engine, "audit_digests")) == kept
+    assert [_table(engine, table) for table in _KEPT] == kept
     with engine.connect() as conn:
         events = conn.execute(sa.text("SELECT sum(count) FROM audit_events")).scalar_one()
         for level in counts.LEVELS["all"]:

@@ -13,8 +13,10 @@ adds them to two narrow tables, so counts and events never disagree:
   key has no NULL and ``INSERT ... ON CONFLICT DO UPDATE SET count = count +
   excluded.count`` merges concurrent writers on SQLite and PostgreSQL alike.
 - ``audit_digests``: one row per (job, base key, target, digest) ever seen, with the
-  first and last time: rank divergence starts from the recipes with two of them
-  instead of grouping every event (stats re-checks them against the raw events).
+  first and last time, and ``audit_divergences``: the (job, base key, target) that
+  have two such rows, marked as the second digest arrives (:func:`mark_divergences`),
+  so rank divergence starts from those few recipes instead of grouping every pair
+  ever seen (stats confirms them against the raw events by index probes).
 
 The counts cover every event ever written, raw or since rolled up by retention
 (:mod:`~kcache_server.auditing.retention` moves events into ``audit_rollups`` and
@@ -36,14 +38,29 @@ from typing import Any, cast
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from kcache_server.models import AuditCount, AuditDigest, AuditEvent, AuditRollup
+from kcache_server.models import (
+    AuditCount,
+    AuditDigest,
+    AuditDivergence,
+    AuditEvent,
+    AuditRollup,
+)
 
-__all__ = ["DIMENSIONS", "LEVELS", "decode", "encode", "rebuild", "write_events"]
+__all__ = [
+    "DIMENSIONS",
+    "LEVELS",
+    "decode",
+    "encode",
+    "mark_divergences",
+    "rebuild",
+    "write_events",
+]
 
 _events = cast(sa.Table, AuditEvent.__table__)
 _rollups = cast(sa.Table, AuditRollup.__table__)
 _counts = cast(sa.Table, AuditCount.__table__)
 _digests = cast(sa.Table, AuditDigest.__table__)
+_divergences = cast(sa.Table, AuditDivergence.__table__)
 
 MINUTE, HOUR, DAY = 60, 3600, 86400
 #: dimension -> (first key column, second key column) of ``audit_events`` ("" for none).
@@ -62,6 +79,9 @@ LEVELS: dict[str, tuple[int, ...]] = {
 }
 _COUNT_KEY = ("dim", "level", "bucket", "key", "key2", "outcome", "tier")
 _DIGEST_KEY = ("job_id", "base_key", "target", "digest")
+_RECIPE_KEY = ("job_id", "base_key", "target")
+# Recipes per statement that marks divergences: 3 parameters each, under SQLite's 32,766.
+_RECIPES_PER_STATEMENT = 5000
 
 
 def encode(value: object) -> str:
@@ -180,6 +200,33 @@ def write_events(conn: sa.Connection, rows: Sequence[Mapping[str, Any]]) -> None
     digests = _digest_rows(rows)
     if digests:
         conn.execute(_upsert_digests(conn), digests)
+        mark_divergences(conn, sorted({tuple(d[k] for k in _RECIPE_KEY) for d in digests}))
+
+
+def mark_divergences(conn: sa.Connection, recipes: Sequence[tuple[Any, ...]] | None) -> None:
+    """Add to ``audit_divergences`` those of ``recipes`` (None: all) with two digests in ``audit_digests``.
+
+    A recipe is (job id, base key, encoded target). One statement per few thousand
+    recipes, reading only their ``audit_digests`` rows (primary-key prefix probes).
+    """
+    dg = _digests.c
+    recipe = (dg.job_id, dg.base_key, dg.target)
+    chunks: list[Sequence[tuple[Any, ...]] | None] = (
+        [None]
+        if recipes is None
+        else [
+            recipes[i : i + _RECIPES_PER_STATEMENT]
+            for i in range(0, len(recipes), _RECIPES_PER_STATEMENT)
+        ]
+    )
+    for chunk in chunks:
+        pick = sa.select(*recipe).where(
+            sa.true() if chunk is None else sa.tuple_(*recipe).in_(chunk)
+        )
+        stmt = _insert(conn, _divergences).from_select(
+            list(_RECIPE_KEY), pick.group_by(*recipe).having(sa.func.count() > 1)
+        )
+        conn.execute(stmt.on_conflict_do_nothing())
 
 
 # ---------------------------------------------------------------------- bulk rebuild
@@ -188,8 +235,12 @@ def _bucket_sql(conn: sa.Connection, column: Any, level: int) -> sa.ColumnElemen
     if conn.dialect.name == "postgresql":
         unit = {MINUTE: "minute", HOUR: "hour", DAY: "day"}[level]
         return sa.func.date_trunc(unit, column, "UTC")
-    fmt = {MINUTE: "%Y-%m-%d %H:%M:00.000000", HOUR: "%Y-%m-%d %H:00:00.000000"}
-    return sa.func.strftime(fmt.get(level, "%Y-%m-%d 00:00:00.000000"), column)
+    # SQLite keeps "YYYY-MM-DD HH:MM:SS.ffffff" text: cutting it is several times
+    # cheaper than strftime, which parses every row.
+    keep, pad = {MINUTE: (16, ":00.000000"), HOUR: (13, ":00:00.000000")}.get(
+        level, (10, " 00:00:00.000000")
+    )
+    return sa.func.substr(column, 1, keep, type_=sa.String()).concat(pad)
 
 
 def _encode_sql(column: Any) -> sa.ColumnElement[Any]:
@@ -198,7 +249,7 @@ def _encode_sql(column: Any) -> sa.ColumnElement[Any]:
 
 
 def rebuild(conn: sa.Connection) -> None:
-    """Recompute ``audit_counts`` and ``audit_digests`` from events and roll-ups (bulk SQL).
+    """Recompute ``audit_counts``, ``audit_digests`` and ``audit_divergences`` from events and roll-ups (bulk SQL).
 
     The same rows :func:`write_events` would have made (see the module docstring for
     the one difference); used by migration 0007 and the B10 bench. Each dimension's
@@ -206,6 +257,7 @@ def rebuild(conn: sa.Connection) -> None:
     """
     conn.execute(sa.delete(_counts))
     conn.execute(sa.delete(_digests))
+    conn.execute(sa.delete(_divergences))
     ev, ru = _events.c, _rollups.c
     columns = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank")
     src = sa.union_all(
@@ -243,7 +295,10 @@ def rebuild(conn: sa.Connection) -> None:
                     sa.func.sum(src.c.n),
                     sa.func.sum(src.c.saved),
                     size,
-                ).group_by(*group),
+                )
+                .group_by(*group)
+                # In primary-key order: the index grows at its end instead of at random.
+                .order_by(*group),
             )
         )
         co = _counts.c
@@ -262,7 +317,8 @@ def rebuild(conn: sa.Connection) -> None:
                         sa.func.max(co.world_size),
                     )
                     .where(co.dim == dim, co.level == finest)
-                    .group_by(*group),
+                    .group_by(*group)
+                    .order_by(*group),
                 )
             )
     recipe = (ev.job_id, ev.base_key, _encode_sql(ev.target), ev.digest)
@@ -274,3 +330,4 @@ def rebuild(conn: sa.Connection) -> None:
             .group_by(*recipe),
         )
     )
+    mark_divergences(conn, None)

@@ -29,7 +29,7 @@ from typing import Any, cast
 import sqlalchemy as sa
 
 from kcache_server.auditing.counts import decode
-from kcache_server.models import AuditDigest, AuditEvent, AuditRollup
+from kcache_server.models import AuditDigest, AuditDivergence, AuditEvent, AuditRollup
 
 __all__ = ["RetentionWorker", "roll_up"]
 
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 _events = cast(sa.Table, AuditEvent.__table__)
 _rollups = cast(sa.Table, AuditRollup.__table__)
 _digests = cast(sa.Table, AuditDigest.__table__)
+_divergences = cast(sa.Table, AuditDivergence.__table__)
 _KEYS = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank")
 # Events rolled up per transaction: bounds the transaction's size and lock time.
 _CHUNK = 50_000
@@ -109,6 +110,8 @@ def roll_up(engine: sa.Engine, older_than: datetime) -> int:
 def _forget_digests(engine: sa.Engine, older_than: datetime) -> None:
     """Drop divergence candidates last seen before ``older_than`` that no raw event backs any more.
 
+    A recipe left with fewer than two digests leaves ``audit_divergences`` with them.
+
     The ``NOT EXISTS`` keeps a row whose old event (a client's late report, say)
     arrived after the roll-up read its chunk: a candidate is only dropped once no
     event could make it a divergence.
@@ -120,8 +123,16 @@ def _forget_digests(engine: sa.Engine, older_than: datetime) -> None:
         ev.target.is_not_distinct_from(decode(dg.target)),
         ev.digest == dg.digest,
     )
+    dv = _divergences.c
+    digests_left = (
+        sa.select(sa.func.count())
+        .where(dg.job_id == dv.job_id, dg.base_key == dv.base_key, dg.target == dv.target)
+        .scalar_subquery()
+    )
     with engine.begin() as conn:
         conn.execute(sa.delete(_digests).where(dg.last_at < older_than, ~backed))
+        # A divergence needs two digests; the table is small (divergent recipes only).
+        conn.execute(sa.delete(_divergences).where(digests_left < 2))
 
 
 class RetentionWorker:

@@ -42,9 +42,17 @@ from pydantic import BaseModel, Field
 
 from kcache.outcomes import CLIENT_OUTCOMES, HIT_OUTCOMES, MISS_OUTCOMES, OUTCOMES, SERVER_OUTCOMES
 from kcache_server.auditing.counts import DIMENSIONS, LEVELS, decode, encode
+from kcache_server.auditing.events import CLIENT_TIERS
 from kcache_server.errors import InvalidRequestError
 from kcache_server.index import SqlIndex
-from kcache_server.models import AuditCount, AuditDigest, AuditEvent, AuditRollup, Eviction
+from kcache_server.models import (
+    AuditCount,
+    AuditDigest,
+    AuditDivergence,
+    AuditEvent,
+    AuditRollup,
+    Eviction,
+)
 
 __all__ = [
     "GROUP_BY",
@@ -86,6 +94,7 @@ _events = cast(sa.Table, AuditEvent.__table__)
 _rollups = cast(sa.Table, AuditRollup.__table__)
 _counts_t = cast(sa.Table, AuditCount.__table__)
 _digests = cast(sa.Table, AuditDigest.__table__)
+_divergences = cast(sa.Table, AuditDivergence.__table__)
 _evictions = cast(sa.Table, Eviction.__table__)
 # Times a query may name: the unix epoch up to the last second of year 9999.
 _MAX_UNIX_S = 253_402_300_799.0
@@ -430,52 +439,79 @@ def _plan(query: StatsQuery, levels: tuple[int, ...]) -> tuple[list[tuple[int, S
 
 
 def _source(
-    query: StatsQuery, dim: str | None = None, levels: tuple[int, ...] | None = None
+    query: StatsQuery,
+    dim: str | None = None,
+    levels: tuple[int, ...] | None = None,
+    keys: list[Any] | None = None,
 ) -> sa.Subquery:
     """Raw events, roll-ups and (``dim`` given) count rows of ``dim`` as one relation with a weight ``n``.
 
     Without ``dim`` every event of the window is read raw. With it, the window is
     split by :func:`_plan` over ``levels`` (default: all of the dimension's); count
-    rows carry only their dimension's columns (the others NULL).
+    rows carry only their dimension's columns (the others NULL). ``keys`` restricts
+    count rows to those first-key values: a filter on a decoded column outside would
+    not reach the index, and a job's per-rank rows are many.
     """
     ev, ru = _events.c, _rollups.c
     spans: list[tuple[int, Span]] = []
-    pieces: list[Span] | None = None
+    # One SELECT per raw piece, joined by UNION ALL: each is one range scan of the
+    # time index, where an OR of ranges may cost PostgreSQL a scan of every event.
+    pieces: list[list[Span] | None] = [None]
     if dim is not None:
-        spans, pieces = _plan(query, LEVELS[dim] if levels is None else levels)
-    raw = sa.select(
-        ev.at.label("at"),
-        *(ev[n] for n in _NAMES),
-        ev["count"].label("n"),
-        ev.compile_seconds_saved.label("saved"),
-    ).where(*_filters(query, ev, ev.at, pieces))
-    rolled = sa.select(
-        ru.bucket.label("at"),
-        *(ru[n] for n in _NAMES),
-        ru["count"].label("n"),
-        ru.compile_seconds_saved.label("saved"),
-    ).where(*_filters(query, ru, ru.bucket, pieces))
-    if dim is None or not spans:
-        return sa.union_all(raw, rolled).subquery("src")
-    c = _counts_t.c
-    first, second = DIMENSIONS[dim]
-    values: dict[str, sa.ColumnElement[Any]] = {name: sa.null() for name in _NAMES[2:]}
-    if first:
-        values[first] = decode(c.key, as_int=first == "rank")
-    if second:
-        values[second] = decode(c.key2, as_int=True)
-    counted = sa.select(
-        c.bucket.label("at"),
-        c.outcome,
-        c.tier,
-        *(values[n].label(n) for n in _NAMES[2:]),
-        c["count"].label("n"),
-        c.saved.label("saved"),
-    ).where(
-        c.dim == dim,
-        sa.or_(*(sa.and_(c.level == level, _within(c.bucket, span)) for level, span in spans)),
-    )
-    return sa.union_all(raw, rolled, counted).subquery("src")
+        spans, edges = _plan(query, LEVELS[dim] if levels is None else levels)
+        pieces = [[piece] for piece in edges]
+    parts: list[sa.Select[Any]] = []
+    for piece in pieces:
+        parts.append(
+            sa.select(
+                ev.at.label("at"),
+                *(ev[n] for n in _NAMES),
+                ev["count"].label("n"),
+                ev.compile_seconds_saved.label("saved"),
+            ).where(*_filters(query, ev, ev.at, piece))
+        )
+        parts.append(
+            sa.select(
+                ru.bucket.label("at"),
+                *(ru[n] for n in _NAMES),
+                ru["count"].label("n"),
+                ru.compile_seconds_saved.label("saved"),
+            ).where(*_filters(query, ru, ru.bucket, piece))
+        )
+    if dim is not None:
+        c = _counts_t.c
+        first, second = DIMENSIONS[dim]
+        values: dict[str, sa.ColumnElement[Any]] = {name: sa.null() for name in _NAMES[2:]}
+        if first:
+            values[first] = decode(c.key, as_int=first == "rank")
+        if second:
+            values[second] = decode(c.key2, as_int=True)
+        for level, span in spans:
+            parts.append(
+                sa.select(
+                    c.bucket.label("at"),
+                    c.outcome,
+                    c.tier,
+                    *(values[n].label(n) for n in _NAMES[2:]),
+                    c["count"].label("n"),
+                    c.saved.label("saved"),
+                ).where(
+                    c.dim == dim,
+                    c.level == level,
+                    _within(c.bucket, span),
+                    sa.true() if keys is None else c.key.in_([encode(k) for k in keys]),
+                )
+            )
+    if not parts:  # an empty window: one SELECT that finds nothing, for the columns
+        parts.append(
+            sa.select(
+                ev.at.label("at"),
+                *(ev[n] for n in _NAMES),
+                ev["count"].label("n"),
+                ev.compile_seconds_saved.label("saved"),
+            ).where(sa.false())
+        )
+    return sa.union_all(*parts).subquery("src")
 
 
 def _epoch(dialect: str, column: Any) -> sa.ColumnElement[Any]:
@@ -562,7 +598,7 @@ def _add_ranks(
     jobs = [g.key for g in groups if g.key is not None]
     if not jobs:
         return
-    src = _source(query, "job_rank" if _counted(query) else None)
+    src = _source(query, "job_rank" if _counted(query) else None, keys=jobs)
     rows = conn.execute(
         sa.select(src.c.job_id, src.c.rank, src.c.outcome, sa.func.sum(src.c.n))
         .where(src.c.job_id.in_(jobs))
@@ -784,148 +820,201 @@ def _reason(outcome: str, error: str | None, history: str | None) -> str:
     return f"first build of this recipe{joined}"
 
 
+def _same(column: Any, encoded: Any, as_int: bool = False) -> list[sa.ColumnElement[bool]]:
+    """``column`` equals the :func:`encode` d value ``encoded``, as two index-friendly forms.
+
+    One form compares by ``=`` (no match for an encoded NULL), the other matches
+    ``IS NULL`` gated on the encoded NULL: an ``OR`` of both, or ``IS NOT DISTINCT
+    FROM``, would cost PostgreSQL the index. Callers probe once per form.
+    """
+    return [column == decode(encoded, as_int), sa.and_(column.is_(None), encoded == "")]
+
+
+def _probe(
+    pick: Any, conds: list[list[sa.ColumnElement[bool]]], order: Any
+) -> sa.ColumnElement[Any]:
+    """The first ``pick`` of ``audit_events`` by ``order`` under every combination of ``conds``.
+
+    Each inner list holds alternative conditions (see :func:`_same`); every
+    combination is its own ``LIMIT 1`` index probe, and the answer is the first
+    non-NULL one (the alternatives exclude each other, so at most one finds a row).
+    """
+    combos: list[list[sa.ColumnElement[bool]]] = [[]]
+    for alternatives in conds:
+        combos = [[*c, a] for c in combos for a in alternatives]
+    probes = [
+        sa.select(pick).where(*combo).order_by(*order).limit(1).scalar_subquery()
+        for combo in combos
+    ]
+    return sa.func.coalesce(*probes)
+
+
 def _divergence(conn: sa.Connection, query: StatsQuery) -> list[Divergence]:
     """Recipes (base key and target) that ranks of one job got different digests for.
 
-    Two statements, however many there are: one finds them, one reads what each rank
-    got last, every digest, and the first kernel name of all of them at once. Both
-    read only the events of candidates: recipes ``audit_digests`` lists with two
-    digests for one job, seen in the window (first seen before its end, last seen
-    after its start); the events then decide exactly.
+    Two statements, whatever the number of events, each a bounded set of index
+    probes:
+
+    1. Every digest ``audit_digests`` lists for a recipe of ``audit_divergences``
+       (the recipes one job ever got two digests for) whose first and last
+       sighting overlaps the window, with two ``EXISTS`` probes on
+       ``(job_id, base_key, target, digest, tier, at)``: seen in the window by the
+       server, by a client. A recipe with two digests seen is a divergence; one
+       with a single server-seen digest rests on client reports (``reported``).
+    2. For each divergence (at most ``limit``) and each rank its job has counts
+       for: the rank's last digest and its first event naming the kernel, each a
+       ``LIMIT 1`` probe on ``(job_id, base_key, target, rank, at, id)``.
+
+    The answer is what grouping the raw events would give; a query filtered by
+    client or kernel applies its filter inside the probes, which then may read
+    more index entries (filtered queries read raw events anyway).
     """
-    ev, dg = _events.c, _digests.c
+    ev, dg, dv = _events.c, _digests.c, _divergences.c
     narrow = [dg.first_at < query.until] if query.until is not None else []
     if query.since is not None:
         narrow.append(dg.last_at >= query.since)
     if query.job_id is not None:
-        narrow.append(dg.job_id == query.job_id)
+        narrow.append(dv.job_id == query.job_id)
     if query.target is not None:
-        narrow.append(dg.target == encode(query.target))
-    candidates = (
-        sa.select(dg.job_id, dg.base_key, dg.target)
-        .where(*narrow)
-        .group_by(dg.job_id, dg.base_key, dg.target)
-        .having(sa.func.count() > 1)
-        .cte("candidates")
-    )
-    is_candidate = sa.and_(
-        ev.job_id == candidates.c.job_id,
-        ev.base_key == candidates.c.base_key,
-        ev.target.is_not_distinct_from(decode(candidates.c.target)),
-    )
-    scope = [
-        *_filters(query, ev, ev.at),
-        ev.job_id.is_not(None),
-        ev.base_key.is_not(None),
-        ev.digest.is_not(None),
-    ]
-    # Digests of the server's own events only: a divergence they do not show rests
-    # on client reports alone, and is marked so.
-    server_digests = sa.func.count(sa.distinct(sa.case((ev.tier == SERVER_TIER, ev.digest))))
-    suspects = (
+        narrow.append(dv.target == encode(query.target))
+    scope = [*_filters(query, ev, ev.at), ev.job_id == dv.job_id, ev.base_key == dv.base_key]
+
+    def seen(tiers: tuple[str, ...]) -> sa.ColumnElement[Any]:
+        found = [
+            sa.exists().where(*scope, ev.digest == dg.digest, ev.tier.in_(tiers), target)
+            for target in _same(ev.target, dv.target)
+        ]
+        return sa.case((sa.or_(*found), 1), else_=0)
+
+    rows = conn.execute(
         sa.select(
-            ev.job_id,
-            ev.base_key,
-            ev.target,
-            server_digests.label("observed"),
-            sa.func.row_number().over(order_by=(ev.job_id, ev.base_key)).label("place"),
-        )
-        .select_from(_events.join(candidates, is_candidate))
-        .where(*scope)
-        .group_by(ev.job_id, ev.base_key, ev.target)
-        .having(sa.func.count(sa.distinct(ev.digest)) > 1)
-        .order_by(ev.job_id, ev.base_key)
-        .limit(query.limit)
-        .cte("suspects")
-    )
-    recipe = (ev.job_id, ev.base_key, ev.target)
-    named = sa.func.coalesce(ev.kernel, "") != ""
-    # Each event of a suspect, marked when it is its rank's last, its digest's first,
-    # or the first that names the kernel; only marked rows are read back.
-    marked = (
-        sa.select(
-            suspects.c.place,
-            suspects.c.job_id,
-            suspects.c.base_key,
-            suspects.c.target,
-            suspects.c.observed,
-            ev.rank,
-            ev.digest,
-            ev.kernel,
-            named.label("named"),
-            sa.func.row_number()
-            .over(partition_by=(*recipe, ev.rank), order_by=(ev.at.desc(), ev.id.desc()))
-            .label("rank_last"),
-            sa.func.row_number()
-            .over(partition_by=(*recipe, ev.digest), order_by=ev.id)
-            .label("digest_first"),
-            sa.func.row_number()
-            .over(partition_by=(*recipe, named), order_by=(ev.at, ev.id))
-            .label("kernel_first"),
+            dv.job_id,
+            dv.base_key,
+            dv.target,
+            dg.digest,
+            seen((SERVER_TIER,)).label("server"),
+            seen(CLIENT_TIERS).label("client"),
         )
         .select_from(
-            _events.join(
-                suspects,
-                sa.and_(
-                    ev.job_id == suspects.c.job_id,
-                    ev.base_key == suspects.c.base_key,
-                    ev.target.is_not_distinct_from(suspects.c.target),
-                ),
+            _divergences.join(
+                _digests,
+                sa.and_(dg.job_id == dv.job_id, dg.base_key == dv.base_key, dg.target == dv.target),
             )
         )
-        .where(*scope)
-        .subquery("marked")
-    )
-    rows = conn.execute(
-        sa.select(marked).where(
-            sa.or_(
-                marked.c.rank_last == 1,
-                marked.c.digest_first == 1,
-                sa.and_(marked.c.kernel_first == 1, marked.c.named),
-            )
-        )
+        .where(*narrow)
     ).all()
-    found: dict[int, Divergence] = {}
+    seen_digests: dict[tuple[str, str, str], list[str]] = defaultdict(list)
+    observed: dict[tuple[str, str, str], int] = defaultdict(int)
     for row in rows:
-        item = found.get(row.place)
-        if item is None:
-            item = found[row.place] = Divergence(
-                job_id=row.job_id,
-                base_key=row.base_key,
-                target=row.target,
-                kernel=None,
-                digests=[],
-                ranks={},
-                reported=int(row.observed) <= 1,
+        if row.server or row.client:
+            seen_digests[(row.job_id, row.base_key, row.target)].append(row.digest)
+            observed[(row.job_id, row.base_key, row.target)] += int(row.server)
+    recipes = sorted(r for r, found in seen_digests.items() if len(found) > 1)[: query.limit]
+    if not recipes:
+        return []
+    result = {
+        r: Divergence(
+            job_id=r[0],
+            base_key=r[1],
+            target=None if r[2] == "" else r[2][1:],
+            kernel=None,
+            digests=sorted(seen_digests[r]),
+            ranks={},
+            reported=observed[r] <= 1,
+        )
+        for r in recipes
+    }
+    # The ranks each job has counts for (a superset of those that got these recipes).
+    c = _counts_t.c
+    ranks = (
+        sa.select(c.key.label("job_key"), c.key2.label("rank_key"))
+        .where(
+            c.dim == "job_rank",
+            c.level == max(LEVELS["job_rank"]),
+            c.key.in_(sorted({encode(r[0]) for r in recipes})),
+        )
+        .distinct()
+        .subquery("ranks")
+    )
+    per_rank = [*scope, ev.digest.is_not(None)]
+    conds = [_same(ev.target, dv.target), _same(ev.rank, ranks.c.rank_key, as_int=True)]
+    last = _probe(
+        ev.id,
+        [[sa.and_(*per_rank, t) for t in conds[0]], conds[1]],
+        (ev.at.desc(), ev.id.desc()),
+    )
+    named = sa.func.coalesce(ev.kernel, "") != ""
+    first_named = _probe(
+        ev.id, [[sa.and_(*per_rank, named, t) for t in conds[0]], conds[1]], (ev.at, ev.id)
+    )
+    pairs = (
+        sa.select(
+            dv.job_id,
+            dv.base_key,
+            dv.target,
+            ranks.c.rank_key,
+            last.label("last_id"),
+            first_named.label("named_id"),
+        )
+        .select_from(_divergences.join(ranks, ranks.c.job_key == sa.literal("=") + dv.job_id))
+        .where(sa.tuple_(dv.job_id, dv.base_key, dv.target).in_(recipes))
+        .subquery("pairs")
+    )
+    last_ev, named_ev = sa.alias(_events, "last_ev"), sa.alias(_events, "named_ev")
+    first: dict[tuple[str, str, str], tuple[datetime, int]] = {}
+    for probed in conn.execute(
+        sa.select(
+            pairs.c.job_id,
+            pairs.c.base_key,
+            pairs.c.target,
+            last_ev.c.rank,
+            last_ev.c.digest,
+            named_ev.c.at,
+            named_ev.c.id,
+            named_ev.c.kernel,
+        ).select_from(
+            pairs.outerjoin(last_ev, last_ev.c.id == pairs.c.last_id).outerjoin(
+                named_ev, named_ev.c.id == pairs.c.named_id
             )
-        if row.rank_last == 1:
-            item.ranks["-" if row.rank is None else str(row.rank)] = row.digest
-        if row.digest_first == 1:
-            item.digests.append(row.digest)
-        if row.kernel_first == 1 and row.named:
-            item.kernel = row.kernel
-    result = [found[p] for p in sorted(found)]
-    for item in result:
-        item.digests.sort()
+        )
+    ):
+        item = result[(probed.job_id, probed.base_key, probed.target)]
+        if probed.digest is not None:
+            item.ranks["-" if probed.rank is None else str(probed.rank)] = probed.digest
+        recipe = (probed.job_id, probed.base_key, probed.target)
+        if probed.kernel is not None and (
+            recipe not in first or (probed.at, probed.id) < first[recipe]
+        ):
+            first[recipe] = (probed.at, probed.id)
+            item.kernel = probed.kernel
+    out = [result[r] for r in recipes]
+    for item in out:
         item.ranks = dict(
             sorted(
                 item.ranks.items(),
                 key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0),
             )
         )
-    return result
+    return out
 
 
 def _extent(conn: sa.Connection, query: StatsQuery) -> tuple[float, float] | None:
     """Unix seconds (floored) of the first and last event or roll-up in the window, None if none.
 
-    Four index probes (``at`` and ``bucket``), whatever the window holds.
+    Four index probes (``at`` and ``bucket``), whatever the window holds: each
+    ``min``/``max`` its own subquery, since SQLite optimises a lone ``min()`` or
+    ``max()`` into one probe but scans the whole index for both in one ``SELECT``.
     """
     ev, ru = _events.c, _rollups.c
     found: list[datetime] = []
     for table, at in ((_events, ev.at), (_rollups, ru.bucket)):
         first, last = conn.execute(
-            sa.select(sa.func.min(at), sa.func.max(at)).where(*_filters(query, table.c, at))
+            sa.select(
+                *(
+                    sa.select(fn(at)).where(*_filters(query, table.c, at)).scalar_subquery()
+                    for fn in (sa.func.min, sa.func.max)
+                )
+            )
         ).one()
         found += [t for t in (first, last) if t is not None]
     if not found:

@@ -2,11 +2,15 @@
 
 ``audit_counts`` (per minute/hour/day bucket, dimension, group value and outcome) and
 ``audit_digests`` (job, base key, target, digest, first and last seen) are maintained
-by every audit write (:mod:`kcache_server.auditing.counts`); ``/v1/stats`` sums them
-instead of scanning ``audit_events``. The upgrade backfills both from the events and
+by every audit write (:mod:`kcache_server.auditing.counts`), with ``audit_divergences``
+(the recipes one job got two digests for); ``/v1/stats`` sums them instead of
+scanning ``audit_events``. The upgrade backfills both from the events and
 roll-ups already there, with the same bulk statements the B10 bench uses
 (:func:`~kcache_server.auditing.counts.rebuild`). ``audit_events (kernel, at, id)``
 replaces the ``kernel`` index: the last miss of a kernel is one backward probe.
+Divergence is decided by probes too: ``(job_id, base_key, target, digest, tier, at)``
+replaces 0006's index without ``at`` (was a digest seen in the window, by the
+server?), and ``(job_id, base_key, target, rank, at, id)`` finds a rank's last digest.
 
 Revision ID: 0007
 Revises: 0006
@@ -56,6 +60,13 @@ def upgrade() -> None:
             "job_id", "base_key", "target", "digest", name=op.f("pk_audit_digests")
         ),
     )
+    op.create_table(
+        "audit_divergences",
+        sa.Column("job_id", sa.String(length=256), nullable=False),
+        sa.Column("base_key", sa.String(length=64), nullable=False),
+        sa.Column("target", sa.String(length=33), nullable=False),
+        sa.PrimaryKeyConstraint("job_id", "base_key", "target", name=op.f("pk_audit_divergences")),
+    )
     with op.batch_alter_table("audit_digests", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_audit_digests_last_at"), ["last_at"], unique=False)
     with op.batch_alter_table("audit_events", schema=None) as batch_op:
@@ -63,6 +74,17 @@ def upgrade() -> None:
             batch_op.f("ix_audit_events_kernel_at_id"), ["kernel", "at", "id"], unique=False
         )
         batch_op.drop_index(batch_op.f("ix_audit_events_kernel"))
+        batch_op.create_index(
+            batch_op.f("ix_audit_events_job_id_base_key_target_digest_tier_at"),
+            ["job_id", "base_key", "target", "digest", "tier", "at"],
+            unique=False,
+        )
+        batch_op.drop_index(batch_op.f("ix_audit_events_job_id_base_key_target_digest_tier"))
+        batch_op.create_index(
+            batch_op.f("ix_audit_events_job_id_base_key_target_rank_at_id"),
+            ["job_id", "base_key", "target", "rank", "at", "id"],
+            unique=False,
+        )
 
     from kcache_server.auditing.counts import rebuild
 
@@ -72,9 +94,17 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Revert this revision."""
     with op.batch_alter_table("audit_events", schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f("ix_audit_events_job_id_base_key_target_rank_at_id"))
+        batch_op.create_index(
+            batch_op.f("ix_audit_events_job_id_base_key_target_digest_tier"),
+            ["job_id", "base_key", "target", "digest", "tier"],
+            unique=False,
+        )
+        batch_op.drop_index(batch_op.f("ix_audit_events_job_id_base_key_target_digest_tier_at"))
         batch_op.create_index(batch_op.f("ix_audit_events_kernel"), ["kernel"], unique=False)
         batch_op.drop_index(batch_op.f("ix_audit_events_kernel_at_id"))
     with op.batch_alter_table("audit_digests", schema=None) as batch_op:
         batch_op.drop_index(batch_op.f("ix_audit_digests_last_at"))
+    op.drop_table("audit_divergences")
     op.drop_table("audit_digests")
     op.drop_table("audit_counts")
