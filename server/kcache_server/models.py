@@ -182,6 +182,8 @@ class AuditEvent(Base):
         # last digest. The first also serves, by its prefix, every lookup by job.
         Index(None, "job_id", "base_key", "target", "digest", "tier", "at"),
         Index(None, "job_id", "base_key", "target", "rank", "at", "id"),
+        # The last miss's reason: was a sibling recipe (other headers) built before it?
+        Index(None, "base_key", "target", "recipe_key", "id"),
         # The last miss of a top missed kernel: one backward probe per kernel (0007).
         Index(None, "kernel", "at", "id"),
     )

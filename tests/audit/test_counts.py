@@ -314,3 +314,41 @@ def test_an_upgrade_from_0006_counts_the_events_already_there(
         assert _answers(db, StatsQuery())["lookups"] == 248
     finally:
         db.dispose()
+
+
+def test_the_sibling_probe_matches_targets_and_their_absence(engine: sa.Engine) -> None:
+    """ "Header contents changed" needs an earlier recipe of the same base key and target.
+
+    The probe matches targets by "=" and a missing target by a probe of its own; a
+    sibling under another target (or none) is not one.
+    """
+
+    def compiled(kernel: str, recipe: str, target: str | None, minutes: int) -> dict[str, Any]:
+        row = {k: v for k, v in vars(_record(0)).items()}
+        row.update(
+            outcome="compiled",
+            kernel=kernel,
+            recipe_key=recipe * 64,
+            base_key=kernel[-1] * 64,
+            target=target,
+            digest=D[0],
+            error=None,
+            at=START + timedelta(minutes=minutes),
+        )
+        return row
+
+    rows = [
+        compiled("ka", "1", None, 0),  # ka: two recipes without a target
+        compiled("ka", "2", None, 5),
+        compiled("kb", "3", "sm_80", 0),  # kb: the earlier recipe had another target
+        compiled("kb", "4", None, 5),
+        compiled("kc", "5", "sm_90", 0),  # kc: two recipes for sm_90, the later one sorts first
+        compiled("kc", "0", "sm_90", 5),
+    ]
+    with engine.begin() as conn:
+        counts.write_events(conn, rows)
+    missed = {m["kernel"]: m for m in _answers(engine, StatsQuery(top=50))["top_missed"]}
+    changed = "header contents changed since an earlier build"
+    assert missed["ka"]["last_miss_reason"] == changed
+    assert missed["kb"]["last_miss_reason"] == "first build of this recipe"
+    assert missed["kc"]["last_miss_reason"] == changed

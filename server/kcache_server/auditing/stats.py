@@ -734,11 +734,24 @@ def _last_misses(conn: sa.Connection, query: StatsQuery, items: list[MissedKerne
         before.c.recipe_key == latest.c.recipe_key,
         before.c.outcome.in_(("hit", "local_hit", "compiled")),
     )
-    sibling = sa.exists().where(
-        *earlier,
-        before.c.base_key == latest.c.base_key,
-        before.c.target.is_not_distinct_from(latest.c.target),
-        before.c.recipe_key != latest.c.recipe_key,
+    # Probes on (base_key, target, recipe_key, id): the other recipes sort below or
+    # above this one, and an earlier event of either ends the probe at once; a
+    # recipe without siblings finds empty ranges. Targets match by "=" or both NULL,
+    # each its own probe (IS NOT DISTINCT FROM would cost PostgreSQL the index).
+    sibling = sa.or_(
+        *(
+            sa.exists().where(
+                *earlier, before.c.base_key == latest.c.base_key, same_target, other_recipe
+            )
+            for same_target in (
+                before.c.target == latest.c.target,
+                sa.and_(before.c.target.is_(None), latest.c.target.is_(None)),
+            )
+            for other_recipe in (
+                before.c.recipe_key < latest.c.recipe_key,
+                before.c.recipe_key > latest.c.recipe_key,
+            )
+        )
     )
     rebuilt = sa.and_(
         latest.c.outcome.in_(("compiled", "waited")), latest.c.recipe_key.is_not(None)

@@ -10,7 +10,9 @@ roll-ups already there, with the same bulk statements the B10 bench uses
 replaces the ``kernel`` index: the last miss of a kernel is one backward probe.
 Divergence is decided by probes too: ``(job_id, base_key, target, digest, tier, at)``
 replaces 0006's index without ``at`` (was a digest seen in the window, by the
-server?), and ``(job_id, base_key, target, rank, at, id)`` finds a rank's last digest.
+server?), and ``(job_id, base_key, target, rank, at, id)`` finds a rank's last digest;
+``(base_key, target, recipe_key, id)`` tells whether a sibling recipe (other headers)
+was built before a kernel's last miss.
 
 Revision ID: 0007
 Revises: 0006
@@ -85,6 +87,11 @@ def upgrade() -> None:
             ["job_id", "base_key", "target", "rank", "at", "id"],
             unique=False,
         )
+        batch_op.create_index(
+            batch_op.f("ix_audit_events_base_key_target_recipe_key_id"),
+            ["base_key", "target", "recipe_key", "id"],
+            unique=False,
+        )
 
     from kcache_server.auditing.counts import rebuild
 
@@ -94,6 +101,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Revert this revision."""
     with op.batch_alter_table("audit_events", schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f("ix_audit_events_base_key_target_recipe_key_id"))
         batch_op.drop_index(batch_op.f("ix_audit_events_job_id_base_key_target_rank_at_id"))
         batch_op.create_index(
             batch_op.f("ix_audit_events_job_id_base_key_target_digest_tier"),
