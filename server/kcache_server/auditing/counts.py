@@ -97,38 +97,49 @@ def decode(column: Any, as_int: bool = False) -> sa.ColumnElement[Any]:
     return sa.case((column == "", sa.null()), else_=value)
 
 
-def _floor(at: datetime, level: int) -> datetime:
-    seconds = math.floor(at.timestamp())
-    return datetime.fromtimestamp(seconds - seconds % level, timezone.utc)
-
-
 def _count_rows(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The increments of ``audit_counts`` that ``events`` make, merged, in key order."""
-    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    """The increments of ``audit_counts`` that ``events`` make, merged, in key order.
+
+    Buckets are unix seconds while merging (each event's time is read once, not once
+    per dimension and level) and become datetimes only for the merged rows.
+    """
+    rows: dict[tuple[Any, ...], list[Any]] = {}  # key -> [count, saved, world_size]
+    levels = sorted({level for dim_levels in LEVELS.values() for level in dim_levels})
     for e in events:
         # A row may leave out nullable columns, as an INSERT may.
         n, saved = int(e.get("count", 1)), float(e.get("compile_seconds_saved", 0.0))
         size = e.get("world_size")
+        seconds = math.floor(e["at"].timestamp())
+        floors = {level: seconds - seconds % level for level in levels}
+        outcome = e["outcome"]
         for dim, (first, second) in DIMENSIONS.items():
             key = encode(e.get(first)) if first else ""
             key2 = encode(e.get(second)) if second else ""
             tier = e["tier"] if dim == "all" else ""
             for level in LEVELS[dim]:
-                k = (dim, level, _floor(e["at"], level), key, key2, e["outcome"], tier)
+                k = (dim, level, floors[level], key, key2, outcome, tier)
                 row = rows.get(k)
                 if row is None:
-                    row = rows[k] = {
-                        **dict(zip(_COUNT_KEY, k, strict=True)),
-                        "count": 0,
-                        "saved": 0.0,
-                        "world_size": None,
-                    }
-                row["count"] += n
-                row["saved"] += saved
+                    row = rows[k] = [0, 0.0, None]
+                row[0] += n
+                row[1] += saved
                 if dim == "job" and size is not None:
-                    old = row["world_size"]
-                    row["world_size"] = size if old is None else max(size, old)
-    return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1], k[2], *k[3:]))]
+                    row[2] = size if row[2] is None else max(size, row[2])
+    return [
+        {
+            **dict(
+                zip(
+                    _COUNT_KEY,
+                    (*k[:2], datetime.fromtimestamp(k[2], timezone.utc), *k[3:]),
+                    strict=True,
+                )
+            ),
+            "count": rows[k][0],
+            "saved": rows[k][1],
+            "world_size": rows[k][2],
+        }
+        for k in sorted(rows)
+    ]
 
 
 def _digest_rows(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
