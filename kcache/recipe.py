@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -55,13 +58,23 @@ _FIELDS = {
 # with ASCII classes (a Unicode "\d" accepts "٩٠" as 90).
 _INCLUDE_NAME_RE = re.compile(r"[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*")
 # Every rule of check_include_name at once: safe characters, no empty, "." or ".." part.
-_GOOD_INCLUDE_NAME_RE = re.compile(
-    r"(?!(?:.*/)?\.\.?(?:/|\Z))(?!.*//)[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*(?<!/)"
-)
+# A name holds no newline, so "\n" ends one as the end of the text does: the same
+# pattern checks one name, and (below) many names joined by newlines in one match.
+_GOOD_INCLUDE_NAME = r"(?!(?:.*/)?\.\.?(?:/|\n|\Z))(?!.*//)[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*(?<!/)"
+_GOOD_INCLUDE_NAME_RE = re.compile(_GOOD_INCLUDE_NAME)
+# Newline-joined header names, each of 1 to name_chars characters and a good include name.
+_ONE_HEADER_NAME = rf"(?=[^\n]{{1,{LIMITS.name_chars}}}(?:\n|\Z)){_GOOD_INCLUDE_NAME}"
+_GOOD_HEADER_NAMES_RE = re.compile(rf"{_ONE_HEADER_NAME}(?:\n{_ONE_HEADER_NAME})*")
 _SET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
 _TOOLCHAIN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]{0,127}")
 # Flags and name expressions are single lines of printable text.
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+# The ABCs the fields are checked against, with the builtins named first: isinstance
+# tries them in order, and a tuple's check against Sequence alone costs about a
+# microsecond each time (three per recipe).
+_SEQUENCE = (tuple, list, Sequence)
+_MAPPING = (dict, Mapping)
 
 # NVRTC options a recipe may carry. Everything else is refused: options that read or
 # write files (-I, PCH, traces, output), options that the recipe's own fields own
@@ -135,9 +148,8 @@ class Recipe:
         object.__setattr__(self, "headers", MappingProxyType(dict(sorted(self.headers.items()))))
         object.__setattr__(self, "flags", tuple(self.flags))
         object.__setattr__(self, "name_expressions", tuple(self.name_expressions))
-        object.__setattr__(
-            self, "specialization", MappingProxyType(normalize_specialization(self.specialization))
-        )
+        spec = normalize_specialization(self.specialization) if self.specialization else {}
+        object.__setattr__(self, "specialization", MappingProxyType(spec))
         object.__setattr__(self, "link", tuple(self.link))
         object.__setattr__(self, "include_sets", tuple(self.include_sets))
 
@@ -162,7 +174,10 @@ class Recipe:
         changed fields itself, and gives them already frozen (a tuple for ``link``).
         """
         copy = object.__new__(Recipe)
-        state = {**vars(self), **changes, "_memo": {}}
+        memo = {}
+        if "headers" not in changes and "header_hashes" in self._memo:
+            memo["header_hashes"] = self._memo["header_hashes"]  # same texts: hashed once
+        state = {**vars(self), **changes, "_memo": memo}
         vars(copy).update(state)  # frozen: object.__setattr__ would do the same, field by field
         return copy
 
@@ -288,7 +303,7 @@ class Recipe:
     def parsed_target(self) -> Target:
         """The target, parsed (raises for ``auto``)."""
         self._require_resolved()
-        return parse_target(self.target)
+        return _parse_target(self.target)
 
     @property
     def produces(self) -> Output:
@@ -297,12 +312,18 @@ class Recipe:
 
     def header_hashes(self) -> dict[str, str]:
         """Include name -> sha256 of the header text (a fresh dict; computed once per recipe)."""
+        return dict(self._header_hashes())
+
+    def _header_hashes(self) -> dict[str, str]:
+        """The memoised :meth:`header_hashes` itself (not to be changed), shared with copies."""
         hashes: dict[str, str] | None = self._memo.get("header_hashes")
         if hashes is None:
+            # sha256_hex inlined: a call per header shows when every call builds a recipe.
             hashes = self._memo["header_hashes"] = {
-                name: sha256_hex(text) for name, text in self.headers.items()
+                name: hashlib.sha256(text.encode()).hexdigest()
+                for name, text in self.headers.items()
             }
-        return dict(hashes)
+        return hashes
 
     def macro_flags(self) -> list[str]:
         """The ``-D`` options rendered from ``specialization``."""
@@ -331,11 +352,74 @@ class Recipe:
         )
         return material
 
+    def _canonical(self, with_header_contents: bool) -> bytes:
+        """``canonical_json(self._material(with_header_contents))``, written out field by field.
+
+        Every new recipe object pays for its key, and the generic encoder (a new
+        encoder per call, each object's keys sorted) was most of keying's cost. Here
+        the fields come in sorted order and every string goes through json's own ASCII
+        escaper, so the bytes are the same: tests/core/test_keys.py compares them with
+        :func:`canonical_json` of :meth:`_material` over many recipes, every field set,
+        and fails when a field is added to one and not the other.
+        """
+        esc = encode_basestring_ascii
+        if with_header_contents:
+            # Sorted by name (the headers are frozen sorted); hashes are hex, nothing to escape.
+            headers = ",".join([f'{esc(n)}:"{h}"' for n, h in self._header_hashes().items()])
+            headers_json = "{" + headers + "}"
+        else:
+            headers_json = "[" + ",".join(map(esc, self.headers)) + "]"
+        links = ",".join(
+            f'{{"recipe_key":"{item.recipe._identity()}"}}'
+            if item.recipe is not None
+            else f'{{"digest":"{item.digest}"}}'  # validated hex
+            for item in self.link
+        )
+        spec = self.specialization
+        spec_json = (
+            canonical_json(
+                {k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()}
+            ).decode()
+            if spec
+            else "{}"
+        )
+        return "".join(
+            [
+                '{"flags":[',
+                ",".join(map(esc, self.flags)),
+                '],"headers":',
+                headers_json,
+                ',"include_sets":[',
+                ",".join(map(esc, self.include_sets)),
+                '],"kind":',
+                '"recipe"' if with_header_contents else '"base"',
+                ',"link":[',
+                links,
+                '],"lto":',
+                "true" if self.lto else "false",
+                ',"name":',
+                esc(self.name),
+                ',"name_expressions":[',
+                ",".join(map(esc, self.name_expressions)),
+                '],"output":',
+                esc(self.output),
+                f',"schema":{KEY_SCHEMA},"source":',
+                esc(self.source),
+                ',"specialization":',
+                spec_json,
+                ',"target":',
+                esc(self.target),
+                ',"toolchain":',
+                "null" if self.toolchain is None else esc(self.toolchain),
+                "}",
+            ]
+        ).encode()
+
     def _identity(self) -> str:
         """sha256 of the canonical form: :meth:`key` once resolved; equality and hash use it."""
         identity: str | None = self._memo.get("identity")
         if identity is None:
-            identity = self._memo["identity"] = sha256_hex(canonical_json(self._material(True)))
+            identity = self._memo["identity"] = sha256_hex(self._canonical(True))
         return identity
 
     def key(self) -> str:
@@ -347,8 +431,8 @@ class Recipe:
         """``base_key``: the same without header contents (names only); indexes manifests."""
         key: str | None = self._memo.get("base_key")
         if key is None:
-            material = self.key_material(with_header_contents=False)
-            key = self._memo["base_key"] = sha256_hex(canonical_json(material))
+            self._require_resolved()
+            key = self._memo["base_key"] = sha256_hex(self._canonical(False))
         return key
 
     def _require_resolved(self) -> None:
@@ -438,24 +522,51 @@ def check_include_name(field_name: str, name: object) -> str:
     return name
 
 
-def _validate(recipe: Recipe) -> None:
-    _check_text("source", recipe.source, LIMITS.source_bytes)
-    check_include_name("name", recipe.name)
-    if not isinstance(recipe.headers, Mapping):
+def _headers_pass(headers: Mapping[Any, Any]) -> bool:
+    """True when every header passes every check of :func:`_check_headers`, tested at once.
+
+    The common case (ASCII text) in a few C-level passes over the joined names and
+    texts instead of two checks per header; False means "look closer", never "bad":
+    the per-header checks then run and name what is wrong (or accept non-ASCII text).
+    """
+    if not headers:
+        return True
+    try:
+        names = "\n".join(headers)  # a name that is not a string: TypeError
+        texts = "".join(headers.values())
+    except TypeError:
+        return False
+    return (
+        names.count("\n") == len(headers) - 1  # no name holds a newline of its own
+        and _GOOD_HEADER_NAMES_RE.fullmatch(names) is not None
+        and "\x00" not in texts
+        and texts.isascii()  # one byte a character, no lone surrogate
+        and len(texts) <= LIMITS.header_bytes_total  # so each text is within it too
+    )
+
+
+def _check_headers(headers: object) -> None:
+    if not isinstance(headers, _MAPPING):
         raise RecipeError("headers", "must be an object of include name -> text")
-    if len(recipe.headers) > LIMITS.header_count:
-        raise RecipeError(
-            "headers", f"at most {LIMITS.header_count} headers, got {len(recipe.headers)}"
-        )
+    if len(headers) > LIMITS.header_count:
+        raise RecipeError("headers", f"at most {LIMITS.header_count} headers, got {len(headers)}")
+    if _headers_pass(headers):
+        return
     total = 0
-    for name, text in recipe.headers.items():
+    for name, text in headers.items():
         check_include_name(f"headers[{name!r}]", name)
         total += len(_check_text(f"headers[{name!r}]", text, LIMITS.header_bytes_total))
     if total > LIMITS.header_bytes_total:
         raise RecipeError(
             "headers", f"total size {total} is over the limit of {LIMITS.header_bytes_total} bytes"
         )
-    if isinstance(recipe.flags, str) or not isinstance(recipe.flags, Sequence):
+
+
+def _validate(recipe: Recipe) -> None:
+    _check_text("source", recipe.source, LIMITS.source_bytes)
+    check_include_name("name", recipe.name)
+    _check_headers(recipe.headers)
+    if isinstance(recipe.flags, str) or not isinstance(recipe.flags, _SEQUENCE):
         raise RecipeError("flags", "must be a list of strings")
     if len(recipe.flags) > LIMITS.flag_count:
         raise RecipeError("flags", f"at most {LIMITS.flag_count} flags")
@@ -471,14 +582,14 @@ def _validate(recipe: Recipe) -> None:
     if recipe.output not in _OUTPUTS:
         raise RecipeError("output", f"{recipe.output!r} is not one of {', '.join(_OUTPUTS)}")
     if isinstance(recipe.name_expressions, str) or not isinstance(
-        recipe.name_expressions, Sequence
+        recipe.name_expressions, _SEQUENCE
     ):
         raise RecipeError("name_expressions", "must be a list of strings")
     if len(recipe.name_expressions) > LIMITS.name_expressions:
         raise RecipeError("name_expressions", f"at most {LIMITS.name_expressions} entries")
     for i, expr in enumerate(recipe.name_expressions):
         _check_line(f"name_expressions[{i}]", expr, LIMITS.name_expression_bytes)
-    if not isinstance(recipe.specialization, Mapping):
+    if not isinstance(recipe.specialization, _MAPPING):
         raise RecipeError("specialization", "must be an object")
     if not isinstance(recipe.lto, bool):
         raise RecipeError("lto", "must be true or false")
@@ -498,7 +609,7 @@ def _validate(recipe: Recipe) -> None:
         raise RecipeError(
             "output", '"lto": true compiles to LTO-IR and links a cubin; leave output "cubin"'
         )
-    if isinstance(recipe.include_sets, str) or not isinstance(recipe.include_sets, Sequence):
+    if isinstance(recipe.include_sets, str) or not isinstance(recipe.include_sets, _SEQUENCE):
         raise RecipeError("include_sets", "must be a list of registered include set names")
     if len(recipe.include_sets) > LIMITS.include_sets:
         raise RecipeError("include_sets", f"at most {LIMITS.include_sets} include sets")
@@ -508,23 +619,28 @@ def _validate(recipe: Recipe) -> None:
     _validate_target_and_toolchain(recipe)
 
 
+@functools.lru_cache(maxsize=64)
+def _parse_target(text: str) -> Target:
+    """:func:`parse_target`, remembered: a process keys recipes for a handful of targets.
+
+    Only valid targets are remembered (an error is raised, not cached), so the few
+    dozen entries bound nothing a caller could grow.
+    """
+    return parse_target(text)
+
+
 def _validate_target_and_toolchain(recipe: Recipe) -> None:
     """The checks of the two fields ``with_defaults`` fills in."""
     if not isinstance(recipe.target, str):
         raise RecipeError("target", "must be a string")
-    if recipe.target != "auto":
-        parse_target(recipe.target)
+    target = None if recipe.target == "auto" else _parse_target(recipe.target)
     if recipe.toolchain is not None and (
         not isinstance(recipe.toolchain, str) or not _TOOLCHAIN_RE.fullmatch(recipe.toolchain)
     ):
         raise RecipeError(
             "toolchain", "must be a toolchain id such as the server's GET /v1/toolchains lists"
         )
-    if (
-        recipe.target != "auto"
-        and recipe.output == "cubin"
-        and parse_target(recipe.target).is_virtual
-    ):
+    if target is not None and recipe.output == "cubin" and target.is_virtual:
         raise RecipeError(
             "target", f"{recipe.target} is virtual; a cubin needs sm_XX (or set output to ptx)"
         )

@@ -179,7 +179,7 @@ def _cuda_core() -> Any:
 class Artifact:
     """A compiled kernel whose bytes have been checked against ``digest``.
 
-    ``path`` is the blob in the node-local tier (read-only; copy it to modify it),
+    :attr:`path` is the blob in the node-local tier (read-only; copy it to modify it),
     ``metadata`` the server's record (target, toolchain, lowered names, dependencies),
     ``recipe`` the concrete recipe (``auto`` and the toolchain filled in) it was keyed from,
     ``origin`` where this call found it (:data:`ArtifactOrigin`).
@@ -189,10 +189,17 @@ class Artifact:
     base_key: str
     digest: str
     data: bytes = field(repr=False)
-    path: Path
+    # The blob's path as a string: a Path is built when asked for (pathlib costs a few
+    # microseconds, a good part of a node-tier hit, and most callers only want ``data``).
+    blob_path: str
     metadata: ArtifactMeta = field(repr=False)
     recipe: Recipe = field(repr=False)
     origin: ArtifactOrigin
+
+    @property
+    def path(self) -> Path:
+        """The blob in the node-local tier (read-only; copy it to modify it)."""
+        return Path(self.blob_path)
 
     @property
     def outcome(self) -> Outcome:

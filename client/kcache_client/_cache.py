@@ -410,7 +410,7 @@ class KernelCache:
             base_key=concrete.base_key(),
             digest=meta.digest,
             data=data,
-            path=self.tier.path(meta.digest),
+            blob_path=self.tier.location(meta.digest),
             metadata=meta,
             recipe=concrete,
             origin=origin,

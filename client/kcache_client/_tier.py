@@ -54,6 +54,9 @@ __all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_d
 
 # A lookup refreshes an entry's access stamp at most this often per process (one utime).
 _TOUCH_EVERY_S = 5.0
+# A process waiting for another's download of a key tries its lock again after this
+# long (doubling up to 50 ms): a download takes milliseconds.
+_LOCK_POLL_S = 0.001
 # A process rescans the tier's size after a publish at least this often (or 20 scans' time).
 _RESCAN_MIN_S = 1.0
 
@@ -126,7 +129,8 @@ class NodeTier:
         # blob's digest check (the store), and the kernel is fetched again.
         self.store = LocalArtifactStore(self.root, durable=False)
         self.index = FileIndex(self.root, durable=False)
-        self.lock = SingleFlight(FileKeyLock(self.root))
+        # A waiter waits for another rank's download (milliseconds), not a compile.
+        self.lock = SingleFlight(FileKeyLock(self.root, poll_s=_LOCK_POLL_S))
         self.lock_timeout = lock_timeout
         #: The cap and its water marks (``max_bytes`` None: the default; 0: unbounded).
         self.marks = WaterMarks(default_tier_cap(self.root) if max_bytes is None else max_bytes)
@@ -168,7 +172,7 @@ class NodeTier:
         if digest != meta.digest:  # the caller verified already; this is a second line of defence
             raise CorruptArtifactError(meta.digest, digest, None)
         self.index.record_artifact(recipe_key, base_key, meta)
-        if not self.store.has(digest):
+        if not os.path.isfile(self.location(digest)):
             # Another process evicted the blob between our put and our record (it had
             # seen no record yet): put it back, so no record names a missing blob.
             self.store.put(data)
@@ -349,6 +353,10 @@ class NodeTier:
     def path(self, digest: str) -> Path:
         """Where the blob lives."""
         return self.store.path(digest)
+
+    def location(self, digest: str) -> str:
+        """:meth:`path` as a string (pathlib costs microseconds a node-tier hit notices)."""
+        return self.store._path_str(digest)  # the store's own layout
 
     @contextlib.contextmanager
     def hold(self, recipe_key: str) -> Iterator[bool]:

@@ -5,8 +5,9 @@ of the artifact's metadata so a hit reads one small file, or a negative entry),
 ``artifacts/ab/<digest>.json`` (metadata), ``manifests/ab/<base_key>.json``.
 Every file is published atomically (temp, fsync, rename), and the alias is written
 last, so a crash leaves at worst an unreferenced artifact record. A cache may open
-the index with ``durable=False`` (no fsync): then a power loss may leave any file
-empty or garbage, and every read treats such a file as absent.
+the index with ``durable=False`` (no fsync, and manifests updated without their
+lock): then a power loss may leave any file empty or garbage, and every read treats
+such a file as absent.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import filelock
 
 from kcache.artifact import ArtifactMeta, CompileFailure, ManifestEntry
-from kcache.fsutil import atomic_write
+from kcache.fsutil import atomic_write, read_file
 from kcache.index.base import MANIFEST_LIMIT
 from kcache.keys import require_hex_key
 
@@ -52,8 +53,7 @@ class FileIndex:
 
     def _read(self, kind: str, key: str) -> Any:
         try:
-            with open(self._path_str(kind, key), "rb") as handle:
-                return json.loads(handle.read())
+            return json.loads(read_file(self._path_str(kind, key)))
         except FileNotFoundError:
             return None
         except ValueError:
@@ -63,7 +63,7 @@ class FileIndex:
 
     def _write(self, kind: str, key: str, value: Any) -> None:
         atomic_write(
-            self._path(kind, key),
+            self._path_str(kind, key),
             json.dumps(value, sort_keys=True).encode(),
             durable=self.durable,
         )
@@ -124,17 +124,27 @@ class FileIndex:
         if self.artifact(meta.digest) is None:
             self._write("artifacts", meta.digest, meta.to_dict())
         entry = ManifestEntry(meta.digest, meta.dependencies)
-        # The lock only keeps concurrent writers from dropping each other's entries;
-        # a lost entry would cost a recompile, never a wrong result.
-        with filelock.FileLock(str(self.root / ".locks" / f"{base_key}.lock"), timeout=60):
-            entries = [e for e in self.manifest(base_key) if e.dependencies != entry.dependencies]
-            entries = [entry, *entries][:MANIFEST_LIMIT]
-            self._write("manifests", base_key, [e.to_dict() for e in entries])
+        if self.durable:
+            # The lock only keeps concurrent writers from dropping each other's entries;
+            # a lost entry would cost a recompile, never a wrong result.
+            with filelock.FileLock(f"{self._root_str}/.locks/{base_key}.lock", timeout=60):
+                self._add_to_manifest(base_key, entry)
+        else:
+            # A cache (the node tier) goes without: two processes adding entries under
+            # one base key at the same moment (the same source, other header texts)
+            # may lose one, which costs at most a compile an offline manifest match
+            # would have spared; a lock per publish was a good part of a cold rank's time.
+            self._add_to_manifest(base_key, entry)
         self._write(
             "recipes",
             recipe_key,
             {"recipe_key": recipe_key, "digest": meta.digest, "artifact": meta.to_dict()},
         )
+
+    def _add_to_manifest(self, base_key: str, entry: ManifestEntry) -> None:
+        entries = [e for e in self.manifest(base_key) if e.dependencies != entry.dependencies]
+        entries = [entry, *entries][:MANIFEST_LIMIT]
+        self._write("manifests", base_key, [e.to_dict() for e in entries])
 
     def record_alias(self, recipe_key: str, digest: str) -> None:
         """``recipe_key`` -> ``digest`` (with the artifact's metadata when it is recorded)."""

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
-from kcache.fsutil import TMP_PREFIX, atomic_write, fsync_dir
+from kcache.fsutil import TMP_PREFIX, atomic_write, fsync_dir, read_file
 from kcache.keys import is_hex_key, require_hex_key
 
 __all__ = ["SET_ASIDE_PREFIX", "LocalArtifactStore"]
@@ -82,8 +82,7 @@ class LocalArtifactStore:
         """Read and verify; a mismatching blob is moved to quarantine and reported."""
         path = self._path_str(digest)
         try:
-            with open(path, "rb") as handle:
-                data = handle.read()
+            data = read_file(path)
         except FileNotFoundError:
             raise ArtifactNotFoundError(f"no blob {digest} in {self.blobs}") from None
         actual = hashlib.sha256(data).hexdigest()

@@ -218,3 +218,153 @@ def test_require_hex_key_refuses_anything_but_64_lowercase_hex_digits(value: obj
 def test_require_hex_key_passes_keys_and_digests_through() -> None:
     key = sha256_hex(b"kernel")
     assert is_hex_key(key) and require_hex_key(key, "digest") is key
+
+
+# ---------------------------------------------------------------- the fast paths
+# Keying and validation have a fast path each (issue 13, B3); these pin them to the
+# definitions: canonical_json of the key material, and the per-header checks.
+
+_EVERY_FIELD: dict[str, object] = {
+    "source": 'extern "C" __global__ void k() {}\n// é 中 "quoted" \\ back\tslash\x01',
+    "target": "sm_90a",
+    "name": "dir/k.cu",
+    "headers": {"b/x.cuh": "2 é", "a.h": "1\n", "c+d-e_f.hpp": ""},
+    "flags": ["-O3", '-DNAME="a b"', "-lineinfo"],
+    "name_expressions": ["k<float, 256>", "ns::k2"],
+    "specialization": {
+        "dtype": "fp16",
+        "block": 256,
+        "scale": 0.5,
+        "on": True,
+        "s": "a b",
+        "shape": [4, 8],
+        "z": [1, 2],
+    },
+    "lto": True,
+    "link": [
+        {"recipe": {"source": "x", "output": "ltoir", "target": "compute_90", "toolchain": "t"}},
+        {"digest": "ab" * 32},
+    ],
+    "toolchain": "nvrtc-13.5",
+    "include_sets": ["cub", "lib-2"],
+}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        _EVERY_FIELD,
+        {"source": "x", "target": "sm_80", "toolchain": "t"},
+        {"source": "x", "target": "compute_80", "output": "ptx", "toolchain": "t"},
+        {"source": "x"},  # unresolved: its identity still hashes the canonical form
+    ],
+)
+def test_the_canonical_bytes_are_canonical_json_of_the_material(fields: dict[str, object]) -> None:
+    recipe = Recipe.from_dict(fields)
+    for with_contents in (True, False):
+        expected = json.dumps(
+            recipe._material(with_contents), sort_keys=True, separators=(",", ":")
+        ).encode()
+        assert recipe._canonical(with_contents) == expected
+    if recipe.target != "auto" and recipe.toolchain is not None:
+        assert recipe.key() == sha256_hex(
+            json.dumps(recipe.key_material(), sort_keys=True, separators=(",", ":"))
+        )
+        material = recipe.key_material(with_header_contents=False)
+        assert recipe.base_key() == sha256_hex(
+            json.dumps(material, sort_keys=True, separators=(",", ":"))
+        )
+
+
+def test_the_material_has_no_field_the_canonical_bytes_leave_out() -> None:
+    """A field added to the recipe (and so to to_dict) must be added to _canonical too."""
+    recipe = Recipe.from_dict(_EVERY_FIELD)
+    assert set(json.loads(recipe._canonical(True))) == set(recipe._material(True))
+
+
+def test_a_copy_with_defaults_keeps_the_header_hashes_and_keys_alike() -> None:
+    auto = Recipe(source=VECTOR_ADD, headers={"a.h": "1", "b.h": "2"})
+    hashes = auto.header_hashes()
+    copy = auto.with_defaults(target="sm_80", toolchain="t")
+    assert copy._header_hashes() is auto._header_hashes()  # hashed once
+    assert copy.header_hashes() == hashes
+    fresh = Recipe(
+        source=VECTOR_ADD, headers={"b.h": "2", "a.h": "1"}, target="sm_80", toolchain="t"
+    )
+    assert copy.key() == fresh.key() and copy.base_key() == fresh.base_key()
+
+
+_NAMES = [
+    "a.h",
+    "dir/b.cuh",
+    "x",
+    "a" * 256,
+    "a" * 257,
+    "",
+    ".",
+    "..",
+    "a/..",
+    "../a",
+    "a/./b",
+    "a//b",
+    "a/",
+    "/abs",
+    "a\\b",
+    "a\nb",
+    "a\n",
+    "\nb",
+    "é.h",
+    "a\x00",
+    "-a",
+    "+a",
+    "_a",
+    ".hidden",
+    "a/.b",
+    "a/..b",
+    "a..",
+    "a/...",
+    "a b",
+    5,
+    None,
+]
+_TEXTS = ["", "x", "é", "\ud800", "a\x00b", "t" * 10, 7]
+
+
+def _headers_outcome(headers: dict[object, object]) -> str:
+    try:
+        Recipe(source="x", headers=headers)  # type: ignore[arg-type]
+    except RecipeError as exc:
+        return f"{exc.field}: {exc.detail}"
+    return "ok"
+
+
+def _per_header_outcome(headers: dict[object, object]) -> str:
+    """What the per-header checks alone say (the path taken when the fast one declines)."""
+    from kcache import recipe as recipe_module
+
+    passes = recipe_module._headers_pass
+    recipe_module._headers_pass = lambda _headers: False
+    try:
+        return _headers_outcome(headers)
+    finally:
+        recipe_module._headers_pass = passes
+
+
+@pytest.mark.parametrize("name", _NAMES, ids=repr)
+def test_the_header_fast_path_accepts_exactly_what_the_checks_accept(name: object) -> None:
+    for text in _TEXTS:
+        for headers in ({name: text}, {"ok.h": "1", name: text, "z.h": "2"}):
+            assert _headers_outcome(headers) == _per_header_outcome(headers), (name, text)
+
+
+def test_the_header_fast_path_keeps_the_size_limits() -> None:
+    from kcache.recipe import LIMITS
+
+    half = LIMITS.header_bytes_total // 2
+    for headers in (
+        {"a.h": "x" * half, "b.h": "x" * half},  # exactly at the total
+        {"a.h": "x" * half, "b.h": "x" * (half + 1)},  # one over
+        {"a.h": "é" * (half + 1)},  # characters within, bytes over
+    ):
+        assert _headers_outcome(headers) == _per_header_outcome(headers)
+    assert _headers_outcome({"a.h": "x" * half, "b.h": "x" * (half + 1)}).startswith("headers:")
