@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -26,9 +25,6 @@ from kcache.errors import LockTimeoutError
 from kcache.keys import require_hex_key
 
 __all__ = ["FileKeyLock", "KeyLock", "SingleFlight", "try_file_lock"]
-
-# The longest pause between a FileKeyLock waiter's tries (filelock's own default).
-_POLL_MAX_S = 0.05
 
 
 @runtime_checkable
@@ -85,17 +81,9 @@ class SingleFlight:
 class FileKeyLock:
     """``flock`` per key under ``<root>/locks/ab/<key>.lock`` (released by the kernel on SIGKILL)."""
 
-    def __init__(self, root: str | os.PathLike[str], *, poll_s: float = _POLL_MAX_S) -> None:
-        """Locks under ``root/locks``; a waiter tries again after ``poll_s`` seconds, then
-        twice as long each time, up to 50 ms.
-
-        ``flock`` has no wait with a timeout, so a waiter polls: every 50 ms suits a
-        compile, which takes longer; a cache waiting on another process's download of
-        a few milliseconds (the node tier) starts at a millisecond.
-        """
+    def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root) / "locks"
         self.root.mkdir(parents=True, exist_ok=True)
-        self.poll_s = poll_s
 
     @contextlib.contextmanager
     def hold(self, key: str, timeout: float) -> Iterator[bool]:
@@ -105,19 +93,14 @@ class FileKeyLock:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = filelock.FileLock(str(path), thread_local=False)
         waited = False
-        deadline = time.monotonic() + timeout
-        pause = self.poll_s
-        while True:
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            waited = True
             try:
-                lock.acquire(timeout=0)
-                break
-            except filelock.Timeout:
-                waited = True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise LockTimeoutError(f"waited {timeout:.0f}s for the lock {path}") from None
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, _POLL_MAX_S)
+                lock.acquire(timeout=timeout)
+            except filelock.Timeout as exc:
+                raise LockTimeoutError(f"waited {timeout:.0f}s for the lock {path}") from exc
         try:
             yield waited
         finally:

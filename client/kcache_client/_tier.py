@@ -54,9 +54,6 @@ __all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_d
 
 # A lookup refreshes an entry's access stamp at most this often per process (one utime).
 _TOUCH_EVERY_S = 5.0
-# A process waiting for another's download of a key tries its lock again after this
-# long (doubling up to 50 ms): a download takes milliseconds.
-_LOCK_POLL_S = 0.001
 # A process rescans the tier's size after a publish at least this often (or 20 scans' time).
 _RESCAN_MIN_S = 1.0
 
@@ -129,8 +126,7 @@ class NodeTier:
         # blob's digest check (the store), and the kernel is fetched again.
         self.store = LocalArtifactStore(self.root, durable=False)
         self.index = FileIndex(self.root, durable=False)
-        # A waiter waits for another rank's download (milliseconds), not a compile.
-        self.lock = SingleFlight(FileKeyLock(self.root, poll_s=_LOCK_POLL_S))
+        self.lock = SingleFlight(FileKeyLock(self.root))
         self.lock_timeout = lock_timeout
         #: The cap and its water marks (``max_bytes`` None: the default; 0: unbounded).
         self.marks = WaterMarks(default_tier_cap(self.root) if max_bytes is None else max_bytes)
