@@ -145,6 +145,7 @@ class ServerThread:
         import uvicorn
         from kcache_server import create_app
         from kcache_server.app import serving_app
+        from kcache_server.http_protocol import CoalescingHttpToolsProtocol
 
         self.settings = settings
         self.app = create_app(settings)
@@ -154,7 +155,11 @@ class ServerThread:
         self.port = int(sock.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            serving_app(self.app), log_level="warning", lifespan="on", timeout_graceful_shutdown=10
+            serving_app(self.app),
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=10,
+            http=CoalescingHttpToolsProtocol,  # as `kcache serve` runs it
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(

@@ -40,6 +40,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kcache_server.app import SETTINGS_ENV, create_app, serving_app
+    from kcache_server.http_protocol import CoalescingHttpToolsProtocol as http
 
     cap = {"max_store_bytes": args.max_store_bytes} if args.max_store_bytes is not None else {}
     settings = _settings(args, **cap)
@@ -54,6 +55,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             port=settings.port,
             workers=settings.workers,
             access_log=settings.access_log,
+            http=http,
         )
     else:
         uvicorn.run(
@@ -61,6 +63,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             host=settings.host,
             port=settings.port,
             access_log=settings.access_log,
+            http=http,
         )
     return 0
 

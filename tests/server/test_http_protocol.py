@@ -1,0 +1,130 @@
+"""The server's HTTP protocol writes each response once: CoalescingTransport on real sockets.
+
+The transport under test wraps a real asyncio transport of a real socket pair; the
+real transport is subclassed only to count its ``write`` calls. ``kcache serve`` and
+every ServerThread of the suite run on this protocol, so the API tests exercise it
+end to end; these tests pin what it promises: same bytes, same order, one write per
+loop turn, a close that sends what was kept, an abort that drops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+from kcache_server.http_protocol import CoalescingTransport
+
+from tests.support import VECTOR_ADD, ServerProcess, upgrade
+
+
+class Counted:
+    """A real transport whose writes are counted (everything else is the transport's)."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self.transport.write(data)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.transport, name)
+
+
+def run_pair(
+    body: Callable[[CoalescingTransport, Counted, socket.socket], Awaitable[None]],
+) -> None:
+    """``body(coalescing, counted, peer)`` on a real connected socket pair."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        ours, peer = socket.socketpair()
+        peer.setblocking(False)
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
+        counted = Counted(transport)
+        try:
+            await body(CoalescingTransport(counted, loop), counted, peer)  # type: ignore[arg-type]
+        finally:
+            transport.abort()
+            peer.close()
+
+    asyncio.run(main())
+
+
+async def read_all(peer: socket.socket, until_eof: bool = False, size: int = 0) -> bytes:
+    loop = asyncio.get_running_loop()
+    data = b""
+    while True:
+        chunk = await asyncio.wait_for(loop.sock_recv(peer, 65536), 5)
+        data += chunk
+        if (not chunk and until_eof) or (size and len(data) >= size):
+            return data
+
+
+def test_writes_of_one_turn_leave_as_one_write_in_order() -> None:
+    async def body(t: CoalescingTransport, counted: Counted, peer: socket.socket) -> None:
+        t.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n")
+        t.write(bytearray(b"he"))
+        t.writelines([memoryview(b"llo")])
+        assert counted.writes == []  # nothing yet: the turn is not over
+        assert t.get_write_buffer_size() == 43
+        await asyncio.sleep(0)
+        assert counted.writes == [b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"]
+        assert await read_all(peer, size=43) == counted.writes[0]
+
+    run_pair(body)
+
+
+def test_writes_of_later_turns_are_written_in_turn() -> None:
+    async def body(t: CoalescingTransport, counted: Counted, peer: socket.socket) -> None:
+        t.write(b"first ")
+        await asyncio.sleep(0)
+        t.write(b"second")
+        t.write(b"")  # nothing to keep
+        await asyncio.sleep(0)
+        assert counted.writes == [b"first ", b"second"]
+        assert await read_all(peer, size=12) == b"first second"
+
+    run_pair(body)
+
+
+def test_close_sends_what_was_kept_and_abort_drops_it() -> None:
+    async def closing(t: CoalescingTransport, counted: Counted, peer: socket.socket) -> None:
+        t.write(b"last words")
+        t.close()
+        assert await read_all(peer, until_eof=True) == b"last words"
+        assert t.is_closing()
+
+    async def aborting(t: CoalescingTransport, counted: Counted, peer: socket.socket) -> None:
+        t.write(b"never sent")
+        t.abort()
+        await asyncio.sleep(0)
+        assert counted.writes == []
+        assert await read_all(peer, until_eof=True) == b""
+
+    run_pair(closing)
+    run_pair(aborting)
+
+
+def test_kcache_serve_answers_on_it(tmp_path: Path) -> None:
+    """The real command (whose uvicorn runs this protocol): a compile, a fetch, a 304, a 404."""
+    db_url = f"sqlite:///{tmp_path / 'kcache.db'}"
+    upgrade(db_url)
+    with (
+        ServerProcess(tmp_path / "data", db_url=db_url) as server,
+        httpx.Client(base_url=server.url) as c,
+    ):
+        body = {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
+        key = c.post("/v1/resolve", json=body, timeout=120).raise_for_status().json()["recipe_key"]
+        first = c.get(f"/v1/recipes/{key}/artifact")
+        assert first.status_code == 200 and first.content.startswith(b"\x7fELF")
+        assert int(first.headers["content-length"]) == len(first.content)
+        again = c.get(
+            f"/v1/recipes/{key}/artifact", headers={"If-None-Match": first.headers["etag"]}
+        )
+        assert again.status_code == 304 and again.content == b""
+        assert c.get(f"/v1/recipes/{'0' * 64}/artifact").status_code == 404
