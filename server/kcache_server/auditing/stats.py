@@ -15,9 +15,12 @@ exactly, in one ``UNION ALL`` with the count rows: the partial hours at the edge
 a window (a window from 10:20 reads 10:20-11:00 raw, the full hours and days after it
 from counts), a series step under a minute, and queries filtered by job, client,
 kernel or target (the counts have one dimension at a time). What needs single
-events reads raw events through indexes: the last miss of each top kernel (one
-backward probe per kernel on ``(kernel, at, id)``) and rank divergence (only the
-recipes ``audit_digests`` lists with two digests for one job). Each piece of the
+events reads raw events through index probes only: the last miss of each top kernel
+(one backward probe per kernel on ``(kernel, at, id)``, and its reason on
+``(base_key, target, recipe_key, id)``) and rank divergence (the recipes
+``audit_divergences`` lists, confirmed digest by digest and rank by rank with
+``LIMIT 1`` probes). Raw edges are one ``SELECT`` each, joined by ``UNION ALL``, so
+each is a range scan of the time index. Each piece of the
 answer is a fixed number of statements, never a query per kernel, job or recipe:
 one ``/v1/stats`` sends the same number of statements at any size
 (tests/audit/test_stats_queries.py counts them).
