@@ -49,11 +49,17 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
+def console_errors() -> list[str]:
+    """What the page logs as errors; a test that provokes one removes it."""
+    return []
+
+
+@pytest.fixture
+def page(browser: Any, console_errors: list[str]) -> Iterator[Any]:
     """A fresh page at a desktop size; fails the test on any script error."""
     context = browser.new_context(viewport={"width": 1440, "height": 1100}, device_scale_factor=1)
     page = context.new_page()
-    errors: list[str] = []
+    errors = console_errors
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
     yield page
@@ -200,6 +206,56 @@ def test_the_page_draws_the_servers_outcomes(page: Any, workload: Workload) -> N
         hits = sum(n for o, n in counts.items() if o in HIT_OUTCOMES)
         head = page.text_content(f'.tier[data-tier="{tier}"] .tier-head .muted')
         assert head == f"{total} lookups · {hits / total * 100:.1f}% hits"
+
+
+def test_the_first_answer_is_drawn_before_the_jobs(
+    page: Any, workload: Workload, console_errors: list[str]
+) -> None:
+    """Progressive: the page asks without group_by first, draws it, then asks for the jobs.
+
+    The second answer is refused here (a real 500 body through the browser's route), so
+    the page must show the first answer's panels, the error as it always has, and a
+    jobs table that says it was not loaded, not an empty list of jobs.
+    """
+    asked: list[str] = []
+
+    def refuse_jobs(route: Any) -> None:
+        asked.append(route.request.url)
+        if "group_by=job" in route.request.url:
+            route.fulfill(status=500, content_type="application/json", body='{"detail": "boom"}')
+        else:
+            route.continue_()
+
+    page.route("**/v1/stats?*", refuse_jobs)
+    page.goto(f"{workload.server.url}/dashboard?refresh=600")
+    page.wait_for_function("() => !document.getElementById('error').hidden", timeout=15_000)
+    assert ["group_by=job" in u for u in asked] == [False, True]
+    assert page.get_attribute("body", "data-paints") == "1"
+    assert page.get_attribute("body", "data-loads") is None  # the whole answer never came
+    stats = _stats(workload)
+    assert page.get_attribute("#kpi-lookups", "data-value") == str(stats["lookups"]) == "11"
+    assert page.text_content("#kpi-divergence") == "1"
+    assert len(page.query_selector_all("#divergence tbody tr")) == 1
+    assert int(page.get_attribute("#hit-chart", "data-points")) >= 1
+    assert page.text_content("#error") == "GET /v1/stats answered 500: boom"
+    assert page.text_content("#jobs tbody") == "jobs not loaded"
+    assert page.query_selector("#jobs tr[data-job]") is None
+    # Chromium logs the refused answer itself; that one error is this test's doing.
+    assert len(console_errors) == 1 and "status of 500" in console_errors[0], console_errors
+    console_errors.clear()
+
+
+def test_the_jobs_fill_in_after_the_first_answer(page: Any, workload: Workload) -> None:
+    """Both answers drawn, in order: the jobs table holds the second one's jobs."""
+    asked: list[str] = []
+    page.on("request", lambda r: asked.append(r.url) if "/v1/stats" in r.url else None)
+    _open(page, workload, "?refresh=600")
+    assert ["group_by=job" in u for u in asked] == [False, True]
+    assert page.get_attribute("body", "data-paints") == "2"
+    assert page.get_attribute("#jobs", "data-pending") is None
+    assert page.is_hidden("#error")
+    jobs = [r.get_attribute("data-job") for r in page.query_selector_all("#jobs tbody tr")]
+    assert sorted(jobs) == ["job-a", "job-b"]
 
 
 def http_status(w: Workload, path: str) -> int:

@@ -64,35 +64,76 @@
   }
 
   // ------------------------------------------------------------------ loading
-  async function load() {
-    const until = Date.now() / 1000;
-    const since = until - WINDOWS[windowName];
-    const url = `/v1/stats?since=${since.toFixed(3)}&until=${until.toFixed(3)}&group_by=job&buckets=60&top=10`;
+  // Progressive: opening the page (or another window) first asks for everything but
+  // the jobs (no group_by: the job and per-rank counts are the costly part of the
+  // answer) and draws it, then asks again with group_by=job and draws that whole
+  // answer, jobs included. Each panel shows what its own answer said; an answer
+  // arriving for a window no longer shown is dropped. A refresh of a window already
+  // on screen asks once, for the whole answer.
+  let generation = 0;
+
+  async function fetchStats(query) {
     const headers = token ? { Authorization: "Bearer " + token } : {};
     let response;
     try {
-      response = await fetch(url, { headers, cache: "no-store" });
+      response = await fetch("/v1/stats?" + query, { headers, cache: "no-store" });
     } catch (err) {
-      showError("cannot reach the server: " + err);
-      return;
+      return { error: "cannot reach the server: " + err };
     }
     if (response.status === 401 || response.status === 403) {
-      $("auth").hidden = false;
-      showError(response.status === 401 ? "a token is needed" : "this token lacks the read scope");
-      return;
+      return { auth: true, error: response.status === 401 ? "a token is needed" : "this token lacks the read scope" };
     }
     if (!response.ok) {
       let detail = response.statusText;
       try { detail = (await response.json()).detail || detail; } catch (_) { /* not JSON */ }
-      showError(`GET /v1/stats answered ${response.status}: ${detail}`);
-      return;
+      return { error: `GET /v1/stats answered ${response.status}: ${detail}` };
+    }
+    return { stats: await response.json() };
+  }
+
+  // Shows an answer, or its error as the page always has; true when it drew.
+  function accept(answer, my) {
+    if (my !== generation) return false; // a newer load owns the page
+    if (answer.error) {
+      if (answer.auth) $("auth").hidden = false;
+      showError(answer.error);
+      return false;
     }
     $("auth").hidden = true;
     $("error").hidden = true;
-    lastStats = await response.json();
-    render(lastStats);
+    return true;
+  }
+
+  async function load(refresh) {
+    const my = ++generation;
+    const until = Date.now() / 1000;
+    const since = until - WINDOWS[windowName];
+    const query = `since=${since.toFixed(3)}&until=${until.toFixed(3)}&buckets=60&top=10`;
+    if (!refresh) {
+      const first = await fetchStats(query);
+      if (!accept(first, my)) return;
+      lastStats = first.stats;
+      render(lastStats, false);
+      painted();
+    }
+    const full = await fetchStats(query + "&group_by=job");
+    if (!accept(full, my)) {
+      // The first answer's panels stay; the jobs never came, and the banner says why.
+      if (my === generation && $("jobs").dataset.pending) {
+        $("jobs").tBodies[0].replaceChildren();
+        emptyRow($("jobs").tBodies[0], 5, "jobs not loaded");
+      }
+      return;
+    }
+    lastStats = full.stats;
+    render(lastStats, true);
+    painted();
     loads += 1;
     document.body.dataset.loads = String(loads);
+  }
+  // One answer is on screen: its panels hold data (the bench's first paint waits for this).
+  function painted() {
+    document.body.dataset.paints = String(Number(document.body.dataset.paints || 0) + 1);
     document.body.dataset.window = windowName;
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
   }
@@ -103,11 +144,13 @@
   }
   function schedule() {
     clearInterval(timer);
-    timer = $("auto-refresh").checked ? setInterval(load, REFRESH_MS) : null;
+    timer = $("auto-refresh").checked ? setInterval(() => load(true), REFRESH_MS) : null;
   }
 
   // ------------------------------------------------------------------ rendering
-  function render(s) {
+  // ``withJobs``: the answer was asked with group_by=job; without it the jobs table
+  // says it is loading rather than showing an empty answer it was never asked.
+  function render(s, withJobs) {
     // Server-observed figures (totals) and client-reported ones (reported) are shown
     // apart: clients post their own counts, the server only vouches for what it saw.
     const sum = (o) => Object.values(o || {}).reduce((a, b) => a + b, 0);
@@ -137,7 +180,8 @@
     renderTiers(s);
     renderDivergence(s.divergence);
     renderMissed(s.top_missed);
-    renderJobs(s.groups, new Set(observed.map((d) => d.job_id)));
+    if (withJobs) renderJobs(s.groups, new Set(observed.map((d) => d.job_id)));
+    else pendingJobs();
     drawChart(s);
   }
 
@@ -262,9 +306,17 @@
     }
   }
 
+  function pendingJobs() {
+    const tbody = $("jobs").tBodies[0];
+    tbody.replaceChildren();
+    $("jobs").dataset.pending = "true";
+    emptyRow(tbody, 5, "loading jobs…");
+  }
+
   function renderJobs(groups, divergent) {
     const tbody = $("jobs").tBodies[0];
     tbody.replaceChildren();
+    delete $("jobs").dataset.pending;
     const jobs = groups.filter((g) => g.key !== null);
     if (!jobs.length) emptyRow(tbody, 5, "no job ids in this window");
     for (const g of jobs) {
@@ -419,7 +471,7 @@
     for (const b of document.querySelectorAll("#windows button")) {
       b.classList.toggle("active", b.dataset.window === name);
     }
-    load();
+    load(false);
   }
 
   document.addEventListener("DOMContentLoaded", () => {
@@ -431,7 +483,7 @@
       event.preventDefault();
       token = $("token").value.trim();
       localStorage.setItem("kcache.token", token);
-      load();
+      load(false);
     });
     const canvas = $("hit-chart");
     canvas.addEventListener("mousemove", onHover);
