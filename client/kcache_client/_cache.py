@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -53,6 +53,10 @@ _ORIGIN_OF_STATUS: dict[str, ArtifactOrigin] = {
     "compiled": "compiled",
     "waited": "waited",
 }
+
+
+def _nothing() -> None:
+    """A look that finds nothing (``refresh``: the server is asked whatever the tier holds)."""
 
 
 def _needs(recipe: Recipe) -> tuple[bool, bool]:
@@ -257,12 +261,17 @@ class KernelCache:
         offline: ServerUnavailableError
         # The per-key lock makes the node download once however many ranks ask; it
         # guards no correctness (publishing is atomic), so a lock timeout only costs time.
-        with self.tier.hold(key):
-            if not refresh:
-                art = self._from_tier(key, concrete)
-                if art is not None:
-                    self._event(art, started)
-                    return art
+        # A rank waiting for another's download takes the entry from the tier as soon as
+        # it is published, without queueing for the lock (hold_unless).
+        published: Callable[[], Artifact | None] = (
+            _nothing if refresh else lambda: self._from_tier(key, concrete)
+        )
+        with self.tier.hold_unless(key, published) as art:
+            if art is None and not refresh:
+                art = self._from_tier(key, concrete)  # published before the lock was had
+            if art is not None:
+                self._event(art, started)
+                return art
             try:
                 return self._from_server(concrete, key, compile=compile, refresh=refresh)
             except ServerUnavailableError as exc:

@@ -34,10 +34,10 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kcache.artifact import ArtifactMeta, CompileFailure
 from kcache.dirs import cache_dir, mark_cache_dir
@@ -51,6 +51,8 @@ from kcache.lru import LruCache
 from kcache.store.local import LocalArtifactStore
 
 __all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_dir"]
+
+T = TypeVar("T")
 
 # A lookup refreshes an entry's access stamp at most this often per process (one utime).
 _TOUCH_EVERY_S = 5.0
@@ -359,6 +361,18 @@ class NodeTier:
         """The per-key download lock; yields True when another process or thread had it first."""
         with self.lock.hold(recipe_key, self.lock_timeout) as waited:
             yield waited
+
+    @contextlib.contextmanager
+    def hold_unless(self, recipe_key: str, published: Callable[[], T | None]) -> Iterator[T | None]:
+        """The per-key download lock, unless another process publishes the key meanwhile.
+
+        Yields None with the lock held, or what ``published()`` (a look in this tier)
+        found while waiting, without ever taking the lock: reading the tier needs no
+        lock (entries appear by atomic rename, blobs are verified), and ranks that
+        each took the lock in turn only to read the entry made a convoy (B8).
+        """
+        with self.lock.hold_unless(recipe_key, self.lock_timeout, published) as found:
+            yield found
 
     # ---------------------------------------------------------------- server facts
     def _facts_path(self, url: str) -> Path:

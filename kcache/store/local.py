@@ -60,7 +60,8 @@ class LocalArtifactStore:
 
     def has(self, digest: str) -> bool:
         """True when the blob file exists."""
-        return self.path(digest).is_file()
+        # A string path: pathlib costs several microseconds, and every resolve hit asks.
+        return os.path.isfile(self._path_str(digest))
 
     def put(self, data: bytes) -> str:
         """Publish ``data`` under its sha256; idempotent."""
