@@ -73,6 +73,35 @@ _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # The ABCs the fields are checked against, with the builtins named first: isinstance
 # tries them in order, and a tuple's check against Sequence alone costs about a
 # microsecond each time (three per recipe).
+# sha256 of header texts seen lately, by text: every new recipe object hashes its
+# headers, and a process builds recipes from the same few headers over and over (a
+# rank per kernel launch, a server per request). Looking a text up costs its hash and
+# one comparison, a fraction of sha256's setup per call; bounded by entries and bytes,
+# emptied when full.
+_HEADER_SHA256: dict[str, str] = {}
+_HEADER_SHA256_MAX_ENTRIES = 4096
+_HEADER_SHA256_MAX_CHARS = 32 << 20
+_header_sha256_chars = 0
+
+
+def _header_sha256(text: str) -> str:
+    """``sha256_hex(text.encode())``, remembered for recently seen texts."""
+    global _header_sha256_chars
+    digest = _HEADER_SHA256.get(text)
+    if digest is None:
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        if (
+            len(_HEADER_SHA256) >= _HEADER_SHA256_MAX_ENTRIES
+            or _header_sha256_chars + len(text) > _HEADER_SHA256_MAX_CHARS
+        ):
+            _HEADER_SHA256.clear()
+            _header_sha256_chars = 0
+        if len(text) <= _HEADER_SHA256_MAX_CHARS:
+            _HEADER_SHA256[text] = digest
+            _header_sha256_chars += len(text)
+    return digest
+
+
 _SEQUENCE = (tuple, list, Sequence)
 _MAPPING = (dict, Mapping)
 
@@ -318,10 +347,8 @@ class Recipe:
         """The memoised :meth:`header_hashes` itself (not to be changed), shared with copies."""
         hashes: dict[str, str] | None = self._memo.get("header_hashes")
         if hashes is None:
-            # sha256_hex inlined: a call per header shows when every call builds a recipe.
             hashes = self._memo["header_hashes"] = {
-                name: hashlib.sha256(text.encode()).hexdigest()
-                for name, text in self.headers.items()
+                name: _header_sha256(text) for name, text in self.headers.items()
             }
         return hashes
 

@@ -368,3 +368,32 @@ def test_the_header_fast_path_keeps_the_size_limits() -> None:
     ):
         assert _headers_outcome(headers) == _per_header_outcome(headers)
     assert _headers_outcome({"a.h": "x" * half, "b.h": "x" * (half + 1)}).startswith("headers:")
+
+
+def test_remembered_header_hashes_are_the_texts_hashes_and_stay_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kcache.recipe as recipe_module
+
+    headers = {f"h{i}.cuh": f"#define H{i} {i}\n" for i in range(12)}
+    expected = {name: sha256_hex(text.encode()) for name, text in headers.items()}
+    fields = {"source": VECTOR_ADD, "target": "sm_90", "toolchain": "tc", "headers": headers}
+    cold = Recipe(**fields)  # type: ignore[arg-type]
+    assert cold.header_hashes() == expected
+    warm = Recipe(**fields)  # type: ignore[arg-type]  # its hashes are remembered ones
+    assert warm.header_hashes() == expected and warm.key() == cold.key()
+    # An edited header is a new text: a new hash and a new key, never the old one.
+    edited = Recipe(**{**fields, "headers": {**headers, "h0.cuh": "#define H0 1\n"}})  # type: ignore[arg-type]
+    assert edited.header_hashes()["h0.cuh"] == sha256_hex(b"#define H0 1\n")
+    assert edited.key() != cold.key()
+
+    monkeypatch.setattr(recipe_module, "_HEADER_SHA256_MAX_ENTRIES", 5)
+    monkeypatch.setattr(recipe_module, "_HEADER_SHA256_MAX_CHARS", 64)
+    recipe_module._HEADER_SHA256.clear()
+    monkeypatch.setattr(recipe_module, "_header_sha256_chars", 0)
+    many = {f"m{i}.cuh": f"// {i}\n" for i in range(40)} | {"big.cuh": "x" * 100}
+    hashed = Recipe(**{**fields, "headers": many}).header_hashes()  # type: ignore[arg-type]
+    assert hashed == {name: sha256_hex(text.encode()) for name, text in many.items()}
+    assert len(recipe_module._HEADER_SHA256) <= 5
+    assert "x" * 100 not in recipe_module._HEADER_SHA256  # above the byte bound: not kept
+    assert sum(map(len, recipe_module._HEADER_SHA256)) <= 64
