@@ -30,6 +30,8 @@ NOW = datetime.now(timezone.utc).replace(microsecond=0)
 START = (NOW - timedelta(days=3)).replace(minute=17, second=0)
 D = [f"{i:064x}" for i in range(1, 5)]
 BASE = "b" * 64
+# A UTC midnight two days back: windows inside and across whole days.
+DAY0 = (NOW - timedelta(days=2)).replace(hour=0, minute=0, second=0)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -140,7 +142,39 @@ WINDOWS = [
         "until": START + timedelta(hours=3, minutes=50),
     },
     {"since": START + timedelta(hours=6), "until": START + timedelta(hours=30)},
+    # Read as a day's row less the hours outside (_days_less_hours): most of one UTC
+    # day, mid-hour edges; from early in a day to a few minutes ago (today: the day's
+    # row less the current hour); the last 24 h, as the dashboard asks.
+    {
+        "since": DAY0 + timedelta(hours=2, minutes=10),
+        "until": DAY0 + timedelta(hours=21, minutes=40),
+    },
+    {"since": DAY0 + timedelta(hours=1, minutes=5), "until": NOW - timedelta(minutes=7)},
+    {"since": NOW - timedelta(days=1), "until": NOW},
 ]
+
+
+def test_a_partly_covered_day_is_its_row_less_the_hours_outside() -> None:
+    """The plan the windows above rely on: a day's row less hours, never for the series."""
+    inside = StatsQuery(since=WINDOWS[6]["since"], until=WINDOWS[6]["until"])
+    spans, raw = stats._plan(inside, counts.LEVELS["kernel"])
+    assert spans == [
+        (86400, (DAY0, DAY0 + timedelta(days=1)), 1),
+        (3600, (DAY0, DAY0 + timedelta(hours=3)), -1),
+        (3600, (DAY0 + timedelta(hours=21), DAY0 + timedelta(days=1)), -1),
+    ]
+    assert raw == [
+        (inside.since, DAY0 + timedelta(hours=3)),
+        (DAY0 + timedelta(hours=21), inside.until),
+    ]
+    # The series keeps one row per bucket: hours only.
+    spans, _ = stats._plan(inside, counts.LEVELS["all"], subtract=False)
+    assert spans == [(3600, (DAY0 + timedelta(hours=3), DAY0 + timedelta(hours=21)), 1)]
+    # A few hours of a day are read as hours.
+    short = StatsQuery(since=DAY0 + timedelta(hours=3), until=DAY0 + timedelta(hours=6))
+    assert stats._plan(short, counts.LEVELS["job"])[0] == [
+        (3600, (DAY0 + timedelta(hours=3), DAY0 + timedelta(hours=6)), 1)
+    ]
 
 
 def _check_against_raw(db: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,11 @@ roll-ups, weighted by their ``count``) are read only where counts cannot answer
 exactly, in one ``UNION ALL`` with the count rows: the partial hours at the edges of
 a window (a window from 10:20 reads 10:20-11:00 raw, the full hours and days after it
 from counts), a series step under a minute, and queries filtered by job, client,
-kernel or target (the counts have one dimension at a time). What needs single
+kernel or target (the counts have one dimension at a time). Whole hours of a partly
+covered UTC day are that day's row less its hours outside the window where that reads
+fewer rows (counts add up, so the sums stay exact; the last 24 h then read two or three
+rows per key of today instead of one per hour); never for the series, whose buckets
+must each hold only their own rows. What needs single
 events reads raw events through index probes only: the last miss of each top kernel
 (one backward probe per kernel on ``(kernel, at, id)``, and its reason on
 ``(base_key, target, recipe_key, id)``) and rank divergence (the recipes
@@ -354,6 +358,7 @@ class Stats(BaseModel):
 # ---------------------------------------------------------------------- SQL pieces
 Span = tuple[datetime | None, datetime | None]  # [start, end), None: unbounded
 _HOUR = 3600
+_DAY = 86400
 _FILTERS = ("job_id", "client_id", "kernel", "target")
 
 
@@ -425,11 +430,44 @@ def _cover(
     return spans, raw
 
 
-def _plan(query: StatsQuery, levels: tuple[int, ...]) -> tuple[list[tuple[int, Span]], list[Span]]:
+#: A count span: (level, [start, end), sign); sign -1 takes the rows away.
+CountSpan = tuple[int, Span, int]
+
+
+def _days_less_hours(lo: datetime, hi: datetime, now: float) -> list[CountSpan] | None:
+    """Whole hours ``[lo, hi)`` inside one UTC day as that day's row less the day's other hours.
+
+    Counts add up (every event is in its day's row and in its hour's row), so the day
+    less the hours outside the window is exactly the hours inside it. Worth it when
+    that reads fewer rows per key: 1 day row and the other hours that can hold rows
+    (none after ``now``), against one row per hour inside. A window ending now
+    covers today by 2 rows instead of up to 23. None where hours read fewer.
+    """
+    day = _floor(lo, _DAY)
+    end = day + timedelta(seconds=_DAY)
+    written_until = min(end, _ceil(datetime.fromtimestamp(now, timezone.utc), _HOUR))
+    inside = (hi - lo).total_seconds() // _HOUR
+    outside = (lo - day).total_seconds() // _HOUR + max(
+        0.0, (written_until - hi).total_seconds() // _HOUR
+    )
+    if 1 + outside >= inside:
+        return None
+    spans: list[CountSpan] = [(_DAY, (day, end), 1)]
+    # Subtract up to the day's end, not just to now: exact whatever rows exist.
+    spans += [(_HOUR, piece, -1) for piece in ((day, lo), (hi, end)) if piece[0] < piece[1]]
+    return spans
+
+
+def _plan(
+    query: StatsQuery, levels: tuple[int, ...], subtract: bool = True
+) -> tuple[list[CountSpan], list[Span]]:
     """Count spans and raw pieces that together make the query's window exactly.
 
     Partial hours at the edges are raw: a roll-up counts an event by its hour's start,
-    so only raw events and roll-ups together say what such a window held.
+    so only raw events and roll-ups together say what such a window held. With
+    ``subtract`` (and day and hour levels), the whole hours of a partly covered day
+    may be that day's row less its other hours (:func:`_days_less_hours`); the series
+    passes False, since its buckets must each hold only their own rows.
     """
     since, until = query.since, query.until
     lo = None if since is None else _ceil(since, _HOUR)
@@ -437,7 +475,30 @@ def _plan(query: StatsQuery, levels: tuple[int, ...]) -> tuple[list[tuple[int, S
     if lo is not None and hi is not None and hi <= lo:
         return [], [(since, until)]
     edges = [p for p in ((since, lo), (hi, until)) if p[0] is not None and p[0] != p[1]]
-    spans, raw = _cover(lo, hi, tuple(sorted((lv for lv in levels if lv >= 60), reverse=True)))
+    coarse = tuple(sorted((lv for lv in levels if lv >= 60), reverse=True))
+    if not (subtract and _DAY in coarse and _HOUR in coarse):
+        plain, left = _cover(lo, hi, coarse)
+        return [(lv, span, 1) for lv, span in plain], edges + left
+    # The partial days at either end, and the whole days between them.
+    a = None if lo is None else _ceil(lo, _DAY)
+    b = None if hi is None else _floor(hi, _DAY)
+    if a is not None and b is not None and a > b:  # [lo, hi) inside one day
+        partial, whole = [(lo, hi)], None
+    else:
+        partial = [p for p in ((lo, a), (b, hi)) if p[0] is not None and p[0] != p[1]]
+        whole = (a, b) if a != b or a is None else None
+    now = time.time()
+    spans: list[CountSpan] = [] if whole is None else [(_DAY, whole, 1)]
+    raw: list[Span] = []
+    for p_lo, p_hi in partial:
+        assert p_lo is not None and p_hi is not None  # a partial day has both ends
+        less = _days_less_hours(p_lo, p_hi, now)
+        if less is not None:
+            spans += less
+            continue
+        more, left = _cover(p_lo, p_hi, coarse[1:])
+        spans += [(lv, span, 1) for lv, span in more]
+        raw += left
     return spans, edges + raw
 
 
@@ -446,6 +507,7 @@ def _source(
     dim: str | None = None,
     levels: tuple[int, ...] | None = None,
     keys: list[Any] | None = None,
+    subtract: bool = True,
 ) -> sa.Subquery:
     """Raw events, roll-ups and (``dim`` given) count rows of ``dim`` as one relation with a weight ``n``.
 
@@ -456,12 +518,12 @@ def _source(
     not reach the index, and a job's per-rank rows are many.
     """
     ev, ru = _events.c, _rollups.c
-    spans: list[tuple[int, Span]] = []
+    spans: list[CountSpan] = []
     # One SELECT per raw piece, joined by UNION ALL: each is one range scan of the
     # time index, where an OR of ranges may cost PostgreSQL a scan of every event.
     pieces: list[list[Span] | None] = [None]
     if dim is not None:
-        spans, edges = _plan(query, LEVELS[dim] if levels is None else levels)
+        spans, edges = _plan(query, LEVELS[dim] if levels is None else levels, subtract)
         pieces = [[piece] for piece in edges]
     parts: list[sa.Select[Any]] = []
     for piece in pieces:
@@ -489,15 +551,15 @@ def _source(
             values[first] = decode(c.key, as_int=first == "rank")
         if second:
             values[second] = decode(c.key2, as_int=True)
-        for level, span in spans:
+        for level, span, sign in spans:
             parts.append(
                 sa.select(
                     c.bucket.label("at"),
                     c.outcome,
                     c.tier,
                     *(values[n].label(n) for n in _NAMES[2:]),
-                    c["count"].label("n"),
-                    c.saved.label("saved"),
+                    (c["count"] if sign > 0 else -c["count"]).label("n"),
+                    (c.saved if sign > 0 else -c.saved).label("saved"),
                 ).where(
                     c.dim == dim,
                     c.level == level,
@@ -560,6 +622,8 @@ def _totals(
     by_tier: dict[str, dict[str, int]] = {}
     saved = reported_saved = 0.0
     for outcome, tier, n, s in rows:
+        if not n:  # nothing of it in the window: a day's row less its hours (_source)
+            continue
         side = totals if tier == SERVER_TIER else reported
         side[outcome] = side.get(outcome, 0) + int(n)
         by_tier.setdefault(tier, dict.fromkeys(OUTCOMES, 0))
@@ -584,6 +648,8 @@ def _groups(conn: sa.Connection, query: StatsQuery, divergent_jobs: set[str]) ->
     outcomes: dict[Any, dict[str, int]] = defaultdict(dict)
     saved: dict[Any, float] = defaultdict(float)
     for key, outcome, n, s in rows:
+        if not n:  # nothing of it in the window: a day's row less its hours (_source)
+            continue
         outcomes[key][outcome] = int(n)
         saved[key] += float(s or 0.0)
     keys = sorted(outcomes, key=lambda k: (-sum(outcomes[k].values()), str(k)))[: query.limit]
@@ -609,7 +675,8 @@ def _add_ranks(
     ).all()
     per: dict[Any, dict[Any, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
     for job, rank, outcome, n in rows:
-        per[job][rank][outcome] = int(n)
+        if n:  # 0: nothing of it in the window, a day's row less its hours (_source)
+            per[job][rank][outcome] = int(n)
     c = _counts_t.c
     sizes = dict(
         conn.execute(
@@ -646,6 +713,8 @@ def _top_missed(conn: sa.Connection, query: StatsQuery) -> list[MissedKernel]:
         sa.select(src.c.kernel, src.c.outcome, sa.func.sum(src.c.n).label("c"))
         .where(src.c.outcome.in_(sorted(MISS_OUTCOMES)))
         .group_by(src.c.kernel, src.c.outcome)
+        # 0: nothing of it in the window, a day's row less its hours (_source)
+        .having(sa.func.sum(src.c.n) != 0)
         .subquery("per_outcome")
     )
     with_total = sa.select(
@@ -1059,7 +1128,7 @@ def _series(conn: sa.Connection, query: StatsQuery) -> tuple[int, list[SeriesPoi
     step = _step(max(hi - lo, 1.0), query.buckets)
     # Count rows of a level that divides the step lie in one bucket each.
     levels = tuple(lv for lv in LEVELS["all"] if step % lv == 0)
-    src = _source(query, "all" if counted else None, levels)
+    src = _source(query, "all" if counted else None, levels, subtract=False)
     epoch = _epoch(dialect, src.c.at)
     # Integer floor division in SQL (SQLAlchemy's "/" is true division): rows of one
     # bucket must group together.
