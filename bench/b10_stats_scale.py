@@ -312,6 +312,17 @@ def run(kind: str, events: int, rounds: int) -> None:
             }
             shapes["dashboard_24h_first"] = day
             shapes["dashboard_24h"] = {**day, "group_by": "job"}
+            # How many count rows a 24 h window reads depends on where its whole hours
+            # fall in UTC days (stats._days_less_hours): ending now, today is its day's row
+            # less the current hour. The same query ending at the last 12:20 UTC, a day
+            # back, is the other extreme: every whole hour read as itself.
+            noon = (now - 86400) // 86400 * 86400 + 12 * 3600 + 1200
+            shapes["dashboard_24h_noon"] = {
+                **day,
+                "since": f"{noon - 86400:.3f}",
+                "until": f"{noon:.3f}",
+                "group_by": "job",
+            }
             for shape, params in shapes.items():
                 seconds, body = time_stats(server.url, params, rounds)
                 assert "since" in params or body["lookups"] == events, body["lookups"]
