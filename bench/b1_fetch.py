@@ -3,7 +3,8 @@
 Ours: ``GET /v1/recipes/{key}/artifact`` on a real ``kcache serve``. Anchors, in the
 same run: nginx (1 worker) serving the same file from disk, and Redis GET of the
 same bytes (redis-benchmark, 32 clients) as Triton's remote cache backend does.
-Goal: >= 0.5 x nginx req/s, p99 < 10 ms. Both servers stay up and their rounds
+A third side, a bare ASGI app under uvicorn returning the same bytes, shows
+what uvicorn itself allows here. Goal: >= 0.5 x nginx req/s, p99 < 10 ms. Both servers stay up and their rounds
 alternate (``BENCH_ROUNDS``, 3); the figures are the median rounds.
 """
 
@@ -93,6 +94,35 @@ def warm_artifact(workers: int) -> Iterator[tuple[str, str, bytes]]:
         yield url, artifact_url, httpx.get(artifact_url).raise_for_status().content
 
 
+# The least any ASGI app can do under uvicorn: the same bytes, no routing, no lookup.
+BARE_APP = """
+BODY = open(__file__.replace("bare_app.py", "blob"), "rb").read()
+HEADERS = [(b"content-type", b"application/octet-stream"), (b"content-length", str(len(BODY)).encode())]
+
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+        await send({"type": "http.response.body", "body": BODY})
+"""
+
+
+@contextlib.contextmanager
+def bare_uvicorn(directory: Path, workers: int) -> Iterator[str]:
+    """A bare ASGI app under uvicorn (as many workers as ours) serving ``directory/blob``."""
+    (directory / "bare_app.py").write_text(BARE_APP)
+    port = free_port()
+    cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(directory), "bare_app:app"]
+    cmd += ["--port", str(port), "--workers", str(workers), "--no-access-log"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        wait_until(lambda: answers_200(url), "the bare uvicorn app", timeout=30)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def median_round(rounds: list[dict[str, float]]) -> dict[str, float]:
     """The round with the median requests/s (its p99 with it: one real round, not a mix)."""
     return sorted(rounds, key=lambda r: r["rps"])[len(rounds) // 2]
@@ -102,19 +132,23 @@ def main() -> None:
     workers = int(os.environ.get("BENCH_WORKERS", str(os.cpu_count() or 1)))
     ours_rounds: list[dict[str, float]] = []
     anchor_rounds: list[dict[str, float]] = []
+    bare_rounds: list[dict[str, float]] = []
     with warm_artifact(workers) as (_, artifact_url, data), tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "www"
         root.mkdir()
         (Path(tmp) / "tmp").mkdir()
         (root / "blob").write_bytes(data)
-        with nginx_serving(root) as nginx_url:
-            # Both stay up; their rounds alternate, so each sees the same machine.
+        with nginx_serving(root) as nginx_url, bare_uvicorn(root, workers) as bare_url:
+            # All stay up; their rounds alternate, so each sees the same machine.
             for _ in range(ROUNDS):
                 ours_rounds.append(wrk(artifact_url, seconds=SECONDS))
                 time.sleep(0.5)
                 anchor_rounds.append(wrk(nginx_url, seconds=SECONDS))
                 time.sleep(0.5)
+                bare_rounds.append(wrk(bare_url, seconds=SECONDS))
+                time.sleep(0.5)
     ours, anchor = median_round(ours_rounds), median_round(anchor_rounds)
+    bare = median_round(bare_rounds)
     emit(
         "B1.fetch_by_key.rps",
         ours["rps"],
@@ -135,6 +169,16 @@ def main() -> None:
         "ms",
         goal="ours < 10 ms",
         met=ours["p99_ms"] < 10,
+    )
+    # What uvicorn itself allows on this machine: ours against a bare app, and that app
+    # against nginx (the ceiling of any app served by uvicorn here).
+    emit(
+        "B1.fetch_by_key.vs_bare_uvicorn",
+        ours["rps"],
+        bare["rps"],
+        "req/s",
+        bare_vs_nginx=round(bare["rps"] / anchor["rps"], 3),
+        rounds_bare=[round(r["rps"]) for r in bare_rounds],
     )
     redis_rps = redis_get_rps(len(data))
     if redis_rps is not None:
