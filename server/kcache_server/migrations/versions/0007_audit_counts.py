@@ -93,6 +93,9 @@ def upgrade() -> None:
             unique=False,
         )
 
+    # The backfill is the application's own bulk rebuild, so the counts a 0006 database
+    # gets are exactly what the writer would have kept. It reads only columns that exist
+    # at this revision; should it ever read a later one, freeze a copy of it here.
     from kcache_server.auditing.counts import rebuild
 
     rebuild(op.get_bind())
