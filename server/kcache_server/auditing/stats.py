@@ -36,7 +36,6 @@ is the largest in its counts, which keep events that retention rolled up.
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -50,7 +49,12 @@ from pydantic import BaseModel, Field
 from kcache.outcomes import CLIENT_OUTCOMES, HIT_OUTCOMES, MISS_OUTCOMES, OUTCOMES, SERVER_OUTCOMES
 from kcache_server.auditing.counts import DIMENSIONS, LEVELS, decode, encode
 from kcache_server.auditing.events import CLIENT_TIERS
-from kcache_server.errors import InvalidRequestError
+from kcache_server.auditing.query_times import (
+    SPAN_PATTERN,
+    UNIX_TIME_PATTERN,
+    YEAR_PATTERN,
+    parse_time,
+)
 from kcache_server.index import SqlIndex
 from kcache_server.models import (
     AuditCount,
@@ -69,6 +73,9 @@ __all__ = [
     "REPORTED_OUTCOMES",
     "SERVER_OUTCOMES",
     "SERVER_TIER",
+    "SPAN_PATTERN",
+    "UNIX_TIME_PATTERN",
+    "YEAR_PATTERN",
     "Divergence",
     "GroupStats",
     "MissedKernel",
@@ -103,50 +110,6 @@ _counts_t = cast(sa.Table, AuditCount.__table__)
 _digests = cast(sa.Table, AuditDigest.__table__)
 _divergences = cast(sa.Table, AuditDivergence.__table__)
 _evictions = cast(sa.Table, Eviction.__table__)
-# Times a query may name: the unix epoch up to the last second of year 9999.
-_MAX_UNIX_S = 253_402_300_799.0
-
-
-def _digits_at_most(limit: int) -> str:
-    """A pattern for decimal integers from 0 to ``limit`` (leading zeros allowed below its length)."""
-    digits = str(limit)
-    shorter = [f"[0-9]{{1,{len(digits) - 1}}}"] if len(digits) > 1 else []
-    lower = [
-        f"{digits[:i]}[0-{int(d) - 1}][0-9]{{{len(digits) - i - 1}}}"
-        for i, d in enumerate(digits)
-        if d != "0"
-    ]
-    return "|".join([*shorter, *lower])
-
-
-# The grammar of a query time, published as the parameters' schema (GET /v1/stats)
-# and checked here with the same patterns (fullmatch, ASCII digits: "15m\n" and
-# Unicode digits are not times). Each form names only times from 1970 to 9999:
-#: Unix seconds in decimal (``str(time.time())``), at most the last second of the year 9999.
-UNIX_TIME_PATTERN = (
-    f"^(?:(?:{_digits_at_most(int(_MAX_UNIX_S) - 1)})(?:\\.[0-9]+)?|{int(_MAX_UNIX_S)}(?:\\.0+)?)$"
-)
-#: A span back from now, bounded per unit so it never reaches back before 1970.
-SPAN_PATTERN = (
-    "^-?(?:"
-    + "|".join(
-        f"[0-9]{{1,{n}}}(?:\\.[0-9]{{1,6}})?{unit}"
-        for unit, n in (("s", 9), ("m", 7), ("h", 5), ("d", 4), ("w", 3))
-    )
-    + ")$"
-)
-#: The years an RFC 3339 date or date-time may name (no offset can carry them past 1970 to 9999).
-YEAR_PATTERN = "^(?:19[7-9][0-9]|[2-8][0-9]{3}|9[0-8][0-9]{2}|99[0-8][0-9]|999[0-8])-"
-_UNIX = re.compile(UNIX_TIME_PATTERN[1:-1])
-_RELATIVE = re.compile("-?([0-9.]+)([smhdw])")  # its digits, once SPAN_PATTERN matched
-_SPAN = re.compile(SPAN_PATTERN[1:-1])
-_YEARS = range(1970, 9999)  # what YEAR_PATTERN allows
-# RFC 3339 (what JSON Schema's "date" and "date-time" formats are), as written.
-_RFC3339 = re.compile(
-    r"([0-9]{4})-([0-9]{2})-([0-9]{2})"
-    r"(?:[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.([0-9]+))?(?:([Zz])|([+-])([0-9]{2}):([0-9]{2})))?"
-)
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 # Chart bucket widths: a handful of round numbers reads better than 37-second steps.
 _STEPS_S = (1, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
 _ERROR_REASONS = {
@@ -159,78 +122,6 @@ _ERROR_REASONS = {
     "store_full": "artifact store full",
     "quota_exceeded": "token's storage quota reached",
 }
-
-
-def parse_time(value: str | None, field: str, now: float | None = None) -> datetime | None:
-    """A query's time: unix seconds, an RFC 3339 date or date-time, or a span back from now.
-
-    The forms are :data:`UNIX_TIME_PATTERN`, :data:`SPAN_PATTERN` (``15m``, ``-2h``,
-    ``7d``) and RFC 3339 with a year from :data:`YEAR_PATTERN` (``2024-05-01``,
-    ``2024-05-01T10:00:00Z``); empty means no bound. Anything else is an
-    :class:`~kcache_server.errors.InvalidRequestError` naming ``field`` (a 422).
-    """
-    if value is None or value == "":
-        return None
-    now = time.time() if now is None else now
-    if len(value) > 64:
-        raise InvalidRequestError(
-            field, "is longer than 64 characters; send a time, not a document"
-        )
-    if _UNIX.fullmatch(value):
-        return datetime.fromtimestamp(float(value), timezone.utc)
-    if _SPAN.fullmatch(value):
-        match = _RELATIVE.fullmatch(value)
-        assert match is not None
-        seconds = now - float(match[1]) * _UNIT_S[match[2]]
-        if seconds < 0:  # only with a clock set before 2001
-            raise InvalidRequestError(field, f"{value!r} reaches back before 1970")
-        return datetime.fromtimestamp(seconds, timezone.utc)
-    parsed = _rfc3339(value)
-    if parsed is None:
-        raise InvalidRequestError(
-            field,
-            f"{value!r} is not a time: send unix seconds (up to {_MAX_UNIX_S:.0f}), an RFC 3339 "
-            "date or date-time from 1970 to 9998 (2024-05-01, 2024-05-01T10:00:00Z), "
-            "or a span back from now (15m, 2h, 7d)",
-        )
-    return parsed
-
-
-def _rfc3339(text: str) -> datetime | None:
-    """``text`` as an RFC 3339 full-date (midnight UTC) or date-time, or None.
-
-    A leap second (``23:59:60`` in UTC, which RFC 3339 allows) is read as the
-    second before it: Python's datetime has no 60th second.
-    """
-    match = _RFC3339.fullmatch(text)
-    if match is None:
-        return None
-    year, month, day, hour, minute, second, fraction, zulu, sign, off_h, off_m = match.groups()
-    if int(year) not in _YEARS:
-        return None
-    try:
-        if hour is None:
-            return datetime(int(year), int(month), int(day), tzinfo=timezone.utc)
-        if int(off_h or 0) > 23 or int(off_m or 0) > 59:
-            return None
-        offset = timedelta(hours=int(off_h or 0), minutes=int(off_m or 0))
-        zone = timezone.utc if zulu else timezone(-offset if sign == "-" else offset)
-        leap = second == "60"
-        parsed = datetime(
-            int(year),
-            int(month),
-            int(day),
-            int(hour),
-            int(minute),
-            59 if leap else int(second),
-            int((fraction or "0")[:6].ljust(6, "0")),
-            tzinfo=zone,
-        ).astimezone(timezone.utc)
-    except ValueError:  # February 30, hour 24, ...
-        return None
-    if leap and (parsed.hour, parsed.minute) != (23, 59):
-        return None
-    return parsed
 
 
 @dataclass(frozen=True)
