@@ -19,7 +19,8 @@ a client's fetch is one round trip.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from kcache.artifact import ArtifactMeta
@@ -29,7 +30,7 @@ from kcache_server.http_cache import artifact_headers, etag_matches
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.state import ServerState
 
-__all__ = ["ArtifactFastPath"]
+__all__ = ["ArtifactFastPath", "WarmFetch"]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -41,6 +42,7 @@ _PREFIX = "/v1/recipes/"
 _SUFFIX = "/artifact"
 #: The route template the metrics label this path with (the FastAPI route's own).
 ROUTE = "/v1/recipes/{recipe_key}/artifact"
+_OCTETS = (b"content-type", b"application/octet-stream")
 
 
 class ArtifactFastPath:
@@ -68,65 +70,79 @@ class ArtifactFastPath:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer from memory, or hand the request to the app."""
         if scope["type"] == "http" and scope["method"] == "GET":
-            path: str = scope["path"]
-            if path.startswith(_PREFIX) and path.endswith(_SUFFIX):
-                recipe_key = path[len(_PREFIX) : -len(_SUFFIX)]
-                if is_hex_key(recipe_key) and await self._serve(recipe_key, scope, send):
-                    return
+            started = time.perf_counter()
+            answer = self.prepare(scope["path"], scope["headers"])
+            if answer is not None:
+                status, headers, body = answer.response()
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                self.finish(answer, started)
+                return
         await self.app(scope, receive, send)
 
-    async def _serve(self, recipe_key: str, scope: Scope, send: Send) -> bool:
-        started = time.perf_counter()
+    def prepare(self, path: str, headers: Iterable[tuple[bytes, bytes]]) -> WarmFetch | None:
+        """The answer to ``GET path`` with these (lower-case) headers if memory has it, else None.
+
+        None for anything but a warm fetch of a valid key by a caller the token cache
+        allows to read: the app answers those (a 401, a 404, a cold key, two
+        ``Authorization`` headers). Nothing is recorded until :meth:`finish`.
+        """
+        if not (path.startswith(_PREFIX) and path.endswith(_SUFFIX)):
+            return None
+        recipe_key = path[len(_PREFIX) : -len(_SUFFIX)]
+        if not is_hex_key(recipe_key):
+            return None
         resolver = self.resolver
         meta = resolver.cached_artifact(recipe_key)
         if meta is None:
-            return False
+            return None
         data = resolver.cached_blob(meta.digest)
         if data is None:
-            return False
+            return None
         authorization = if_none_match = None
-        for name, value in scope["headers"]:
+        for name, value in headers:
             if name == b"authorization":
                 if authorization is not None:
-                    return False  # two of them: the app answers 400, as for every route
+                    return None  # two of them: the app answers 400, as for every route
                 authorization = value.decode("latin-1")
             elif name == b"if-none-match":
                 if_none_match = value.decode("latin-1")
         principal = self.tokens.authenticate_cached(authorization)
         if principal is None or not principal.allows("read"):
-            return False  # the route produces the precise 401/403
+            return None  # the route produces the precise 401/403
         encoded = self._headers.get(meta.digest)
         if encoded is not None and (encoded[0] is meta or encoded[0] == meta):
-            headers = encoded[1]
+            meta_headers = encoded[1]
         else:
-            headers = [
+            meta_headers = [
                 (name.lower().encode(), value.encode())
                 for name, value in artifact_headers(meta).items()
             ]
-            self._headers.put(meta.digest, (meta, headers))
-        request_id = (HEADER, new_request_id().encode())
-        if etag_matches(if_none_match, meta.digest):
-            await send(
-                {"type": "http.response.start", "status": 304, "headers": [*headers, request_id]}
-            )
-            await send({"type": "http.response.body", "body": b""})
-            counter = self.not_modified
-        else:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        *headers,
-                        request_id,
-                        (b"content-type", b"application/octet-stream"),
-                        (b"content-length", str(len(data)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": data})
-            counter = self.ok
-        resolver.record_fetch(recipe_key, meta, started, "hit")
-        counter.inc()
+            self._headers.put(meta.digest, (meta, meta_headers))
+        fresh = etag_matches(if_none_match, meta.digest)
+        return WarmFetch(recipe_key, meta, data, meta_headers, not_modified=fresh)
+
+    def finish(self, answer: WarmFetch, started: float) -> None:
+        """Audit the fetch and count it, as the route does, once its answer was sent."""
+        self.resolver.record_fetch(answer.recipe_key, answer.meta, started, "hit")
+        (self.not_modified if answer.not_modified else self.ok).inc()
         self.seconds.observe(time.perf_counter() - started)
-        return True
+
+
+@dataclass(frozen=True, slots=True)
+class WarmFetch:
+    """What :meth:`ArtifactFastPath.prepare` decided: the artifact, its bytes and headers."""
+
+    recipe_key: str
+    meta: ArtifactMeta
+    data: bytes
+    headers: list[tuple[bytes, bytes]]
+    not_modified: bool
+
+    def response(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """Status, headers (a new request id among them) and body."""
+        request_id = (HEADER, new_request_id().encode())
+        if self.not_modified:
+            return 304, [*self.headers, request_id], b""
+        length = (b"content-length", str(len(self.data)).encode())
+        return 200, [*self.headers, request_id, _OCTETS, length], self.data

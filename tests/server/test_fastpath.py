@@ -206,3 +206,71 @@ def test_artifacts_recorded_without_an_exact_dependency_list_are_never_fetched(
         assert again["status"] == "compiled" and again["artifact"]["dependencies_exact"] is True
         fetched = client.get(f"/v1/recipes/{key}/artifact")
     assert fetched.status_code == 200 and hashlib.sha256(fetched.content).hexdigest() == digest
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """Send ``request`` bytes on a new connection and read until the server closes it."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_the_protocol_answers_warm_fetches_as_the_asgi_path_does(
+    make_settings: Any, serve: Any, monkeypatch: Any
+) -> None:
+    """kcache serve's HTTP protocol answers a warm fetch in its parser callback; a query
+    string sends the same fetch through uvicorn's ASGI cycle to the fast path: same
+    status, bytes and headers (but the request id and date), both audited and counted."""
+    server = serve(make_settings(auth_cache_s=60.0))
+    with server.client() as client:
+        key = client.post("/v1/resolve", json={"recipe": vector_add(unique())}).json()["recipe_key"]
+        path = f"/v1/recipes/{key}/artifact"
+        assert client.get(path).status_code == 200  # the route warms the caches
+        direct, through_asgi = client.get(path), client.get(path + "?via=asgi")
+        etag = direct.headers["etag"]
+        fresh = client.get(path, headers={"If-None-Match": etag})
+        fresh_asgi = client.get(path + "?via=asgi", headers={"If-None-Match": etag})
+
+    def same(reply: Any) -> tuple[int, bytes, list[tuple[str, str]]]:
+        skip = {"x-request-id", "date"}
+        return (
+            reply.status_code,
+            reply.content,
+            sorted((k, v) for k, v in reply.headers.items() if k not in skip),
+        )
+
+    assert same(direct) == same(through_asgi) and direct.status_code == 200
+    assert same(fresh) == same(fresh_asgi) and fresh.status_code == 304
+    assert direct.headers["x-request-id"] != through_asgi.headers["x-request-id"]
+    assert direct.headers["server"] == through_asgi.headers["server"] == "uvicorn"
+
+    # Pipelined on one connection, then closed as asked: each answered in order.
+    one = f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    last = f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+    raw = _raw(server.url, one + one + last)
+    assert raw.count(b"HTTP/1.1 200 OK\r\n") == 3 and raw.endswith(direct.content)
+    assert raw.count(direct.content) == 3 and b"connection: close\r\n" in raw.lower()
+    http10 = _raw(server.url, f"GET {path} HTTP/1.0\r\n\r\n".encode())
+    assert http10.startswith(b"HTTP/1.1 200 OK\r\n") and http10.endswith(direct.content)
+
+    with server.client() as client:
+        metrics = client.get("/metrics").text
+    requests = {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "kcache_http_requests"
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    # The route's warming fetch, 2 + 3 + 1 warm ones; two 304s.
+    assert requests[(("method", "GET"), ("route", ROUTE), ("status", "200"))] == 7
+    assert requests[(("method", "GET"), ("route", ROUTE), ("status", "304"))] == 2
+    server.stop()
+    rows = audit_rows(server.settings.database_url, route="fetch", outcome="hit", recipe_key=key)
+    assert sum(row.count for row in rows) == 9
