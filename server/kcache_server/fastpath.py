@@ -8,6 +8,10 @@ from :mod:`~kcache_server.http_cache`, the memory caches from the
 the key's metadata and the blob are already in this process's memory caches, and the
 caller's token is decided by the token cache, this ASGI middleware answers with two
 ``send`` calls: no routing, dependency injection, thread hop or response object.
+Deciding (:meth:`ArtifactFastPath.prepare`) and recording (:meth:`ArtifactFastPath.finish`)
+are apart from sending, so ``kcache serve``'s HTTP protocol
+(:mod:`~kcache_server.http_protocol`) answers the same fetch from its parser callback,
+before uvicorn builds an ASGI request at all.
 It still audits the fetch and counts it in the request metrics, exactly as the
 FastAPI route (``routes/recipes.py``) does; anything else (a cold key, a token the
 database must check, an error) goes to that route unchanged, which also fills the
