@@ -288,9 +288,19 @@ def _counted(query: StatsQuery) -> bool:
     return all(getattr(query, name) is None for name in _FILTERS)
 
 
+_LATEST = datetime.max.replace(tzinfo=timezone.utc)
+
+
+def _later(at: datetime, seconds: int) -> datetime:
+    """``at`` plus ``seconds``, or the latest time there is (a query may name 9999-12-31)."""
+    if at > _LATEST - timedelta(seconds=seconds):
+        return _LATEST
+    return at + timedelta(seconds=seconds)
+
+
 def _ceil(at: datetime, level: int) -> datetime:
     floor = _floor(at, level)
-    return floor if floor == at else floor + timedelta(seconds=level)
+    return floor if floor == at else _later(floor, level)
 
 
 def _floor(at: datetime, level: int) -> datetime:
@@ -335,7 +345,7 @@ def _days_less_hours(lo: datetime, hi: datetime, now: float) -> list[CountSpan] 
     covers today by 2 rows instead of up to 23. None where hours read fewer.
     """
     day = _floor(lo, _DAY)
-    end = day + timedelta(seconds=_DAY)
+    end = _later(day, _DAY)
     written_until = min(end, _ceil(datetime.fromtimestamp(now, timezone.utc), _HOUR))
     inside = (hi - lo).total_seconds() // _HOUR
     outside = (lo - day).total_seconds() // _HOUR + max(
