@@ -133,6 +133,20 @@ def answers_200(url: str) -> bool:
         return False
 
 
+def requests_counted(metrics: str, route: str, method: str, status: str) -> float:
+    """``kcache_http_requests_total`` for one route, method and status, read from ``/metrics`` text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"route": route, "method": method, "status": status}
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "kcache_http_requests"
+        for s in family.samples
+        if s.name.endswith("_total") and s.labels == wanted
+    )
+
+
 # ------------------------------------------------------------------------------ servers
 class ServerThread:
     """``create_app(settings)`` served by a real uvicorn on an ephemeral loopback port, in a thread.

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from kcache_server.fastpath import ROUTE, ArtifactFastPath
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import audit_rows, unique, vector_add
+from tests.support import audit_rows, requests_counted, unique, vector_add
 
 
 class _Inner:
@@ -75,14 +74,7 @@ def test_warm_fetches_skip_the_app_and_are_all_audited(make_settings: Any, serve
         f"/v1/recipes/{cold}/artifact"
     ]
 
-    requests = {
-        tuple(sorted(s.labels.items())): s.value
-        for family in text_string_to_metric_families(metrics)
-        if family.name == "kcache_http_requests"
-        for s in family.samples
-        if s.name.endswith("_total")
-    }
-    assert requests[(("method", "GET"), ("route", ROUTE), ("status", "200"))] == 21
+    assert requests_counted(metrics, ROUTE, "GET", "200") == 21
     server.stop()  # flushes the audit log
     rows = audit_rows(server.settings.database_url, route="fetch", outcome="hit", recipe_key=key)
     # Identical warm fetches are tallied into few rows; together they count every lookup.
@@ -261,16 +253,9 @@ def test_the_protocol_answers_warm_fetches_as_the_asgi_path_does(
 
     with server.client() as client:
         metrics = client.get("/metrics").text
-    requests = {
-        tuple(sorted(s.labels.items())): s.value
-        for family in text_string_to_metric_families(metrics)
-        if family.name == "kcache_http_requests"
-        for s in family.samples
-        if s.name.endswith("_total")
-    }
     # The route's warming fetch, 2 + 3 + 1 warm ones; two 304s.
-    assert requests[(("method", "GET"), ("route", ROUTE), ("status", "200"))] == 7
-    assert requests[(("method", "GET"), ("route", ROUTE), ("status", "304"))] == 2
+    assert requests_counted(metrics, ROUTE, "GET", "200") == 7
+    assert requests_counted(metrics, ROUTE, "GET", "304") == 2
     server.stop()
     rows = audit_rows(server.settings.database_url, route="fetch", outcome="hit", recipe_key=key)
     assert sum(row.count for row in rows) == 9

@@ -19,9 +19,8 @@ import httpx
 import pytest
 from kcache_server.resolve_fastpath import ROUTE, ResolveFastPath
 from kcache_server.routes._deps import INLINE_BODY_BYTES
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import ServerThread, audit_rows, unique, vector_add
+from tests.support import ServerThread, audit_rows, requests_counted, unique, vector_add
 
 
 @dataclass
@@ -193,14 +192,7 @@ def _resolves_counted(server: ServerThread, token: str) -> float:
     """``kcache_http_requests_total`` of ``POST /v1/resolve`` answered 200, from ``/metrics``."""
     with server.client(token) as client:
         metrics = client.get("/metrics").text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(metrics)
-        if family.name == "kcache_http_requests"
-        for s in family.samples
-        if s.name.endswith("_total")
-        and s.labels == {"route": ROUTE, "method": "POST", "status": "200"}
-    )
+    return requests_counted(metrics, ROUTE, "POST", "200")
 
 
 def test_hits_are_audited_and_counted_as_the_routes_are(pair: Pair) -> None:
