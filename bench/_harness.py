@@ -56,6 +56,28 @@ def kcache_server(workers: int = 1, data_dir: Path | None = None) -> Iterator[st
             yield server.url
 
 
+# The least any ASGI app can do under uvicorn: the same bytes, no routing, no lookup.
+_BARE_APP = """
+BODY = open(__file__.replace("bare_app.py", "bare_body"), "rb").read()
+HEADERS = [(b"content-type", b"application/octet-stream"), (b"content-length", str(len(BODY)).encode())]
+
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+        await send({"type": "http.response.body", "body": BODY})
+"""
+
+
+def bare_app_command(directory: Path, body: bytes, port: int, workers: int = 1) -> list[str]:
+    """The command serving ``body`` from a bare ASGI app under uvicorn on ``port`` (an anchor)."""
+    (directory / "bare_app.py").write_text(_BARE_APP)
+    (directory / "bare_body").write_bytes(body)
+    return [
+        *(sys.executable, "-m", "uvicorn", "--app-dir", str(directory), "bare_app:app"),
+        *("--port", str(port), "--workers", str(workers), "--no-access-log"),
+    ]
+
+
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 

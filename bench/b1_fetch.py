@@ -24,7 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
-from _harness import emit, kcache_server, wrk
+from _harness import bare_app_command, emit, kcache_server, wrk
 
 from tests.support import VECTOR_ADD, answers_200, free_port, wait_until
 
@@ -94,25 +94,11 @@ def warm_artifact(workers: int) -> Iterator[tuple[str, str, bytes]]:
         yield url, artifact_url, httpx.get(artifact_url).raise_for_status().content
 
 
-# The least any ASGI app can do under uvicorn: the same bytes, no routing, no lookup.
-BARE_APP = """
-BODY = open(__file__.replace("bare_app.py", "blob"), "rb").read()
-HEADERS = [(b"content-type", b"application/octet-stream"), (b"content-length", str(len(BODY)).encode())]
-
-async def app(scope, receive, send):
-    if scope["type"] == "http":
-        await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
-        await send({"type": "http.response.body", "body": BODY})
-"""
-
-
 @contextlib.contextmanager
 def bare_uvicorn(directory: Path, workers: int) -> Iterator[str]:
     """A bare ASGI app under uvicorn (as many workers as ours) serving ``directory/blob``."""
-    (directory / "bare_app.py").write_text(BARE_APP)
     port = free_port()
-    cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(directory), "bare_app:app"]
-    cmd += ["--port", str(port), "--workers", str(workers), "--no-access-log"]
+    cmd = bare_app_command(directory, (directory / "blob").read_bytes(), port, workers)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}/"

@@ -24,19 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
-from _harness import KCACHE, emit
+from _harness import KCACHE, bare_app_command, emit
 
 from tests.support import VECTOR_ADD, answers_200, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
-BARE_APP = """
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": b"ok"})
-"""
 
 
 def run_s(cmd: list[str], env: dict[str, str] | None = None) -> float:
@@ -89,14 +82,13 @@ def main() -> None:
             ours, anchor = interleaved(lambda c=cmd: run_s(c, env), lambda: run_s(floor, env))
             emit(f"Bcmd.kcache_{name}_s", ours, anchor, "s", goal="< 0.3 s", met=ours < 0.3)
 
-        (Path(tmp) / "bare_app.py").write_text(BARE_APP)
         data_dir = Path(tmp) / "data"
         serve_env = {**env, "KCACHE_DATA_DIR": str(data_dir)}
         subprocess.run([*KCACHE, "db", "upgrade"], env=serve_env, check=True, capture_output=True)
 
         def bare() -> float:
             port = free_port()
-            cmd = [python, "-m", "uvicorn", "--app-dir", tmp, "bare_app:app", "--port", str(port)]
+            cmd = bare_app_command(Path(tmp), b"ok", port)
             return ready_s(cmd, f"http://127.0.0.1:{port}/", env)
 
         def serve(script: bool) -> Callable[[], float]:
