@@ -428,22 +428,16 @@ def _source(
         pieces = [[piece] for piece in edges]
     parts: list[sa.Select[Any]] = []
     for piece in pieces:
-        parts.append(
-            sa.select(
-                ev.at.label("at"),
-                *(ev[n] for n in _NAMES),
-                ev["count"].label("n"),
-                ev.compile_seconds_saved.label("saved"),
-            ).where(*_filters(query, ev, ev.at, piece))
-        )
-        parts.append(
-            sa.select(
-                ru.bucket.label("at"),
-                *(ru[n] for n in _NAMES),
-                ru["count"].label("n"),
-                ru.compile_seconds_saved.label("saved"),
-            ).where(*_filters(query, ru, ru.bucket, piece))
-        )
+        # Raw events by their time, roll-ups by their hour: the same columns.
+        for table, at in ((ev, ev.at), (ru, ru.bucket)):
+            parts.append(
+                sa.select(
+                    at.label("at"),
+                    *(table[n] for n in _NAMES),
+                    table["count"].label("n"),
+                    table.compile_seconds_saved.label("saved"),
+                ).where(*_filters(query, table, at, piece))
+            )
     if dim is not None:
         c = _counts_t.c
         first, second = DIMENSIONS[dim]
