@@ -4,6 +4,11 @@ Everything about a recipe that this server (not the recipe itself) decides is
 checked here: that its toolchain is the one the server runs and that its target,
 and every linked recipe's, is one that toolchain compiles for
 (:meth:`kcache.toolchain.Toolchain.check`, the same check a compile makes).
+
+The result depends on the recipe object alone while the server runs, and every rank
+of a job sends the same objects: :class:`RecipeChecks` keeps what it made for an
+object (:class:`~kcache_server.prepared_recipes.PreparedRecipes`) and answers an equal
+one with it.
 """
 
 from __future__ import annotations
@@ -14,41 +19,52 @@ from typing import Any
 from kcache.errors import RecipeError
 from kcache.recipe import Recipe
 from kcache_server.backends import Backends
+from kcache_server.prepared_recipes import PreparedRecipes
 from kcache_server.schemas import ResolveRequest, load_json_model
 
-__all__ = ["parse_resolve", "prepare_recipe"]
+__all__ = ["RecipeChecks"]
 
 
-def prepare_recipe(data: Mapping[str, Any], backends: Backends, *, base_key: bool = True) -> Recipe:
-    """Validate an untrusted recipe object, fill in the server's defaults, and key it.
+class RecipeChecks:
+    """The one reading of a recipe from a request, for the routes and the resolve fast path."""
 
-    The keys are computed here (and memoised on the recipe) because this runs off
-    the event loop for a large body, and hashing the headers is what grows with it.
-    ``base_key=False`` leaves the base key to be computed when first asked for: the
-    resolve fast path, which only takes small bodies, answers a hit without it.
-    """
-    try:
-        recipe = Recipe.from_dict(data)
-    except RecipeError:
-        raise
-    except (TypeError, ValueError) as exc:  # a wrong JSON type the field checks did not anticipate
-        raise RecipeError("recipe", f"malformed: {exc}") from exc
-    recipe = backends.engine.prepare(recipe)
-    backends.toolchain.check(recipe, "on this server")
-    recipe.key()
-    if base_key:
-        recipe.base_key()
-    return recipe
+    def __init__(self, backends: Backends) -> None:
+        self.backends = backends
+        self._prepared = PreparedRecipes()
 
+    def prepare(self, data: Mapping[str, Any], *, base_key: bool = True) -> Recipe:
+        """Validate an untrusted recipe object, fill in the server's defaults, and key it.
 
-def parse_resolve(
-    raw: bytes, backends: Backends, *, base_key: bool = True
-) -> tuple[ResolveRequest, Recipe]:
-    """The body of ``POST /v1/resolve``, parsed and validated, and its recipe prepared.
+        The keys are computed here (and memoised on the recipe) because this runs off
+        the event loop for a large body, and hashing the headers is what grows with it.
+        ``base_key=False`` leaves the base key to be computed when first asked for: the
+        resolve fast path, which only takes small bodies, answers a hit without it.
+        """
+        recipe = self._prepared.get_or_prepare(data, self._prepare)
+        if base_key:
+            recipe.base_key()
+        return recipe
 
-    The one reading of a resolve body: the route and the resolve fast path both call
-    it, so a body the fast path answers is one the route would have accepted.
-    ``base_key`` is :func:`prepare_recipe`'s.
-    """
-    body = load_json_model(ResolveRequest, raw)
-    return body, prepare_recipe(body.recipe, backends, base_key=base_key)
+    def parse_resolve(self, raw: bytes, *, base_key: bool = True) -> tuple[ResolveRequest, Recipe]:
+        """The body of ``POST /v1/resolve``, parsed and validated, and its recipe prepared.
+
+        The route and the resolve fast path both call it, so a body the fast path
+        answers is one the route would have accepted. ``base_key`` is :meth:`prepare`'s.
+        """
+        body = load_json_model(ResolveRequest, raw)
+        return body, self.prepare(body.recipe, base_key=base_key)
+
+    def _prepare(self, data: Mapping[str, Any]) -> Recipe:
+        try:
+            recipe = Recipe.from_dict(data)
+        except RecipeError:
+            raise
+        except (
+            TypeError,
+            ValueError,
+        ) as exc:  # a wrong JSON type the field checks did not anticipate
+            raise RecipeError("recipe", f"malformed: {exc}") from exc
+        recipe = self.backends.engine.prepare(recipe)
+        self.backends.toolchain.check(recipe, "on this server")
+        recipe.key()
+        return recipe

@@ -1,7 +1,7 @@
 """The JSON Schema of a recipe as this server accepts it: the core's checks, stated for clients.
 
 A recipe is validated by the core (:meth:`kcache.recipe.Recipe.from_dict`, then
-:func:`kcache_server.recipe_checks.prepare_recipe`), with its own messages. This
+:meth:`kcache_server.recipe_checks.RecipeChecks.prepare`), with its own messages. This
 module states the same rules for the published OpenAPI document, built from the
 core's own limits and patterns (:data:`kcache.recipe.LIMITS`,
 :mod:`kcache.specialization`) and from what this server runs: its toolchain id,

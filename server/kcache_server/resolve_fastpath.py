@@ -10,7 +10,7 @@ hit itself:
   ``max_request_bytes`` or a body past :data:`~kcache_server.routes._deps.INLINE_BODY_BYTES`
   is not read further), and only as JSON (:func:`~kcache_server.routes._deps.is_json_content_type`);
 - it is parsed, validated and keyed by the route's own function
-  (:func:`~kcache_server.recipe_checks.parse_resolve`), decided a hit by the resolver's
+  (:meth:`~kcache_server.recipe_checks.RecipeChecks.parse_resolve`), decided a hit by the resolver's
   own check (:meth:`~kcache_server.resolving.Resolver.memory_hit`: key known and
   servable, include-set files unchanged, blob still in the store) and audited by its own
   :meth:`~kcache_server.resolving.Resolver.record_hit` (the same record, tallied alike);
@@ -32,7 +32,6 @@ from typing import Any
 
 from kcache.artifact import ArtifactMeta
 from kcache.lru import LruCache
-from kcache_server.recipe_checks import parse_resolve
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.routes._deps import INLINE_BODY_BYTES, is_json_content_type
 from kcache_server.state import ServerState
@@ -74,7 +73,7 @@ class ResolveFastPath:
         self.app = app
         self.tokens = state.tokens
         self.resolver = state.resolver
-        self.backends = state.backends
+        self.recipes = state.recipes
         # Never read more than the route would: the lower of the two limits.
         self.limit = min(INLINE_BODY_BYTES, state.settings.max_request_bytes)
         metrics = state.metrics
@@ -136,7 +135,7 @@ class ResolveFastPath:
         raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         try:
             # The base key is in the encoded answer: a hit needs it once per key, not per request.
-            body, recipe = parse_resolve(raw, self.backends, base_key=False)
+            body, recipe = self.recipes.parse_resolve(raw, base_key=False)
             if body.compile and not principal.allows("compile"):
                 return _replaying(messages, receive)  # the route answers 403
             looked_up = time.perf_counter()  # where the route's audit starts its clock

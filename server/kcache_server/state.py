@@ -20,6 +20,7 @@ from kcache_server.auth import TokenStore
 from kcache_server.backends import Backends
 from kcache_server.fairness import CallerSlots, current_caller
 from kcache_server.metrics import ServerMetrics
+from kcache_server.recipe_checks import RecipeChecks
 from kcache_server.resolving import Resolver
 from kcache_server.settings import Settings
 
@@ -40,6 +41,7 @@ class ServerState:
     limiter: anyio.CapacityLimiter | None = None
     caller_slots: CallerSlots = field(init=False)
     resolver: Resolver = field(init=False)
+    recipes: RecipeChecks = field(init=False)
 
     def __post_init__(self) -> None:
         threads = self.settings.request_threads
@@ -47,6 +49,7 @@ class ServerState:
         self.resolver = Resolver(
             self.backends, self.audit, self.run, self.settings.blob_cache_bytes
         )
+        self.recipes = RecipeChecks(self.backends)
 
     async def run(self, func: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a blocking call on a worker thread under the shared limiter and the caller's share."""

@@ -11,9 +11,8 @@ from fastapi import APIRouter, Request
 
 from kcache.errors import KCacheError
 from kcache.recipe import Recipe
-from kcache_server.backends import Backends
 from kcache_server.errors import InvalidRequestError
-from kcache_server.recipe_checks import parse_resolve, prepare_recipe
+from kcache_server.recipe_checks import RecipeChecks
 from kcache_server.routes._deps import ERRORS, Reader, State, body_doc, read_body
 from kcache_server.schemas import (
     BatchRequest,
@@ -28,7 +27,7 @@ router = APIRouter(prefix="/v1/resolve", tags=["resolve"])
 
 
 def _parse_batch(
-    raw: bytes, backends: Backends, limit: int
+    raw: bytes, checks: RecipeChecks, limit: int
 ) -> tuple[BatchRequest, list[Recipe | KCacheError]]:
     """The batch and, per item, its prepared recipe or the error that refused it."""
     data = parse_json(raw)
@@ -41,7 +40,7 @@ def _parse_batch(
     prepared: list[Recipe | KCacheError] = []
     for item in body.recipes:
         try:
-            prepared.append(prepare_recipe(item, backends))
+            prepared.append(checks.prepare(item))
         except KCacheError as exc:
             prepared.append(exc)
     return body, prepared
@@ -52,7 +51,7 @@ def _parse_batch(
 )
 async def resolve(request: Request, principal: Reader, state: State) -> ResolveResponse:
     """Find the recipe's artifact, compiling it once (across replicas) on a miss if ``compile``."""
-    body, recipe = await read_body(request, state, lambda raw: parse_resolve(raw, state.backends))
+    body, recipe = await read_body(request, state, state.recipes.parse_resolve)
     if body.compile:
         principal.require("compile", "a resolve with compile true")
     return await state.resolver.resolve(recipe, compile=body.compile, context=body.context)
@@ -70,7 +69,7 @@ async def resolve_batch(request: Request, principal: Reader, state: State) -> Ba
     """Resolve many recipes; misses compile in parallel; one result per recipe, in order."""
     limit = state.settings.max_batch
     body, prepared = await read_body(
-        request, state, lambda raw: _parse_batch(raw, state.backends, limit)
+        request, state, lambda raw: _parse_batch(raw, state.recipes, limit)
     )
     if body.compile:
         principal.require("compile", "a batch with compile true")
