@@ -29,8 +29,9 @@ __all__ = ["PreparedRecipes", "content_key"]
 #: Nesting beyond which an object is not kept (a recipe's own fields nest 3 levels;
 #: linked recipes add their own): the checks refuse or accept it, uncached.
 _MAX_DEPTH = 12
-#: Bytes of recipe text kept (sources and headers, counted as their string lengths).
-_MAX_BYTES = 64 << 20
+#: Characters of recipe text kept (sources, headers, names): the recipes kept take
+#: about 1.7 times that in memory (their canonical JSON and keys with them).
+_MAX_BYTES = 32 << 20
 _MAX_ENTRIES = 100_000
 
 
