@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from kcache.errors import InvalidKeyError, RecipeError, UnresolvedRecipeError
 from kcache.keys import KEY_SCHEMA, canonical_json, require_hex_key, sha256_hex
+from kcache.lru import LruCache
 from kcache.specialization import SpecValue, normalize_specialization, render_macros
 from kcache.targets import Target, parse_target
 
@@ -70,14 +71,10 @@ _TOOLCHAIN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]{0,127}")
 # Flags and name expressions are single lines of printable text.
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
-# The ABCs the fields are checked against, with the builtins named first: isinstance
-# tries them in order, and a tuple's check against Sequence alone costs about a
-# microsecond each time (three per recipe).
-# sha256 of header texts seen lately, by text: every new recipe object hashes its
-# headers, and a process builds recipes from the same few headers over and over (a
-# rank per kernel launch, a server per request). Looking a text up costs its hash and
-# one comparison, a fraction of sha256's setup per call; bounded by entries and bytes,
-# emptied when full.
+# sha256 of header texts seen lately, by text: every new set of headers is hashed
+# header by header, and sets differ in a few headers (a kernel's own next to a
+# library's). Looking a text up costs its hash and one comparison, a fraction of
+# sha256's setup per call; bounded by entries and bytes, emptied when full.
 _HEADER_SHA256: dict[str, str] = {}
 _HEADER_SHA256_MAX_ENTRIES = 4096
 _HEADER_SHA256_MAX_CHARS = 32 << 20
@@ -102,6 +99,90 @@ def _header_sha256(text: str) -> str:
     return digest
 
 
+class _HeaderSet:
+    """One checked set of headers, frozen in name order, and the pieces of JSON its keys hold.
+
+    A process builds recipes from the same few header sets over and over (a rank per
+    kernel launch, a server per request): :func:`_header_set` finds a set equal to one
+    it checked lately, name for name and text for text, and the recipe takes that set
+    (its frozen mapping, hashes and JSON) instead of checking, sorting, hashing and
+    escaping every header again. Shared by recipes and threads: every field is either
+    set here or computed once from the frozen mapping (a race computes it twice, alike).
+    """
+
+    __slots__ = ("_hashes", "_hashes_json", "_names_json", "chars", "mapping")
+
+    def __init__(self, headers: Mapping[str, str]) -> None:
+        ordered = dict(sorted(headers.items()))
+        self.mapping: Mapping[str, str] = MappingProxyType(ordered)
+        self.chars = sum(map(len, ordered)) + sum(map(len, ordered.values()))
+        self._hashes: dict[str, str] | None = None
+        self._hashes_json: str | None = None
+        self._names_json: str | None = None
+
+    def hashes(self) -> dict[str, str]:
+        """Include name -> sha256 of the text, in name order (not to be changed)."""
+        hashes = self._hashes
+        if hashes is None:
+            hashes = self._hashes = {
+                name: _header_sha256(text) for name, text in self.mapping.items()
+            }
+        return hashes
+
+    def hashes_json(self) -> str:
+        """Canonical JSON of :meth:`hashes` (the recipe key's ``headers``)."""
+        text = self._hashes_json
+        if text is None:
+            esc = encode_basestring_ascii  # hashes are hex: nothing to escape
+            pairs = ",".join([f'{esc(name)}:"{h}"' for name, h in self.hashes().items()])
+            text = self._hashes_json = "{" + pairs + "}"
+        return text
+
+    def names_json(self) -> str:
+        """Canonical JSON of the sorted names (the base key's ``headers``)."""
+        text = self._names_json
+        if text is None:
+            text = self._names_json = (
+                "[" + ",".join(map(encode_basestring_ascii, self.mapping)) + "]"
+            )
+        return text
+
+
+_NO_HEADERS = _HeaderSet({})
+# Header sets checked lately, by their (name, text) pairs in the order given; bounded
+# by the characters they hold (names and texts) and by count.
+_HEADER_SETS: LruCache[tuple[tuple[Any, Any], ...], _HeaderSet] = LruCache(
+    max_bytes=32 << 20, max_entries=1024, size=lambda header_set: header_set.chars
+)
+
+
+def _header_set(headers: object) -> _HeaderSet:
+    """``headers`` checked (:func:`_check_headers`) and frozen, or the equal set checked lately.
+
+    The set kept is the one that was checked: an equal set found here is never taken
+    as given, so a mapping whose strings compare equal to checked ones yields exactly
+    those checked strings.
+    """
+    if not isinstance(headers, _MAPPING) or not headers or len(headers) > LIMITS.header_count:
+        _check_headers(headers)  # raises, unless the mapping is empty
+        return _NO_HEADERS
+    content = tuple(headers.items())
+    try:
+        found = _HEADER_SETS.get(content)
+    except TypeError:  # a text that cannot be hashed: the checks say what is wrong
+        _check_headers(headers)
+        raise
+    if found is not None:
+        return found
+    _check_headers(headers)
+    header_set = _HeaderSet(headers)
+    _HEADER_SETS.put(content, header_set)
+    return header_set
+
+
+# The ABCs the fields are checked against, with the builtins named first: isinstance
+# tries them in order, and a tuple's check against Sequence alone costs about a
+# microsecond each time (three per recipe).
 _SEQUENCE = (tuple, list, Sequence)
 _MAPPING = (dict, Mapping)
 
@@ -169,12 +250,15 @@ class Recipe:
     include_sets: Sequence[str] = ()
     # Keys and derived copies, computed once: every container above is frozen.
     _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # The checked headers with their hashes and JSON, shared by equal recipes and copies.
+    _header_set: _HeaderSet = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        header_set = _validate(self)
         # Freeze every container: a recipe cannot change under its key, so the keys
         # (and the defaults-filled copy) can be computed once per object and memoised.
-        object.__setattr__(self, "headers", MappingProxyType(dict(sorted(self.headers.items()))))
+        object.__setattr__(self, "_header_set", header_set)
+        object.__setattr__(self, "headers", header_set.mapping)
         object.__setattr__(self, "flags", tuple(self.flags))
         object.__setattr__(self, "name_expressions", tuple(self.name_expressions))
         spec = normalize_specialization(self.specialization) if self.specialization else {}
@@ -196,17 +280,15 @@ class Recipe:
     def __hash__(self) -> int:
         return hash(self._identity())
 
-    def _derive(self, **changes: Any) -> Recipe:
-        """A copy with ``changes``, built without validating again the fields it keeps.
+    def _derive(self, *, target: str, toolchain: str | None, link: tuple[LinkInput, ...]) -> Recipe:
+        """A copy with these three fields, built without validating again the fields it keeps.
 
         The alternate constructor of :meth:`with_defaults`: the caller checks the
-        changed fields itself, and gives them already frozen (a tuple for ``link``).
+        changed fields itself, and gives them already frozen. The copy shares the
+        header set (hashed once).
         """
         copy = object.__new__(Recipe)
-        memo = {}
-        if "headers" not in changes and "header_hashes" in self._memo:
-            memo["header_hashes"] = self._memo["header_hashes"]  # same texts: hashed once
-        state = {**vars(self), **changes, "_memo": memo}
+        state = {**vars(self), "target": target, "toolchain": toolchain, "link": link, "_memo": {}}
         vars(copy).update(state)  # frozen: object.__setattr__ would do the same, field by field
         return copy
 
@@ -344,13 +426,8 @@ class Recipe:
         return dict(self._header_hashes())
 
     def _header_hashes(self) -> dict[str, str]:
-        """The memoised :meth:`header_hashes` itself (not to be changed), shared with copies."""
-        hashes: dict[str, str] | None = self._memo.get("header_hashes")
-        if hashes is None:
-            hashes = self._memo["header_hashes"] = {
-                name: _header_sha256(text) for name, text in self.headers.items()
-            }
-        return hashes
+        """The memoised :meth:`header_hashes` itself (not to be changed), shared with equal sets."""
+        return self._header_set.hashes()
 
     def macro_flags(self) -> list[str]:
         """The ``-D`` options rendered from ``specialization``."""
@@ -390,12 +467,8 @@ class Recipe:
         and fails when a field is added to one and not the other.
         """
         esc = encode_basestring_ascii
-        if with_header_contents:
-            # Sorted by name (the headers are frozen sorted); hashes are hex, nothing to escape.
-            headers = ",".join([f'{esc(n)}:"{h}"' for n, h in self._header_hashes().items()])
-            headers_json = "{" + headers + "}"
-        else:
-            headers_json = "[" + ",".join(map(esc, self.headers)) + "]"
+        headers = self._header_set
+        headers_json = headers.hashes_json() if with_header_contents else headers.names_json()
         links = ",".join(
             f'{{"recipe_key":"{item.recipe._identity()}"}}'
             if item.recipe is not None
@@ -589,10 +662,11 @@ def _check_headers(headers: object) -> None:
         )
 
 
-def _validate(recipe: Recipe) -> None:
+def _validate(recipe: Recipe) -> _HeaderSet:
+    """Check every field (the first bad one raises); the checked headers, frozen."""
     _check_text("source", recipe.source, LIMITS.source_bytes)
     check_include_name("name", recipe.name)
-    _check_headers(recipe.headers)
+    header_set = _header_set(recipe.headers)
     if isinstance(recipe.flags, str) or not isinstance(recipe.flags, _SEQUENCE):
         raise RecipeError("flags", "must be a list of strings")
     if len(recipe.flags) > LIMITS.flag_count:
@@ -644,6 +718,7 @@ def _validate(recipe: Recipe) -> None:
         if not isinstance(set_name, str) or not _SET_NAME_RE.fullmatch(set_name):
             raise RecipeError(f"include_sets[{i}]", "names are letters, digits, _ and -")
     _validate_target_and_toolchain(recipe)
+    return header_set
 
 
 @functools.lru_cache(maxsize=64)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kcache.errors import InvalidKeyError, RecipeError, UnresolvedRecipeError
 from kcache.keys import is_hex_key, require_hex_key, sha256_hex
-from kcache.recipe import Recipe
+from kcache.recipe import LinkInput, Recipe
 from kcache.specialization import render_macros
 from tests.support import VECTOR_ADD
 
@@ -172,8 +175,6 @@ def test_round_trip_through_json() -> None:
 
 
 def test_recipes_are_immutable_so_memoised_keys_stay_true() -> None:
-    import pickle
-
     recipe = Recipe.from_dict(BASE)
     key = recipe.key()
     with pytest.raises(TypeError):
@@ -331,10 +332,16 @@ _TEXTS = ["", "x", "é", "\ud800", "a\x00b", "t" * 10, 7]
 
 
 def _headers_outcome(headers: dict[object, object]) -> str:
+    """What checking ``headers`` says, never answered by a header set checked before."""
+    from kcache import recipe as recipe_module
+
+    recipe_module._HEADER_SETS.clear()
     try:
         Recipe(source="x", headers=headers)  # type: ignore[arg-type]
     except RecipeError as exc:
         return f"{exc.field}: {exc.detail}"
+    finally:
+        recipe_module._HEADER_SETS.clear()
     return "ok"
 
 
@@ -397,3 +404,155 @@ def test_remembered_header_hashes_are_the_texts_hashes_and_stay_bounded(
     assert len(recipe_module._HEADER_SHA256) <= 5
     assert "x" * 100 not in recipe_module._HEADER_SHA256  # above the byte bound: not kept
     assert sum(map(len, recipe_module._HEADER_SHA256)) <= 64
+
+
+# ---------------------------------------------------------------- every way of building a recipe
+# The canonical JSON is written from pieces kept per header set and per recipe (issue
+# 13, B3); however a recipe is built, its keys must be the sha256 of the canonical JSON
+# written here from its fields alone, and stay what earlier kcache versions computed.
+
+_LINKED = {"source": "y", "output": "ltoir", "target": "sm_90", "toolchain": "nvrtc-13.5"}
+_REFERENCE: dict[str, Any] = {
+    "source": 'extern "C" __global__ void k() {}\n// é "quoted" \\ back\tslash\x01',
+    "name": "dir/k.cu",
+    "headers": {f"h{i:02d}/x.cuh": f"#define H{i} {i}\n// é\n" * (i + 1) for i in range(12)},
+    "flags": ["-O3", '-DNAME="a b"'],
+    "target": "sm_90",
+    "output": "cubin",
+    "name_expressions": ["k<float, 256>"],
+    "specialization": {"block": 256, "shape": [4, 8], "s": "a b", "on": True, "scale": 0.5},
+    "link": [{"recipe": _LINKED}, {"digest": "ab" * 32}],
+    "lto": True,
+    "toolchain": "nvrtc-13.5",
+    "include_sets": ["cub"],
+}
+# The key of _REFERENCE as kcache computed it before the canonical JSON was kept in
+# pieces (commit 471d7c0): the bytes hashed must never change under a schema version.
+_REFERENCE_KEY = "a671b2cfbf76c64c76905254c2956a74dd0c60a25f4bf0bd4083f02b50a59439"
+
+
+def _reference_canonical(fields: dict[str, Any], *, with_header_contents: bool = True) -> bytes:
+    """The canonical JSON of a recipe's fields (as in ``_REFERENCE``), written without ``Recipe``."""
+    headers: dict[str, str] = fields.get("headers", {})
+    material = {
+        "schema": 1,
+        "kind": "recipe" if with_header_contents else "base",
+        "source": fields["source"],
+        "name": fields.get("name", "kernel.cu"),
+        "headers": {n: sha256_hex(t.encode()) for n, t in headers.items()}
+        if with_header_contents
+        else sorted(headers),
+        "flags": fields.get("flags", []),
+        "target": fields["target"],
+        "output": fields.get("output", "cubin"),
+        "name_expressions": fields.get("name_expressions", []),
+        "specialization": fields.get("specialization", {}),
+        "link": [
+            {"recipe_key": sha256_hex(_reference_canonical(item["recipe"]))}
+            if "recipe" in item
+            else item
+            for item in fields.get("link", [])
+        ],
+        "lto": fields.get("lto", False),
+        "toolchain": fields["toolchain"],
+        "include_sets": fields.get("include_sets", []),
+    }
+    return json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _every_way(fields: dict[str, Any]) -> dict[str, Recipe]:
+    """The same recipe, built every way there is (and twice where a second build is cheaper)."""
+    as_json = json.dumps(fields)
+    objects = {
+        **fields,
+        "link": [
+            LinkInput(recipe=Recipe(**item["recipe"])) if "recipe" in item else LinkInput(**item)
+            for item in fields["link"]
+        ],
+    }
+    reversed_headers = dict(reversed(list(fields["headers"].items())))
+    unresolved = json.loads(as_json)
+    del unresolved["toolchain"], unresolved["link"][0]["recipe"]["toolchain"]
+    unresolved["target"] = unresolved["link"][0]["recipe"]["target"] = "auto"
+    from_dict = Recipe.from_dict(fields)
+    return {
+        "constructor": Recipe(**objects),
+        "constructor again (header set found again)": Recipe(**objects),
+        "from_dict": from_dict,
+        "from_json (equal strings, new objects)": Recipe.from_json(as_json),
+        "headers in another order": Recipe.from_dict({**fields, "headers": reversed_headers}),
+        "with_defaults": Recipe.from_dict(unresolved).with_defaults(
+            target="sm_90", toolchain="nvrtc-13.5"
+        ),
+        "pickled": pickle.loads(pickle.dumps(from_dict)),
+        "dataclasses.replace": dataclasses.replace(from_dict),
+        "to_dict round trip": Recipe.from_dict(from_dict.to_dict()),
+    }
+
+
+def test_keys_of_a_recipe_built_every_way_are_the_reference_canonical_jsons_sha256() -> None:
+    key = sha256_hex(_reference_canonical(_REFERENCE))
+    base_key = sha256_hex(_reference_canonical(_REFERENCE, with_header_contents=False))
+    assert key == _REFERENCE_KEY
+    for way, recipe in _every_way(_REFERENCE).items():
+        assert recipe.key() == key, way
+        assert recipe.base_key() == base_key, way
+        assert recipe._canonical(True) == _reference_canonical(_REFERENCE), way
+        assert hash(recipe) == hash(Recipe.from_dict(_REFERENCE)), way
+    # One header text changed: another key, computed from that text (not a remembered one).
+    edited = {**_REFERENCE, "headers": {**_REFERENCE["headers"], "h03/x.cuh": "#define H3 4\n"}}
+    for way, recipe in _every_way(edited).items():
+        assert recipe.key() == sha256_hex(_reference_canonical(edited)) != key, way
+        assert recipe.base_key() == base_key, way  # same names
+
+
+# ---------------------------------------------------------------- header sets found again
+
+
+def test_an_equal_header_set_is_found_again_and_the_recipe_holds_the_checked_one() -> None:
+    headers = {f"s{i}.cuh": f"// set {i}\n" * 5 for i in range(6)}
+    first = Recipe(source="x", headers=headers)
+    # Equal names and texts in new string objects (as every request body brings them).
+    copied = {"".join(list(n)): "".join(list(t)) for n, t in headers.items()}
+    again = Recipe(source="x", headers=copied)
+    assert again.headers is first.headers  # the set checked before, frozen once
+    assert again._header_hashes() is first._header_hashes()  # hashed once
+    assert again == first and hash(again) == hash(first)
+
+    class Liar(str):
+        """A name that claims to equal a checked one."""
+
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        def __hash__(self) -> int:
+            return hash(self.target)
+
+        target = "s0.cuh"
+
+    lying = {
+        Liar("../../etc/passwd"): headers["s0.cuh"],
+        **{k: headers[k] for k in list(headers)[1:]},
+    }
+    try:
+        taken = Recipe(source="x", headers=lying)
+    except RecipeError:
+        return  # refused: as safe
+    assert dict(taken.headers) == headers  # else the checked strings, never the liar's own
+    assert all(type(name) is str for name in taken.headers)
+
+
+def test_a_refused_header_set_is_refused_every_time_and_never_kept() -> None:
+    from kcache import recipe as recipe_module
+
+    bad = {"ok.h": "1", "../up.h": "2"}
+    kept = len(recipe_module._HEADER_SETS)
+    for _ in range(3):
+        with pytest.raises(RecipeError) as caught:
+            Recipe(source="x", headers=bad)
+        assert caught.value.field == "headers['../up.h']"
+    unhashable = {"ok.h": ["not", "text"]}
+    for _ in range(2):
+        with pytest.raises(RecipeError, match="must be a string"):
+            Recipe(source="x", headers=unhashable)  # type: ignore[arg-type]
+    assert len(recipe_module._HEADER_SETS) == kept
