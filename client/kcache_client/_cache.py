@@ -33,7 +33,7 @@ from kcache.errors import CompileError, KCacheError, ToolchainError
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
 from kcache_client._artifact import Artifact, ArtifactOrigin
-from kcache_client._events import EventSink
+from kcache_client._events import EventSink, tally_key
 from kcache_client._http import Transport
 from kcache_client._local import LocalCompiler
 from kcache_client._remote import Remote, Resolution
@@ -505,12 +505,20 @@ class KernelCache:
     # ------------------------------------------------------------------ events
     def _event(self, art: Artifact, started: float) -> None:
         """Report a memory or node-tier hit: the server never sees those otherwise."""
-        if self._events is None:
+        events = self._events
+        if events is None:
+            return
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        now = time.time()
+        # A hit whose identical predecessor is still queued is only counted into it.
+        if events.tally(
+            tally_key(art.recipe_key, art.digest, art.origin, "local_hit"), latency_ms, now
+        ):
             return
         meta = art.metadata
-        self._events.record(
+        events.record(
             {
-                "time": time.time(),
+                "time": now,
                 "outcome": "local_hit",
                 "tier": art.origin,
                 "recipe_key": art.recipe_key,
@@ -520,6 +528,6 @@ class KernelCache:
                 "target": meta.target,
                 "toolchain": meta.toolchain,
                 **self.context(),
-                "latency_ms": (time.perf_counter() - started) * 1000.0,
+                "latency_ms": latency_ms,
             }
         )

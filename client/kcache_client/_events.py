@@ -24,7 +24,7 @@ from kcache_client._http import Transport
 from kcache_client._settings import RetryPolicy
 from kcache_client.errors import ClientError, ServerUnavailableError
 
-__all__ = ["MAX_EVENT_COUNT", "EventSink"]
+__all__ = ["MAX_EVENT_COUNT", "EventSink", "tally_key"]
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,15 @@ MAX_EVENT_COUNT = 1_000_000
 _EVENT_RETRY = RetryPolicy(attempts=3, base_s=0.2, cap_s=2.0, budget_s=5.0, max_retry_after_s=5.0)
 
 
+def tally_key(recipe_key: object, digest: object, tier: object, outcome: object) -> tuple[Any, ...]:
+    """What makes hits identical: events with the same key are tallied into one."""
+    return (recipe_key, digest, tier, outcome)
+
+
 def _tally_key(event: dict[str, Any]) -> tuple[Any, ...]:
-    return (event.get("recipe_key"), event.get("digest"), event.get("tier"), event.get("outcome"))
+    return tally_key(
+        event.get("recipe_key"), event.get("digest"), event.get("tier"), event.get("outcome")
+    )
 
 
 class EventSink:
@@ -69,13 +76,9 @@ class EventSink:
         with self._cond:
             if self._closed:
                 return
-            open_event = self._open.get(tally) if event.get("recipe_key") else None
-            if open_event is not None and open_event.get("count", 1) < MAX_EVENT_COUNT:
-                count = open_event.get("count", 1)
-                latency = open_event.get("latency_ms", 0.0) * count + event.get("latency_ms", 0.0)
-                open_event["count"] = count + 1
-                open_event["latency_ms"] = latency / (count + 1)
-                open_event["time"] = event.get("time", open_event.get("time"))
+            if event.get("recipe_key") and self._tally_locked(
+                tally, event.get("latency_ms", 0.0), event.get("time")
+            ):
                 return
             if len(self._pending) == self._pending.maxlen:
                 self.dropped += self._pending[0].get("count", 1)
@@ -90,6 +93,28 @@ class EventSink:
                 self._thread.start()
             if len(self._pending) >= self._batch_size:
                 self._cond.notify()
+
+    def tally(self, tally: tuple[Any, ...], latency_ms: float, when: float) -> bool:
+        """Count one more hit into the queued event of ``tally`` (:func:`tally_key`), if any.
+
+        What :meth:`record` does with an event identical to a queued one, without the
+        event: a hit that finds its event queued costs no dict of a dozen fields.
+        False when there is none (or the sink is closed): record the whole event then.
+        """
+        with self._cond:
+            return not self._closed and self._tally_locked(tally, latency_ms, when)
+
+    def _tally_locked(self, tally: tuple[Any, ...], latency_ms: float, when: float | None) -> bool:
+        """Fold one hit into the open event of ``tally`` (the caller holds the lock); False if none."""
+        open_event = self._open.get(tally)
+        if open_event is None or open_event.get("count", 1) >= MAX_EVENT_COUNT:
+            return False
+        count = open_event.get("count", 1)
+        latency = open_event.get("latency_ms", 0.0) * count + latency_ms
+        open_event["count"] = count + 1
+        open_event["latency_ms"] = latency / (count + 1)
+        open_event["time"] = when if when is not None else open_event.get("time")
+        return True
 
     def pending(self) -> int:
         """Lookups not yet delivered (a tallied event counts for each lookup it stands for)."""
