@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
+from functools import cached_property
 from datetime import datetime
 from typing import Any, cast
 
@@ -75,9 +76,14 @@ class Principal:
     name: str | None
     scopes: frozenset[str]
 
+    @cached_property
+    def _rank(self) -> int:
+        """The highest rank among the scopes (-1 with none known): asked on every request."""
+        return max((_RANK[s] for s in self.scopes if s in _RANK), default=-1)
+
     def allows(self, scope: str) -> bool:
         """True when one of the scopes includes ``scope``."""
-        return any(_RANK[s] >= _RANK[scope] for s in self.scopes if s in _RANK)
+        return self._rank >= _RANK[scope]
 
     def require(self, scope: str, what: str) -> None:
         """Raise :class:`PermissionDeniedError` unless ``scope`` is allowed."""

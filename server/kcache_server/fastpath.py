@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kcache.artifact import ArtifactMeta
 from kcache.keys import is_hex_key
@@ -47,6 +46,8 @@ _SUFFIX = "/artifact"
 #: The route template the metrics label this path with (the FastAPI route's own).
 ROUTE = "/v1/recipes/{recipe_key}/artifact"
 _OCTETS = (b"content-type", b"application/octet-stream")
+_OK = b"HTTP/1.1 200 OK\r\n"
+_NOT_MODIFIED = b"HTTP/1.1 304 Not Modified\r\n"
 
 
 class ArtifactFastPath:
@@ -61,15 +62,17 @@ class ArtifactFastPath:
         self.tokens = state.tokens
         self.resolver = state.resolver
         metrics = state.metrics
-        self.ok = metrics.requests.labels(route=ROUTE, method="GET", status="200")
-        self.not_modified = metrics.requests.labels(route=ROUTE, method="GET", status="304")
-        self.seconds = metrics.request_seconds.labels(route=ROUTE)
+        # Counted without locks: this runs on the event loop's thread only.
+        requests = metrics.requests
+        self.ok = metrics.loop_counter(requests.labels(route=ROUTE, method="GET", status="200"))
+        self.not_modified = metrics.loop_counter(
+            requests.labels(route=ROUTE, method="GET", status="304")
+        )
+        self.seconds = metrics.loop_histogram(metrics.request_seconds.labels(route=ROUTE))
         # Response headers per digest, encoded once (the metadata header included), with
         # the metadata they were made from: a digest's row can be rewritten (a recovered
         # row completed by a later compile); as many digests as the resolver keeps keys.
-        self._headers: LruCache[str, tuple[ArtifactMeta, list[tuple[bytes, bytes]]]] = LruCache(
-            max_entries=100_000
-        )
+        self._headers: LruCache[str, EncodedHeaders] = LruCache(max_entries=100_000)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer from memory, or hand the request to the app."""
@@ -115,16 +118,11 @@ class ArtifactFastPath:
         if principal is None or not principal.allows("read"):
             return None  # the route produces the precise 401/403
         encoded = self._headers.get(meta.digest)
-        if encoded is not None and (encoded[0] is meta or encoded[0] == meta):
-            meta_headers = encoded[1]
-        else:
-            meta_headers = [
-                (name.lower().encode(), value.encode())
-                for name, value in artifact_headers(meta).items()
-            ]
-            self._headers.put(meta.digest, (meta, meta_headers))
+        if encoded is None or not (encoded.meta is meta or encoded.meta == meta):
+            encoded = EncodedHeaders.of(meta, len(data))
+            self._headers.put(meta.digest, encoded)
         fresh = etag_matches(if_none_match, meta.digest)
-        return WarmFetch(recipe_key, meta, data, meta_headers, not_modified=fresh)
+        return WarmFetch(recipe_key, meta, data, encoded, fresh)
 
     def finish(self, answer: WarmFetch, started: float) -> None:
         """Audit the fetch and count it, as the route does, once its answer was sent."""
@@ -133,20 +131,70 @@ class ArtifactFastPath:
         self.seconds.observe(time.perf_counter() - started)
 
 
-@dataclass(frozen=True, slots=True)
-class WarmFetch:
-    """What :meth:`ArtifactFastPath.prepare` decided: the artifact, its bytes and headers."""
+class EncodedHeaders(NamedTuple):
+    """An artifact's response headers, as ASGI header pairs and as HTTP/1.1 lines.
+
+    ``meta`` is what they were made from; the lines are what the HTTP protocol writes
+    (:mod:`~kcache_server.http_protocol`), around the request id, in the pairs' order.
+    """
+
+    meta: ArtifactMeta
+    #: The metadata headers (``ETag``, ``Cache-Control``, ``X-KCache-Meta``, ...).
+    pairs: list[tuple[bytes, bytes]]
+    #: A 200's content type and length, after the request id.
+    body_pairs: list[tuple[bytes, bytes]]
+    #: ``pairs`` as ``name: value\r\n`` lines.
+    lines: bytes
+    #: ``body_pairs`` as lines.
+    body_lines: bytes
+
+    @classmethod
+    def of(cls, meta: ArtifactMeta, size: int) -> EncodedHeaders:
+        """The headers of ``meta``'s artifact of ``size`` bytes."""
+        pairs = [
+            (name.lower().encode(), value.encode())
+            for name, value in artifact_headers(meta).items()
+        ]
+        body_pairs = [_OCTETS, (b"content-length", str(size).encode())]
+        return cls(meta, pairs, body_pairs, header_lines(pairs), header_lines(body_pairs))
+
+
+def header_lines(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """Header pairs as HTTP/1.1 header lines."""
+    return b"".join(name + b": " + value + b"\r\n" for name, value in pairs)
+
+
+class WarmFetch(NamedTuple):
+    """What :meth:`ArtifactFastPath.prepare` decided: the artifact, its bytes and headers.
+
+    A named tuple: one is made per warm fetch, and a tuple is made in a fraction of a
+    frozen dataclass's time.
+    """
 
     recipe_key: str
     meta: ArtifactMeta
     data: bytes
-    headers: list[tuple[bytes, bytes]]
+    headers: EncodedHeaders
     not_modified: bool
 
     def response(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """Status, headers (a new request id among them) and body."""
         request_id = (HEADER, new_request_id().encode())
         if self.not_modified:
-            return 304, [*self.headers, request_id], b""
-        length = (b"content-length", str(len(self.data)).encode())
-        return 200, [*self.headers, request_id, _OCTETS, length], self.data
+            return 304, [*self.headers.pairs, request_id], b""
+        return 200, [*self.headers.pairs, request_id, *self.headers.body_pairs], self.data
+
+    def http_response(self, default_lines: bytes, keep_alive: bool) -> bytes:
+        """The whole HTTP/1.1 response :meth:`response` describes, after ``default_lines``.
+
+        ``default_lines`` are the server's own header lines (``date``, ``server``), which
+        uvicorn puts first; ``connection: close`` ends the headers when not ``keep_alive``.
+        """
+        request_id = b"x-request-id: " + new_request_id().encode() + b"\r\n"
+        end = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
+        headers = self.headers
+        if self.not_modified:
+            return b"".join((_NOT_MODIFIED, default_lines, headers.lines, request_id, end))
+        return b"".join(
+            (_OK, default_lines, headers.lines, request_id, headers.body_lines, end, self.data)
+        )

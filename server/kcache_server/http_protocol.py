@@ -36,9 +36,9 @@ import asyncio
 import time
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kcache_server.fastpath import ArtifactFastPath
+from kcache_server.fastpath import ArtifactFastPath, header_lines
 
 __all__ = ["CoalescingHttpToolsProtocol", "CoalescingTransport"]
 
@@ -53,12 +53,15 @@ class CoalescingTransport:
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] = []
+        #: Set while the protocol handles received data: it flushes when done, so
+        #: what is written meanwhile needs no flush of its own scheduled.
+        self.held = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Keep ``data`` to be written with the rest of this loop turn's writes."""
         if not data:
             return
-        if not self._pending:
+        if not self._pending and not self.held:
             self._loop.call_soon(self.flush)
         self._pending.append(bytes(data))
 
@@ -75,6 +78,10 @@ class CoalescingTransport:
         if self._transport.is_closing():
             return  # the real transport would drop it too (and warn)
         self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def is_closing(self) -> bool:
+        """The real transport's (asked after every response: not through ``__getattr__``)."""
+        return self._transport.is_closing()
 
     def get_write_buffer_size(self) -> int:
         """Bytes not yet sent: those kept here and the real transport's buffer."""
@@ -124,12 +131,70 @@ def _fast_path_of(app: Any) -> ArtifactFastPath | None:
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol over a :class:`CoalescingTransport`, answering warm fetches."""
 
+    #: The last default headers list seen and its lines (see :meth:`_default_lines`).
+    _defaults: tuple[list[tuple[bytes, bytes]], bytes] = ([], b"")
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """uvicorn's, with the transport wrapped."""
-        wrapped = CoalescingTransport(transport, self.loop)
-        super().connection_made(wrapped)  # type: ignore[arg-type]
+        self._coalescing = CoalescingTransport(transport, self.loop)
+        super().connection_made(self._coalescing)  # type: ignore[arg-type]
         direct = not self.access_log and self.limit_concurrency is None
         self._fast = _fast_path_of(self.app) if direct else None
+        #: When the connection last became idle (its last response complete); None while busy.
+        self._idle_since: float | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """uvicorn's, and the keep-alive timer goes."""
+        super().connection_lost(exc)
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
+
+    def data_received(self, data: bytes) -> None:
+        """uvicorn's, with what its callbacks write sent in one write when it returns."""
+        coalescing = self._coalescing
+        coalescing.held = True
+        try:
+            super().data_received(data)
+        finally:
+            coalescing.held = False
+            coalescing.flush()
+
+    # Keep-alive. uvicorn cancels its idle timer whenever data arrives and arms a new
+    # one (a timer handle, a heap entry) after every response. Here one timer per
+    # connection stays armed and looks, when it fires, at when the connection last
+    # became idle: the same closing of connections idle for ``timeout_keep_alive``
+    # seconds, without two timer operations per request.
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = None  # busy: data arrived, or the connection is going
+
+    def on_response_complete(self) -> None:
+        """uvicorn's (start a pipelined request, else the connection is idle from now)."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            self._idle_since = None
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self._keep_alive_check
+            )
+
+    def _keep_alive_check(self) -> None:
+        self.timeout_keep_alive_task = None
+        if self._idle_since is None:
+            return  # busy: the next response completed arms the timer again
+        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_check)
+        else:
+            self.timeout_keep_alive_handler()
 
     def on_headers_complete(self) -> None:
         """A warm fetch answered here (see the module docstring), else uvicorn's."""
@@ -154,15 +219,8 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         if answer is None:
             return False
         keep_alive = self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
-        status, headers, body = answer.response()
-        head = [STATUS_LINE[status]]
-        for name, value in (*self.server_state.default_headers, *headers):
-            head += [name, b": ", value, b"\r\n"]
-        if not keep_alive:
-            head.append(b"connection: close\r\n")
-        head.append(b"\r\n")
         self.cycle = _ANSWERED  # type: ignore[assignment]  # the body callbacks see it complete
-        self.transport.write(b"".join(head) + body)
+        self.transport.write(answer.http_response(self._default_lines(), keep_alive))
         fast.finish(answer, started)
         if keep_alive:
             self.on_response_complete()  # as uvicorn's cycle does: keep-alive timer, counts
@@ -170,3 +228,16 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
             self.server_state.total_requests += 1
             self.transport.close()
         return True
+
+    def _default_lines(self) -> bytes:
+        """uvicorn's own headers (``date``, ``server``) as lines, encoded once per new list.
+
+        uvicorn replaces the list (a new ``date``) once a second; in between every
+        answer of the process reuses the encoded lines (the list is held with them, so
+        ``is`` cannot be fooled by a reused id).
+        """
+        defaults = self.server_state.default_headers
+        cached = CoalescingHttpToolsProtocol._defaults
+        if cached[0] is not defaults:
+            cached = CoalescingHttpToolsProtocol._defaults = (defaults, header_lines(defaults))
+        return cached[1]
