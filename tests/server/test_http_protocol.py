@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
-from kcache_server.http_protocol import CoalescingTransport
+import uvicorn
+from kcache_server.http_protocol import CoalescingHttpToolsProtocol, CoalescingTransport
 
-from tests.support import VECTOR_ADD, ServerProcess, upgrade
+from tests.support import VECTOR_ADD, ServerProcess, upgrade, wait_until
 
 
 class Counted:
@@ -128,3 +131,64 @@ def test_kcache_serve_answers_on_it(tmp_path: Path) -> None:
         )
         assert again.status_code == 304 and again.content == b""
         assert c.get(f"/v1/recipes/{'0' * 64}/artifact").status_code == 404
+
+
+class _SlowApp:
+    """A bare ASGI app: ``/slow`` answers after 1.5 s, anything else at once."""
+
+    async def __call__(self, scope: dict[str, object], receive: object, send: object) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/slow":
+            await asyncio.sleep(1.5)
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+        )  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"ok"})  # type: ignore[operator]
+
+
+def _keep_alive_server(timeout: float) -> tuple[uvicorn.Server, threading.Thread, int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(
+        _SlowApp(),
+        http=CoalescingHttpToolsProtocol,
+        timeout_keep_alive=timeout,  # type: ignore[arg-type]
+        lifespan="off",
+        log_level="warning",
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the keep-alive test server")
+    return server, thread, int(sock.getsockname()[1])
+
+
+def _exchange(conn: socket.socket, path: str) -> bytes:
+    conn.sendall(f"GET {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+    data = b""
+    while not data.endswith(b"\r\n\r\nok"):
+        chunk = conn.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    return data
+
+
+def test_keep_alive_closes_idle_connections_only() -> None:
+    """One timer per connection: idle past the timeout closes, activity or a slow answer does not."""
+    server, thread, port = _keep_alive_server(timeout=1)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            for _ in range(4):  # requests 0.4 s apart over 1.6 s: never idle for the timeout
+                assert _exchange(conn, "/").startswith(b"HTTP/1.1 200")
+                time.sleep(0.4)
+            # A response taking longer than the timeout: the connection is busy, not idle.
+            assert _exchange(conn, "/slow").startswith(b"HTTP/1.1 200")
+            assert _exchange(conn, "/").startswith(b"HTTP/1.1 200")
+            idle_from = time.monotonic()
+            assert conn.recv(1) == b""  # closed by the server once idle for the timeout
+            assert time.monotonic() - idle_from >= 0.9
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
