@@ -38,9 +38,8 @@ import sys
 import textwrap
 import traceback
 from collections.abc import Callable, Sequence
-from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kcache._env import env_flag
 from kcache.dirs import SERVER_DATABASE_FILE, cache_dir, data_dir, directory_kind, toolchain_dir
@@ -51,7 +50,9 @@ from kcache.errors import (
     UnlistedIncludeError,
     UnresolvedRecipeError,
 )
-from kcache.recipe import Recipe
+
+if TYPE_CHECKING:
+    from kcache.recipe import Recipe
 
 __all__ = [
     "UsageError",
@@ -193,6 +194,8 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
         parts = []
         for dist in ("kcache", "kcache-client", "kcache-server"):
             try:
@@ -332,6 +335,8 @@ def _read(option: str, path: Path) -> str:
 
 def recipe_from_args(args: argparse.Namespace) -> Recipe:
     """Build the recipe the command line describes; errors name the option or file."""
+    from kcache.recipe import Recipe
+
     path = Path(args.recipe)
     text = _read("recipe", path)
     data: dict[str, Any]
@@ -402,6 +407,8 @@ def write_output(option: str, target: str, data: bytes) -> Path:
 
 
 def _client_entry() -> Callable[[argparse.Namespace, Recipe], int]:
+    from importlib.metadata import entry_points
+
     remotes = entry_points(group="kcache.remote")
     if not remotes:
         raise UsageError(
@@ -427,9 +434,9 @@ def _cmd_key(args: argparse.Namespace) -> int:
     if server_url(args):  # the server's default toolchain keys the recipe, as `get` would
         return int(_client_entry()(args, recipe))
     if recipe.toolchain is None:
-        from kcache.toolchain import load_toolchain
+        from kcache.toolchain import toolchain_id
 
-        recipe = recipe.with_defaults(toolchain=load_toolchain().id)
+        recipe = recipe.with_defaults(toolchain=toolchain_id())
     print(recipe.key())
     return 0
 
@@ -624,7 +631,12 @@ def build_parser() -> argparse.ArgumentParser:
     return _build()
 
 
-def _build() -> _Parser:
+def _build(command: str | None = None) -> _Parser:
+    """The parser; for a ``command`` of the core's own, without the other distributions' commands.
+
+    Those only add commands of their own, so a core command parses the same either
+    way, and ``kcache key`` does not pay for finding and importing them.
+    """
     parser = _Parser(prog="kcache", description=_DESCRIPTION, epilog=_EPILOG)
     parser.add_argument("--version", action=_VersionAction, help="print the versions and exit")
     parser.add_argument(
@@ -715,6 +727,10 @@ def _build() -> _Parser:
     )
     doctor.set_defaults(func=_cmd_doctor)
 
+    if command in sub.choices:
+        return parser
+    from importlib.metadata import entry_points
+
     for ep in entry_points(group="kcache.commands"):
         ep.load()(sub)
     return parser
@@ -787,7 +803,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = [w for w in words if w != "--debug"]
     try:
         debug = debug or bool(env_flag("KCACHE_DEBUG"))
-        parser = _build()
+        # Only a first word can be the command: after an option (`kcache -h key`) it is not.
+        parser = _build(words[0] if words else None)
         args, extras = parser.parse_known_args(words)
         if extras:
             _chosen(parser, args).unrecognized(extras)

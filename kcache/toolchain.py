@@ -4,6 +4,8 @@ A toolchain id names everything outside the recipe that can change the output: t
 NVRTC and nvJitLink versions, a hash of their shared libraries, and a hash of the
 bundled header tree that compiles include (``cuda_fp16.h``, ``cuda/std``, ``cub``).
 The headers are extracted once per toolchain into a cache directory, atomically.
+:func:`toolchain_id` gives the id alone, from what the last load wrote down
+(:mod:`kcache.toolchain_memo`) while that still holds, without loading anything.
 """
 
 from __future__ import annotations
@@ -17,16 +19,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import filelock
-
+from kcache import toolchain_memo
 from kcache.dirs import toolchain_dir
 from kcache.errors import RecipeError, ToolchainError
 
 if TYPE_CHECKING:
     from kcache.recipe import Recipe
-from kcache.fsutil import atomic_write
 
-__all__ = ["Toolchain", "load_toolchain", "nvrtc_install_advice"]
+__all__ = ["Toolchain", "load_toolchain", "nvrtc_install_advice", "toolchain_id"]
 
 # The first NVRTC (and cuda-bindings) with nvrtcInstallBundledHeaders, whose headers every
 # compile includes; the core's `nvrtc` extra asks for at least this.
@@ -113,6 +113,8 @@ def _library_hash(paths: list[Path], root: Path) -> str:
             changed = True
         combined.update(f"{path.name}:{stamps[stamp]}\n".encode())
     if changed:
+        from kcache.fsutil import atomic_write
+
         root.mkdir(parents=True, exist_ok=True)
         atomic_write(stamp_file, json.dumps(stamps, indent=0).encode())
     return combined.hexdigest()
@@ -150,6 +152,7 @@ def _install_headers(dest: Path, found: str) -> str:
 
     ``found`` names the NVRTC loaded (version and library), for the error when it has none.
     """
+    import filelock
     from cuda.bindings import nvrtc
 
     marker = dest / "tree.sha256"
@@ -192,14 +195,15 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
         ) from exc
     root = root or toolchain_dir()
     try:
-        nvrtc_lib = Path(load_nvidia_dynamic_lib("nvrtc").abs_path)
-        jitlink_lib = Path(load_nvidia_dynamic_lib("nvJitLink").abs_path)
+        located = [load_nvidia_dynamic_lib("nvrtc"), load_nvidia_dynamic_lib("nvJitLink")]
     except Exception as exc:  # pathfinder raises several unrelated types
         raise ToolchainError(
             f"cannot locate the NVRTC/nvJitLink libraries ({exc}): {nvrtc_install_advice()}"
         ) from exc
+    nvrtc_lib, jitlink_lib = (Path(lib.abs_path) for lib in located)
     builtins = sorted(nvrtc_lib.parent.glob("libnvrtc-builtins.so*"))
     libraries = [nvrtc_lib, jitlink_lib, *builtins[-1:]]
+    stamped = toolchain_memo.stamp(libraries)  # before hashing: see kcache.toolchain_memo
     _, major, minor = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     nvrtc_version = f"{major}.{minor}"
     jl_major, jl_minor = nvjitlink.version()
@@ -216,7 +220,7 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
     tree = _install_headers(include_root, f"NVRTC {nvrtc_version} ({nvrtc_lib})")
     combined = hashlib.sha256(f"{lib_hash}\n{tree}\n".encode()).hexdigest()
     (_, archs) = _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
-    return Toolchain(
+    toolchain = Toolchain(
         id=f"nvrtc{nvrtc_version}-nvjitlink{nvjitlink_version}-{combined[:16]}",
         nvrtc_version=nvrtc_version,
         nvjitlink_version=nvjitlink_version,
@@ -224,3 +228,25 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
         supported_sms=tuple(int(a) for a in archs),  # type: ignore[attr-defined]
         libraries=tuple(libraries),
     )
+    searched = all(
+        lib.found_via in toolchain_memo.SEARCHED and not lib.was_already_loaded_from_elsewhere
+        for lib in located
+    )
+    if searched and toolchain_memo.recall(root) != toolchain.id:
+        toolchain_memo.remember(
+            root, toolchain.id, libraries, stamped, include_root / "tree.sha256"
+        )
+    return toolchain
+
+
+def toolchain_id(root: Path | None = None) -> str:
+    """The id :func:`load_toolchain` gives in a fresh process, without loading when it can.
+
+    Remembered by the last load that found the libraries by cuda-pathfinder's search
+    (:mod:`kcache.toolchain_memo`); loaded (and so remembered) when there is no such
+    memo or it no longer matches the installed libraries. For a process that has not
+    loaded NVRTC some other way (``kcache key``): the memo cannot see a library that
+    something else already mapped into the process.
+    """
+    root = root or toolchain_dir()
+    return toolchain_memo.recall(root) or load_toolchain(root).id
