@@ -174,6 +174,7 @@ class ServerThread:
             lifespan="on",
             timeout_graceful_shutdown=10,
             http=CoalescingHttpToolsProtocol,  # as `kcache serve` runs it
+            access_log=settings.access_log,  # (with the access log on, it answers nothing itself)
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(

@@ -25,20 +25,36 @@ complete, with no request of the connection still in flight, is offered to the f
 path's :meth:`~kcache_server.fastpath.ArtifactFastPath.prepare` right in the parser's
 callback; an answer is written at once (the same status, headers and bytes the ASGI
 path sends, with uvicorn's ``server`` and ``date`` headers) and recorded by
-:meth:`~kcache_server.fastpath.ArtifactFastPath.finish`. Anything else — no answer,
-pipelined requests, an access log to write, a concurrency limit — takes uvicorn's path
-unchanged.
+:meth:`~kcache_server.fastpath.ArtifactFastPath.finish`.
+
+A ``POST /v1/resolve`` is offered likewise to the
+:class:`~kcache_server.resolve_fastpath.ResolveFastPath`: when its headers may be a hit
+(:meth:`~kcache_server.resolve_fastpath.ResolveFastPath.admit`: a token the cache
+allows, a JSON body of a declared length within the inline limit, no
+``Expect: 100-continue``) the protocol reads the body itself and asks
+:meth:`~kcache_server.resolve_fastpath.ResolveFastPath.answer`; a hit is audited and
+written here, anything else is handed to uvicorn's path whole (the same scope, cycle
+and body bytes, as if it had never stopped here), marked so it is not offered twice.
+
+Anything else — no answer, pipelined requests, an access log to write, a concurrency
+limit — takes uvicorn's path unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from kcache_server.auth import Principal
 from kcache_server.fastpath import ArtifactFastPath, header_lines
+from kcache_server.resolve_fastpath import DECLINED, ResolveFastPath
+from kcache_server.resolve_fastpath import ROUTE as RESOLVE_ROUTE
+
+T = TypeVar("T")
+_RESOLVE_URL = RESOLVE_ROUTE.encode()
 
 __all__ = ["CoalescingHttpToolsProtocol", "CoalescingTransport"]
 
@@ -117,15 +133,26 @@ class _Answered:
 _ANSWERED = _Answered()
 
 
-def _fast_path_of(app: Any) -> ArtifactFastPath | None:
-    """The fetch fast path in uvicorn's app chain (under its own middleware), if any."""
+def _in_chain(app: Any, kind: type[T]) -> T | None:
+    """The middleware of ``kind`` in uvicorn's app chain (under its own middleware), if any."""
     for _ in range(8):
-        if isinstance(app, ArtifactFastPath):
+        if isinstance(app, kind):
             return app
         app = getattr(app, "app", None)
         if app is None:
             return None
     return None
+
+
+class _Gathering:
+    """A resolve whose body is being read by the protocol: who asks, since when, the bytes so far."""
+
+    __slots__ = ("body", "principal", "started")
+
+    def __init__(self, principal: Principal, started: float) -> None:
+        self.principal = principal
+        self.started = started
+        self.body = bytearray()
 
 
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
@@ -138,8 +165,13 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         """uvicorn's, with the transport wrapped."""
         self._coalescing = CoalescingTransport(transport, self.loop)
         super().connection_made(self._coalescing)  # type: ignore[arg-type]
-        direct = not self.access_log and self.limit_concurrency is None
-        self._fast = _fast_path_of(self.app) if direct else None
+        # Not with an access log to write (asked of the setting: uvicorn's own flag is
+        # whether its logger has handlers, which a test harness attaches regardless).
+        direct = not self.config.access_log and self.limit_concurrency is None
+        self._fast = _in_chain(self.app, ArtifactFastPath) if direct else None
+        self._resolve = _in_chain(self.app, ResolveFastPath) if direct else None
+        #: The resolve whose body is being read here, if any (see :meth:`on_body`).
+        self._gathering: _Gathering | None = None
         #: When the connection last became idle (its last response complete); None while busy.
         self._idle_since: float | None = None
 
@@ -197,18 +229,63 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
             self.timeout_keep_alive_handler()
 
     def on_headers_complete(self) -> None:
-        """A warm fetch answered here (see the module docstring), else uvicorn's."""
-        fast = self._fast
+        """A warm fetch answered here, a resolve's body read here (see the module docstring), else uvicorn's."""
         if (
-            fast is not None
-            and (self.cycle is None or self.cycle.response_complete)
+            (self.cycle is None or self.cycle.response_complete)
             and not self.pipeline
-            and self.parser.get_method() == b"GET"
             and not self.parser.should_upgrade()
-            and self._answer(fast)
         ):
-            return
+            method = self.parser.get_method()
+            if method == b"GET" and self._fast is not None and self._answer(self._fast):
+                return
+            if method == b"POST" and self._resolve is not None and self._gather(self._resolve):
+                return
         super().on_headers_complete()
+
+    def _gather(self, resolve: ResolveFastPath) -> bool:
+        """Read this resolve's body here if it may be a hit (a known length, no 100-continue)."""
+        if self.url != _RESOLVE_URL or self.expect_100_continue:
+            return False
+        started = time.perf_counter()
+        admitted = resolve.admit(self.headers)
+        if admitted is None or admitted[1] is None:
+            return False  # uvicorn's path (the length is unknown when the body is chunked)
+        self._gathering = _Gathering(admitted[0], started)
+        return True
+
+    def on_body(self, body: bytes) -> None:
+        """A gathered resolve's bytes kept (within the length admitted), else uvicorn's."""
+        if self._gathering is not None:
+            self._gathering.body += body
+        else:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        """A gathered resolve answered if it is a hit, else handed to uvicorn's path whole."""
+        gathering = self._gathering
+        if gathering is None:
+            super().on_message_complete()
+            return
+        self._gathering = None
+        resolve = self._resolve
+        assert resolve is not None  # only gathered with a resolve fast path
+        raw = bytes(gathering.body)
+        hit = resolve.answer(gathering.principal, raw)
+        if hit is None:
+            # The request as uvicorn would have had it: the same scope, cycle and body
+            # (marked, so the resolve fast path's ASGI side does not try it again).
+            self.scope[DECLINED] = True  # type: ignore[literal-required]
+            super().on_headers_complete()
+            if raw:
+                super().on_body(raw)
+            super().on_message_complete()
+            return
+        resolve.record(hit)  # audited before answering, as the route does
+        keep_alive = self._keep_alive()
+        self.cycle = _ANSWERED  # type: ignore[assignment]
+        self.transport.write(resolve.http_response(hit, self._default_lines(), keep_alive))
+        resolve.count(gathering.started)
+        self._answered(keep_alive)
 
     def _answer(self, fast: ArtifactFastPath) -> bool:
         url = self.url
@@ -218,16 +295,23 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         answer = fast.prepare(url.decode("latin-1"), self.headers)
         if answer is None:
             return False
-        keep_alive = self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
+        keep_alive = self._keep_alive()
         self.cycle = _ANSWERED  # type: ignore[assignment]  # the body callbacks see it complete
         self.transport.write(answer.http_response(self._default_lines(), keep_alive))
         fast.finish(answer, started)
+        self._answered(keep_alive)
+        return True
+
+    def _keep_alive(self) -> bool:
+        return self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
+
+    def _answered(self, keep_alive: bool) -> None:
+        """A response written here is complete: as uvicorn's cycle ends (counts, keep-alive)."""
         if keep_alive:
-            self.on_response_complete()  # as uvicorn's cycle does: keep-alive timer, counts
+            self.on_response_complete()
         else:
             self.server_state.total_requests += 1
             self.transport.close()
-        return True
 
     def _default_lines(self) -> bytes:
         """uvicorn's own headers (``date``, ``server``) as lines, encoded once per new list.

@@ -27,16 +27,19 @@ the route produces every answer but a hit, errors included.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any, NamedTuple
 
 from kcache.artifact import ArtifactMeta
 from kcache.lru import LruCache
+from kcache.recipe import Recipe
+from kcache_server.auth import Principal
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.routes._deps import INLINE_BODY_BYTES, is_json_content_type
+from kcache_server.schemas import Context
 from kcache_server.state import ServerState
 
-__all__ = ["ROUTE", "ResolveFastPath"]
+__all__ = ["DECLINED", "ROUTE", "ResolveFastPath", "ResolveHit"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -46,6 +49,9 @@ Send = Callable[[Message], Awaitable[None]]
 #: The path served, and the route template the metrics label it with (the route's own).
 ROUTE = "/v1/resolve"
 _CONTENT_TYPE = (b"content-type", b"application/json")
+#: A scope key set by ``kcache serve``'s HTTP protocol on a resolve it already offered to
+#: :meth:`ResolveFastPath.answer` and that was no hit: the app answers it directly.
+DECLINED = "kcache.resolve_declined"
 #: Bytes of encoded answers kept; past it the least recently used are encoded again.
 _MAX_ENCODED_BYTES = 64 << 20
 
@@ -91,7 +97,12 @@ class ResolveFastPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer a resolve hit, or hand the request (its body replayed) to the app."""
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == ROUTE:
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] == ROUTE
+            and DECLINED not in scope
+        ):
             replayed = await self._serve(scope, receive, send)
             if replayed is None:
                 return
@@ -101,25 +112,9 @@ class ResolveFastPath:
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         """None when answered; else the ``receive`` the app must read the body from."""
         started = time.perf_counter()
-        authorization = content_type = length = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                if authorization is not None:
-                    return receive  # two of them: the app answers 400
-                authorization = value.decode("latin-1")
-            elif name == b"content-type":
-                if content_type is not None:
-                    return receive
-                content_type = value.decode("latin-1")
-            elif name == b"content-length":
-                if length is not None or not value.isdigit() or int(value) > self.limit:
-                    return receive  # the route refuses, or reads it on a worker thread
-                length = int(value)
-        if not is_json_content_type(content_type):
+        admitted = self.admit(scope["headers"])
+        if admitted is None:
             return receive
-        principal = self.tokens.authenticate_cached(authorization)
-        if principal is None or not principal.allows("read"):
-            return receive  # the gate and the route produce the precise 401/403
         messages: list[Message] = []
         chunks: list[bytes] = []
         size = 0
@@ -135,16 +130,67 @@ class ResolveFastPath:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        hit = self.answer(admitted[0], chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        if hit is None:
+            return _replaying(messages, receive)
+        self.record(hit)  # audited before answering, as the route does
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-length", str(len(hit.data)).encode()),
+                    _CONTENT_TYPE,
+                    (HEADER, new_request_id().encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": hit.data})
+        self.count(started)
+        return None
+
+    def admit(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[Principal, int | None] | None:
+        """The caller and the body's declared length, if these request headers may be a hit.
+
+        None sends the request to the app: two ``Authorization`` or ``Content-Type``
+        headers, a length over the limit or not a number, a body not sent as JSON, a
+        token the token cache cannot decide or without the read scope.
+        """
+        authorization = content_type = length = None
+        for name, value in headers:
+            if name == b"authorization":
+                if authorization is not None:
+                    return None  # two of them: the app answers 400
+                authorization = value.decode("latin-1")
+            elif name == b"content-type":
+                if content_type is not None:
+                    return None
+                content_type = value.decode("latin-1")
+            elif name == b"content-length":
+                if length is not None or not value.isdigit() or int(value) > self.limit:
+                    return None  # the route refuses, or reads it on a worker thread
+                length = int(value)
+        if not is_json_content_type(content_type):
+            return None
+        principal = self.tokens.authenticate_cached(authorization)
+        if principal is None or not principal.allows("read"):
+            return None  # the gate and the route produce the precise 401/403
+        return principal, length
+
+    def answer(self, principal: Principal, raw: bytes) -> ResolveHit | None:
+        """The hit this body asks for, encoded, or None for the app to answer it.
+
+        Nothing is recorded: :meth:`record` audits the hit, :meth:`count` counts it.
+        """
         try:
             # The base key is in the encoded answer: a hit needs it once per key, not per request.
             body, recipe = self.recipes.parse_resolve(raw, base_key=False)
             if body.compile and not principal.allows("compile"):
-                return _replaying(messages, receive)  # the route answers 403
+                return None  # the route answers 403
             looked_up = time.perf_counter()  # where the route's audit starts its clock
             meta = self.resolver.memory_hit(recipe)
             if meta is None:
-                return _replaying(messages, receive)
+                return None
             key = recipe.key()
             encoded = self._bodies.get(key)
             if encoded is not None and encoded[0] is meta:
@@ -155,21 +201,42 @@ class ResolveFastPath:
                 )
                 self._bodies.put(key, (meta, data))
         except Exception:  # the route produces the answer to whatever this was, errors included
-            return _replaying(messages, receive)
-        # Audited before answering, as the route does (its latency is the lookup's).
-        self.resolver.record_hit(recipe, body.context, "resolve", looked_up, meta)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-length", str(len(data)).encode()),
-                    _CONTENT_TYPE,
-                    (HEADER, new_request_id().encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": data})
+            return None
+        return ResolveHit(recipe, body.context, meta, looked_up, data)
+
+    def record(self, hit: ResolveHit) -> None:
+        """Audit ``hit`` as the route audits a hit (tallied per caller)."""
+        self.resolver.record_hit(hit.recipe, hit.context, "resolve", hit.looked_up, hit.meta)
+
+    def count(self, started: float) -> None:
+        """Count an answered hit in the request metrics, under the route's label."""
         self.ok.inc()
         self.seconds.observe(time.perf_counter() - started)
-        return None
+
+    def http_response(self, hit: ResolveHit, default_lines: bytes, keep_alive: bool) -> bytes:
+        """The whole HTTP/1.1 answer to ``hit`` (the headers the ASGI answer has, after uvicorn's)."""
+        end = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
+        return b"".join(
+            (
+                b"HTTP/1.1 200 OK\r\n",
+                default_lines,
+                b"content-length: ",
+                str(len(hit.data)).encode(),
+                b"\r\ncontent-type: application/json\r\nx-request-id: ",
+                new_request_id().encode(),
+                b"\r\n",
+                end,
+                hit.data,
+            )
+        )
+
+
+class ResolveHit(NamedTuple):
+    """What :meth:`ResolveFastPath.answer` found: the recipe, who asked, the artifact, the answer."""
+
+    recipe: Recipe
+    context: Context
+    meta: ArtifactMeta
+    #: When the lookup started (perf_counter), where the route's audit starts its clock.
+    looked_up: float
+    data: bytes

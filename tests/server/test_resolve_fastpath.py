@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from kcache_server.http_protocol import _in_chain
 from kcache_server.resolve_fastpath import ROUTE, ResolveFastPath
 from kcache_server.routes._deps import INLINE_BODY_BYTES
 
@@ -304,3 +307,95 @@ def test_large_bodies_and_unservable_hits_go_to_the_route(pair: Pair) -> None:
     edited = _post(pair.fast, {"recipe": recipe}, pair.compiler).json()
     assert edited["status"] == "compiled"
     assert edited["artifact"]["digest"] != first["artifact"]["digest"]
+
+
+class _Spy:
+    """Counts the requests that reached the resolve fast path's ASGI side on a running server."""
+
+    def __init__(self, server: ServerThread, patch: pytest.MonkeyPatch) -> None:
+        middleware = _in_chain(server.server.config.loaded_app, ResolveFastPath)
+        assert middleware is not None
+        self.calls = 0
+        serve = middleware._serve
+
+        async def counted(*args: Any) -> Any:
+            self.calls += 1
+            return await serve(*args)
+
+        patch.setattr(middleware, "_serve", counted)
+
+
+def _raw_exchange(server: ServerThread, data: bytes, answers: int) -> list[bytes]:
+    """Send ``data`` on one connection; the ``answers`` responses read back (heads and bodies)."""
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(data)
+        buffer, responses = b"", list[bytes]()
+        while len(responses) < answers:
+            while b"\r\n\r\n" not in buffer:
+                chunk = conn.recv(65536)
+                assert chunk, (buffer, responses)
+                buffer += chunk
+            head, buffer = buffer.split(b"\r\n\r\n", 1)
+            length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
+            while len(buffer) < length:
+                buffer += conn.recv(65536)
+            responses.append(head + b"\r\n\r\n" + buffer[:length])
+            buffer = buffer[length:]
+        return responses
+
+
+def _request(body: bytes, token: str, *extra: str) -> bytes:
+    head = [
+        "POST /v1/resolve HTTP/1.1",
+        "Host: t",
+        f"Authorization: Bearer {token}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *extra,
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def test_kcache_serves_protocol_answers_hits_before_asgi(pair: Pair) -> None:
+    """A hit with a known length is answered by the HTTP protocol; the rest reach ASGI once."""
+    recipe = vector_add(unique())
+    _compiled(pair, recipe)
+    hit = json.dumps({"recipe": recipe, "context": {"rank": 5}}).encode()
+    miss = json.dumps({"recipe": vector_add(unique()), "compile": False}).encode()
+    route = _post(pair.route, None, pair.compiler, raw=hit)
+    with pytest.MonkeyPatch.context() as patch:
+        spy = _Spy(pair.fast, patch)
+        # Pipelined on one connection: hit, miss (the route's 404, body replayed), hit.
+        answers = _raw_exchange(
+            pair.fast,
+            _request(hit, pair.compiler)
+            + _request(miss, pair.compiler)
+            + _request(hit, pair.compiler),
+            3,
+        )
+        assert [a.split(b" ", 2)[1] for a in answers] == [b"200", b"404", b"200"]
+        assert answers[0].endswith(b"\r\n\r\n" + route.content)
+        assert b'"not_found"' in answers[1] or b"no artifact" in answers[1]
+        # The first hit never reached ASGI; the pipelined ones took uvicorn's path whole.
+        first = _raw_exchange(pair.fast, _request(hit, pair.compiler), 1)[0]
+        assert first.endswith(route.content)
+        calls_after_hits = spy.calls
+        # A miss alone: offered here, then straight to the route (not offered twice).
+        missed = _raw_exchange(pair.fast, _request(miss, pair.compiler), 1)[0]
+        assert missed.split(b" ", 2)[1] == b"404" and spy.calls == calls_after_hits, (
+            spy.calls,
+            calls_after_hits,
+            missed,
+        )
+        # Chunked (no length): uvicorn's path, where the ASGI side answers the hit.
+        chunked = _same_answer(pair, json.loads(hit), pair.compiler, chunked=True)
+        assert chunked.json()["status"] == "hit" and spy.calls == calls_after_hits + 1
+        # Connection: close is honoured, as uvicorn's cycle does.
+        closing = _raw_exchange(pair.fast, _request(hit, pair.compiler, "Connection: close"), 1)[0]
+        assert b"connection: close" in closing.lower() and closing.endswith(route.content)
+        assert spy.calls == calls_after_hits + 1
+    first_line, *header_lines = answers[0].split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+    names = {line.split(b":", 1)[0].lower() for line in header_lines}
+    assert first_line == b"HTTP/1.1 200 OK"
+    assert {b"date", b"server", b"content-length", b"content-type", b"x-request-id"} <= names
