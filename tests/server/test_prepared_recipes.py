@@ -54,23 +54,12 @@ def test_different_json_never_shares_a_key(one: dict[str, Any], other: dict[str,
 def test_a_changed_header_is_prepared_again_and_keyed_differently() -> None:
     kept, calls = PreparedRecipes(), list[Any]()
     source = '#include "h.cuh"\n' + VECTOR_ADD
-    first = kept.get_or_prepare(
-        {
-            "source": source,
-            "target": "sm_90",
-            "toolchain": "t1",
-            "headers": {"h.cuh": "#define A 1\n"},
-        },
-        _counting(calls),
-    )
-    second = kept.get_or_prepare(
-        {
-            "source": source,
-            "target": "sm_90",
-            "toolchain": "t1",
-            "headers": {"h.cuh": "#define A 2\n"},
-        },
-        _counting(calls),
+    first, second = (
+        kept.get_or_prepare(
+            {"source": source, "target": "sm_90", "toolchain": "t1", "headers": {"h.cuh": text}},
+            _counting(calls),
+        )
+        for text in ("#define A 1\n", "#define A 2\n")
     )
     assert len(calls) == 2 and first.key() != second.key()
 
