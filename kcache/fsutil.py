@@ -1,5 +1,6 @@
 """Atomic publishing of files (unique temp beside the destination, fsync, rename, fsync dir),
-and the free-space checks that turn a nearly full disk into :class:`StoreFullError`."""
+whole-file reads in few system calls (with the identity of the file read), and the
+free-space checks that turn a nearly full disk into :class:`StoreFullError`."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from kcache.errors import StoreFullError
 
 __all__ = [
     "TMP_PREFIX",
+    "FileIdentity",
     "atomic_write",
     "check_free_space",
     "free_bytes",
     "fsync_dir",
     "is_disk_full",
     "read_file",
+    "read_file_identified",
 ]
 
 #: Staging files start with this prefix; readers and listings ignore them.
@@ -52,6 +55,10 @@ def check_free_space(path: str | os.PathLike[str], minimum: int, what: str) -> N
         )
 
 
+#: What tells one file at a path from another: (device, inode, size, mtime ns, ctime ns).
+FileIdentity = tuple[int, int, int, int, int]
+
+
 def read_file(path: str) -> bytes:
     """The whole of the file at ``path``, in few system calls (raises OSError as ``open`` does).
 
@@ -60,14 +67,27 @@ def read_file(path: str) -> bytes:
     here: open, fstat, a read of the whole size plus one byte, a read that sees the
     end (a file that grew meanwhile is read on to its end), close.
     """
+    return read_file_identified(path)[0]
+
+
+def read_file_identified(path: str) -> tuple[bytes, FileIdentity]:
+    """:func:`read_file`, and the identity of the file read, from the same descriptor.
+
+    The identity is taken before the bytes are read, so a change to the file while it
+    is read shows in a later identity (a write moves mtime and ctime on; only the
+    kernel sets ctime), and bytes read from a file that grew or shrank meanwhile do
+    not have the identity's size.
+    """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
-        chunks = [os.read(fd, os.fstat(fd).st_size + 1)]
+        st = os.fstat(fd)
+        chunks = [os.read(fd, st.st_size + 1)]
         while chunks[-1]:
             chunks.append(os.read(fd, 1 << 16))
     finally:
         os.close(fd)
-    return chunks[0] if len(chunks) == 2 else b"".join(chunks)
+    data = chunks[0] if len(chunks) == 2 else b"".join(chunks)
+    return data, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

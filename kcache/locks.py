@@ -2,26 +2,39 @@
 
 A lock here only avoids duplicate work. Correctness never depends on it: blobs
 are published atomically under their digest and index files by atomic rename,
-so two writers that both compile (a filesystem that grants flock to everyone, a
+so two writers that both compile (a filesystem that grants locks to everyone, a
 lock that timed out) publish the same bytes under the same name.
 
 ``KeyLock.hold(key)`` is a context manager that yields ``waited``: True when
 another holder had the key first (the caller then re-checks the index and, if
 that holder published, reports ``waited`` instead of compiling).
 
+``FileKeyLock`` locks one byte per key of a single file, ``<root>/locks/keys.lock``,
+with Linux's open-file-description (OFD) record locks: no file is created per key
+(a cold node tier paid an inode creation, 0.1-0.4 ms on the benchmark machine's
+ext4, for each kernel's lock file, and kept one file per key it ever fetched), and
+the kernel drops a lock when its holder dies. Where OFD locks do not exist (not
+Linux), a ``filelock`` file per key does the same.
+
 ``FileKeyLock.hold_unless(key, timeout, published)`` is for waiters that can see the
 holder's result without the lock (a node tier: entries are published by atomic
 rename and every read verifies): it yields what ``published()`` found while
 waiting, with the lock never taken, or None once the lock is held. Waiters that
-took the lock only to find the entry there went through it one after another, a
-convoy that cost a rank more than its own fetch.
+took the lock only to find the entry went through it one after another, a convoy
+that cost a rank more than its own fetch. A waiter sleeps until the holder lets go
+(a blocking shared lock of the key's byte, taken by a thread of a small pool:
+``fcntl`` has no timeout), so every waiter wakes at once. Waiters that looked in
+turns instead kept the cores of a loaded node busy; a thread started per wait cost
+milliseconds there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,19 +44,23 @@ from typing import Protocol, TypeVar, runtime_checkable
 import filelock
 
 from kcache.errors import LockTimeoutError
+from kcache.keys import require_hex_key
 
 try:
     import fcntl
-except ImportError:  # pragma: no cover - Windows: hold_unless polls instead
+except ImportError:  # pragma: no cover - Windows: a filelock file per key
     fcntl = None  # type: ignore[assignment]
-from kcache.keys import require_hex_key
 
 __all__ = ["FileKeyLock", "KeyLock", "SingleFlight", "try_file_lock"]
 
 T = TypeVar("T")
 
+#: Whether OFD record locks exist here (Linux 3.15 and later).
+_OFD = fcntl is not None and hasattr(fcntl, "F_OFD_SETLK")
 # hold_unless: the pause before trying again when another waiter was quicker.
 _RETRY_S = 0.001
+# Errors that mean the filesystem keeps no record locks: go ahead as if the lock were had.
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL})
 
 
 @runtime_checkable
@@ -109,6 +126,15 @@ class SingleFlight:
             with looking(key, timeout, published) as found:
                 yield found
 
+    def let_go(self, key: str) -> None:
+        """:meth:`FileKeyLock.let_go` of the inner lock (nothing for one without it).
+
+        Threads of this process still wait in memory until the holder's block ends.
+        """
+        inner_let_go = getattr(self._inner, "let_go", None)
+        if inner_let_go is not None:
+            inner_let_go(key)
+
     @contextlib.contextmanager
     def _local(self, key: str, timeout: float) -> Iterator[bool]:
         """The in-process lock of ``key``; yields whether another thread had it first."""
@@ -133,22 +159,105 @@ class SingleFlight:
 
 
 class FileKeyLock:
-    """``flock`` per key under ``<root>/locks/ab/<key>.lock`` (released by the kernel on SIGKILL)."""
+    """An exclusive lock per key across processes, under ``<root>/locks`` (see the module docstring).
+
+    Released by the kernel when the holder dies (SIGKILL included).
+    """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root) / "locks"
         self.root.mkdir(parents=True, exist_ok=True)
+        self._keys = str(self.root / "keys.lock")
+        # key -> (thread, its byte) for the locks held through this object (let_go).
+        self._held: dict[str, tuple[int, _KeyRange]] = {}
+        self._held_guard = threading.Lock()
 
-    def _lock_path(self, key: str) -> Path:
-        require_hex_key(key, "key")
-        path = self.root / key[:2] / f"{key}.lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path
+    def let_go(self, key: str) -> None:
+        """Let go of ``key`` now, before the holding block ends, if this thread holds it here.
+
+        For a holder that has made its result visible (a node tier that wrote the
+        entry's alias) and has only bookkeeping left: the waiters may go on at once.
+        Nothing where OFD locks do not exist.
+        """
+        with self._held_guard:
+            held = self._held.get(key)
+            if held is None or held[0] != threading.get_ident():
+                return
+            del self._held[key]
+        held[1].give_up()
+
+    @contextlib.contextmanager
+    def _holding(self, key: str, lock: _KeyRange) -> Iterator[None]:
+        """Note ``lock`` as this thread's for :meth:`let_go` while the caller's block runs."""
+        with self._held_guard:
+            self._held[key] = (threading.get_ident(), lock)
+        try:
+            yield
+        finally:
+            with self._held_guard:
+                if key in self._held and self._held[key][1] is lock:
+                    del self._held[key]
 
     @contextlib.contextmanager
     def hold(self, key: str, timeout: float) -> Iterator[bool]:
-        """Try without blocking first, so the caller learns whether it waited."""
-        path = self._lock_path(key)
+        """Try without waiting first, so the caller learns whether it waited."""
+        if not _OFD:
+            with self._per_key_file(key, timeout) as waited:
+                yield waited
+            return
+        with _KeyRange(self._keys, key) as lock:
+            waited = not lock.take()
+            if waited:
+                deadline = time.monotonic() + timeout
+                while not lock.take():
+                    if not _released(lock, deadline - time.monotonic()):
+                        raise LockTimeoutError(f"waited {timeout:.0f}s for the lock of {key}")
+            with self._holding(key, lock):
+                yield waited
+
+    @contextlib.contextmanager
+    def hold_unless(
+        self, key: str, timeout: float, published: Callable[[], T | None]
+    ) -> Iterator[T | None]:
+        """Hold ``key``'s lock, unless ``published()`` finds the holder's result first.
+
+        Yields None with the lock held (free at once, or once the holder let go without
+        publishing: it failed, or died and the kernel released its lock), or what
+        ``published()`` returned while this process waited, with the lock never taken.
+        A waiter sleeps until the holder lets go, then looks (``published()``, which must
+        need no lock) before it tries the lock: the holder publishes before it lets go,
+        so the waiters find the entry, all at once, instead of passing through the lock
+        one after another. Raises LockTimeoutError after ``timeout``.
+        """
+        if not _OFD:  # the portable lock, and a look under it (by the caller)
+            with self._per_key_file(key, timeout):
+                yield None
+            return
+        with _KeyRange(self._keys, key) as lock:
+            if lock.take():
+                with self._holding(key, lock):
+                    yield None
+                return
+            deadline = time.monotonic() + timeout
+            while True:
+                if not _released(lock, deadline - time.monotonic()):
+                    raise LockTimeoutError(f"waited {timeout:.0f}s for the lock of {key}")
+                found = published()
+                if found is not None:
+                    yield found
+                    return
+                if lock.take():
+                    with self._holding(key, lock):
+                        yield None
+                    return
+                time.sleep(_RETRY_S)  # another waiter took it, or holds its shared lock a moment
+
+    @contextlib.contextmanager
+    def _per_key_file(self, key: str, timeout: float) -> Iterator[bool]:
+        """A ``filelock`` file per key (where OFD locks do not exist); yields whether it waited."""
+        require_hex_key(key, "key")
+        path = self.root / key[:2] / f"{key}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
         lock = filelock.FileLock(str(path), thread_local=False)
         waited = False
         try:
@@ -164,116 +273,134 @@ class FileKeyLock:
         finally:
             lock.release()
 
-    @contextlib.contextmanager
-    def hold_unless(
-        self, key: str, timeout: float, published: Callable[[], T | None]
-    ) -> Iterator[T | None]:
-        """Hold ``key``'s lock, unless ``published()`` finds the holder's result first.
 
-        Yields None with the lock held (free at once, or once the holder let go without
-        publishing: it failed, or died and the kernel released its ``flock``), or what
-        ``published()`` returned while this process waited, with the lock never taken.
-        A waiter sleeps until the holder lets go, then looks (``published()``, which must
-        need no lock) before it tries the lock: the holder publishes before it lets go,
-        so the waiters find the entry, all at once, instead of passing through the lock
-        one after another. Raises LockTimeoutError after ``timeout``.
-        """
-        path = self._lock_path(key)
-        if fcntl is None:  # no flock here: the portable lock and a look under it
-            with self.hold(key, timeout):
-                yield None
-            return
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+class _Flock(ctypes.Structure):
+    """``struct flock`` (fcntl(2)), with the platform's own field sizes and padding."""
+
+    _fields_ = [
+        ("l_type", ctypes.c_short),
+        ("l_whence", ctypes.c_short),
+        ("l_start", ctypes.c_int64),
+        ("l_len", ctypes.c_int64),
+        ("l_pid", ctypes.c_int),
+    ]
+
+
+class _KeyRange:
+    """One key's byte of the shared lock file, through a descriptor of its own.
+
+    OFD locks belong to the open file description, so two descriptors (two threads,
+    two processes) exclude each other, and closing the descriptor releases the lock.
+    The byte is the key's first 60 bits: two keys that share them only wait for each
+    other.
+    """
+
+    def __init__(self, path: str, key: str) -> None:
+        assert fcntl is not None
+        offset = int(require_hex_key(key, "key")[:15], 16)
+        self.path = path
+        self._exclusive = bytes(_Flock(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
+        self._unlock = bytes(_Flock(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
+        #: The same byte, shared: granted once no one holds it exclusively.
+        self.shared = bytes(_Flock(fcntl.F_RDLCK, os.SEEK_SET, offset, 1, 0))
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
         try:
-            # flock directly, not filelock: its try costs ~100 us here against ~3 us, and a
-            # node of ranks tries once per kernel each (it locks the same file with flock,
-            # so the two exclude each other).
-            if not _try_flock(fd):
-                found = _wait_or_look(fd, path, timeout, published)
-                if found is not None:
-                    yield found
-                    return
-            yield None
-        finally:
-            os.close(fd)  # releases the lock
+            self._fd = os.open(path, flags, 0o644)
+        except FileNotFoundError:  # the locks directory was removed (a cleared cache)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._fd = os.open(path, flags, 0o644)
 
-
-def _try_flock(fd: int) -> bool:
-    """Take the exclusive flock of ``fd`` if free; True also where flock is unsupported.
-
-    A filesystem without flock (ENOLCK, ENOSYS) gives no lock at all: the caller then
-    goes ahead as the holder, and at worst the node downloads a kernel twice.
-    """
-    assert fcntl is not None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-            return False
-        if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
-            return True
-        raise
-    return True
-
-
-def _wait_or_look(
-    fd: int, path: Path, timeout: float, published: Callable[[], T | None]
-) -> T | None:
-    """What ``published()`` finds once the holder of ``fd``'s lock lets go, or None once it is had.
-
-    The wait is a blocking shared ``flock`` of the same file (:class:`_Release`): no
-    CPU while the holder works, and every waiter wakes at once when it lets go, since
-    shared locks do not exclude each other. Then a look, and the lock only when the
-    holder published nothing.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not _Release(str(path)).wait(left):
-            raise LockTimeoutError(f"waited {timeout:.0f}s for the lock {path}")
-        found = published()
-        if found is not None:
-            return found
-        if _try_flock(fd):
-            return None
-        time.sleep(_RETRY_S)  # another waiter took it, or holds its shared lock a moment
-
-
-class _Release:
-    """A shared ``flock`` of a lock file, taken by a helper thread: ``flock`` has no timeout.
-
-    The thread blocks in the kernel until the exclusive holder lets go (or dies). A
-    waiter that gives up first leaves the descriptor to the thread, which closes it
-    (releasing its shared lock at once) when its ``flock`` returns.
-    """
-
-    def __init__(self, path: str) -> None:
+    def take(self) -> bool:
+        """Take the lock if no other description holds the byte; True also without record locks."""
         assert fcntl is not None
-        self._fd = os.open(path, os.O_RDONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        self._done = threading.Event()
-        self._guard = threading.Lock()
-        self._abandoned = False
-        threading.Thread(target=self._run, name="kcache-lock-wait", daemon=True).start()
-
-    def _run(self) -> None:
-        assert fcntl is not None
-        with contextlib.suppress(OSError):  # no lock to wait on (ENOLCK): the caller just looks
-            fcntl.flock(self._fd, fcntl.LOCK_SH)
-        with self._guard:
-            self._done.set()
-            if not self._abandoned:
-                return
-        os.close(self._fd)
-
-    def wait(self, timeout: float) -> bool:
-        """True when the holder let go within ``timeout`` (the shared lock is dropped again)."""
-        self._done.wait(timeout)
-        with self._guard:
-            if not self._done.is_set():
-                self._abandoned = True
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, self._exclusive)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
                 return False
-        os.close(self._fd)
+            if exc.errno in _NO_LOCKS:
+                # No record locks on this filesystem: go ahead as the holder; at worst
+                # the node downloads (or compiles) a kernel twice.
+                return True
+            raise
         return True
+
+    def give_up(self) -> None:
+        """Release the lock now (the descriptor stays open until the block ends)."""
+        assert fcntl is not None
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, self._unlock)
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKS:  # none was taken there
+                raise
+
+    def __enter__(self) -> _KeyRange:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)  # releases the lock, if it was taken
+
+
+def _released(lock: _KeyRange, timeout: float) -> bool:
+    """Whether the holder of ``lock``'s byte let go (or died) within ``timeout`` seconds."""
+    if timeout <= 0:
+        return False
+    wait = _Wait(lock.path, lock.shared)
+    _WAITERS.put(wait)
+    return wait.done.wait(timeout)
+
+
+class _Wait:
+    """One wait for a key's holder to let go: the shared request, and the event that tells."""
+
+    def __init__(self, path: str, shared: bytes) -> None:
+        self.path = path
+        self.shared = shared
+        self.done = threading.Event()
+
+
+class _WaitPool:
+    """Daemon threads that each block in ``F_OFD_SETLKW`` for one :class:`_Wait` at a time.
+
+    ``fcntl`` has no timeout, so a thread blocks for the waiter, which waits on an event
+    with its own timeout. The thread takes the shared lock once the holder lets go (or
+    dies), drops it at once and sets the event; a waiter that gave up leaves its
+    thread blocked until then. Threads are kept for later waits, and one is started
+    only when all are busy: starting one per wait cost a rank milliseconds on a loaded
+    node.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Wait] = queue.SimpleQueue()
+        self._guard = threading.Lock()
+        self._idle = 0
+
+    def put(self, wait: _Wait) -> None:
+        """Have a thread wait for ``wait`` (an idle one, else a new one)."""
+        with self._guard:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+        self._jobs.put(wait)
+        if start:
+            threading.Thread(target=self._serve, name="kcache-lock-wait", daemon=True).start()
+
+    def _serve(self) -> None:
+        assert fcntl is not None
+        while True:
+            wait = self._jobs.get()
+            with contextlib.suppress(OSError):  # no lock to wait on: the waiter just looks
+                fd = os.open(wait.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                try:
+                    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, wait.shared)
+                finally:
+                    os.close(fd)  # the shared lock goes with it
+            wait.done.set()
+            with self._guard:
+                self._idle += 1
+
+
+_WAITERS = _WaitPool()
 
 
 @contextlib.contextmanager

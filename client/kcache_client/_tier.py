@@ -3,12 +3,36 @@
 Every process of a node (every rank, every job) opens the same directory. Blobs
 are published by the core's atomic write under their digest, index entries by
 atomic rename, so readers never see half a file and two processes that download
-the same blob agree. Nothing is fsynced (``durable=False``): after a power loss a
-file may be empty or garbage, which every read treats as absent (a blob fails its
-digest check), so the kernel is fetched again. The per-key lock (in-process single-flight around a file
-lock) only makes the node download a blob once instead of once per rank; it
-guards no correctness. The same holds on a shared filesystem where ``flock`` is
-advisory or granted to everyone: duplicate downloads, never a wrong result.
+the same blob agree. The per-key lock (in-process single-flight around a record
+lock of one byte per key, :class:`~kcache.locks.FileKeyLock`) only makes the node
+download a blob once instead of once per rank, and its holder lets go as soon as
+the entry's alias is written. It guards no correctness: on a shared filesystem where
+locks are advisory or granted to everyone, the worst is a duplicate download.
+
+Nothing is fsynced (``durable=False``), and crash consistency holds without it.
+What a reader trusts is checked on every read that could see a new file: a blob
+must hash to its digest (the name it was asked for by), an alias must parse, name
+its own recipe key and carry metadata of the digest it names. A write that a crash
+or power loss cut short (a file empty, truncated, zeros, another file's old blocks)
+fails those checks and reads as absent: the kernel is fetched again and its publish
+replaces the file (``tests/client/test_tier_crash.py``). An fsync per file and
+directory was most of a cold rank's fetch time (B8); it would only make the refetch
+rarer.
+
+A process hashes a blob once per file, not once per read: it remembers, per digest,
+the identity (device, inode, size, mtime and ctime in ns, read from the descriptor
+before the bytes) of the file it verified, and a later read of a file with that
+identity hands out the bytes without hashing them again; likewise an alias file's
+parsed metadata. Why that is safe: kcache never writes a published file in place
+(every publish is a new file renamed over the old, a new inode), any write into a
+file through the filesystem moves its mtime and ctime on (ctime cannot be set from
+user space), and a truncation or growth changes its size. Timestamps can be coarse
+(a clock tick, 2 s on FAT), so an identity is remembered only once the file's ctime
+is at least 2 s older than the read (git's "racily clean" rule): a later write then
+gets a later timestamp. What it cannot see: bytes changed below the filesystem
+(failing media, a raw block device) after this process verified them, until the
+file changes or another process reads it; a power loss ends the process and its
+memory with it. Every process and every new file is verified at least once.
 
 The tier is bounded (:mod:`kcache.eviction`): ``max_bytes`` (``KCACHE_CACHE_MAX_BYTES``,
 default 10 GiB or 10 % of the tier's filesystem, whichever is smaller; 0 for none).
@@ -30,6 +54,7 @@ and a publish checks its blob is still there after writing the record.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import threading
@@ -39,11 +64,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kcache.artifact import ArtifactMeta, CompileFailure
+from kcache.artifact import ArtifactMeta
 from kcache.dirs import cache_dir, mark_cache_dir
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, LockTimeoutError
 from kcache.eviction import LruCandidate, WaterMarks, default_tier_cap, least_recently_used
-from kcache.fsutil import atomic_write
+from kcache.fsutil import FileIdentity, atomic_write, read_file_identified
 from kcache.index.file import FileIndex
 from kcache.keys import sha256_hex
 from kcache.locks import FileKeyLock, SingleFlight, try_file_lock
@@ -56,6 +81,10 @@ T = TypeVar("T")
 
 # A lookup refreshes an entry's access stamp at most this often per process (one utime).
 _TOUCH_EVERY_S = 5.0
+# Parsed aliases kept per process (each a few KB of metadata).
+_PARSED_ENTRIES = 4096
+# A file is known by its identity once its ctime is this old (coarse clocks: FAT's 2 s).
+_SETTLED_NS = 2_000_000_000
 # A process rescans the tier's size after a publish at least this often (or 20 scans' time).
 _RESCAN_MIN_S = 1.0
 
@@ -135,6 +164,12 @@ class NodeTier:
         self._evict_lock_path = self.root / "locks" / "evict.lock"
         # digest -> when this process last stamped it; bounded, the oldest forgotten first.
         self._touched: LruCache[str, float] = LruCache(max_entries=100_000)
+        # digest -> the identity of the blob file whose bytes this process verified.
+        self._verified: LruCache[str, FileIdentity] = LruCache(max_entries=100_000)
+        # recipe key -> an alias file's identity and what it said (metadata is a few KB).
+        self._parsed: LruCache[str, tuple[FileIdentity, ArtifactMeta]] = LruCache(
+            max_entries=_PARSED_ENTRIES
+        )
         self._size_lock = threading.Lock()
         self._scanned_bytes: int | None = None  # the tier's size at this process's last scan
         self._since_scan = 0  # bytes this process published since
@@ -149,11 +184,11 @@ class NodeTier:
         negative entry (a failed local compile) is not an answer here: the server
         may know better.
         """
-        entry = self.index.lookup(recipe_key)
-        if entry is None or isinstance(entry, CompileFailure):
+        entry = self._entry(recipe_key)
+        if entry is None:
             return None
         try:
-            data = self.store.get(entry.digest)
+            data = self._blob(entry.digest)
         except CorruptArtifactError:
             self.index.forget(recipe_key)
             return None
@@ -164,12 +199,55 @@ class NodeTier:
         self._touch(entry.digest)
         return entry, data
 
+    def _entry(self, recipe_key: str) -> ArtifactMeta | None:
+        """The alias's artifact, parsed once per alias file this process read (module docstring)."""
+        try:
+            raw, identity = read_file_identified(self.index.alias_path(recipe_key))
+        except FileNotFoundError:
+            return None
+        known = self._parsed.get(recipe_key)
+        if known is not None and known[0] == identity:
+            return known[1]
+        entry = self.index.parse_alias(recipe_key, raw)
+        if not isinstance(entry, ArtifactMeta):
+            return None
+        if _settled(identity, len(raw)):
+            self._parsed.put(recipe_key, (identity, entry))
+        return entry
+
+    def _blob(self, digest: str) -> bytes:
+        """The verified bytes of ``digest``, hashed once per blob file this process read.
+
+        Bytes that do not match go to the store's own read, which quarantines the file
+        (CorruptArtifactError) unless it was replaced meanwhile.
+        """
+        try:
+            data, identity = read_file_identified(self.location(digest))
+        except FileNotFoundError:
+            raise ArtifactNotFoundError(f"no blob {digest} in {self.store.blobs}") from None
+        if self._verified.get(digest) == identity and len(data) == identity[2]:
+            return data
+        if hashlib.sha256(data).hexdigest() != digest:
+            return self.store.get(digest)
+        if _settled(identity, len(data)):
+            self._verified.put(digest, identity)
+        return data
+
     def publish(self, recipe_key: str, base_key: str, meta: ArtifactMeta, data: bytes) -> Path:
-        """Store verified bytes, then the index entry (the blob first, as everywhere); may evict."""
+        """Store verified bytes, then the index entry (the blob first, as everywhere); may evict.
+
+        The index writes the recipe's alias first (a cache's order), and this thread's
+        lock of the key is let go right then: processes waiting for the key take the
+        entry while this one writes the artifact record and the manifest entry and
+        does its bookkeeping (B8: eight ranks fetching the same kernels wait on each
+        key in turn).
+        """
         digest = self.store.put(data)
         if digest != meta.digest:  # the caller verified already; this is a second line of defence
             raise CorruptArtifactError(meta.digest, digest, None)
-        self.index.record_artifact(recipe_key, base_key, meta)
+        self.index.record_artifact(
+            recipe_key, base_key, meta, visible=lambda: self.lock.let_go(recipe_key)
+        )
         if not os.path.isfile(self.location(digest)):
             # Another process evicted the blob between our put and our record (it had
             # seen no record yet): put it back, so no record names a missing blob.
@@ -393,6 +471,16 @@ class NodeTier:
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
+
+
+def _settled(identity: FileIdentity, nbytes: int) -> bool:
+    """Whether a file read as ``nbytes`` may be known by ``identity`` from now on.
+
+    The bytes must be the whole file of that identity (not one that grew or shrank
+    while it was read), and its ctime at least :data:`_SETTLED_NS` old, so that a later
+    write cannot share its timestamp (module docstring).
+    """
+    return nbytes == identity[2] and time.time_ns() - identity[4] >= _SETTLED_NS
 
 
 def _alias_digest(path: Path) -> str | None:

@@ -5,15 +5,16 @@ of the artifact's metadata so a hit reads one small file, or a negative entry),
 ``artifacts/ab/<digest>.json`` (metadata), ``manifests/ab/<base_key>.json``.
 Every file is published atomically (temp, fsync, rename), and the alias is written
 last, so a crash leaves at worst an unreferenced artifact record. A cache may open
-the index with ``durable=False`` (no fsync, and manifests updated without their
-lock): then a power loss may leave any file empty or garbage, and every read treats
-such a file as absent.
+the index with ``durable=False`` (no fsync, manifests updated without their lock,
+the alias written first): then a power loss may leave any file empty or garbage,
+and every read treats such a file as absent.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +79,27 @@ class FileIndex:
         (written before entries did) is absent as well, since nothing vouches for it.
         """
         try:
-            return self._lookup(recipe_key)
+            raw = read_file(self.alias_path(recipe_key))
+        except FileNotFoundError:
+            return None
+        return self.parse_alias(recipe_key, raw)
+
+    def alias_path(self, recipe_key: str) -> str:
+        """Where the alias (or negative entry) of ``recipe_key`` lives."""
+        return self._path_str("recipes", recipe_key)
+
+    def parse_alias(self, recipe_key: str, raw: bytes) -> ArtifactMeta | CompileFailure | None:
+        """What an alias file's bytes say for ``recipe_key``: :meth:`lookup` after its read.
+
+        For a caller that reads the file itself (the node tier, which also learns the
+        file's identity from the same read).
+        """
+        try:
+            return self._entry(recipe_key, json.loads(raw))
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
-    def _lookup(self, recipe_key: str) -> ArtifactMeta | CompileFailure | None:
-        entry = self._read("recipes", recipe_key)
+    def _entry(self, recipe_key: str, entry: Any) -> ArtifactMeta | CompileFailure | None:
         if not isinstance(entry, dict):
             return None
         if "failure" in entry:
@@ -119,8 +135,29 @@ class FileIndex:
         except (KeyError, TypeError, ValueError, AttributeError):
             return []
 
-    def record_artifact(self, recipe_key: str, base_key: str, meta: ArtifactMeta) -> None:
-        """Artifact metadata, then the manifest entry, then the alias (the commit point)."""
+    def record_artifact(
+        self,
+        recipe_key: str,
+        base_key: str,
+        meta: ArtifactMeta,
+        *,
+        visible: Callable[[], object] | None = None,
+    ) -> None:
+        """The artifact's metadata record, its manifest entry and the recipe's alias.
+
+        A durable index writes the alias last, as the commit point: a crash leaves at
+        worst an unreferenced record. A cache (``durable=False``, the node tier) writes
+        it first, so that processes waiting for the entry need not wait for the rest:
+        the alias carries the metadata a hit reads, and a record or manifest entry lost
+        to a crash costs at most an offline manifest match (a compile) and an eviction
+        that dates the entry by its blob. Without fsync the order holds only while the
+        machine runs anyway. ``visible`` is called once the alias is written.
+        """
+        alias = {"recipe_key": recipe_key, "digest": meta.digest, "artifact": meta.to_dict()}
+        if not self.durable:
+            self._write("recipes", recipe_key, alias)
+            if visible is not None:
+                visible()
         if self.artifact(meta.digest) is None:
             self._write("artifacts", meta.digest, meta.to_dict())
         entry = ManifestEntry(meta.digest, meta.dependencies)
@@ -129,17 +166,15 @@ class FileIndex:
             # a lost entry would cost a recompile, never a wrong result.
             with filelock.FileLock(f"{self._root_str}/.locks/{base_key}.lock", timeout=60):
                 self._add_to_manifest(base_key, entry)
+            self._write("recipes", recipe_key, alias)
+            if visible is not None:
+                visible()
         else:
-            # A cache (the node tier) goes without: two processes adding entries under
-            # one base key at the same moment (the same source, other header texts)
-            # may lose one, which costs at most a compile an offline manifest match
-            # would have spared; a lock per publish was a good part of a cold rank's time.
+            # A cache goes without: two processes adding entries under one base key at
+            # the same moment (the same source, other header texts) may lose one, which
+            # costs at most a compile an offline manifest match would have spared; a
+            # lock per publish was a good part of a cold rank's time.
             self._add_to_manifest(base_key, entry)
-        self._write(
-            "recipes",
-            recipe_key,
-            {"recipe_key": recipe_key, "digest": meta.digest, "artifact": meta.to_dict()},
-        )
 
     def _add_to_manifest(self, base_key: str, entry: ManifestEntry) -> None:
         entries = [e for e in self.manifest(base_key) if e.dependencies != entry.dependencies]

@@ -1,0 +1,191 @@
+"""The node tier's per-key lock and publish order: what lets waiting ranks go on early.
+
+* Keys are locked as bytes of one file (OFD record locks): no file per key, keys
+  exclude each other only when they are the same, across processes and threads.
+* A publish writes the recipe's alias first and lets go of the key at once, so other
+  processes take the entry before the holder has written the artifact record and the
+  manifest; an entry whose record and manifest a crash lost still reads, lists and
+  evicts, and the next publish writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+from kcache_client import NodeTier
+
+from kcache.artifact import ArtifactMeta
+from kcache.errors import LockTimeoutError
+from kcache.index.file import FileIndex
+from kcache.locks import FileKeyLock
+
+KEY = "4d" * 32
+BASE = "5e" * 32
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="OFD record locks are Linux's")
+
+
+def _meta(data: bytes) -> ArtifactMeta:
+    digest = hashlib.sha256(data).hexdigest()
+    return ArtifactMeta(digest=digest, size=len(data), kind="cubin", target="sm_80", toolchain="t")
+
+
+def _other_process_finds(root: Path, key: str) -> str:
+    """What another process gets when it tries ``key`` once: "free" or "busy"."""
+    return subprocess.run(
+        [sys.executable, "-c", _TRY_ONCE, str(root), key], capture_output=True, text=True
+    ).stdout.strip()
+
+
+def test_keys_are_bytes_of_one_file_and_exclude_only_themselves(tmp_path: Path) -> None:
+    lock = FileKeyLock(tmp_path)
+    keys = [f"{i:02x}" * 32 for i in range(40)]
+    with lock.hold(keys[0], timeout=5) as waited:
+        assert not waited
+        assert _other_process_finds(tmp_path, keys[0]) == "busy"
+        assert _other_process_finds(tmp_path, keys[1]) == "free"
+        # Another thread of this process (its own descriptor) is excluded as well.
+        with pytest.raises(LockTimeoutError):  # noqa: SIM117
+            with FileKeyLock(tmp_path).hold(keys[0], timeout=0.05):
+                pass
+    for key in keys:
+        with lock.hold(key, timeout=5):
+            pass
+    assert sorted(p.name for p in (tmp_path / "locks").iterdir()) == ["keys.lock"]
+    assert _other_process_finds(tmp_path, keys[0]) == "free"
+
+
+def test_a_holder_that_lets_go_frees_the_key_before_its_block_ends(tmp_path: Path) -> None:
+    lock = FileKeyLock(tmp_path)
+    with lock.hold(KEY, timeout=5):
+        FileKeyLock(tmp_path).let_go(KEY)  # another object: holds nothing here
+        assert _other_process_finds(tmp_path, KEY) == "busy"
+        outsider = threading.Thread(target=lock.let_go, args=(KEY,))
+        outsider.start()
+        outsider.join()
+        assert _other_process_finds(tmp_path, KEY) == "busy"  # only the holding thread may
+        lock.let_go(KEY)
+        assert _other_process_finds(tmp_path, KEY) == "free"
+    assert _other_process_finds(tmp_path, KEY) == "free"
+
+
+def test_a_waiting_rank_takes_the_entry_once_the_alias_is_written(tmp_path: Path) -> None:
+    """The holder stops after its alias (as if slow to write the rest); the waiter goes on."""
+    data = b"kernel for the waiters " * 100
+    meta = _meta(data)
+    holder_tier = NodeTier(tmp_path, max_bytes=0)
+    held, publish, finish, taken = (threading.Event() for _ in range(4))
+    record = holder_tier.index.record_artifact
+
+    def slow_record(*args: object, **kwargs: object) -> None:
+        show = kwargs.pop("visible")
+
+        def shown() -> None:
+            show()  # type: ignore[operator]
+            finish.wait(30)  # the record and the manifest wait until the waiter is done
+
+        record(*args, visible=shown, **kwargs)  # type: ignore[arg-type]
+
+    holder_tier.index.record_artifact = slow_record  # type: ignore[method-assign]
+
+    def hold_and_publish() -> None:
+        with holder_tier.hold_unless(KEY, lambda: None) as found:
+            assert found is None
+            held.set()
+            publish.wait(30)
+            holder_tier.publish(KEY, BASE, meta, data)
+
+    waiter_tier = NodeTier(tmp_path, max_bytes=0)  # as another process: its own lock object
+    got: list[object] = []
+
+    def wait_and_take() -> None:
+        with waiter_tier.hold_unless(KEY, lambda: waiter_tier.lookup(KEY)) as found:
+            # None: the lock was had (let go already); the caller looks under it, as get() does.
+            got.append(found if found is not None else waiter_tier.lookup(KEY))
+        taken.set()
+
+    holder = threading.Thread(target=hold_and_publish)
+    holder.start()
+    assert held.wait(30)
+    waiter = threading.Thread(target=wait_and_take)
+    waiter.start()
+    publish.set()
+    assert taken.wait(30)
+    # The waiter has its entry while the holder has not written the record yet.
+    assert got == [(meta, data)]
+    assert waiter_tier.index.artifact(meta.digest) is None
+    finish.set()
+    holder.join(30)
+    waiter.join(30)
+    assert waiter_tier.index.artifact(meta.digest) == meta
+    assert [e.digest for e in waiter_tier.index.manifest(BASE)] == [meta.digest]
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_the_alias_is_written_first_in_a_cache_and_last_in_a_durable_index(
+    tmp_path: Path, durable: bool
+) -> None:
+    index = FileIndex(tmp_path, durable=durable)
+    meta = _meta(b"ordered")
+    when_visible: list[tuple[object, object, list[str]]] = []
+    index.record_artifact(
+        KEY,
+        BASE,
+        meta,
+        visible=lambda: when_visible.append(
+            (
+                index.lookup(KEY),
+                index.artifact(meta.digest),
+                [e.digest for e in index.manifest(BASE)],
+            )
+        ),
+    )
+    if durable:
+        assert when_visible == [(meta, meta, [meta.digest])]
+    else:
+        assert when_visible == [(meta, None, [])]
+
+
+def test_an_entry_whose_record_a_crash_lost_reads_lists_evicts_and_heals(tmp_path: Path) -> None:
+    data = b"kernel of a crashed publish " * 100
+    meta = _meta(data)
+    tier = NodeTier(tmp_path, max_bytes=0)
+
+    def crash() -> None:
+        raise KeyboardInterrupt  # the process dies right after the alias
+
+    tier.store.put(data)
+    with pytest.raises(KeyboardInterrupt):
+        tier.index.record_artifact(KEY, BASE, meta, visible=crash)
+    assert tier.index.artifact(meta.digest) is None and tier.index.manifest(BASE) == []
+
+    fresh = NodeTier(tmp_path, max_bytes=0)
+    assert fresh.lookup(KEY) == (meta, data)
+    (entry,) = fresh.entries()
+    assert (entry.digest, entry.recipe_keys, entry.kernel) == (meta.digest, (KEY,), "")
+    removal = fresh.remove([KEY])
+    assert removal.removed == 1 and fresh.lookup(KEY) is None
+    fresh.publish(KEY, BASE, meta, data)  # the refetch's publish writes everything
+    assert fresh.lookup(KEY) == (meta, data)
+    assert fresh.index.artifact(meta.digest) == meta
+    assert [e.digest for e in fresh.index.manifest(BASE)] == [meta.digest]
+
+
+_TRY_ONCE = textwrap.dedent(
+    """
+    import sys
+    from kcache.errors import LockTimeoutError
+    from kcache.locks import FileKeyLock
+    try:
+        with FileKeyLock(sys.argv[1]).hold(sys.argv[2], timeout=0.05):
+            print("free")
+    except LockTimeoutError:
+        print("busy")
+    """
+)
