@@ -36,9 +36,9 @@ from kcache.cli import (
 )
 from kcache.dirs import cache_dir
 from kcache.errors import ArtifactNotFoundError, KCacheError, RecipeError
-from kcache.recipe import Recipe
 
 if TYPE_CHECKING:
+    from kcache.recipe import Recipe
     from kcache_client._cache import KernelCache
     from kcache_client._settings import RetryPolicy
 
@@ -54,6 +54,8 @@ _EVENTS_CLOSE_S = 2.0
 
 def load_recipes(path: str | os.PathLike[str]) -> list[Recipe]:
     """Recipes from a file: a JSON list, ``{"recipes": [...]}``, or JSON lines."""
+    from kcache.recipe import Recipe
+
     file = Path(path)
     try:
         text = file.read_text()
