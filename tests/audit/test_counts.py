@@ -252,7 +252,7 @@ def test_divergence_probes_equal_a_grouping_of_the_raw_events(engine: sa.Engine)
     checked = 0
     for window in WINDOWS:
         for extra in filters:
-            query = StatsQuery(**window, **extra)
+            query = StatsQuery(**window, **extra)  # type: ignore[arg-type]
             expected = _divergence_from_events(engine, query)
             assert _answers(engine, query)["divergence"] == expected, (window, extra)
             checked += len(expected)
@@ -386,3 +386,55 @@ def test_the_sibling_probe_matches_targets_and_their_absence(engine: sa.Engine) 
     assert missed["ka"]["last_miss_reason"] == changed
     assert missed["kb"]["last_miss_reason"] == "first build of this recipe"
     assert missed["kc"]["last_miss_reason"] == changed
+
+
+def test_a_job_ranks_read_by_key_equal_them_read_by_range(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Named buckets (stats._keyed) and the range they fall back to give the same ranks.
+
+    A job's per-rank counts and world size are read for the jobs shown only, each
+    bucket the counts hold named so the database seeks (bucket, job) pairs; with
+    more buckets than the bound the range is read instead. Both equal the raw recount.
+    """
+    _write_mixed(engine)
+    for bound in (stats._MAX_KEYED_BUCKETS, 1):
+        monkeypatch.setattr(stats, "_MAX_KEYED_BUCKETS", bound)
+        for window in WINDOWS:
+            query = StatsQuery(group_by="job", **window)  # type: ignore[arg-type]
+            counted = _answers(engine, query)
+            assert counted == _raw_answers(engine, query, monkeypatch), (bound, window)
+            assert any(g["ranks"] for g in counted["groups"]) or window, window
+
+
+def test_the_groups_cut_at_the_limit_is_the_full_ranking_cut(engine: sa.Engine) -> None:
+    """Groups ranked in SQL (dense_rank over totals, ties kept) and cut in Python.
+
+    Jobs with equal totals straddle every cut: each limit's answer is the first
+    groups of the whole ranking (most lookups, then the key as text), on counts and
+    on raw events alike.
+    """
+    rows = []
+    # Totals 3, 3, 3, 2, 2, 1 (and a job-less group of 2): ties at limits 1, 2, 4 and 5.
+    for job, n in (("jc", 3), ("ja", 3), ("jb", 3), ("jz", 2), (None, 2), ("jy", 1)):
+        for i in range(n):
+            row = {k: v for k, v in vars(_record(i)).items()}
+            row.update(job_id=job, outcome=("hit", "miss", "compiled")[i], digest=None)
+            rows.append(row)
+    with engine.begin() as conn:
+        counts.write_events(conn, rows)
+    for counted in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(stats, "_counted", lambda query, counted=counted: counted)
+            whole = _answers(engine, StatsQuery(group_by="job", limit=100))["groups"]
+            assert [g["key"] for g in whole] == [
+                "ja",
+                "jb",
+                "jc",
+                None,
+                "jz",
+                "jy",
+            ]  # "None" < "jz"
+            for limit in range(1, 7):
+                cut = _answers(engine, StatsQuery(group_by="job", limit=limit))["groups"]
+                assert cut == whole[:limit], (counted, limit)
