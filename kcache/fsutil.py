@@ -18,6 +18,7 @@ __all__ = [
     "check_free_space",
     "free_bytes",
     "fsync_dir",
+    "identity",
     "is_disk_full",
     "read_file",
     "read_file_identified",
@@ -64,8 +65,9 @@ def read_file(path: str) -> bytes:
 
     ``open(path, "rb").read()`` makes eight (open, two fstat, an isatty ioctl, a seek,
     two reads, close), a good part of a node-tier hit, which reads two small files;
-    here: open, fstat, a read of the whole size plus one byte, a read that sees the
-    end (a file that grew meanwhile is read on to its end), close.
+    here: open, fstat, one read of the whole size plus one byte, close. A shorter
+    answer than asked for is the end of the file; a full one means the file grew
+    meanwhile, and it is read on to its end.
     """
     return read_file_identified(path)[0]
 
@@ -81,13 +83,21 @@ def read_file_identified(path: str) -> tuple[bytes, FileIdentity]:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
-        chunks = [os.read(fd, st.st_size + 1)]
-        while chunks[-1]:
-            chunks.append(os.read(fd, 1 << 16))
+        asked = st.st_size + 1
+        data = os.read(fd, asked)
+        if len(data) == asked:  # grew since the fstat: read on to the end
+            chunks = [data]
+            while chunks[-1]:
+                chunks.append(os.read(fd, 1 << 16))
+            data = b"".join(chunks)
     finally:
         os.close(fd)
-    data = chunks[0] if len(chunks) == 2 else b"".join(chunks)
-    return data, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return data, identity(st)
+
+
+def identity(st: os.stat_result) -> FileIdentity:
+    """The :data:`FileIdentity` of a file ``os.stat`` or ``os.fstat`` described."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

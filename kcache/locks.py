@@ -14,7 +14,10 @@ with Linux's open-file-description (OFD) record locks: no file is created per ke
 (a cold node tier paid an inode creation, 0.1-0.4 ms on the benchmark machine's
 ext4, for each kernel's lock file, and kept one file per key it ever fetched), and
 the kernel drops a lock when its holder dies. Where OFD locks do not exist (not
-Linux), a ``filelock`` file per key does the same.
+Linux), a ``filelock`` file per key does the same. (Earlier releases flocked a file
+per key: while both run on one node they do not exclude each other, which costs
+duplicate work only.) A holder whose result is visible already may let go before
+its block ends (``let_go``).
 
 ``FileKeyLock.hold_unless(key, timeout, published)`` is for waiters that can see the
 holder's result without the lock (a node tier: entries are published by atomic

@@ -22,14 +22,16 @@ rarer.
 A process hashes a blob once per file, not once per read: it remembers, per digest,
 the identity (device, inode, size, mtime and ctime in ns, read from the descriptor
 before the bytes) of the file it verified, and a later read of a file with that
-identity hands out the bytes without hashing them again; likewise an alias file's
-parsed metadata. Why that is safe: kcache never writes a published file in place
-(every publish is a new file renamed over the old, a new inode), any write into a
-file through the filesystem moves its mtime and ctime on (ctime cannot be set from
-user space), and a truncation or growth changes its size. Timestamps can be coarse
-(a clock tick, 2 s on FAT), so an identity is remembered only once the file's ctime
-is at least 2 s older than the read (git's "racily clean" rule): a later write then
-gets a later timestamp. What it cannot see: bytes changed below the filesystem
+identity hands out the bytes without hashing them again. Likewise an alias: what it
+said stands while a ``stat`` shows the same file. That serves a process reading an
+entry again (B3's node-tier hit); a process's first read of each file, what a fresh
+rank does, is checked in full. Why it is safe: kcache never writes a published file
+in place (every publish is a new file renamed over the old, a new inode), any write
+into a file through the filesystem moves its mtime and ctime on (ctime cannot be set
+from user space), and a truncation or growth changes its size. Timestamps can be
+coarse (a clock tick, 2 s on FAT), so an identity is remembered only once the file's
+ctime is at least 2 s older than the read (git's "racily clean" rule): a later write
+then gets a later timestamp. What it cannot see: bytes changed below the filesystem
 (failing media, a raw block device) after this process verified them, until the
 file changes or another process reads it; a power loss ends the process and its
 memory with it. Every process and every new file is verified at least once.
@@ -68,7 +70,7 @@ from kcache.artifact import ArtifactMeta
 from kcache.dirs import cache_dir, mark_cache_dir
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, LockTimeoutError
 from kcache.eviction import LruCandidate, WaterMarks, default_tier_cap, least_recently_used
-from kcache.fsutil import FileIdentity, atomic_write, read_file_identified
+from kcache.fsutil import FileIdentity, atomic_write, identity, read_file_identified
 from kcache.index.file import FileIndex
 from kcache.keys import sha256_hex
 from kcache.locks import FileKeyLock, SingleFlight, try_file_lock
@@ -200,19 +202,24 @@ class NodeTier:
         return entry, data
 
     def _entry(self, recipe_key: str) -> ArtifactMeta | None:
-        """The alias's artifact, parsed once per alias file this process read (module docstring)."""
+        """The alias's artifact, parsed once per alias file this process read (module docstring).
+
+        An alias parsed before is only ``stat``-ed: its file unchanged, what it said then
+        stands, and its bytes need not be read again.
+        """
+        path = self.index.alias_path(recipe_key)
+        known = self._parsed.get(recipe_key)
         try:
-            raw, identity = read_file_identified(self.index.alias_path(recipe_key))
+            if known is not None and identity(os.stat(path)) == known[0]:
+                return known[1]
+            raw, alias = read_file_identified(path)
         except FileNotFoundError:
             return None
-        known = self._parsed.get(recipe_key)
-        if known is not None and known[0] == identity:
-            return known[1]
         entry = self.index.parse_alias(recipe_key, raw)
         if not isinstance(entry, ArtifactMeta):
             return None
-        if _settled(identity, len(raw)):
-            self._parsed.put(recipe_key, (identity, entry))
+        if _settled(alias, len(raw)):
+            self._parsed.put(recipe_key, (alias, entry))
         return entry
 
     def _blob(self, digest: str) -> bytes:
@@ -222,15 +229,15 @@ class NodeTier:
         (CorruptArtifactError) unless it was replaced meanwhile.
         """
         try:
-            data, identity = read_file_identified(self.location(digest))
+            data, blob = read_file_identified(self.location(digest))
         except FileNotFoundError:
             raise ArtifactNotFoundError(f"no blob {digest} in {self.store.blobs}") from None
-        if self._verified.get(digest) == identity and len(data) == identity[2]:
+        if self._verified.get(digest) == blob and len(data) == blob[2]:
             return data
         if hashlib.sha256(data).hexdigest() != digest:
             return self.store.get(digest)
-        if _settled(identity, len(data)):
-            self._verified.put(digest, identity)
+        if _settled(blob, len(data)):
+            self._verified.put(digest, blob)
         return data
 
     def publish(self, recipe_key: str, base_key: str, meta: ArtifactMeta, data: bytes) -> Path:
@@ -473,14 +480,14 @@ class NodeTier:
         return data if isinstance(data, dict) else None
 
 
-def _settled(identity: FileIdentity, nbytes: int) -> bool:
-    """Whether a file read as ``nbytes`` may be known by ``identity`` from now on.
+def _settled(file: FileIdentity, nbytes: int) -> bool:
+    """Whether a file read as ``nbytes`` may be known by its identity ``file`` from now on.
 
     The bytes must be the whole file of that identity (not one that grew or shrank
     while it was read), and its ctime at least :data:`_SETTLED_NS` old, so that a later
     write cannot share its timestamp (module docstring).
     """
-    return nbytes == identity[2] and time.time_ns() - identity[4] >= _SETTLED_NS
+    return nbytes == file[2] and time.time_ns() - file[4] >= _SETTLED_NS
 
 
 def _alias_digest(path: Path) -> str | None:

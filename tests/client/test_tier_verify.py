@@ -23,7 +23,7 @@ import kcache_client._tier as _tier
 import pytest
 from kcache_client import NodeTier
 
-from kcache.artifact import ArtifactMeta
+from kcache.artifact import ArtifactMeta, CompileFailure
 
 KEY = "1a" * 32
 BASE = "2b" * 32
@@ -88,9 +88,18 @@ def test_a_settled_blob_is_hashed_once_and_a_new_file_again(
     meta = _meta(data)
     tier = NodeTier(tmp_path, max_bytes=0)
     tier.publish(KEY, BASE, meta, data)
+    parsed: list[str] = []
+    parse = tier.index.parse_alias
+
+    def counted(recipe_key: str, raw: bytes) -> ArtifactMeta | CompileFailure | None:
+        parsed.append(recipe_key)
+        return parse(recipe_key, raw)
+
+    tier.index.parse_alias = counted  # type: ignore[method-assign]
     for _ in range(3):
         assert tier.lookup(KEY) == (meta, data)
     assert hashes.count(data) == 1
+    assert parsed == [KEY]  # the alias too: parsed once, then only stat-ed
 
     # Another process publishes the same bytes again: a new file, renamed into place.
     blob = Path(tier.location(meta.digest))
