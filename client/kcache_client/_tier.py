@@ -264,7 +264,7 @@ class NodeTier:
 
     # ---------------------------------------------------------------- bounded size
     def _record_path(self, digest: str) -> str:
-        return str(self.index._path("artifacts", digest))  # the index's own layout
+        return self.index._path_str("artifacts", digest)  # the index's own layout
 
     def _touch(self, digest: str) -> None:
         """Mark ``digest`` used now: the access stamp LRU reads (cheap, and not on every hit)."""
