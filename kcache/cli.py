@@ -18,9 +18,11 @@ and server distributions add their subcommands through the ``kcache.commands``
 entry-point group, so the core never imports them: each entry point is a function
 ``register(subparsers)`` that adds parsers whose ``func`` default takes the parsed
 arguments and returns an exit code. ``register`` imports only what argparse needs
-(``kcache --help`` and ``kcache key`` stay instant); commands import their heavy
-dependencies when they run. The client's ``kcache.remote`` entry point runs
-``compile`` and ``key`` through a server.
+(``kcache --help`` stays instant); commands import their heavy dependencies when
+they run, and a command of the core's own (``kcache key``) does not even look for the
+entry points. ``kcache key`` learns the local toolchain's id from what the last load
+wrote down (:func:`kcache.toolchain.toolchain_id`) instead of loading NVRTC. The
+client's ``kcache.remote`` entry point runs ``compile`` and ``key`` through a server.
 
 Errors a user can cause end in one or two lines on stderr that name the flag, file or
 variable and what to do (:class:`UsageError` and the other ``KCacheError``); a

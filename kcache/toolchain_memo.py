@@ -40,7 +40,7 @@ import site
 import sys
 from pathlib import Path
 
-__all__ = ["recall", "remember", "stamp"]
+__all__ = ["memo_path", "recall", "remember", "stamp"]
 
 #: How cuda-pathfinder tells a library found by the search this memo can check.
 SEARCHED = frozenset({"site-packages", "conda"})
@@ -57,7 +57,7 @@ def _search_roots() -> list[str]:
     return roots
 
 
-def _memo_file(root: Path) -> Path:
+def memo_path(root: Path) -> Path:
     """This Python environment's memo under the toolchain directory ``root``."""
     environment = json.dumps(
         [sys.prefix, sys.base_prefix, _search_roots(), os.environ.get("LD_PRELOAD", "")]
@@ -96,7 +96,7 @@ def remember(
         "marker": str(marker),
         "stamp": [*stamped, _file_stamp(str(marker))],
     }
-    path = _memo_file(root)
+    path = memo_path(root)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps(memo, indent=1).encode())
@@ -107,7 +107,7 @@ def remember(
 def recall(root: Path) -> str | None:
     """The remembered toolchain id of this environment, or None when absent or stale."""
     try:
-        memo = json.loads(_memo_file(root).read_text())
+        memo = json.loads(memo_path(root).read_text())
         toolchain_id, libraries, marker = memo["id"], memo["libraries"], memo["marker"]
         remembered = memo["stamp"]
     except (OSError, ValueError, TypeError, KeyError):

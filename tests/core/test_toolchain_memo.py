@@ -25,18 +25,11 @@ from tests.support import VECTOR_ADD
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _memo_file(root: Path) -> Path:
-    files = list((root / "ids").glob("*.json"))
-    assert len(files) == 1, files
-    return files[0]
-
-
 def test_a_load_remembers_its_id_and_a_fresh_process_reads_it_without_loading(
     toolchain: Toolchain, tmp_path: Path
 ) -> None:
     root = toolchain_dir()
-    for memo in (root / "ids").glob("*.json"):
-        memo.unlink()
+    toolchain_memo.memo_path(root).unlink(missing_ok=True)
     load_toolchain.cache_clear()  # the next load must really run (and write the memo)
     assert load_toolchain().id == toolchain.id
     assert toolchain_memo.recall(root) == toolchain.id
@@ -69,7 +62,7 @@ def test_a_memo_that_no_longer_matches_is_not_used(toolchain: Toolchain) -> None
     root = toolchain_dir()
     load_toolchain.cache_clear()
     load_toolchain()  # writes the memo where there was none
-    memo_file = _memo_file(root)
+    memo_file = toolchain_memo.memo_path(root)
     memo = json.loads(memo_file.read_text())
     memo["id"] = "nvrtc0.0-nvjitlink0.0-0000000000000000"
     memo["stamp"][-2] += "0"  # as if a library had changed since
@@ -79,6 +72,9 @@ def test_a_memo_that_no_longer_matches_is_not_used(toolchain: Toolchain) -> None
     memo_file.write_text("{not json")
     assert toolchain_memo.recall(root) is None
     assert toolchain_id() == toolchain.id
+    load_toolchain.cache_clear()
+    load_toolchain()  # the next load writes a good memo over the broken one
+    assert toolchain_memo.recall(root) == toolchain.id
 
 
 @pytest.fixture
