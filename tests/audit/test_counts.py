@@ -21,7 +21,7 @@ from kcache_server import migrate
 from kcache_server.auditing import counts, stats
 from kcache_server.auditing.events import ClientEvent, ingest_events
 from kcache_server.auditing.retention import roll_up
-from kcache_server.auditing.stats import StatsQuery, compute_stats
+from kcache_server.auditing.stats import CountSpan, RawPiece, StatsQuery, compute_stats
 from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.db import open_database
 
@@ -155,26 +155,50 @@ WINDOWS = [
 
 
 def test_a_partly_covered_day_is_its_row_less_the_hours_outside() -> None:
-    """The plan the windows above rely on: a day's row less hours, never for the series."""
+    """The plan the windows above rely on: a day's row less hours, never for the series.
+
+    Window 6 runs 02:10-21:40 of one day. Its first partial hour is the 02:00 row
+    less the raw events of 02:00-02:10 (10 minutes outside against 50 inside), and so
+    joins the whole hours; the last is read raw (20 minutes outside against 40).
+    """
     inside = StatsQuery(since=WINDOWS[6]["since"], until=WINDOWS[6]["until"])
     spans, raw = stats._plan(inside, counts.LEVELS["kernel"])
+
+    def at(hours: int, minutes: int = 0) -> datetime:
+        return DAY0 + timedelta(hours=hours, minutes=minutes)
+
     assert spans == [
-        (86400, (DAY0, DAY0 + timedelta(days=1)), 1),
-        (3600, (DAY0, DAY0 + timedelta(hours=3)), -1),
-        (3600, (DAY0 + timedelta(hours=21), DAY0 + timedelta(days=1)), -1),
+        CountSpan(86400, (DAY0, at(24))),
+        CountSpan(3600, (DAY0, at(2)), -1),
+        CountSpan(3600, (at(21), at(24)), -1),
+    ]
+    assert raw == [RawPiece((at(2), at(2, 10)), -1), RawPiece((at(21), at(21, 40)))]
+    # The series keeps one row per bucket: hours, and minutes at the edges where no
+    # roll-up holds their hour (raw where one does).
+    spans, raw = stats._plan(inside, counts.LEVELS["all"], subtract=False)
+    assert spans == [
+        CountSpan(60, (at(2, 10), at(3)), unless_rolled=at(2)),
+        CountSpan(60, (at(21), at(21, 40)), unless_rolled=at(21)),
+        CountSpan(3600, (at(3), at(21))),
     ]
     assert raw == [
-        (inside.since, DAY0 + timedelta(hours=3)),
-        (DAY0 + timedelta(hours=21), inside.until),
+        RawPiece((at(2, 10), at(3)), if_rolled=at(2)),
+        RawPiece((at(21), at(21, 40)), if_rolled=at(21)),
     ]
-    # The series keeps one row per bucket: hours only.
-    spans, _ = stats._plan(inside, counts.LEVELS["all"], subtract=False)
-    assert spans == [(3600, (DAY0 + timedelta(hours=3), DAY0 + timedelta(hours=21)), 1)]
     # A few hours of a day are read as hours.
-    short = StatsQuery(since=DAY0 + timedelta(hours=3), until=DAY0 + timedelta(hours=6))
-    assert stats._plan(short, counts.LEVELS["job"])[0] == [
-        (3600, (DAY0 + timedelta(hours=3), DAY0 + timedelta(hours=6)), 1)
-    ]
+    short = StatsQuery(since=at(3), until=at(6))
+    assert stats._plan(short, counts.LEVELS["job"]) == ([CountSpan(3600, (at(3), at(6)))], [])
+
+
+def test_a_window_ending_now_reads_its_last_hour_less_nothing() -> None:
+    """The hour a window ends in, up to now, is its row less the (empty) rest of the hour."""
+    now = datetime.now(timezone.utc)
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    if now == hour:
+        now += timedelta(microseconds=1)
+    query = StatsQuery(since=hour - timedelta(hours=3), until=now)
+    _, raw = stats._plan(query, counts.LEVELS["job"])
+    assert raw == [RawPiece((now, hour + timedelta(hours=1)), -1)]
 
 
 def _check_against_raw(db: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:

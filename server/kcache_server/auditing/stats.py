@@ -35,13 +35,15 @@ is the largest in its counts, which keep events that retention rolled up.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 import sqlalchemy as sa
 from pydantic import BaseModel, Field
@@ -104,6 +106,7 @@ GROUP_BY: dict[str, str] = {
     "rank": "rank",
 }
 
+_T = TypeVar("_T")
 _events = cast(sa.Table, AuditEvent.__table__)
 _rollups = cast(sa.Table, AuditRollup.__table__)
 _counts_t = cast(sa.Table, AuditCount.__table__)
@@ -331,8 +334,32 @@ def _cover(
     return spans, raw
 
 
-#: A count span: (level, [start, end), sign); sign -1 takes the rows away.
-CountSpan = tuple[int, Span, int]
+_MINUTE = 60
+
+
+class CountSpan(NamedTuple):
+    """Count rows of one ``level`` in ``[start, end)``, added (``sign`` 1) or taken away (-1).
+
+    ``unless_rolled``: read only where no roll-up holds that hour (minute rows place a
+    rolled-up event at its minute, a roll-up at its hour's start).
+    """
+
+    level: int
+    span: Span
+    sign: int = 1
+    unless_rolled: datetime | None = None
+
+
+class RawPiece(NamedTuple):
+    """Raw events and roll-ups in ``[start, end)``, added (``sign`` 1) or taken away (-1).
+
+    ``if_rolled``: read only where a roll-up holds that hour (the other side of a
+    :class:`CountSpan`'s ``unless_rolled``).
+    """
+
+    span: Span
+    sign: int = 1
+    if_rolled: datetime | None = None
 
 
 def _days_less_hours(lo: datetime, hi: datetime, now: float) -> list[CountSpan] | None:
@@ -353,33 +380,95 @@ def _days_less_hours(lo: datetime, hi: datetime, now: float) -> list[CountSpan] 
     )
     if 1 + outside >= inside:
         return None
-    spans: list[CountSpan] = [(_DAY, (day, end), 1)]
+    spans = [CountSpan(_DAY, (day, end))]
     # Subtract up to the day's end, not just to now: exact whatever rows exist.
-    spans += [(_HOUR, piece, -1) for piece in ((day, lo), (hi, end)) if piece[0] < piece[1]]
+    spans += [
+        CountSpan(_HOUR, piece, -1) for piece in ((day, lo), (hi, end)) if piece[0] < piece[1]
+    ]
     return spans
+
+
+def _live_s(span: tuple[datetime, datetime], now: float) -> float:
+    """Seconds of ``span`` up to ``now``: how many events it can hold, as far as time tells."""
+    end = min(span[1].timestamp(), now)
+    return max(0.0, end - span[0].timestamp())
+
+
+def _edge(
+    piece: tuple[datetime, datetime], levels: tuple[int, ...], now: float
+) -> tuple[list[CountSpan], list[RawPiece], bool]:
+    """A piece of a window inside one hour, read from as few raw events as exactness allows.
+
+    Returns count spans, raw pieces, and whether the piece's whole hour is to be
+    counted too (its hour row, less the raw pieces returned). With minute rows
+    (dimension ``all``): the whole minutes from them, unless a roll-up holds the hour
+    (then raw, as a roll-up is counted at its hour's start), and the seconds at either
+    end raw. With hour rows: the hour's row less the raw events of the hour outside
+    the piece, where those are under half the piece's own by time up to ``now`` (a
+    piece ending now leaves the hour's rest, which holds nothing yet). Exact with
+    roll-ups too: the hour's row holds its roll-ups and raw events, and the raw outside
+    the piece takes away the roll-ups with the events (a roll-up lies at the hour's
+    start, outside a piece starting later, inside one starting there). Otherwise the
+    piece is read raw.
+    """
+    start, end = piece
+    hour = _floor(start, _HOUR)
+    first, last = _ceil(start, _MINUTE), _floor(end, _MINUTE)
+    if _MINUTE in levels and first < last:
+        seconds = [RawPiece(p) for p in ((start, first), (last, end)) if p[0] < p[1]]
+        return (
+            [CountSpan(_MINUTE, (first, last), unless_rolled=hour)],
+            [RawPiece((first, last), if_rolled=hour), *seconds],
+            False,
+        )
+    outside = [p for p in ((hour, start), (end, _later(hour, _HOUR))) if p[0] < p[1]]
+    if _HOUR in levels and 2 * sum(_live_s(p, now) for p in outside) < _live_s(piece, now):
+        return [], [RawPiece(p, -1) for p in outside], True
+    return [], [RawPiece(piece)], False
 
 
 def _plan(
     query: StatsQuery, levels: tuple[int, ...], subtract: bool = True
-) -> tuple[list[CountSpan], list[Span]]:
+) -> tuple[list[CountSpan], list[RawPiece]]:
     """Count spans and raw pieces that together make the query's window exactly.
 
-    Partial hours at the edges are raw: a roll-up counts an event by its hour's start,
-    so only raw events and roll-ups together say what such a window held. With
+    Partial hours at the edges are read as :func:`_edge` decides: raw events where
+    counts cannot say what they held (a roll-up counts an event by its hour's start),
+    or an hour's row less the rest of the hour, which then joins the whole hours. With
     ``subtract`` (and day and hour levels), the whole hours of a partly covered day
     may be that day's row less its other hours (:func:`_days_less_hours`); the series
-    passes False, since its buckets must each hold only their own rows.
+    passes False, since its buckets must each hold only their own rows (an hour less
+    part of itself stays in its own bucket, as the series' levels divide its step).
     """
+    now = time.time()
     since, until = query.since, query.until
     lo = None if since is None else _ceil(since, _HOUR)
     hi = None if until is None else _floor(until, _HOUR)
-    if lo is not None and hi is not None and hi <= lo:
-        return [], [(since, until)]
-    edges = [p for p in ((since, lo), (hi, until)) if p[0] is not None and p[0] != p[1]]
     coarse = tuple(sorted((lv for lv in levels if lv >= 60), reverse=True))
+    spans: list[CountSpan] = []
+    raw: list[RawPiece] = []
+    if since is not None and until is not None and lo is not None and hi is not None and hi <= lo:
+        # No whole hour: the window inside one hour, or across one hour's end.
+        cut = [since, *([lo] if since < lo < until else []), until]
+        for piece in itertools.pairwise(cut):
+            more, left, whole_hour = _edge(piece, coarse, now)
+            hour = _floor(piece[0], _HOUR)
+            spans += more + ([CountSpan(_HOUR, (hour, _later(hour, _HOUR)))] if whole_hour else [])
+            raw += left
+        return spans, raw
+    if since is not None and lo is not None and since != lo:
+        more, left, whole_hour = _edge((since, lo), coarse, now)
+        spans, raw = spans + more, raw + left
+        lo = _floor(since, _HOUR) if whole_hour else lo
+    if until is not None and hi is not None and hi != until:
+        more, left, whole_hour = _edge((hi, until), coarse, now)
+        spans, raw = spans + more, raw + left
+        hi = _later(hi, _HOUR) if whole_hour else hi
     if not (subtract and _DAY in coarse and _HOUR in coarse):
-        plain, left = _cover(lo, hi, coarse)
-        return [(lv, span, 1) for lv, span in plain], edges + left
+        plain, rest = _cover(lo, hi, coarse)
+        return spans + [CountSpan(lv, span) for lv, span in plain], raw + [
+            RawPiece(p) for p in rest
+        ]
     # The partial days at either end, and the whole days between them.
     a = None if lo is None else _ceil(lo, _DAY)
     b = None if hi is None else _floor(hi, _DAY)
@@ -388,19 +477,18 @@ def _plan(
     else:
         partial = [p for p in ((lo, a), (b, hi)) if p[0] is not None and p[0] != p[1]]
         whole = (a, b) if a != b or a is None else None
-    now = time.time()
-    spans: list[CountSpan] = [] if whole is None else [(_DAY, whole, 1)]
-    raw: list[Span] = []
+    if whole is not None:
+        spans.append(CountSpan(_DAY, whole))
     for p_lo, p_hi in partial:
         assert p_lo is not None and p_hi is not None  # a partial day has both ends
         less = _days_less_hours(p_lo, p_hi, now)
         if less is not None:
             spans += less
             continue
-        more, left = _cover(p_lo, p_hi, coarse[1:])
-        spans += [(lv, span, 1) for lv, span in more]
-        raw += left
-    return spans, edges + raw
+        hours, rest = _cover(p_lo, p_hi, coarse[1:])
+        spans += [CountSpan(lv, span) for lv, span in hours]
+        raw += [RawPiece(p) for p in rest]
+    return spans, raw
 
 
 #: (dimension, level) -> the first and last bucket of its count rows (None: no rows).
@@ -467,6 +555,11 @@ def _keyed(
     return sa.and_(c.bucket.in_(buckets), in_keys)
 
 
+def _rolled(hour: datetime) -> sa.ColumnElement[bool]:
+    """Some roll-up holds ``hour`` (an index probe on ``audit_rollups.bucket``)."""
+    return sa.exists().where(_rollups.c.bucket == hour)
+
+
 def _source(
     query: StatsQuery,
     dim: str | None = None,
@@ -488,26 +581,32 @@ def _source(
     spans: list[CountSpan] = []
     # One SELECT per raw piece, joined by UNION ALL: each is one range scan of the
     # time index, where an OR of ranges may cost PostgreSQL a scan of every event.
-    pieces: list[list[Span] | None] = [None]
+    pieces: list[RawPiece | None] = [None]
     if dim is not None:
         spans, edges = _plan(query, LEVELS[dim] if levels is None else levels, subtract)
-        pieces = [[piece] for piece in edges]
+        pieces = list(edges)
     parts: list[sa.Select[Any]] = []
     for piece in pieces:
+        sign = 1 if piece is None else piece.sign
         # Raw events by their time, roll-ups by their hour: the same columns.
         for table, at in ((ev, ev.at), (ru, ru.bucket)):
+            conds = _filters(query, table, at, None if piece is None else [piece.span])
+            if piece is not None and piece.if_rolled is not None:
+                conds.append(_rolled(piece.if_rolled))
             parts.append(
                 sa.select(
                     at.label("at"),
                     *(table[n] for n in _NAMES),
-                    table["count"].label("n"),
-                    table.compile_seconds_saved.label("saved"),
-                ).where(*_filters(query, table, at, piece))
+                    (table["count"] if sign > 0 else -table["count"]).label("n"),
+                    (
+                        table.compile_seconds_saved if sign > 0 else -table.compile_seconds_saved
+                    ).label("saved"),
+                ).where(*conds)
             )
     if dim is not None:
         c = _counts_t.c
         known: Present = {} if present is None else present
-        if keys is not None and any((dim, level) not in known for level, _, _ in spans):
+        if keys is not None and any((dim, span.level) not in known for span in spans):
             raise ValueError(f"reading {dim} counts by key needs their buckets present")
         first, second = DIMENSIONS[dim]
         values: dict[str, sa.ColumnElement[Any]] = {name: sa.null() for name in _NAMES[2:]}
@@ -515,7 +614,7 @@ def _source(
             values[first] = decode(c.key, as_int=first == "rank")
         if second:
             values[second] = decode(c.key2, as_int=True)
-        for level, span, sign in spans:
+        for level, span, sign, unless_rolled in spans:
             parts.append(
                 sa.select(
                     c.bucket.label("at"),
@@ -530,6 +629,7 @@ def _source(
                     _within(c.bucket, span)
                     if keys is None
                     else _keyed(c, level, span, known[(dim, level)], keys),
+                    sa.true() if unless_rolled is None else ~_rolled(unless_rolled),
                 )
             )
     if not parts:  # an empty window: one SELECT that finds nothing, for the columns
@@ -600,43 +700,16 @@ def _totals(
     return totals, reported, by_tier, saved, reported_saved
 
 
-def _groups(
-    conn: sa.Connection, query: StatsQuery, divergent_jobs: set[str], present: Present
-) -> list[GroupStats]:
-    """The ``limit`` largest groups, ranked in SQL: only their rows leave the database.
-
-    ``dense_rank`` over the groups' totals keeps every group tied with the last one
-    taken, so the exact order (total, then the key as text) and the cut are decided
-    here as before, over a few hundred rows instead of one per group value.
-    """
+def _groups(conn: sa.Connection, query: StatsQuery, present: Present) -> list[GroupStats]:
     if query.group_by is None:
         return []
     src = _source(query, query.group_by if _counted(query) else None)
     col = src.c[GROUP_BY[query.group_by]]
-    per_outcome = (
-        sa.select(
-            col.label("key"),
-            src.c.outcome,
-            sa.func.sum(src.c.n).label("n"),
-            sa.func.sum(src.c.saved).label("saved"),
-        )
+    rows = conn.execute(
+        sa.select(col, src.c.outcome, sa.func.sum(src.c.n), sa.func.sum(src.c.saved))
         .group_by(col, src.c.outcome)
         # 0: nothing of it in the window, a day's row less its hours (_source)
         .having(sa.func.sum(src.c.n) != 0)
-        .subquery("per_outcome")
-    )
-    with_total = sa.select(
-        per_outcome,
-        sa.func.sum(per_outcome.c.n).over(partition_by=per_outcome.c.key).label("total"),
-    ).subquery("with_total")
-    ranked = sa.select(
-        with_total,
-        sa.func.dense_rank().over(order_by=with_total.c.total.desc()).label("place"),
-    ).subquery("ranked")
-    rows = conn.execute(
-        sa.select(ranked.c.key, ranked.c.outcome, ranked.c.n, ranked.c.saved).where(
-            ranked.c.place <= query.limit
-        )
     ).all()
     outcomes: dict[Any, dict[str, int]] = defaultdict(dict)
     saved: dict[Any, float] = defaultdict(float)
@@ -648,16 +721,12 @@ def _groups(
         GroupStats(key=k, compile_seconds_saved=saved[k], **_counts(outcomes[k])) for k in keys
     ]
     if query.group_by == "job":
-        _add_ranks(conn, query, groups, divergent_jobs, present)
+        _add_ranks(conn, query, groups, present)
     return groups
 
 
 def _add_ranks(
-    conn: sa.Connection,
-    query: StatsQuery,
-    groups: list[GroupStats],
-    divergent_jobs: set[str],
-    present: Present,
+    conn: sa.Connection, query: StatsQuery, groups: list[GroupStats], present: Present
 ) -> None:
     jobs = [g.key for g in groups if g.key is not None]
     if not jobs:
@@ -693,7 +762,6 @@ def _add_ranks(
             for r in sorted(ranks, key=lambda r: (r is None, r or 0))
         ]
         group.world_size = sizes.get(group.key)
-        group.divergent = group.key in divergent_jobs
 
 
 def _top_missed(conn: sa.Connection, query: StatsQuery) -> list[MissedKernel]:
@@ -1183,23 +1251,46 @@ def _settle_in(conn: sa.Connection) -> None:
         )
 
 
+#: Threads that read pieces of an answer beside the caller's own (see compute_stats).
+_LANES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kcache-stats")
+
+
+def _beside(engine: sa.Engine, read: Callable[[sa.Connection], _T]) -> Future[_T]:
+    """``read`` on a connection of its own, in a lane thread."""
+
+    def run() -> _T:
+        with engine.connect() as conn:
+            _settle_in(conn)
+            return read(conn)
+
+    return _LANES.submit(run)
+
+
 def compute_stats(engine: sa.Engine, query: StatsQuery, store_cap: int | None = None) -> Stats:
     """Everything ``GET /v1/stats`` answers, read in one snapshot-ish pass.
 
-    ``store_cap`` is the server's ``max_store_bytes`` (None: unbounded), reported with the
-    store's size.
+    The groups and the top missed kernels are read beside the rest, each on a
+    connection of its own: the pieces are independent reads, so SQLite (which lets
+    threads run while it reads) and PostgreSQL (a backend per connection) use more
+    than one core for one answer. Each statement reads its own snapshot, as before.
+    ``store_cap`` is the server's ``max_store_bytes`` (None: unbounded), reported with
+    the store's size.
     """
     with engine.connect() as conn:
         _settle_in(conn)
         present = _present(conn)
+        groups_read = _beside(engine, lambda lane: _groups(lane, query, present))
+        top_read = _beside(engine, lambda lane: _top_missed(lane, query))
         src = _source(query, "all" if _counted(query) else None)
         totals, reported, by_tier, saved, reported_saved = _totals(conn, src)
         divergence = _divergence(conn, query, present)
-        divergent_jobs = {d.job_id for d in divergence if not d.reported}
-        groups = _groups(conn, query, divergent_jobs, present)
-        top_missed = _top_missed(conn, query)
         step, series = _series(conn, query)
         store = _store(engine, conn, query, store_cap)
+        groups, top_missed = groups_read.result(), top_read.result()
+    if query.group_by == "job":
+        divergent_jobs = {d.job_id for d in divergence if not d.reported}
+        for group in groups:
+            group.divergent = group.key is not None and group.key in divergent_jobs
     server_lookups = sum(totals.values())
     lookups = server_lookups + sum(reported.values())
     hits = sum(v for k, v in (*totals.items(), *reported.items()) if k in HIT_OUTCOMES)
