@@ -214,7 +214,9 @@ class FileKeyLock:
                 deadline = time.monotonic() + timeout
                 while not lock.take():
                     if not _released(lock, deadline - time.monotonic()):
-                        raise LockTimeoutError(f"waited {timeout:.0f}s for the lock of {key}")
+                        raise LockTimeoutError(
+                            f"waited {timeout:.0f}s for the lock of {key} in {self._keys}"
+                        )
             with self._holding(key, lock):
                 yield waited
 
@@ -244,7 +246,9 @@ class FileKeyLock:
             deadline = time.monotonic() + timeout
             while True:
                 if not _released(lock, deadline - time.monotonic()):
-                    raise LockTimeoutError(f"waited {timeout:.0f}s for the lock of {key}")
+                    raise LockTimeoutError(
+                        f"waited {timeout:.0f}s for the lock of {key} in {self._keys}"
+                    )
                 found = published()
                 if found is not None:
                     yield found
@@ -374,6 +378,10 @@ class _WaitPool:
     """
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No threads, no waits (also in a forked child: the threads stayed with the parent)."""
         self._jobs: queue.SimpleQueue[_Wait] = queue.SimpleQueue()
         self._guard = threading.Lock()
         self._idle = 0
@@ -404,6 +412,8 @@ class _WaitPool:
 
 
 _WAITERS = _WaitPool()
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
+    os.register_at_fork(after_in_child=_WAITERS.reset)
 
 
 @contextlib.contextmanager

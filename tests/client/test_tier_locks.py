@@ -2,6 +2,7 @@
 
 * Keys are locked as bytes of one file (OFD record locks): no file per key, keys
   exclude each other only when they are the same, across processes and threads.
+  Waiters are woken by threads kept for the purpose; a forked child starts its own.
 * A publish writes the recipe's alias first and lets go of the key at once, so other
   processes take the entry before the holder has written the artifact record and the
   manifest; an entry whose record and manifest a crash lost still reads, lists and
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -125,6 +127,44 @@ def test_a_waiting_rank_takes_the_entry_once_the_alias_is_written(tmp_path: Path
     waiter.join(30)
     assert waiter_tier.index.artifact(meta.digest) == meta
     assert [e.digest for e in waiter_tier.index.manifest(BASE)] == [meta.digest]
+
+
+def _wait_for_a_holder(root: Path, key: str) -> object:
+    """Hold ``key`` in a thread (own descriptor), publish, let go; what a waiter gets."""
+    published: list[str] = []
+    held = threading.Event()
+
+    def holder() -> None:
+        with FileKeyLock(root).hold(key, timeout=5):
+            held.set()
+            threading.Event().wait(0.05)
+            published.append("entry")
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    held.wait(10)
+    try:
+        with FileKeyLock(root).hold_unless(
+            key, 20, lambda: published[0] if published else None
+        ) as found:
+            return found
+    finally:
+        thread.join()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_waits_with_threads_of_its_own(tmp_path: Path) -> None:
+    """The parent's waiting threads stay behind in a fork: the child must start its own."""
+    assert _wait_for_a_holder(tmp_path, KEY) == "entry"  # the parent has an idle thread now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its wait ends as the parent's did
+        code = 1
+        try:
+            code = 0 if _wait_for_a_holder(tmp_path, "6f" * 32) == "entry" else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("durable", [False, True])
