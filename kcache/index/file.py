@@ -153,11 +153,15 @@ class FileIndex:
         that dates the entry by its blob. Without fsync the order holds only while the
         machine runs anyway. ``visible`` is called once the alias is written.
         """
-        alias = {"recipe_key": recipe_key, "digest": meta.digest, "artifact": meta.to_dict()}
-        if not self.durable:
+
+        def commit() -> None:
+            alias = {"recipe_key": recipe_key, "digest": meta.digest, "artifact": meta.to_dict()}
             self._write("recipes", recipe_key, alias)
             if visible is not None:
                 visible()
+
+        if not self.durable:
+            commit()
         if self.artifact(meta.digest) is None:
             self._write("artifacts", meta.digest, meta.to_dict())
         entry = ManifestEntry(meta.digest, meta.dependencies)
@@ -166,9 +170,7 @@ class FileIndex:
             # a lost entry would cost a recompile, never a wrong result.
             with filelock.FileLock(f"{self._root_str}/.locks/{base_key}.lock", timeout=60):
                 self._add_to_manifest(base_key, entry)
-            self._write("recipes", recipe_key, alias)
-            if visible is not None:
-                visible()
+            commit()
         else:
             # A cache goes without: two processes adding entries under one base key at
             # the same moment (the same source, other header texts) may lose one, which
