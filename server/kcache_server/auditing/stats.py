@@ -505,7 +505,10 @@ def _present(conn: sa.Connection) -> Present:
     """First and last bucket of each keyed (dimension, level): one statement of index probes.
 
     Each ``min``/``max`` is its own subquery, an index probe on the primary key's
-    ``(dim, level, bucket)`` prefix on SQLite and PostgreSQL alike.
+    ``(dim, level, bucket)`` prefix on SQLite and PostgreSQL alike. Read once per
+    answer, before the pieces that use it: a bucket first written after it (a new
+    hour's first flush) is read by keyed reads of the next answer, as each statement
+    of an answer reads its own snapshot anyway.
     """
     c = _counts_t.c
     row = conn.execute(
