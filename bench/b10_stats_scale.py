@@ -19,8 +19,10 @@ at 10M events.
 Filling 10M events takes minutes (SQLite ~15, PostgreSQL ~8 on two cores), so
 ``--sqlite-file PATH`` and ``--pg-database NAME`` keep the database: the first run fills
 it, later runs migrate it to head and reuse it as it is (its events keep the times of
-that fill, so the last-24-hours shapes hold fewer events as it ages). ``--shapes`` times
-only some shapes, ``--no-paint`` skips the dashboard.
+that fill). The windows of a reused database end at its last event, and the dashboard's
+clock reads that time, so every run asks what the run that filled it asked (a window
+ending now would hold fewer events as the database ages, and no current hour). ``--shapes``
+times only some shapes, ``--no-paint`` skips the dashboard.
 """
 
 from __future__ import annotations
@@ -247,14 +249,21 @@ def database(kind: str, tmp: Path, kept: str | None = None) -> Iterator[str]:
         admin.dispose()
 
 
-def events_in(url: str) -> int:
-    """How many events the database at ``url`` holds (a kept database may be filled already)."""
+def events_in(url: str) -> tuple[int, float | None]:
+    """How many events the database at ``url`` holds, and the unix time of its last (None: none).
+
+    A kept database may be filled already; its last event is when it was filled.
+    """
+    from kcache_server.models import AuditEvent
+
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     try:
         with engine.connect() as conn:
-            return int(conn.exec_driver_sql("SELECT count(*) FROM audit_events").scalar_one())
+            held = int(conn.exec_driver_sql("SELECT count(*) FROM audit_events").scalar_one())
+            last = conn.execute(sa.select(sa.func.max(AuditEvent.at))).scalar_one()
     finally:
         engine.dispose()
+    return held, None if last is None else last.timestamp()
 
 
 def time_stats(url: str, params: dict[str, str], rounds: int) -> tuple[float, dict[str, Any]]:
@@ -273,9 +282,12 @@ def time_stats(url: str, params: dict[str, str], rounds: int) -> tuple[float, di
 
 #: What the page's own clock says of one load: when its script could run
 #: (DOMContentLoaded) and when it asked for and got its first ``/v1/stats`` answer.
+#: Playwright's fixed clock replaces ``performance``; the page keeps the real one first.
+_KEEP_PERFORMANCE_JS = "window.realPerformance = performance;"
 _TIMELINE_JS = """() => {
-  const nav = performance.getEntriesByType("navigation")[0];
-  const stats = performance.getEntriesByType("resource").find((r) => r.name.includes("/v1/stats"));
+  const perf = window.realPerformance;
+  const nav = perf.getEntriesByType("navigation")[0];
+  const stats = perf.getEntriesByType("resource").find((r) => r.name.includes("/v1/stats"));
   return {
     page_ready_s: nav.domContentLoadedEventEnd / 1000,
     stats_asked_s: stats ? stats.startTime / 1000 : null,
@@ -284,7 +296,9 @@ _TIMELINE_JS = """() => {
 }"""
 
 
-def dashboard_paint_s(url: str, loads: int) -> tuple[float, float, dict[str, float]] | None:
+def dashboard_paint_s(
+    url: str, loads: int, as_of: float
+) -> tuple[float, float, dict[str, float]] | None:
     """Median seconds from opening ``/dashboard`` in headless Chromium to its first paint and to its whole page.
 
     None where Chromium or Playwright is missing. The page draws progressively
@@ -298,6 +312,7 @@ def dashboard_paint_s(url: str, loads: int) -> tuple[float, float, dict[str, flo
     script, not Chromium's launch. Each of ``loads`` loads is a new page, opened once
     the last one's jobs are drawn; the third value is the page's own timeline of the
     load whose first paint is the median (:data:`_TIMELINE_JS`): what it waited for.
+    The page's clock reads ``as_of`` (``Date.now()``, which its window ends at).
     """
     chromium = os.environ.get("KCACHE_TEST_CHROMIUM", "/usr/bin/chromium")
     if not os.path.exists(chromium):
@@ -315,6 +330,8 @@ def dashboard_paint_s(url: str, loads: int) -> tuple[float, float, dict[str, flo
         try:
             for _ in range(loads):
                 page = browser.new_page(viewport={"width": 1440, "height": 1100})
+                page.add_init_script(_KEEP_PERFORMANCE_JS)
+                page.clock.set_fixed_time(as_of)
                 started = time.perf_counter()
                 page.goto(f"{url}/dashboard")
                 page.wait_for_function(
@@ -352,18 +369,20 @@ def run(
         tempfile.TemporaryDirectory(prefix="kcache-b10-") as tmp,
         database(kind, Path(tmp), kept) as url,
     ):
-        held = events_in(url)
+        held, last = events_in(url)
         if held == 0:
             events_s, counts_s = fill(url, events)
-        elif held == events:
+            as_of = time.time()
+        elif held == events and last is not None:
             events_s = counts_s = 0.0  # reused: filled by an earlier run
+            as_of = last + 1.0  # the windows end as they did when it was filled
         else:
             raise SystemExit(f"{kept} holds {held} events, not --events {events}")
         fill_s = events_s + counts_s
         floor = floor_scan_s(url, rounds)
         env = {**os.environ, "KCACHE_AUDIT_RETENTION_DAYS": "0"}  # keep every row raw
         with ServerProcess(Path(tmp) / "data", db_url=url, workers=1, env=env) as server:
-            now = time.time()
+            now = as_of
             shapes: dict[str, dict[str, str]] = {
                 group or "all": {"group_by": group} if group else {}
                 for group in ("", "kernel", "job", "client", "target", "rank")
@@ -403,6 +422,7 @@ def run(
                     events=events,
                     fill_s=round(fill_s, 1),
                     reused=held == events,
+                    as_of=round(as_of, 3),
                     fill_events_s=round(events_s, 1),
                     fill_counts_s=round(counts_s, 1),
                     groups=len(body["groups"]),
@@ -410,7 +430,7 @@ def run(
                     divergence=len(body["divergence"]),
                     goal=goal,
                 )
-            painted = dashboard_paint_s(server.url, rounds) if paint else None
+            painted = dashboard_paint_s(server.url, rounds, as_of) if paint else None
             if painted is not None:
                 first, whole, timeline = painted
                 emit(
