@@ -8,8 +8,7 @@ Start-up order: open the database, refuse an out-of-date schema (a brand-new
 SQLite file is created at the head revision, so ``kcache serve`` works out of the
 box) or a lost one (blobs but no tables: ``--recreate-index``), refuse an unsafe
 bind, build the backends, the audit writer, the metrics and the audit retention;
-the lifespan then starts the compile workers (waits for them, where ``kcache serve``
-launched them before importing this module), the audit writer and the retention
+the lifespan then starts the compile workers, the audit writer and the retention
 worker, and stops them in the reverse order on shutdown.
 
 Every request passes, outermost first: :class:`_RequestIds` (an id on every
@@ -41,7 +40,6 @@ from kcache_server.auditing.retention import RetentionWorker
 from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.auth import AuthGate, TokenStore
 from kcache_server.backends import open_backends, open_settings_database
-from kcache_server.compile_pool import ProcessPoolCompiler
 from kcache_server.errors import (
     InsecureBindError,
     PayloadTooLargeError,
@@ -232,21 +230,14 @@ def _count_lookups(audit: AuditLog, metrics: ServerMetrics) -> None:
     audit.drop_listeners.append(dropped)
 
 
-def create_app(
-    settings: Settings | None = None, compiler: ProcessPoolCompiler | None = None
-) -> FastAPI:
-    """The kcache server application for ``settings`` (default: from the environment).
-
-    ``compiler``: the compile pool those settings ask for, already launched
-    (``kcache serve`` starts its workers before it imports this module); else one is
-    made here. Either way the lifespan waits for its workers before serving.
-    """
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The kcache server application for ``settings`` (default: from the environment)."""
     settings = settings or Settings()
     db = open_settings_database(settings)
     migrate.prepare_database(settings, db)  # creates a first SQLite database; refuses a lost index
     tokens = TokenStore(db, settings.auth_cache_s)
     check_bind(settings, tokens)
-    backends = open_backends(settings, db, compiler)
+    backends = open_backends(settings, db)
     metrics = ServerMetrics()
     metrics.add_sampler(store_sampler(db, metrics))
     metrics.add_sampler(pool_sampler(backends.compiler, metrics))

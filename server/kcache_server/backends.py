@@ -19,6 +19,7 @@ import sqlalchemy as sa
 
 from kcache.engine import Engine
 from kcache.eviction import default_tier_cap
+from kcache.include_sets import IncludeSets
 from kcache.locks import FileKeyLock, KeyLock, SingleFlight
 from kcache.store.cached import CachedArtifactStore
 from kcache.store.local import LocalArtifactStore
@@ -76,16 +77,29 @@ def _artifact_store(settings: Settings) -> LocalArtifactStore:
     )
 
 
-def open_backends(
-    settings: Settings, db: sa.Engine, compiler: ProcessPoolCompiler | None = None
-) -> Backends:
-    """Build every backend; the compile pool is created but not started (or is ``compiler``,
-    the one ``settings`` ask for, made and launched already by ``kcache serve``)."""
+def open_backends(settings: Settings, db: sa.Engine) -> Backends:
+    """Build every backend; the compile pool is created but not started."""
     toolchain = load_toolchain(settings.toolchain_dir)
+    include_sets = IncludeSets(settings.include_sets)
     store = _artifact_store(settings)
     index = SqlIndex(db)
     lock = _key_lock(settings, db)
-    compiler = compiler or ProcessPoolCompiler.for_settings(settings, toolchain)
+    compiler = ProcessPoolCompiler(
+        toolchain,
+        include_sets,
+        workers=settings.compile_workers,
+        timeout_s=settings.compile_timeout_s,
+        memory_mb=settings.compile_memory_mb,
+        queue_limit=settings.compile_queue_limit,
+        tmp_dir=settings.data_dir / "tmp",
+        toolchain_dir=settings.toolchain_dir,
+        retry_after_s=settings.retry_after_s,
+        caller_limit=settings.compile_caller_limit,
+        caller_queue_limit=settings.compile_caller_queue_limit,
+        queue_timeout_s=settings.compile_queue_timeout_s,
+        min_free_bytes=settings.min_free_bytes,
+        compile_sandbox=settings.compile_sandbox_mode,
+    )
     engine = Engine(
         store,
         index,

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from kcache_server.scopes import SCOPES
 
 if TYPE_CHECKING:
-    from kcache_server.compile_pool import ProcessPoolCompiler
     from kcache_server.settings import Settings
 
 __all__ = ["register"]
@@ -37,40 +36,15 @@ def _add_db_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _launched_compile_pool(settings: Settings) -> ProcessPoolCompiler | None:
-    """The compile pool ``settings`` ask for, its workers already starting; None if it cannot be.
-
-    Launched before the web application is imported, so the workers load NVRTC on
-    the other core while this process imports FastAPI, SQLAlchemy and Alembic
-    (``/readyz`` still waits for them). Where the toolchain or a worker cannot be
-    started, None: ``create_app`` then meets the failure where it always did, after
-    the database checks, and reports it the same way.
-    """
-    from kcache.errors import KCacheError
-    from kcache.toolchain import load_toolchain
-    from kcache_server.compile_pool import ProcessPoolCompiler
-
-    try:
-        pool = ProcessPoolCompiler.for_settings(settings, load_toolchain(settings.toolchain_dir))
-    except KCacheError:
-        return None
-    try:
-        pool.launch()
-    except (KCacheError, OSError):
-        pool.close()
-        return None
-    return pool
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kcache_server.app import SETTINGS_ENV, create_app, serving_app
+    from kcache_server.http_protocol import CoalescingHttpToolsProtocol as http
+
     cap = {"max_store_bytes": args.max_store_bytes} if args.max_store_bytes is not None else {}
     settings = _settings(args, **cap)
     if settings.workers > 1:
-        import uvicorn
-
-        from kcache_server.app import SETTINGS_ENV, create_app
-        from kcache_server.http_protocol import CoalescingHttpToolsProtocol as http
-
         # Each uvicorn worker process builds its own app (and compile pool) from these settings.
         create_app(settings)  # fail here, once, with a clear message, rather than in every worker
         os.environ[SETTINGS_ENV] = settings.model_dump_json()
@@ -83,24 +57,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             access_log=settings.access_log,
             http=http,
         )
-        return 0
-    compiler = _launched_compile_pool(settings)
-    try:
-        import uvicorn
-
-        from kcache_server.app import create_app, serving_app
-        from kcache_server.http_protocol import CoalescingHttpToolsProtocol as http
-
+    else:
         uvicorn.run(
-            serving_app(create_app(settings, compiler)),
+            serving_app(create_app(settings)),
             host=settings.host,
             port=settings.port,
             access_log=settings.access_log,
             http=http,
         )
-    finally:
-        if compiler is not None:
-            compiler.close()  # the lifespan closed it already, unless the app never started
     return 0
 
 

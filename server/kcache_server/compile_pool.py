@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kcache.artifact import CompileOutput
 from kcache.errors import (
@@ -53,9 +52,6 @@ from kcache.toolchain import Toolchain
 from kcache_server import _compile_worker
 from kcache_server.errors import CompileWorkerCrashedError
 from kcache_server.fairness import FairQueue, current_caller
-
-if TYPE_CHECKING:
-    from kcache_server.settings import Settings
 
 __all__ = ["ProcessPoolCompiler"]
 
@@ -133,48 +129,13 @@ class ProcessPoolCompiler:
         self._closed = False
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
-        self._launched: list[_Worker] | None = None  # the first workers, until start() has them
         self.restarts = 0  # workers replaced after a timeout, a crash or a death while idle
 
-    @classmethod
-    def for_settings(cls, settings: Settings, toolchain: Toolchain) -> ProcessPoolCompiler:
-        """The pool ``settings`` ask for, compiling with ``toolchain``; not started."""
-        return cls(
-            toolchain,
-            IncludeSets(settings.include_sets),
-            workers=settings.compile_workers,
-            timeout_s=settings.compile_timeout_s,
-            memory_mb=settings.compile_memory_mb,
-            queue_limit=settings.compile_queue_limit,
-            tmp_dir=settings.data_dir / "tmp",
-            toolchain_dir=settings.toolchain_dir,
-            retry_after_s=settings.retry_after_s,
-            caller_limit=settings.compile_caller_limit,
-            caller_queue_limit=settings.compile_caller_queue_limit,
-            queue_timeout_s=settings.compile_queue_timeout_s,
-            min_free_bytes=settings.min_free_bytes,
-            compile_sandbox=settings.compile_sandbox_mode,
-        )
-
     # ------------------------------------------------------------------ lifecycle
-    def launch(self) -> None:
-        """Start every worker process, without waiting for them (:meth:`start` does; once).
-
-        ``kcache serve`` launches before it imports the web application, so the workers
-        load NVRTC on the other core meanwhile.
-        """
-        if self._launched is None:
-            self.tmp_dir.mkdir(parents=True, exist_ok=True)
-            self._launched = []  # filled one by one: close() finds each in _all
-            for _ in range(self.workers):
-                self._launched.append(self._launch())
-
     def start(self) -> None:
-        """Start every worker (in parallel) unless :meth:`launch` has, wait until each has loaded
-        the toolchain, watch them."""
-        self.launch()
-        assert self._launched is not None
-        started, self._launched = self._launched, []
+        """Start every worker (in parallel), wait until each has loaded the toolchain, watch them."""
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        started = [self._launch() for _ in range(self.workers)]
         for worker in started:
             self._await_ready(worker)
             self._queue.put(worker)
@@ -184,10 +145,8 @@ class ProcessPoolCompiler:
         self._watcher.start()
 
     def close(self) -> None:
-        """Stop every worker (once: closing again does nothing)."""
+        """Stop every worker."""
         with self._guard:
-            if self._closed:
-                return
             self._closed = True
             workers = list(self._all)
         self._stop.set()

@@ -4,20 +4,27 @@ A data directory whose blobs outlived their database (the SQLite file deleted, a
 new PostgreSQL database) is refused at start-up: creating an empty index silently
 would make every blob look unreferenced to ``kcache db gc``. ``--recreate-index``
 creates the schema and indexes the blobs again (:meth:`SqlIndex.recover`).
+
+Alembic is imported only where it is needed: importing it (with the DDL of every
+dialect it brings) was a tenth of ``kcache serve``'s start. The start-up check of a
+database at the head revision needs none of it: :func:`script_head` reads the
+revision ids the migration scripts assign (as literals, without running them) and
+the ``alembic_version`` table is read with plain SQL. Where the scripts are not one
+linear chain, or the database is anywhere but at its head, Alembic decides, and
+words the error, as before.
 """
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
+import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy.engine import make_url
 
 from kcache.store.local import LocalArtifactStore
@@ -25,6 +32,9 @@ from kcache_server.db import is_sqlite, sqlite_path
 from kcache_server.errors import IndexMissingError, SchemaOutOfDateError
 from kcache_server.index import SqlIndex
 from kcache_server.settings import Settings
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 __all__ = [
     "alembic_config",
@@ -34,6 +44,7 @@ __all__ = [
     "head_revisions",
     "migrations_dir",
     "prepare_database",
+    "script_head",
     "upgrade",
 ]
 
@@ -49,8 +60,14 @@ def migrations_dir() -> Path:
     return Path(__file__).resolve().parent / "migrations"
 
 
+#: The files of a versions directory Alembic reads as revision scripts (its own pattern).
+_SCRIPT_FILE = re.compile(r"(?!\.\#|__init__)(.*\.py)$")
+
+
 def alembic_config(url: str) -> Config:
     """An Alembic config whose ``env.py`` will use ``url`` (not the ini file)."""
+    from alembic.config import Config
+
     # Alembic's default stdout is whatever sys.stdout was when alembic was first imported
     # (it is imported lazily now): give it the current one.
     cfg = Config(stdout=sys.stdout)
@@ -61,18 +78,85 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Run the migrations up to ``revision``."""
+    from alembic import command
+
     command.upgrade(alembic_config(url), revision)
 
 
 def head_revisions(url: str) -> set[str]:
     """The revisions this code needs."""
+    from alembic.script import ScriptDirectory
+
     return set(ScriptDirectory.from_config(alembic_config(url)).get_heads())
 
 
 def current_revisions(engine: sa.Engine) -> set[str]:
     """The revisions the database is at (empty for a fresh database)."""
+    from alembic.runtime.migration import MigrationContext
+
     with engine.connect() as conn:
         return set(MigrationContext.configure(conn).get_current_heads())
+
+
+def _assigned(tree: ast.Module, name: str) -> object:
+    """The literal a script's last module-level assignment to ``name`` gives it; ``...`` if none does."""
+    value: object = ...
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, expression = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, expression = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == name:
+            try:
+                value = ast.literal_eval(expression)
+            except ValueError:  # computed, not a literal
+                value = ...
+    return value
+
+
+def script_head() -> str | None:
+    """The head revision of the migration scripts, read without importing Alembic.
+
+    Only for scripts that form one linear chain, each assigning ``revision`` and
+    ``down_revision`` as plain strings (``None`` for the first): then the head is the
+    one revision no script names as its ``down_revision``, as Alembic has it. Anything
+    else (a branch, a merge, a value computed in code, an unreadable file) is None,
+    and Alembic is asked instead.
+    """
+    scripts = 0
+    revisions: set[str] = set()
+    downs: set[str] = set()
+    try:
+        for path in (migrations_dir() / "versions").iterdir():
+            if not _SCRIPT_FILE.match(path.name):
+                continue
+            scripts += 1
+            tree = ast.parse(path.read_bytes())
+            revision, down = _assigned(tree, "revision"), _assigned(tree, "down_revision")
+            if not isinstance(revision, str) or not (down is None or isinstance(down, str)):
+                return None
+            revisions.add(revision)
+            if down is not None:
+                downs.add(down)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    heads = revisions - downs
+    linear = scripts == len(revisions) and len(downs) == scripts - 1 and downs <= revisions
+    return heads.pop() if linear and len(heads) == 1 else None
+
+
+def _at_script_head(engine: sa.Engine) -> bool:
+    """True when the database is at :func:`script_head` (read with plain SQL, no Alembic)."""
+    head = script_head()
+    if head is None:
+        return False
+    with engine.connect() as conn:
+        if not sa.inspect(conn).has_table("alembic_version"):
+            return False
+        rows = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all()
+    return list(rows) == [head]
 
 
 def has_tables(engine: sa.Engine) -> bool:
@@ -82,6 +166,8 @@ def has_tables(engine: sa.Engine) -> bool:
 
 def check_schema(engine: sa.Engine, url: str) -> None:
     """Raise :class:`SchemaOutOfDateError` unless the database is at the head revision."""
+    if _at_script_head(engine):
+        return  # the usual case, told without importing Alembic
     need = head_revisions(url)
     have = current_revisions(engine)
     if have != need:
