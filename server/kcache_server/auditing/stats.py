@@ -13,8 +13,10 @@ costs what the buckets of its window cost, not what its events do. Raw events (a
 roll-ups, weighted by their ``count``) are read only where counts cannot answer
 exactly, in one ``UNION ALL`` with the count rows: the partial hours at the edges of
 a window (a window from 10:20 reads 10:20-11:00 raw, the full hours and days after it
-from counts), a series step under a minute, and queries filtered by job, client,
-kernel or target (the counts have one dimension at a time). Whole hours of a partly
+from counts; or, where that reads fewer events, the 10:00 row less 10:00-10:20 raw,
+and totals and the series the whole minutes from minute rows: see :func:`_edge`), a
+series step under a minute, and queries filtered by job, client, kernel or target (the
+counts have one dimension at a time). Whole hours of a partly
 covered UTC day are that day's row less its hours outside the window where that reads
 fewer rows (counts add up, so the sums stay exact; the last 24 h then read two or three
 rows per key of today instead of one per hour); never for the series, whose buckets
