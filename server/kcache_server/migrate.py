@@ -60,8 +60,8 @@ def migrations_dir() -> Path:
     return Path(__file__).resolve().parent / "migrations"
 
 
-#: The files of a versions directory Alembic reads as revision scripts (its own pattern).
-_SCRIPT_FILE = re.compile(r"(?!\.\#|__init__)(.*\.py)$")
+#: The files of a versions directory Alembic reads as revision scripts (its own pattern, matched in full).
+_SCRIPT_FILE = re.compile(r"(?!\.\#|__init__).*\.py")
 
 
 def alembic_config(url: str) -> Config:
@@ -130,7 +130,7 @@ def script_head() -> str | None:
     downs: set[str] = set()
     try:
         for path in (migrations_dir() / "versions").iterdir():
-            if not _SCRIPT_FILE.match(path.name):
+            if not _SCRIPT_FILE.fullmatch(path.name):
                 continue
             scripts += 1
             tree = ast.parse(path.read_bytes())
