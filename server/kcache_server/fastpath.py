@@ -46,8 +46,6 @@ _SUFFIX = "/artifact"
 #: The route template the metrics label this path with (the FastAPI route's own).
 ROUTE = "/v1/recipes/{recipe_key}/artifact"
 _OCTETS = (b"content-type", b"application/octet-stream")
-_OK = b"HTTP/1.1 200 OK\r\n"
-_NOT_MODIFIED = b"HTTP/1.1 304 Not Modified\r\n"
 
 
 class ArtifactFastPath:
@@ -184,17 +182,10 @@ class WarmFetch(NamedTuple):
             return 304, [*self.headers.pairs, request_id], b""
         return 200, [*self.headers.pairs, request_id, *self.headers.body_pairs], self.data
 
-    def http_response(self, default_lines: bytes, keep_alive: bool) -> bytes:
-        """The whole HTTP/1.1 response :meth:`response` describes, after ``default_lines``.
-
-        ``default_lines`` are the server's own header lines (``date``, ``server``), which
-        uvicorn puts first; ``connection: close`` ends the headers when not ``keep_alive``.
-        """
-        request_id = b"x-request-id: " + new_request_id().encode() + b"\r\n"
-        end = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
+    def http_parts(self) -> tuple[int, bytes, bytes]:
+        """:meth:`response` with its headers as HTTP/1.1 lines (most of them encoded once)."""
         headers = self.headers
+        request_id = header_lines(((HEADER, new_request_id().encode()),))
         if self.not_modified:
-            return b"".join((_NOT_MODIFIED, default_lines, headers.lines, request_id, end))
-        return b"".join(
-            (_OK, default_lines, headers.lines, request_id, headers.body_lines, end, self.data)
-        )
+            return 304, headers.lines + request_id, b""
+        return 200, b"".join((headers.lines, request_id, headers.body_lines)), self.data

@@ -46,7 +46,7 @@ import asyncio
 import time
 from typing import Any, TypeVar
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from kcache_server.auth import Principal
 from kcache_server.fastpath import ArtifactFastPath, header_lines
@@ -281,9 +281,8 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         resolve.record(hit)  # audited before answering, as the route does
-        keep_alive = self._keep_alive()
-        self.cycle = _ANSWERED  # type: ignore[assignment]
-        self.transport.write(resolve.http_response(hit, self._default_lines(), keep_alive))
+        status, headers, body = resolve.response(hit)
+        keep_alive = self._write_answer(status, header_lines(headers), body)
         resolve.count(gathering.started)
         self._answered(keep_alive)
 
@@ -295,15 +294,24 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         answer = fast.prepare(url.decode("latin-1"), self.headers)
         if answer is None:
             return False
-        keep_alive = self._keep_alive()
-        self.cycle = _ANSWERED  # type: ignore[assignment]  # the body callbacks see it complete
-        self.transport.write(answer.http_response(self._default_lines(), keep_alive))
+        keep_alive = self._write_answer(*answer.http_parts())
         fast.finish(answer, started)
         self._answered(keep_alive)
         return True
 
-    def _keep_alive(self) -> bool:
-        return self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
+    def _write_answer(self, status: int, lines: bytes, body: bytes) -> bool:
+        """Write a whole answer made here, after uvicorn's own headers; whether to keep alive.
+
+        The request cycle is marked complete first, so the parser's body callbacks and
+        the next request see no request in flight.
+        """
+        keep_alive = self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
+        end = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
+        self.cycle = _ANSWERED  # type: ignore[assignment]
+        self.transport.write(
+            b"".join((STATUS_LINE[status], self._default_lines(), lines, end, body))
+        )
+        return keep_alive
 
     def _answered(self, keep_alive: bool) -> None:
         """A response written here is complete: as uvicorn's cycle ends (counts, keep-alive)."""

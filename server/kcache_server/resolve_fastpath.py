@@ -134,18 +134,9 @@ class ResolveFastPath:
         if hit is None:
             return _replaying(messages, receive)
         self.record(hit)  # audited before answering, as the route does
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-length", str(len(hit.data)).encode()),
-                    _CONTENT_TYPE,
-                    (HEADER, new_request_id().encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": hit.data})
+        status, headers, body = self.response(hit)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
         self.count(started)
         return None
 
@@ -213,22 +204,10 @@ class ResolveFastPath:
         self.ok.inc()
         self.seconds.observe(time.perf_counter() - started)
 
-    def http_response(self, hit: ResolveHit, default_lines: bytes, keep_alive: bool) -> bytes:
-        """The whole HTTP/1.1 answer to ``hit`` (the headers the ASGI answer has, after uvicorn's)."""
-        end = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
-        return b"".join(
-            (
-                b"HTTP/1.1 200 OK\r\n",
-                default_lines,
-                b"content-length: ",
-                str(len(hit.data)).encode(),
-                b"\r\ncontent-type: application/json\r\nx-request-id: ",
-                new_request_id().encode(),
-                b"\r\n",
-                end,
-                hit.data,
-            )
-        )
+    def response(self, hit: ResolveHit) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """Status, headers (a new request id among them) and body of the answer to ``hit``."""
+        length = (b"content-length", str(len(hit.data)).encode())
+        return 200, [length, _CONTENT_TYPE, (HEADER, new_request_id().encode())], hit.data
 
 
 class ResolveHit(NamedTuple):
