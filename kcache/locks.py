@@ -212,11 +212,10 @@ class FileKeyLock:
             waited = not lock.take()
             if waited:
                 deadline = time.monotonic() + timeout
-                while not lock.take():
-                    if not _released(lock, deadline - time.monotonic()):
-                        raise LockTimeoutError(
-                            f"waited {timeout:.0f}s for the lock of {key} in {self._keys}"
-                        )
+                while True:
+                    self._await_release(lock, key, timeout, deadline)
+                    if lock.take():
+                        break
             with self._holding(key, lock):
                 yield waited
 
@@ -245,10 +244,7 @@ class FileKeyLock:
                 return
             deadline = time.monotonic() + timeout
             while True:
-                if not _released(lock, deadline - time.monotonic()):
-                    raise LockTimeoutError(
-                        f"waited {timeout:.0f}s for the lock of {key} in {self._keys}"
-                    )
+                self._await_release(lock, key, timeout, deadline)
                 found = published()
                 if found is not None:
                     yield found
@@ -258,6 +254,11 @@ class FileKeyLock:
                         yield None
                     return
                 time.sleep(_RETRY_S)  # another waiter took it, or holds its shared lock a moment
+
+    def _await_release(self, lock: _KeyRange, key: str, timeout: float, deadline: float) -> None:
+        """Return once the holder of ``key`` lets go; LockTimeoutError past ``deadline``."""
+        if not _released(lock, deadline - time.monotonic()):
+            raise LockTimeoutError(f"waited {timeout:.0f}s for the lock of {key} in {self._keys}")
 
     @contextlib.contextmanager
     def _per_key_file(self, key: str, timeout: float) -> Iterator[bool]:
