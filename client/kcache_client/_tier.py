@@ -56,7 +56,6 @@ and a publish checks its blob is still there after writing the record.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import threading
@@ -234,7 +233,7 @@ class NodeTier:
             raise ArtifactNotFoundError(f"no blob {digest} in {self.store.blobs}") from None
         if self._verified.get(digest) == blob and len(data) == blob[2]:
             return data
-        if hashlib.sha256(data).hexdigest() != digest:
+        if sha256_hex(data) != digest:
             return self.store.get(digest)
         if _settled(blob, len(data)):
             self._verified.put(digest, blob)
