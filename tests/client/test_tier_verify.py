@@ -16,8 +16,6 @@ import hashlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import kcache_client._tier as _tier
 import pytest
@@ -36,14 +34,14 @@ def _meta(data: bytes) -> ArtifactMeta:
 
 @pytest.fixture
 def hashes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bytes]]:
-    """The bytes the tier hashes, in order (through its own ``hashlib``)."""
+    """The bytes the tier hashes, in order (through its own ``sha256_hex``)."""
     seen: list[bytes] = []
 
-    def sha256(data: bytes) -> Any:
+    def sha256_hex(data: bytes) -> str:
         seen.append(bytes(data))
-        return hashlib.sha256(data)
+        return hashlib.sha256(data).hexdigest()
 
-    monkeypatch.setattr(_tier, "hashlib", SimpleNamespace(sha256=sha256))
+    monkeypatch.setattr(_tier, "sha256_hex", sha256_hex)
     yield seen
 
 
