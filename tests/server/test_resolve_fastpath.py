@@ -399,3 +399,28 @@ def test_kcache_serves_protocol_answers_hits_before_asgi(pair: Pair) -> None:
     names = {line.split(b":", 1)[0].lower() for line in header_lines}
     assert first_line == b"HTTP/1.1 200 OK"
     assert {b"date", b"server", b"content-length", b"content-type", b"x-request-id"} <= names
+
+
+def test_expect_100_continue_is_left_to_uvicorn(pair: Pair) -> None:
+    """A client that waits for ``100 Continue`` before its body gets it (the protocol does not read it)."""
+    recipe = vector_add(unique())
+    _compiled(pair, recipe)
+    body = json.dumps({"recipe": recipe}).encode()
+    route = _post(pair.route, None, pair.compiler, raw=body)
+    port = int(pair.fast.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        head = _request(body, pair.compiler, "Expect: 100-continue")[: -len(body)]
+        conn.sendall(head)
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            chunk = conn.recv(4096)
+            assert chunk, interim
+            interim += chunk
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n")
+        conn.sendall(body)
+        answer = interim.split(b"\r\n\r\n", 1)[1]
+        while not answer.endswith(route.content):
+            chunk = conn.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
