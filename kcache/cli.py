@@ -44,7 +44,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kcache._env import env_flag
-from kcache.dirs import SERVER_DATABASE_FILE, cache_dir, data_dir, directory_kind, toolchain_dir
+from kcache.dirs import (
+    SERVER_DATABASE_FILE,
+    cache_dir,
+    cache_layout,
+    data_dir,
+    directory_kind,
+    toolchain_dir,
+)
 from kcache.errors import (
     CompileError,
     KCacheError,
@@ -514,7 +521,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         from kcache.maintenance import verify_store
         from kcache.store.local import LocalArtifactStore
 
-        report = verify_store(LocalArtifactStore(root), FileIndex(root))
+        flat = cache_layout(root) == "flat"
+        report = verify_store(LocalArtifactStore(root, flat=flat), FileIndex(root, flat=flat))
     print(
         json.dumps(
             {"checked": report.checked, "corrupt": report.corrupt, "missing": report.missing}
@@ -545,8 +553,11 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         from kcache.maintenance import collect_garbage, file_index_references
         from kcache.store.local import LocalArtifactStore
 
-        referenced = file_index_references(FileIndex(root))
-        report = collect_garbage(LocalArtifactStore(root), referenced, grace_seconds=args.grace)
+        flat = cache_layout(root) == "flat"
+        referenced = file_index_references(FileIndex(root, flat=flat))
+        report = collect_garbage(
+            LocalArtifactStore(root, flat=flat), referenced, grace_seconds=args.grace
+        )
     print(json.dumps(vars(report)))
     return 0
 

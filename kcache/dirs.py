@@ -21,9 +21,13 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from kcache.errors import KCacheError
+
 __all__ = [
+    "LAYOUT_FILE",
     "SERVER_DATABASE_FILE",
     "cache_dir",
+    "cache_layout",
     "data_dir",
     "directory_kind",
     "mark_cache_dir",
@@ -35,6 +39,12 @@ __all__ = [
 SERVER_DATABASE_FILE = "kcache.db"
 
 DirectoryKind = Literal["cache", "server", "absent"]
+#: How a cache directory lays out its files (:func:`cache_layout`).
+CacheLayout = Literal["flat", "fanout"]
+
+#: Names a cache directory's layout; written when this release creates the directory.
+LAYOUT_FILE = "LAYOUT"
+_LAYOUTS: tuple[CacheLayout, ...] = ("flat", "fanout")
 
 #: Marks a cache directory (https://bford.info/cachedir/: backup tools skip it too).
 CACHE_TAG_FILE = "CACHEDIR.TAG"
@@ -105,3 +115,42 @@ def directory_kind(root: Path) -> DirectoryKind:
     if (root / "blobs").is_dir():
         return "server"
     return "cache"
+
+
+def cache_layout(root: Path) -> CacheLayout:
+    """How the cache directory ``root`` lays out its blobs and index files.
+
+    ``flat`` (``blobs/<digest>``, ``index/recipes/<key>.json``, ...) for a directory this
+    release created, named by its :data:`LAYOUT_FILE`; ``fanout`` (``blobs/ab/cd/<digest>``,
+    ``index/recipes/ab/<key>.json``) for one an earlier release filled, which has
+    blobs or an index and no such file. A new (or empty) directory gets the file
+    before anything else is written there, so a process that sees its blobs or index
+    also sees the file. Why flat: a cold node tier created a fan-out directory for
+    almost every file it published, and on the benchmark machine's ext4 creating an
+    inode (a file or a directory) costs 0.1-0.4 ms of CPU; hashed directories (ext4,
+    XFS, btrfs) look a name up as fast among 100k entries as among 100.
+
+    A directory written by several releases at once stays correct: each reads and
+    writes its own layout (an older release does not see the flat files, and fetches
+    or compiles again), so at worst a kernel is stored twice.
+    """
+    # Blobs or index first, the file second: a creator writes the file before either.
+    filled = (root / "blobs").is_dir() or (root / "index").is_dir()
+    marker = root / LAYOUT_FILE
+    try:
+        named = marker.read_text().strip()
+    except FileNotFoundError:
+        if filled:
+            return "fanout"
+        root.mkdir(parents=True, exist_ok=True)
+        staging = root / f".{LAYOUT_FILE}.{os.getpid()}"
+        staging.write_text("flat\n")
+        os.replace(staging, marker)  # concurrent creators write the same bytes
+        return "flat"
+    if named not in _LAYOUTS:
+        raise KCacheError(
+            f"{marker} names the layout {named[:40]!r}, which this kcache release does not know: "
+            "a newer release made this cache directory; upgrade kcache, or use another "
+            "directory (KCACHE_CACHE_DIR)"
+        )
+    return "flat" if named == "flat" else "fanout"

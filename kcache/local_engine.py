@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kcache.compilers import InProcessCompiler
-from kcache.dirs import cache_dir, mark_cache_dir
+from kcache.dirs import cache_dir, cache_layout, mark_cache_dir
 from kcache.engine import Engine
 from kcache.include_sets import IncludeSets
 from kcache.index.file import FileIndex
@@ -32,9 +32,10 @@ def open_local_engine(
     """
     root = cache_dir(data_dir)
     mark_cache_dir(root)
+    flat = cache_layout(root) == "flat"
     return Engine(
-        store=LocalArtifactStore(root),
-        index=FileIndex(root),
+        store=LocalArtifactStore(root, flat=flat),
+        index=FileIndex(root, flat=flat),
         lock=SingleFlight(FileKeyLock(root)),
         compiler=InProcessCompiler(load_toolchain(toolchain_dir), IncludeSets(include_sets)),
     )

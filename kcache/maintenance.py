@@ -102,7 +102,7 @@ def check_index_knows_store(store: LocalArtifactStore, referenced: set[str]) -> 
 
 
 def _indexed_digests(index: FileIndex) -> set[str]:
-    return {p.stem for p in (index.root / "artifacts").glob("*/*.json")}
+    return {p.stem for p in index.files("artifacts")}
 
 
 def verify_store(store: LocalArtifactStore, index: FileIndex) -> VerifyReport:
@@ -126,7 +126,7 @@ def verify_blobs(store: LocalArtifactStore, indexed: Iterable[str]) -> VerifyRep
 def file_index_references(index: FileIndex) -> set[str]:
     """Every digest a JSON index names (artifact records and manifest entries)."""
     referenced = _indexed_digests(index)
-    for manifest in (index.root / "manifests").glob("*/*.json"):
+    for manifest in index.files("manifests"):
         try:
             referenced.update(e["digest"] for e in json.loads(manifest.read_text()))
         except (OSError, ValueError, KeyError, TypeError):

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kcache.artifact import ArtifactMeta
-from kcache.dirs import cache_dir, mark_cache_dir
+from kcache.dirs import cache_dir, cache_layout, mark_cache_dir
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, LockTimeoutError
 from kcache.eviction import LruCandidate, WaterMarks, default_tier_cap, least_recently_used
 from kcache.fsutil import FileIdentity, atomic_write, identity, read_file_identified
@@ -156,8 +156,9 @@ class NodeTier:
         # atomic, so running readers never see part of a file; after a power loss a
         # file may be empty or garbage, which reads as absent (FileIndex) or fails the
         # blob's digest check (the store), and the kernel is fetched again.
-        self.store = LocalArtifactStore(self.root, durable=False)
-        self.index = FileIndex(self.root, durable=False)
+        flat = cache_layout(self.root) == "flat"  # a new tier is flat, an old one keeps its fan-out
+        self.store = LocalArtifactStore(self.root, durable=False, flat=flat)
+        self.index = FileIndex(self.root, durable=False, flat=flat)
         self.lock = SingleFlight(FileKeyLock(self.root))
         self.lock_timeout = lock_timeout
         #: The cap and its water marks (``max_bytes`` None: the default; 0: unbounded).
@@ -338,7 +339,7 @@ class NodeTier:
     def _aliases(self) -> dict[str, list[Path]]:
         """digest -> the recipe alias files that name it (read only when removing)."""
         found: dict[str, list[Path]] = {}
-        for path in (self.index.root / "recipes").glob("*/*.json"):
+        for path in self.index.files("recipes"):
             digest = _alias_digest(path)
             if digest is not None:
                 found.setdefault(digest, []).append(path)

@@ -2,7 +2,8 @@
 
 Layout under ``<root>/index/``: ``recipes/ab/<recipe_key>.json`` (alias, with a copy
 of the artifact's metadata so a hit reads one small file, or a negative entry),
-``artifacts/ab/<digest>.json`` (metadata), ``manifests/ab/<base_key>.json``.
+``artifacts/ab/<digest>.json`` (metadata), ``manifests/ab/<base_key>.json``; in a flat
+cache directory (:func:`kcache.dirs.cache_layout`) the same names without the ``ab/``.
 Every file is published atomically (temp, fsync, rename), and the alias is written
 last, so a crash leaves at worst an unreferenced artifact record. A cache may open
 the index with ``durable=False`` (no fsync, manifests updated without their lock,
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import filelock
 from kcache.artifact import ArtifactMeta, CompileFailure, ManifestEntry
 from kcache.fsutil import atomic_write, read_file
 from kcache.index.base import MANIFEST_LIMIT
-from kcache.keys import require_hex_key
+from kcache.keys import is_hex_key, require_hex_key
 
 __all__ = ["FileIndex"]
 
@@ -31,15 +32,19 @@ __all__ = ["FileIndex"]
 class FileIndex:
     """An :class:`~kcache.index.base.Index` over a directory of JSON files."""
 
-    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, durable: bool = True, flat: bool = False
+    ) -> None:
         """The index under ``root/index``; ``durable=False`` writes without fsync (caches only).
 
         Without fsync a power loss may leave any file empty or garbage; every read
         here treats such a file as absent, so a cache (the client's node tier) refetches
-        instead of answering wrongly. See :func:`kcache.fsutil.atomic_write`.
+        instead of answering wrongly. See :func:`kcache.fsutil.atomic_write`. ``flat``
+        keeps each kind's files in one directory, without fan-out directories.
         """
         self.root = Path(root) / "index"
         self.durable = durable
+        self.flat = flat
         for sub in ("recipes", "artifacts", "manifests", ".locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._root_str = str(self.root)
@@ -50,7 +55,16 @@ class FileIndex:
     def _path_str(self, kind: str, key: str) -> str:
         # String joins: pathlib costs tens of microseconds on a node-tier hit.
         require_hex_key(key, "key")
+        if self.flat:
+            return f"{self._root_str}/{kind}/{key}.json"
         return f"{self._root_str}/{kind}/{key[:2]}/{key}.json"
+
+    def files(self, kind: str) -> Iterator[Path]:
+        """Every file of ``kind`` (``recipes``, ``artifacts`` or ``manifests``), named ``<key>.json``."""
+        below = "" if self.flat else "*/"
+        for path in (self.root / kind).glob(f"{below}*.json"):
+            if is_hex_key(path.stem):  # not a staging file
+                yield path
 
     def _read(self, kind: str, key: str) -> Any:
         try:

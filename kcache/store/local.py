@@ -1,6 +1,7 @@
 """``LocalArtifactStore``: blobs in a directory (local disk or a shared POSIX filesystem).
 
-Layout: ``<root>/blobs/ab/cd/<digest>``, ``<root>/quarantine/<digest>.<time>``.
+Layout: ``<root>/blobs/ab/cd/<digest>`` (``<root>/blobs/<digest>`` in a flat cache
+directory, :func:`kcache.dirs.cache_layout`), ``<root>/quarantine/<digest>.<time>``.
 A blob is published by writing a uniquely named temp file in its own directory,
 fsyncing it, checking its digest, renaming it into place and fsyncing the
 directory; readers therefore see no blob or a whole one. Two writers of the same
@@ -35,27 +36,36 @@ SET_ASIDE_PREFIX = ".gc-"
 class LocalArtifactStore:
     """An :class:`~kcache.store.base.ArtifactStore` over a directory."""
 
-    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
-        """Blobs under ``root``; ``durable=False`` publishes without fsync (caches only).
+    def __init__(
+        self, root: str | os.PathLike[str], *, durable: bool = True, flat: bool = False
+    ) -> None:
+        """Blobs under ``root``; ``durable=False`` publishes without fsync or read-back (caches only).
 
         Only a cache whose readers verify every blob's digest (they do: :meth:`get`)
         and refetch what is missing or wrong may pass ``durable=False``; see
         :func:`kcache.fsutil.atomic_write`. A source of truth keeps the default.
+        ``flat`` keeps every blob in ``blobs/`` itself, without fan-out directories
+        (a cache directory's layout says which: :func:`kcache.dirs.cache_layout`).
         """
         self.root = Path(root)
         self.durable = durable
+        self.flat = flat
         self.blobs = self.root / "blobs"
         self.quarantine_dir = self.root / "quarantine"
         self.blobs.mkdir(parents=True, exist_ok=True)
         self._blobs_str = str(self.blobs)
+        # Where a blob's name goes, below blobs/: the glob that lists blobs and staging files.
+        self._below = "" if flat else "*/*/"
 
     def _path_str(self, digest: str) -> str:
         # String joins: pathlib costs tens of microseconds on a node-tier hit.
         require_hex_key(digest, "digest")
+        if self.flat:
+            return f"{self._blobs_str}/{digest}"
         return f"{self._blobs_str}/{digest[:2]}/{digest[2:4]}/{digest}"
 
     def path(self, digest: str) -> Path:
-        """``blobs/ab/cd/<digest>``; the digest is validated, never a client path."""
+        """``blobs/ab/cd/<digest>`` (flat: ``blobs/<digest>``); the digest is validated, never a client path."""
         return Path(self._path_str(digest))
 
     def has(self, digest: str) -> bool:
@@ -66,9 +76,9 @@ class LocalArtifactStore:
     def put(self, data: bytes) -> str:
         """Publish ``data`` under its sha256; idempotent."""
         digest = hashlib.sha256(data).hexdigest()
-        dest = self.path(digest)
+        dest = self._path_str(digest)
         try:
-            if dest.stat().st_size == len(data):
+            if os.stat(dest).st_size == len(data):
                 # Same name, same size: the same bytes (reads verify anyway). Touch it: the
                 # blob may be an old orphan that a row is about to name, and the mtime is
                 # what garbage collection's grace period looks at.
@@ -76,7 +86,10 @@ class LocalArtifactStore:
                 return digest
         except FileNotFoundError:
             pass  # absent, or set aside by the collector a moment ago: publish a fresh copy
-        atomic_write(dest, data, verify=data, durable=self.durable)
+        # A durable store reads the file back before it is visible (a short write on a
+        # flaky filesystem); a cache's readers verify every blob's digest instead, so it
+        # skips the read (a cold node tier publishes a few hundred files).
+        atomic_write(dest, data, verify=data if self.durable else None, durable=self.durable)
         return digest
 
     def get(self, digest: str) -> bytes:
@@ -145,7 +158,7 @@ class LocalArtifactStore:
     def restore_set_aside(self) -> int:
         """Put back blobs a collector set aside and never finished with (it was killed); how many."""
         restored = 0
-        for aside in self.blobs.glob(f"*/*/{SET_ASIDE_PREFIX}*"):
+        for aside in self.blobs.glob(f"{self._below}{SET_ASIDE_PREFIX}*"):
             digest = aside.name[len(SET_ASIDE_PREFIX) :].split("-", 1)[0]
             if not is_hex_key(digest):
                 continue
@@ -158,11 +171,13 @@ class LocalArtifactStore:
 
     def digests(self) -> Iterator[str]:
         """Published digests; staging files (``.tmp-*``) are skipped."""
-        for path in self.blobs.glob("*/*/*"):
+        for path in self.blobs.glob(f"{self._below}*"):
             if not path.name.startswith(TMP_PREFIX) and is_hex_key(path.name):
                 yield path.name
 
     def stale_temp_files(self, older_than_s: float = 3600.0) -> list[Path]:
         """Staging files left by killed writers (never visible as blobs; ``gc`` removes them)."""
         cutoff = time.time() - older_than_s
-        return [p for p in self.blobs.glob(f"*/*/{TMP_PREFIX}*") if p.stat().st_mtime < cutoff]
+        return [
+            p for p in self.blobs.glob(f"{self._below}{TMP_PREFIX}*") if p.stat().st_mtime < cutoff
+        ]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from client_harness import KcacheServer, kernels
 from kcache_client import ClientSettings, KernelCache, RetryPolicy
+from kcache_client._tier import NodeTier
 
 from kcache import Recipe
 from kcache.artifact import ArtifactMeta
@@ -123,7 +124,7 @@ def test_a_wrong_shaped_alias_is_a_miss_and_is_refetched(
     kserver: KcacheServer, recipe: Recipe, tmp_path: Path, shape: str
 ) -> None:
     key, digest, data = _fill(kserver, tmp_path, recipe)
-    WRONG_SHAPES[shape](FileIndex(tmp_path)._path("recipes", key))
+    WRONG_SHAPES[shape](Path(NodeTier(tmp_path).index.alias_path(key)))
     _refetched(kserver, tmp_path, recipe, digest, data)
 
 
