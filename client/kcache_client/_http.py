@@ -5,17 +5,35 @@ out) and the server saying it is overloaded (429/503/502/504), where its
 ``Retry-After`` is honoured. Every other error status is mapped once, here, to a
 typed error from :mod:`kcache_client.errors`. Resolve requests are safe to repeat:
 identical concurrent resolves join one compile on the server.
+
+Two ways out, one policy. A GET without a body (every fetch: artifact, blob,
+metadata, toolchains) goes through :class:`~kcache_client._lean_http.LeanClient`,
+a keep-alive ``http.client`` pool that costs a third of httpx's CPU per request, as
+long as it would do what httpx does: no injected client (its hooks, proxies and
+transport must apply), an ``http``/``https`` URL without credentials, and no proxy
+from the environment for it (``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` unset, or
+``NO_PROXY`` covering the host). Everything else (POSTs, DELETEs, an injected
+client, a proxied server) goes through httpx, whose client is made on first use
+only, so a process that only fetches never builds one (nor its SSL context). Both
+answer a :class:`Reply`; the retry loop, the request count and the error mapping
+are the same code for both.
 """
 
 from __future__ import annotations
 
 import email.utils
+import json as jsonlib
+import re
 import threading
 import time
-from typing import Any
+import urllib.request
+from collections.abc import Mapping
+from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import httpx
 
+from kcache_client._lean_http import LeanClient
 from kcache_client._settings import DEFAULT_TIMEOUT, RetryPolicy
 from kcache_client.errors import (
     AuthenticationError,
@@ -29,9 +47,51 @@ from kcache_client.errors import (
     ServerUnavailableError,
 )
 
-__all__ = ["Transport", "batch_item_error", "parse_retry_after"]
+__all__ = ["Reply", "Transport", "batch_item_error", "lean_path_serves", "parse_retry_after"]
 
 _BUSY = frozenset({429, 502, 503, 504})
+
+#: A request target ``http.client`` sends as it is (httpx would percent-encode the rest).
+_PLAIN_TARGET = re.compile(r"[!-~]*")
+
+
+class Reply(Protocol):
+    """What :meth:`Transport.request` answers: an ``httpx.Response`` or a lean one."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def content(self) -> bytes: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def url(self) -> object: ...
+
+    def json(self, **kwargs: Any) -> Any: ...
+
+
+def lean_path_serves(url: str) -> bool:
+    """Whether a GET to ``url`` may skip httpx: it would connect to the host itself.
+
+    True for an ``http``/``https`` URL without user info (httpx would send those as
+    Basic auth) that no proxy from the environment applies to: httpx reads the same
+    ``urllib.request.getproxies()``; ``NO_PROXY`` is judged by ``proxy_bypass``.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return False
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+        return False
+    proxies = urllib.request.getproxies()
+    if not proxies.get(parts.scheme) and not proxies.get("all"):
+        return True
+    return bool(urllib.request.proxy_bypass(parts.netloc))
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -50,13 +110,16 @@ def parse_retry_after(value: str | None) -> float | None:
 
 
 class Transport:
-    """One server: a pooled ``httpx.Client`` plus the retry and error policy.
+    """One server: the lean GET pool and an ``httpx.Client``, plus the retry and error policy.
 
-    ``client``, when given, is used as it is (its timeouts, limits, proxies, event hooks
-    and transport apply) and never closed here; kcache adds its ``Authorization`` and
-    ``User-Agent`` headers to each request and sends absolute URLs. Otherwise the
-    transport opens its own client with ``timeout`` and closes it in :meth:`close`.
-    ``requests`` counts the HTTP requests sent (retries included), for diagnostics.
+    ``client``, when given, is used as it is for every request (its timeouts, limits,
+    proxies, event hooks and transport apply) and never closed here; kcache adds its
+    ``Authorization`` and ``User-Agent`` headers to each request and sends absolute
+    URLs. Otherwise the transport makes its own: GETs without a body take the lean
+    path when :func:`lean_path_serves` the URL (decided here, once, as httpx reads its
+    proxies once), the rest a client with ``timeout`` made on first use; :meth:`close`
+    closes both. ``requests`` counts the HTTP requests sent (retries included), for
+    diagnostics.
     """
 
     def __init__(
@@ -74,15 +137,29 @@ class Transport:
         self._headers = {"User-Agent": user_agent}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+        self._timeout = timeout or DEFAULT_TIMEOUT
         self._owned = client is None
-        self._client = client or httpx.Client(timeout=timeout or DEFAULT_TIMEOUT)
+        self._client = client
+        self._client_lock = threading.Lock()
+        self._closed = False
+        self._lean = (
+            LeanClient(self.url, self._timeout)
+            if client is None and lean_path_serves(self.url)
+            else None
+        )
         self._count_lock = threading.Lock()
         self.requests = 0
 
     def close(self) -> None:
-        """Close the connection pool (not an injected client: its owner closes it)."""
+        """Close the connection pools (not an injected client: its owner closes it)."""
+        if self._lean is not None:
+            self._lean.close()
         if self._owned:
-            self._client.close()
+            with self._client_lock:
+                self._closed = True
+                client = self._client
+            if client is not None:
+                client.close()
 
     def request(
         self,
@@ -93,8 +170,8 @@ class Transport:
         ok: tuple[int, ...] = (200,),
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
-    ) -> httpx.Response:
-        """Send with retries; return a response whose status is in ``ok``, or raise a typed error."""
+    ) -> Reply:
+        """Send with retries; return a reply whose status is in ``ok``, or raise a typed error."""
         policy = retry or self.retry
         deadline = time.monotonic() + policy.budget_s
         last_status = 0
@@ -104,31 +181,24 @@ class Transport:
             with self._count_lock:
                 self.requests += 1
             try:
-                response = self._client.request(
-                    method,
-                    self.url + path,
-                    json=json,
-                    headers=self._headers,
-                    timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
-                )
+                reply = self._send(method, path, json, timeout)
             except httpx.TransportError as exc:
                 # Connection refused/reset, DNS, timeouts, a server that died mid-reply.
                 cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 wait = policy.backoff(attempt)
                 last_status = 0
             else:
-                if response.status_code in ok:
-                    return response
-                if response.status_code not in _BUSY:
-                    raise self._error(response)
-                last_status = response.status_code
-                last_retry_after = parse_retry_after(response.headers.get("Retry-After"))
+                if reply.status_code in ok:
+                    return reply
+                if reply.status_code not in _BUSY:
+                    raise _error(reply.status_code, str(reply.url), reply.text)
+                last_status = reply.status_code
+                last_retry_after = parse_retry_after(reply.headers.get("Retry-After"))
                 wait = (
                     min(last_retry_after, policy.max_retry_after_s)
                     if last_retry_after is not None
                     else policy.backoff(attempt)
                 )
-                response.close()
             if attempt + 1 >= policy.attempts or time.monotonic() + wait > deadline:
                 break
             time.sleep(wait)
@@ -136,32 +206,56 @@ class Transport:
             raise ServerBusyError(self.url, last_status, last_retry_after)
         raise ServerUnavailableError(self.url, cause or "no response")
 
-    def _error(self, response: httpx.Response) -> ServerResponseError | RemoteCompileError:
-        """Map an error status and its JSON body ``{"error", "detail", ...}`` to a typed error."""
-        url = str(response.request.url)
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            body = {"error": "http_error", "detail": response.text[:500]}
-        code = str(body.get("error", "http_error"))
-        detail = body.get("detail", "")
-        detail = detail if isinstance(detail, str) else str(detail)
-        status = response.status_code
-        if code == "compile_error":
-            return RemoteCompileError(
-                body.get("recipe_key"), str(body.get("log") or ""), detail=detail
-            )
-        if status in (401, 403):
-            return AuthenticationError(
-                url, status, code, detail or "set KCACHE_TOKEN to a valid token"
-            )
-        if status == 404:
-            return RemoteNotFoundError(url, status, code, detail)
-        if status in (400, 413, 422):
-            return RequestRejectedError(url, status, code, detail)
-        return ServerResponseError(url, status, code, detail)
+    def _send(self, method: str, path: str, json: Any, timeout: float | None) -> Reply:
+        """One try: the lean path for a plain GET it serves, httpx for the rest."""
+        if (
+            self._lean is not None
+            and method == "GET"
+            and json is None
+            and _PLAIN_TARGET.fullmatch(path)
+        ):
+            return self._lean.get(path, self._headers, timeout=timeout)
+        return self._httpx().request(
+            method,
+            self.url + path,
+            json=json,
+            headers=self._headers,
+            timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+        )
+
+    def _httpx(self) -> httpx.Client:
+        """The injected client, or our own, made on first use (once, whichever thread asks)."""
+        client = self._client
+        if client is None:
+            with self._client_lock:
+                if self._client is None:
+                    if self._closed:  # as a closed httpx.Client would answer
+                        raise RuntimeError("the transport has been closed")
+                    self._client = httpx.Client(timeout=self._timeout)
+                client = self._client
+        return client
+
+
+def _error(status: int, url: str, text: str) -> ServerResponseError | RemoteCompileError:
+    """Map an error status and its JSON body ``{"error", "detail", ...}`` to a typed error."""
+    try:
+        body = jsonlib.loads(text)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body = {"error": "http_error", "detail": text[:500]}
+    code = str(body.get("error", "http_error"))
+    detail = body.get("detail", "")
+    detail = detail if isinstance(detail, str) else str(detail)
+    if code == "compile_error":
+        return RemoteCompileError(body.get("recipe_key"), str(body.get("log") or ""), detail=detail)
+    if status in (401, 403):
+        return AuthenticationError(url, status, code, detail or "set KCACHE_TOKEN to a valid token")
+    if status == 404:
+        return RemoteNotFoundError(url, status, code, detail)
+    if status in (400, 413, 422):
+        return RequestRejectedError(url, status, code, detail)
+    return ServerResponseError(url, status, code, detail)
 
 
 def batch_item_error(url: str, item: dict[str, Any], recipe_key: str) -> ClientError:

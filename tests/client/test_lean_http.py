@@ -1,0 +1,552 @@
+"""The lean GET path of the client's Transport, against real servers on real sockets.
+
+A plain GET goes through ``http.client`` (``_lean_http.LeanClient``) instead of httpx;
+these tests prove which path a request took from the server's side: ``http.client``
+asks for ``Accept-Encoding: identity``, httpx for ``gzip, deflate...``, and a counted
+``httpx.Client`` subclass shows whether httpx was used at all. Failures and error
+statuses are compared with what the httpx path makes of the same answers.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from client_harness import KcacheServer, Proxy, Scripted, Seen, json_response, kernels
+from kcache_client import (
+    AuthenticationError,
+    ClientSettings,
+    KernelCache,
+    RemoteCompileError,
+    RemoteNotFoundError,
+    RequestRejectedError,
+    RetryPolicy,
+    ServerBusyError,
+    ServerResponseError,
+    ServerUnavailableError,
+)
+from kcache_client._http import Transport
+from kcache_client._settings import DEFAULT_TIMEOUT
+
+from tests.support import free_port
+
+FAST = RetryPolicy(attempts=3, base_s=0.01, cap_s=0.02, budget_s=5.0)
+QUIET = ClientSettings.from_env(send_events=False, retry=FAST)
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+
+def took_lean_path(seen: Seen) -> bool:
+    """Whether ``http.client`` sent this request (httpx asks for compressed answers)."""
+    return seen.headers.get("accept-encoding") == "identity"
+
+
+@pytest.fixture(autouse=True)
+def no_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start each test without proxy variables (httpx and urllib would honour them)."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
+@pytest.fixture
+def built_clients(monkeypatch: pytest.MonkeyPatch) -> list[httpx.Client]:
+    """Every ``httpx.Client`` made from here on (real clients, counted as they are made)."""
+    made: list[httpx.Client] = []
+
+    class Counted(httpx.Client):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(httpx, "Client", Counted)
+    return made
+
+
+def accepted_connections(server: Scripted) -> list[socket.socket]:
+    """The connections ``server`` accepts from now on, kept so a test can cut one."""
+    httpd = server._httpd
+    accepted: list[socket.socket] = []
+    accept = httpd.get_request
+
+    def counting() -> tuple[socket.socket, Any]:
+        sock, address = accept()
+        accepted.append(sock)
+        return sock, address
+
+    httpd.get_request = counting  # type: ignore[method-assign]
+    return accepted
+
+
+class RawServer:
+    """A TCP server that answers each request on a connection with ``answer(n)`` raw bytes.
+
+    ``n`` counts requests over all connections. ``answer`` returning None closes the
+    connection without a word; ``close_after`` closes it once the bytes are written.
+    """
+
+    def __init__(self, answer: Callable[[int], bytes | None], *, close_after: bool = False) -> None:
+        self.answer = answer
+        self.close_after = close_after
+        self.requests = 0
+        self.connections = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as reader:
+            while True:
+                head = [reader.readline()]
+                while head[-1] not in (b"\r\n", b"\n", b""):
+                    head.append(reader.readline())
+                if head[-1] == b"":
+                    return  # the client closed the connection
+                with self._lock:
+                    n = self.requests
+                    self.requests += 1
+                payload = self.answer(n)
+                if payload is None:
+                    return
+                conn.sendall(payload)
+                if self.close_after:
+                    return
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def chunked(*parts: bytes, headers: str = "") -> bytes:
+    """A 200 answer whose body is sent in ``parts`` with chunked framing."""
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+    return (
+        f"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+        f"Transfer-Encoding: chunked\r\n{headers}\r\n"
+    ).encode() + body
+
+
+# ------------------------------------------------------------------------------ the path taken
+def test_a_fetch_only_cache_takes_the_lean_path_and_never_builds_an_httpx_client(
+    kserver: KcacheServer, tmp_path: Path, built_clients: list[httpx.Client]
+) -> None:
+    (recipe,) = kernels(1, "lean", target="sm_80")
+    with KernelCache(kserver.url, cache_dir=tmp_path / "seed", settings=QUIET) as seed:
+        assert seed.get(recipe).origin == "compiled"  # the server holds it now (a POST: httpx)
+    proxy = Proxy(kserver.url)  # counts what reaches the server (with a client of its own)
+    made_before = len(built_clients)
+    try:
+        with KernelCache(proxy.url, cache_dir=tmp_path / "rank", settings=QUIET) as cache:
+            art = cache.get(recipe)
+            assert art.origin == "server" and art.path.read_bytes() == art.data
+        artifact_gets = [s for s in proxy.seen if s.path.endswith("/artifact")]
+        assert len(artifact_gets) == 1 and took_lean_path(artifact_gets[0])
+        assert all(s.method == "GET" and took_lean_path(s) for s in proxy.seen)
+        assert len(built_clients) == made_before  # neither at construction nor on the fetch
+    finally:
+        proxy.close()
+
+
+def test_posts_take_httpx_whose_client_is_made_once_on_first_use_and_closed(
+    built_clients: list[httpx.Client],
+) -> None:
+    server = Scripted(lambda s: json_response(200, {"path": s.path}))
+    try:
+        transport = Transport(server.url, retry=FAST)
+        assert transport.request("GET", "/v1/toolchains").json() == {"path": "/v1/toolchains"}
+        assert built_clients == []
+        barrier = threading.Barrier(6)
+
+        def post() -> None:
+            barrier.wait()
+            transport.request("POST", "/v1/events", json={"events": []})
+
+        threads = [threading.Thread(target=post) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(built_clients) == 1  # six threads at once, one client
+        posts = [s for s in server.seen if s.method == "POST"]
+        assert len(posts) == 6 and not any(took_lean_path(s) for s in posts)
+        assert took_lean_path(server.seen[0])
+        transport.close()
+        assert built_clients[0].is_closed
+    finally:
+        server.close()
+
+
+def test_an_injected_client_is_used_for_every_request() -> None:
+    server = Scripted(lambda s: json_response(200, {"ok": True}))
+    sent: list[httpx.Request] = []
+    client = httpx.Client(event_hooks={"request": [sent.append]})
+    try:
+        transport = Transport(server.url, retry=FAST, client=client)
+        transport.request("GET", "/v1/recipes/k/artifact")
+        transport.request("POST", "/v1/resolve", json={})
+        assert [(r.method, r.url.path) for r in sent] == [
+            ("GET", "/v1/recipes/k/artifact"),
+            ("POST", "/v1/resolve"),
+        ]
+        assert not any(took_lean_path(s) for s in server.seen)
+        transport.close()
+        assert not client.is_closed  # its owner closes it
+    finally:
+        client.close()
+        server.close()
+
+
+def test_an_environment_proxy_sends_gets_through_httpx_and_no_proxy_lets_them_go_direct(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    target = Scripted(lambda s: json_response(200, {"from": "target"}))
+    proxy = Scripted(lambda s: json_response(200, {"from": "proxy"}))
+    try:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        proxied = Transport(target.url, retry=FAST)
+        assert proxied.request("GET", "/v1/toolchains").json() == {"from": "proxy"}
+        (seen,) = proxy.seen
+        assert seen.path == f"{target.url}/v1/toolchains"  # absolute form: a proxy request
+        assert not took_lean_path(seen) and target.seen == []
+        proxied.close()
+
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        direct = Transport(target.url, retry=FAST)
+        assert direct.request("GET", "/v1/toolchains").json() == {"from": "target"}
+        assert len(proxy.seen) == 1 and took_lean_path(target.seen[0])
+        direct.close()
+    finally:
+        target.close()
+        proxy.close()
+
+
+# ------------------------------------------------------------------------------ connections
+def test_keep_alive_reuses_one_connection_over_many_gets() -> None:
+    server = Scripted(lambda s: json_response(200, {"path": s.path}))
+    accepted = accepted_connections(server)
+    try:
+        transport = Transport(server.url, retry=FAST)
+        for i in range(40):
+            assert transport.request("GET", f"/v1/blobs/{i}").json() == {"path": f"/v1/blobs/{i}"}
+        assert len(accepted) == 1
+        assert server.count("GET") == 40 and transport.requests == 40
+        assert all(took_lean_path(s) for s in server.seen)
+    finally:
+        server.close()
+
+
+def test_a_keep_alive_connection_the_server_closed_while_idle_is_replaced_quietly() -> None:
+    server = Scripted(lambda s: json_response(200, {"path": s.path}))
+    accepted = accepted_connections(server)
+    try:
+        transport = Transport(server.url, retry=RetryPolicy(attempts=1))  # no retry loop to hide in
+        transport.request("GET", "/first")
+        for _ in range(2):  # the same thing twice: the replacement is pooled in turn
+            accepted[-1].shutdown(socket.SHUT_RDWR)  # the server ends the idle connection
+            transport.request("GET", "/again")
+        assert len(accepted) == 3
+        assert transport.requests == 3  # each GET counted once
+        assert [s.path for s in server.seen] == ["/first", "/again", "/again"]
+    finally:
+        server.close()
+
+
+def test_a_response_with_connection_close_is_not_reused() -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+    server = RawServer(lambda n: answer, close_after=True)
+    try:
+        transport = Transport(server.url, retry=RetryPolicy(attempts=1))
+        for _ in range(3):
+            assert transport.request("GET", "/x").content == b"ok"
+        assert server.connections == 3 and server.requests == 3
+    finally:
+        server.close()
+
+
+def test_chunked_answers_are_read_whole_and_the_connection_kept() -> None:
+    parts = [b"a" * 10, b"b" * 70_000, b"", b"c" * 3]
+    server = RawServer(lambda n: chunked(*[p for p in parts if p], headers="X-Part: 1\r\n"))
+    try:
+        transport = Transport(server.url, retry=FAST)
+        for _ in range(3):
+            reply = transport.request("GET", "/v1/blobs/x")
+            assert reply.content == b"".join(parts)
+            assert reply.headers.get("x-part") == "1" and reply.headers.get("X-PART") == "1"
+        assert server.connections == 1
+    finally:
+        server.close()
+
+
+def test_threads_fetching_through_one_transport_each_get_their_own_bodies() -> None:
+    def route(seen: Seen) -> tuple[int, dict[str, str], bytes]:
+        n = int(seen.path.rsplit("/", 1)[1])
+        return 200, {"X-Path": seen.path}, seen.path.encode() * (1 + n * 997 % 20_000)
+
+    server = Scripted(route)
+    accepted = accepted_connections(server)
+    transport = Transport(server.url, retry=FAST)
+    wrong: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def fetch(thread: int) -> None:
+        barrier.wait()
+        for i in range(30):
+            n = thread * 1000 + i
+            path = f"/v1/blobs/{n}"
+            reply = transport.request("GET", path)
+            if reply.content != path.encode() * (1 + n * 997 % 20_000) or (
+                reply.headers.get("x-path") != path
+            ):
+                wrong.append(path)
+
+    try:
+        threads = [threading.Thread(target=fetch, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert wrong == []
+        assert server.count("GET") == 240 and transport.requests == 240
+        assert 1 <= len(accepted) <= 8  # pooled: at most one connection per thread
+        assert all(took_lean_path(s) for s in server.seen)
+    finally:
+        transport.close()
+        server.close()
+
+
+# ------------------------------------------------------------------------------ failures
+def _both_paths(url: str, **kwargs: Any) -> Iterator[tuple[str, Transport]]:
+    """The same request through the lean path and through httpx (an injected client)."""
+    yield "lean", Transport(url, **kwargs)
+    client = httpx.Client(timeout=kwargs.get("timeout") or DEFAULT_TIMEOUT)
+    try:
+        yield "httpx", Transport(url, client=client, **kwargs)
+    finally:
+        client.close()
+
+
+def _failure(transport: Transport, path: str = "/v1/recipes/k/artifact") -> Exception:
+    with pytest.raises(Exception) as info:
+        transport.request("GET", path)
+    return info.value
+
+
+def test_connection_refused_is_server_unavailable_after_the_retries_on_both_paths() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    causes = {}
+    for name, transport in _both_paths(url, retry=FAST):
+        error = _failure(transport)
+        assert isinstance(error, ServerUnavailableError) and error.url == url
+        assert transport.requests == FAST.attempts
+        causes[name] = error.cause
+    assert causes["lean"] == causes["httpx"] and causes["lean"].startswith("ConnectError")
+
+
+def test_a_server_dying_mid_body_is_server_unavailable_after_the_retries_on_both_paths() -> None:
+    truncated = b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10
+    for kind, answer in (
+        ("length", truncated),
+        ("chunked", chunked(b"y" * 50)[:-12]),  # the last chunk and its end never come
+        ("nothing", None),  # the connection closed before a status line
+    ):
+        server = RawServer(lambda n, a=answer: a, close_after=True)  # type: ignore[misc]
+        try:
+            causes = {}
+            for name, transport in _both_paths(server.url, retry=FAST):
+                error = _failure(transport)
+                assert isinstance(error, ServerUnavailableError), (kind, name)
+                assert transport.requests == FAST.attempts, (kind, name)
+                causes[name] = error.cause.split(":")[0]
+            assert causes == {"lean": "RemoteProtocolError", "httpx": "RemoteProtocolError"}, kind
+        finally:
+            server.close()
+
+
+def test_a_server_that_never_answers_is_a_read_timeout_on_both_paths() -> None:
+    release = threading.Event()
+    server = RawServer(lambda n: b"" if release.wait(10) else None)
+    try:
+        once = RetryPolicy(attempts=1)
+        for name, transport in _both_paths(
+            server.url, retry=once, timeout=httpx.Timeout(0.3, connect=5.0)
+        ):
+            error = _failure(transport)
+            assert isinstance(error, ServerUnavailableError), name
+            assert error.cause.startswith("ReadTimeout"), (name, error.cause)
+    finally:
+        release.set()
+        server.close()
+
+
+ERROR_ANSWERS: dict[str, tuple[int, dict[str, str], bytes]] = {
+    "404": json_response(404, {"error": "not_found", "detail": "no such recipe"}),
+    "401": json_response(401, {"error": "unauthorized", "detail": ""}),
+    "403": json_response(403, {"error": "forbidden", "detail": "scope read only"}),
+    "422 compile": json_response(
+        422, {"error": "compile_error", "detail": "1 error", "log": "k.cu(1): x", "recipe_key": "k"}
+    ),
+    "413": json_response(413, {"error": "too_large", "detail": {"limit": 1}}),
+    "500 text": (
+        500,
+        {"Content-Type": "text/plain; charset=latin-1"},
+        "caf\xe9 down".encode("latin-1"),
+    ),
+    "503 retry-after": json_response(503, {"error": "busy"}, **{"Retry-After": "0"}),
+    "429 no retry-after": json_response(429, {"error": "slow_down"}),
+}
+ERROR_TYPES = {
+    "404": RemoteNotFoundError,
+    "401": AuthenticationError,
+    "403": AuthenticationError,
+    "422 compile": RemoteCompileError,
+    "413": RequestRejectedError,
+    "500 text": ServerResponseError,
+    "503 retry-after": ServerBusyError,
+    "429 no retry-after": ServerBusyError,
+}
+
+
+@pytest.mark.parametrize("case", list(ERROR_ANSWERS))
+def test_error_statuses_map_to_the_same_typed_errors_on_both_paths(case: str) -> None:
+    server = Scripted(lambda s: ERROR_ANSWERS[case])
+    try:
+        seen: dict[str, tuple[type, str, dict[str, Any], int]] = {}
+        for name, transport in _both_paths(server.url, retry=FAST):
+            before = len(server.seen)
+            error = _failure(transport)
+            fields = {k: v for k, v in vars(error).items() if not k.startswith("_")}
+            seen[name] = (type(error), str(error), fields, transport.requests)
+            assert all(took_lean_path(s) == (name == "lean") for s in server.seen[before:])
+        assert seen["lean"] == seen["httpx"]
+        assert seen["lean"][0] is ERROR_TYPES[case]
+        retried = issubclass(seen["lean"][0], ServerBusyError)
+        assert seen["lean"][3] == (FAST.attempts if retried else 1)
+    finally:
+        server.close()
+
+
+def test_the_404_of_a_fetch_is_a_miss_and_carries_its_url() -> None:
+    server = Scripted(lambda s: json_response(404, {"error": "not_found", "detail": "gone"}))
+    try:
+        error = _failure(Transport(server.url + "/", retry=FAST), "/v1/blobs/abc")
+        assert isinstance(error, RemoteNotFoundError)
+        assert (error.url, error.status, error.code, error.detail) == (
+            f"{server.url}/v1/blobs/abc",
+            404,
+            "not_found",
+            "gone",
+        )
+    finally:
+        server.close()
+
+
+# ------------------------------------------------------------------------------ https
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A throwaway CA and a certificate for 127.0.0.1 it signed (made by the openssl CLI)."""
+    d = tmp_path_factory.mktemp("tls")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def openssl(*args: str) -> None:
+        try:
+            subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+        except (FileNotFoundError, subprocess.CalledProcessError) as exc:
+            pytest.skip(f"openssl cannot make test certificates here: {exc}")
+
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=kcache test CA",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
+    openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (d / "ext.cnf").write_text(
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
+        "extendedKeyUsage=serverAuth\nauthorityKeyIdentifier=keyid,issuer\n"
+    )
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf")  # fmt: skip
+    return {"ca": d / "ca.pem", "cert": d / "server.pem", "key": d / "server.key"}
+
+
+class TlsScripted(Scripted):
+    """A :class:`Scripted` server that speaks TLS with ``cert``."""
+
+    def __init__(
+        self, route: Callable[[Seen], tuple[int, dict[str, str], bytes]], cert: Path, key: Path
+    ) -> None:
+        super().__init__(route)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        httpd = self._httpd
+        plain_accept = httpd.get_request
+
+        def accept() -> tuple[socket.socket, Any]:
+            sock, address = plain_accept()
+            return context.wrap_socket(sock, server_side=True), address
+
+        httpd.get_request = accept  # type: ignore[method-assign]
+        self.url = f"https://127.0.0.1:{self.port}"
+
+
+def test_https_gets_take_the_lean_path_and_verify_certificates_as_httpx_does(
+    tls_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = TlsScripted(
+        lambda s: json_response(200, {"tls": True}), tls_files["cert"], tls_files["key"]
+    )
+    try:
+        # Unknown CA (httpx's default trust is certifi's): both paths refuse it alike.
+        causes = {}
+        for name, transport in _both_paths(server.url, retry=RetryPolicy(attempts=1)):
+            error = _failure(transport, "/v1/toolchains")
+            assert isinstance(error, ServerUnavailableError), name
+            causes[name] = error.cause
+        assert (
+            causes["lean"].startswith("ConnectError")
+            and "CERTIFICATE_VERIFY_FAILED" in causes["lean"]
+        )
+        assert (
+            causes["httpx"].startswith("ConnectError")
+            and "CERTIFICATE_VERIFY_FAILED" in causes["httpx"]
+        )
+        # Trusting the CA the way httpx is told to (SSL_CERT_FILE): the lean GET succeeds.
+        monkeypatch.setenv("SSL_CERT_FILE", str(tls_files["ca"]))
+        transport = Transport(server.url, retry=RetryPolicy(attempts=1))
+        for _ in range(3):
+            assert transport.request("GET", "/v1/toolchains").json() == {"tls": True}
+        assert all(took_lean_path(s) for s in server.seen)
+        transport.close()
+    finally:
+        server.close()
+
+
+def test_the_same_json_body_comes_back_from_either_path() -> None:
+    body = {"default": "cuda-12", "toolchains": ["cuda-12"], "text": "é ✓"}
+    server = Scripted(lambda s: json_response(200, body))
+    try:
+        answers = [
+            t.request("GET", "/v1/toolchains") for _, t in _both_paths(server.url, retry=FAST)
+        ]
+        assert [a.json() for a in answers] == [body, body]
+        assert answers[0].text == answers[1].text == json.dumps(body)
+        assert answers[0].content == answers[1].content
+        assert str(answers[0].url) == str(answers[1].url) == f"{server.url}/v1/toolchains"
+        assert answers[0].headers.get("content-type") == answers[1].headers.get("Content-Type")
+    finally:
+        server.close()
