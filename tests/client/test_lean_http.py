@@ -13,6 +13,7 @@ import json
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -248,6 +249,29 @@ def test_keep_alive_reuses_one_connection_over_many_gets() -> None:
         assert len(accepted) == 1
         assert server.count("GET") == 40 and transport.requests == 40
         assert all(took_lean_path(s) for s in server.seen)
+    finally:
+        server.close()
+
+
+FIRST_GET = """
+import sys
+from kcache_client._http import Transport
+body = Transport(sys.argv[1]).request("GET", "/v1/blobs/1").json()
+print(body["path"], "encodings.idna" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_a_first_get_by_an_ascii_host_name_does_not_load_the_idna_codec(host: str) -> None:
+    """The codec's import was about 1 ms of every rank's first fetch; names still resolve."""
+    server = Scripted(lambda s: json_response(200, {"path": s.path}))
+    try:
+        url = server.url.replace("127.0.0.1", host)
+        out = subprocess.run(
+            [sys.executable, "-c", FIRST_GET, url], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["/v1/blobs/1", "False"]
     finally:
         server.close()
 
