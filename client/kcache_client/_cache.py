@@ -48,6 +48,8 @@ __all__ = ["KernelCache"]
 #: Recipes per ``/v1/resolve/batch`` request: big enough for the server to compile
 #: in parallel, small enough for the progress bar to move.
 _BATCH = 8
+#: How long closing waits for the tier's bookkeeping (records, manifest entries) to be written.
+_BOOKKEEPING_WAIT_S = 10.0
 _ORIGIN_OF_STATUS: dict[str, ArtifactOrigin] = {
     "hit": "server",
     "compiled": "compiled",
@@ -137,11 +139,13 @@ class KernelCache:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Deliver queued audit events (bounded wait) and close connections; idempotent."""
+        """Write the tier's pending bookkeeping and deliver queued audit events (bounded waits),
+        close connections; idempotent."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self._atexit)
+        self.tier.flush(_BOOKKEEPING_WAIT_S)  # the records of this process's last publishes
         if self._events is not None:
             self._events.close()
         if self._transport is not None:

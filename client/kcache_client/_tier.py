@@ -75,6 +75,7 @@ from kcache.keys import sha256_hex
 from kcache.locks import FileKeyLock, SingleFlight, try_file_lock
 from kcache.lru import LruCache
 from kcache.store.local import LocalArtifactStore
+from kcache_client._background import BackgroundWork
 
 __all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_dir"]
 
@@ -177,6 +178,7 @@ class NodeTier:
         self._since_scan = 0  # bytes this process published since
         self._scanned_at = float("-inf")
         self._rescan_s = _RESCAN_MIN_S
+        self._bookkeeping = BackgroundWork("kcache-tier-bookkeeping")
 
     def lookup(self, recipe_key: str) -> tuple[ArtifactMeta, bytes] | None:
         """The artifact and its verified bytes, or None.
@@ -241,26 +243,44 @@ class NodeTier:
         return data
 
     def publish(self, recipe_key: str, base_key: str, meta: ArtifactMeta, data: bytes) -> Path:
-        """Store verified bytes, then the index entry (the blob first, as everywhere); may evict.
+        """Store verified bytes and the recipe's alias (the blob first, as everywhere); the rest later.
 
-        The index writes the recipe's alias first (a cache's order), and this thread's
-        lock of the key is let go right then: processes waiting for the key take the
-        entry while this one writes the artifact record and the manifest entry and
-        does its bookkeeping (B8: eight ranks fetching the same kernels wait on each
-        key in turn).
+        This thread's lock of the key is let go once the alias is written: processes
+        waiting for the key take the entry from there. The artifact record, the manifest
+        entry and the size accounting (which may evict) are left to this process's
+        bookkeeping thread (:mod:`~kcache_client._background`), so the caller goes on to
+        its next kernel meanwhile (B8: eight ranks fetching the same kernels in turn);
+        :meth:`flush` waits for them.
         """
         digest = self.store.put(data)
         if digest != meta.digest:  # the caller verified already; this is a second line of defence
             raise CorruptArtifactError(meta.digest, digest, None)
-        self.index.record_artifact(
-            recipe_key, base_key, meta, visible=lambda: self.lock.let_go(recipe_key)
-        )
-        if not os.path.isfile(self.location(digest)):
-            # Another process evicted the blob between our put and our record (it had
-            # seen no record yet): put it back, so no record names a missing blob.
-            self.store.put(data)
-        self.stored(len(data))
+        self.index.write_alias(recipe_key, meta)
+        self.lock.let_go(recipe_key)
+        self._bookkeeping.submit(lambda: self._record(base_key, meta, len(data)))
         return self.store.path(digest)
+
+    def _record(self, base_key: str, meta: ArtifactMeta, size: int) -> None:
+        """A published entry's record and manifest entry; may evict (the bookkeeping thread).
+
+        The blob may be gone by now (evicted by another process, which saw no record
+        yet, removed by ``kcache cache clear``, quarantined as damaged): then nothing is
+        recorded, and a record written as the blob went is taken back, so that no
+        record names a missing blob. (Its alias, if still there, reads as absent.)
+        """
+        blob = self.location(meta.digest)
+        if not os.path.isfile(blob):
+            return
+        self.index.record_metadata(base_key, meta)
+        if not os.path.isfile(blob):
+            with contextlib.suppress(OSError):
+                os.unlink(self._record_path(meta.digest))
+            return
+        self.stored(size)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until this process's bookkeeping of its publishes is written; False on timeout."""
+        return self._bookkeeping.flush(timeout)
 
     # ---------------------------------------------------------------- bounded size
     def _record_path(self, digest: str) -> str:
@@ -291,7 +311,7 @@ class NodeTier:
             due = time.monotonic() - self._scanned_at >= self._rescan_s
             if self._scanned_bytes is not None and not due and not self.marks.over(estimate):
                 return
-        self.evict()
+        self._evict()  # not evict(): its flush would wait for the bookkeeping thread itself
 
     def _scan(self) -> list[_Scanned]:
         started = time.monotonic()
@@ -325,6 +345,10 @@ class NodeTier:
 
         None when another process is evicting already (it does the work).
         """
+        self.flush()
+        return self._evict()
+
+    def _evict(self) -> TierRemoval | None:
         with self._evicting(0) as held:
             if not held:
                 return None
@@ -373,6 +397,7 @@ class NodeTier:
 
     def entries(self) -> list[TierEntry]:
         """Every stored artifact, most recently used first, with its recipe keys and metadata."""
+        self.flush()  # this process's own publishes count
         aliases = self._aliases()
         listed = []
         for blob in self._scan():
@@ -393,6 +418,7 @@ class NodeTier:
 
     def usage(self) -> TierUsage:
         """Bytes used of the cap, entries, oldest and newest use."""
+        self.flush()  # this process's own publishes count
         scanned = self._scan()
         stamps = [b.last_used for b in scanned]
         return TierUsage(
@@ -406,6 +432,7 @@ class NodeTier:
 
     def remove(self, keys: Iterable[str], *, wait_s: float = 60.0) -> TierRemoval:
         """Remove the entries ``keys`` name (recipe keys or digests) now."""
+        self.flush()
         wanted: dict[str, str] = {}
         unknown = []
         for key in keys:
@@ -426,6 +453,7 @@ class NodeTier:
 
     def clear(self, *, wait_s: float = 60.0) -> TierRemoval:
         """Remove every entry."""
+        self.flush()
         with self._evicting(wait_s) as held:
             if not held:
                 raise LockTimeoutError(
@@ -456,7 +484,9 @@ class NodeTier:
         lock (entries appear by atomic rename, blobs are verified), and ranks that
         each took the lock in turn only to read the entry made a convoy (B8).
         """
-        with self.lock.hold_unless(recipe_key, self.lock_timeout, published) as found:
+        # The holder renames the entry's alias into this directory, then lets go.
+        aliases = os.path.dirname(self.index.alias_path(recipe_key))
+        with self.lock.hold_unless(recipe_key, self.lock_timeout, published, aliases) as found:
             yield found
 
     # ---------------------------------------------------------------- server facts

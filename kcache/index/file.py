@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -149,14 +149,7 @@ class FileIndex:
         except (KeyError, TypeError, ValueError, AttributeError):
             return []
 
-    def record_artifact(
-        self,
-        recipe_key: str,
-        base_key: str,
-        meta: ArtifactMeta,
-        *,
-        visible: Callable[[], object] | None = None,
-    ) -> None:
+    def record_artifact(self, recipe_key: str, base_key: str, meta: ArtifactMeta) -> None:
         """The artifact's metadata record, its manifest entry and the recipe's alias.
 
         A durable index writes the alias last, as the commit point: a crash leaves at
@@ -165,17 +158,22 @@ class FileIndex:
         the alias carries the metadata a hit reads, and a record or manifest entry lost
         to a crash costs at most an offline manifest match (a compile) and an eviction
         that dates the entry by its blob. Without fsync the order holds only while the
-        machine runs anyway. ``visible`` is called once the alias is written.
+        machine runs anyway. A cache may also write the two parts itself, the second
+        later (:meth:`write_alias`, then :meth:`record_metadata`).
         """
-
-        def commit() -> None:
-            alias = {"recipe_key": recipe_key, "digest": meta.digest, "artifact": meta.to_dict()}
-            self._write("recipes", recipe_key, alias)
-            if visible is not None:
-                visible()
-
         if not self.durable:
-            commit()
+            self.write_alias(recipe_key, meta)
+        self.record_metadata(base_key, meta)
+        if self.durable:
+            self.write_alias(recipe_key, meta)
+
+    def write_alias(self, recipe_key: str, meta: ArtifactMeta) -> None:
+        """``recipe_key`` -> the artifact, with its metadata (what a hit reads)."""
+        alias = {"recipe_key": recipe_key, "digest": meta.digest, "artifact": meta.to_dict()}
+        self._write("recipes", recipe_key, alias)
+
+    def record_metadata(self, base_key: str, meta: ArtifactMeta) -> None:
+        """The artifact's record (unless there is one) and its entry in ``base_key``'s manifest."""
         if self.artifact(meta.digest) is None:
             self._write("artifacts", meta.digest, meta.to_dict())
         entry = ManifestEntry(meta.digest, meta.dependencies)
@@ -184,7 +182,6 @@ class FileIndex:
             # a lost entry would cost a recompile, never a wrong result.
             with filelock.FileLock(f"{self._root_str}/.locks/{base_key}.lock", timeout=60):
                 self._add_to_manifest(base_key, entry)
-            commit()
         else:
             # A cache goes without: two processes adding entries under one base key at
             # the same moment (the same source, other header texts) may lose one, which

@@ -83,18 +83,13 @@ def test_a_waiting_rank_takes_the_entry_once_the_alias_is_written(tmp_path: Path
     meta = _meta(data)
     holder_tier = NodeTier(tmp_path, max_bytes=0)
     held, publish, finish, taken = (threading.Event() for _ in range(4))
-    record = holder_tier.index.record_artifact
+    record = holder_tier.index.record_metadata
 
-    def slow_record(*args: object, **kwargs: object) -> None:
-        show = kwargs.pop("visible")
+    def slow_record(base_key: str, meta: ArtifactMeta) -> None:
+        finish.wait(30)  # the record and the manifest wait until the waiter is done
+        record(base_key, meta)
 
-        def shown() -> None:
-            show()  # type: ignore[operator]
-            finish.wait(30)  # the record and the manifest wait until the waiter is done
-
-        record(*args, visible=shown, **kwargs)  # type: ignore[arg-type]
-
-    holder_tier.index.record_artifact = slow_record  # type: ignore[method-assign]
+    holder_tier.index.record_metadata = slow_record  # type: ignore[method-assign]
 
     def hold_and_publish() -> None:
         with holder_tier.hold_unless(KEY, lambda: None) as found:
@@ -125,6 +120,7 @@ def test_a_waiting_rank_takes_the_entry_once_the_alias_is_written(tmp_path: Path
     finish.set()
     holder.join(30)
     waiter.join(30)
+    assert holder_tier.flush(30)
     assert waiter_tier.index.artifact(meta.digest) == meta
     assert [e.digest for e in waiter_tier.index.manifest(BASE)] == [meta.digest]
 
@@ -173,23 +169,20 @@ def test_the_alias_is_written_first_in_a_cache_and_last_in_a_durable_index(
 ) -> None:
     index = FileIndex(tmp_path, durable=durable)
     meta = _meta(b"ordered")
-    when_visible: list[tuple[object, object, list[str]]] = []
-    index.record_artifact(
-        KEY,
-        BASE,
-        meta,
-        visible=lambda: when_visible.append(
-            (
-                index.lookup(KEY),
-                index.artifact(meta.digest),
-                [e.digest for e in index.manifest(BASE)],
-            )
-        ),
-    )
+    write_alias = index.write_alias
+    before_alias: list[tuple[object, list[str]]] = []  # what was written when the alias was
+
+    def spied(recipe_key: str, written: ArtifactMeta) -> None:
+        before_alias.append((index.artifact(meta.digest), [e.digest for e in index.manifest(BASE)]))
+        write_alias(recipe_key, written)
+
+    index.write_alias = spied  # type: ignore[method-assign]
+    index.record_artifact(KEY, BASE, meta)
     if durable:
-        assert when_visible == [(meta, meta, [meta.digest])]
+        assert before_alias == [(meta, [meta.digest])]
     else:
-        assert when_visible == [(meta, None, [])]
+        assert before_alias == [(None, [])]
+    assert index.lookup(KEY) == meta and index.artifact(meta.digest) == meta
 
 
 def test_an_entry_whose_record_a_crash_lost_reads_lists_evicts_and_heals(tmp_path: Path) -> None:
@@ -197,12 +190,8 @@ def test_an_entry_whose_record_a_crash_lost_reads_lists_evicts_and_heals(tmp_pat
     meta = _meta(data)
     tier = NodeTier(tmp_path, max_bytes=0)
 
-    def crash() -> None:
-        raise KeyboardInterrupt  # the process dies right after the alias
-
     tier.store.put(data)
-    with pytest.raises(KeyboardInterrupt):
-        tier.index.record_artifact(KEY, BASE, meta, visible=crash)
+    tier.index.write_alias(KEY, meta)  # the process dies right after the alias
     assert tier.index.artifact(meta.digest) is None and tier.index.manifest(BASE) == []
 
     fresh = NodeTier(tmp_path, max_bytes=0)
@@ -212,6 +201,7 @@ def test_an_entry_whose_record_a_crash_lost_reads_lists_evicts_and_heals(tmp_pat
     removal = fresh.remove([KEY])
     assert removal.removed == 1 and fresh.lookup(KEY) is None
     fresh.publish(KEY, BASE, meta, data)  # the refetch's publish writes everything
+    assert fresh.flush(30)
     assert fresh.lookup(KEY) == (meta, data)
     assert fresh.index.artifact(meta.digest) == meta
     assert [e.digest for e in fresh.index.manifest(BASE)] == [meta.digest]
