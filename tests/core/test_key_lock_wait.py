@@ -1,5 +1,9 @@
 """FileKeyLock.hold_unless: a waiter takes what the holder published without the lock,
-and takes the lock only when the holder let go (or died) without publishing."""
+and takes the lock only when the holder let go (or died) without publishing.
+
+Each case runs twice: waiting for the holder to let go (a pool thread blocked in
+``fcntl``), and watching the directory the result is renamed into (``where``, inotify).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,25 @@ from kcache.locks import FileKeyLock, SingleFlight
 from tests.support import wait_until
 
 KEY = "ab" * 32
+WAYS = ["lock", "watch"]
+
+
+def _where(tmp_path: Path, way: str) -> str | None:
+    """The directory a holder renames its result into (``watch``), or None (``lock``)."""
+    if way == "lock":
+        return None
+    results = tmp_path / "results"
+    results.mkdir(exist_ok=True)
+    return str(results)
+
+
+def _publish(where: str | None, published: list[str]) -> None:
+    """What a tier's holder does: the result, renamed into its directory."""
+    published.append("entry")
+    if where is not None:
+        staging = Path(where) / ".staging"
+        staging.write_text("entry")
+        os.replace(staging, Path(where) / "entry")
 
 
 def _free_now(root: Path) -> bool:
@@ -39,32 +62,41 @@ def test_a_free_lock_is_held_and_nothing_is_looked_up(tmp_path: Path) -> None:
     assert _free_now(tmp_path)
 
 
+@pytest.mark.parametrize("way", WAYS)
 def test_a_waiter_returns_what_the_holder_published_without_taking_the_lock(
-    tmp_path: Path,
+    tmp_path: Path, way: str
 ) -> None:
     published: list[str] = []
-    held, release = threading.Event(), threading.Event()
+    held, release, let_go = threading.Event(), threading.Event(), threading.Event()
+    where = _where(tmp_path, way)
 
     def holder() -> None:
         with FileKeyLock(tmp_path).hold(KEY, timeout=5):
             held.set()
             release.wait(10)
-            published.append("entry")  # published before letting go, as the tier does
+            _publish(where, published)  # published before letting go, as the tier does
+            if way == "watch":
+                let_go.wait(60)  # ... and held on: only the rename can wake the waiter
 
     thread = threading.Thread(target=holder)
     thread.start()
     assert held.wait(10)
     threading.Timer(0.05, release.set).start()
     with FileKeyLock(tmp_path).hold_unless(
-        KEY, 30, lambda: published[0] if published else None
+        KEY, 30, lambda: published[0] if published else None, where
     ) as found:
         assert found == "entry"
-        # The waiter does not hold the lock while it uses the entry.
-        assert _free_now(tmp_path)
+        if way == "lock":
+            # The waiter does not hold the lock while it uses the entry.
+            assert _free_now(tmp_path)
+    let_go.set()
     thread.join()
 
 
-def test_a_holder_that_dies_without_publishing_hands_the_lock_to_a_waiter(tmp_path: Path) -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_a_holder_that_dies_without_publishing_hands_the_lock_to_a_waiter(
+    tmp_path: Path, way: str
+) -> None:
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLD_FOREVER, str(tmp_path), KEY],
         stdout=subprocess.PIPE,
@@ -74,7 +106,8 @@ def test_a_holder_that_dies_without_publishing_hands_the_lock_to_a_waiter(tmp_pa
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "held"
         threading.Timer(0.1, os.kill, (holder.pid, signal.SIGKILL)).start()
-        with FileKeyLock(tmp_path).hold_unless(KEY, 30, lambda: None) as found:
+        where = _where(tmp_path, way)
+        with FileKeyLock(tmp_path).hold_unless(KEY, 30, lambda: None, where) as found:
             assert found is None  # nothing published: the waiter holds the lock now
             assert holder.wait(10) == -signal.SIGKILL
             other = subprocess.run(
@@ -89,10 +122,14 @@ def test_a_holder_that_dies_without_publishing_hands_the_lock_to_a_waiter(tmp_pa
     assert _free_now(tmp_path)
 
 
-def test_a_waiter_gives_up_after_its_timeout_and_leaves_no_lock_behind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_a_waiter_gives_up_after_its_timeout_and_leaves_no_lock_behind(
+    tmp_path: Path, way: str
+) -> None:
+    where = _where(tmp_path, way)
     with FileKeyLock(tmp_path).hold(KEY, timeout=5):  # noqa: SIM117
         with pytest.raises(LockTimeoutError, match="waited"):
-            with FileKeyLock(tmp_path).hold_unless(KEY, 0.2, lambda: None):
+            with FileKeyLock(tmp_path).hold_unless(KEY, 0.2, lambda: None, where):
                 pass
     # The abandoned wait drops its shared lock once the holder lets go.
     with FileKeyLock(tmp_path).hold_unless(KEY, 5, lambda: "late") as found:
