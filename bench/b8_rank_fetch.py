@@ -22,7 +22,16 @@ Figures (median of ``B8_ROUNDS`` rounds, default 5, ours and the anchor interlea
   ranks spent in their gets (process time, all ranks together, and one rank alone):
   on a small shared machine the wall time swings with other work, the CPU much less.
 
+Where the files go matters on this machine: everything (the tiers, curl's files) is
+written under ``B8_DIR``, by default the system's temp directory. Creating a file or a
+directory there cost anywhere from 12 us to 0.7 ms of CPU on the benchmark machine's
+ext4, from one hour to the next, and both sides create files (curl 192 a round, the
+tier about 4 per kernel), so the figure reports that cost as measured in the same
+directory just before the rounds (``file_create_us``); ``B8_DIR=/dev/shm`` (a tmpfs)
+leaves the filesystem out.
+
     python b8_rank_fetch.py                 # the benchmark
+    B8_DIR=/dev/shm python b8_rank_fetch.py # the same on a tmpfs
     python b8_rank_fetch.py rank CONFIG     # one rank (started by the benchmark)
 """
 
@@ -48,6 +57,7 @@ from _harness import emit, kcache_server
 from b1_fetch import nginx_serving
 
 RANKS = int(os.environ.get("B8_RANKS", "8"))
+WORK_DIR = os.environ.get("B8_DIR") or tempfile.gettempdir()
 ROUNDS = int(os.environ.get("B8_ROUNDS", "5"))
 KERNELS = 24
 TARGET = "sm_90"
@@ -182,6 +192,18 @@ def curls(urls: list[str], work: Path, ranks: int, tag: str) -> float:
     return wall_ms
 
 
+def file_create_us(directory: Path, files: int = 100) -> float:
+    """CPU per file created in ``directory`` (created, written, closed), in microseconds."""
+    scratch = directory / "create-probe"
+    scratch.mkdir()
+    started = time.process_time()
+    for i in range(files):
+        (scratch / f"f{i}").write_bytes(b"x" * 4096)
+    spent = time.process_time() - started
+    shutil.rmtree(scratch)
+    return spent / files * 1e6
+
+
 def main() -> None:
     from kcache_client import ClientSettings, KernelCache
 
@@ -191,7 +213,7 @@ def main() -> None:
         emit("B8.rank_fetch.wall_ms", 0.0, None, "ms", skipped="needs nginx and curl")
         return
     with (
-        tempfile.TemporaryDirectory(prefix="kcache-b8-") as tmp_name,
+        tempfile.TemporaryDirectory(prefix="kcache-b8-", dir=WORK_DIR) as tmp_name,
         kcache_server() as url,
     ):
         work = Path(tmp_name)
@@ -218,6 +240,7 @@ def main() -> None:
         with nginx_serving(files) as blob_url:
             base = blob_url.rsplit("/", 1)[0]
             urls = [f"{base}/k{i:02d}.cubin" for i in range(KERNELS)]
+            create_us = file_create_us(work)
             rounds, anchor, alone, single = [], [], [], []
             for n in range(ROUNDS):
                 rounds.append(ours(url, work, payload, RANKS, f"{n}-all"))
@@ -260,6 +283,8 @@ def main() -> None:
         one_rank_alone_ms=round(statistics.median(a["wall_ms"] for a in alone), 1),
         one_curl_24_files_ms=round(statistics.median(single), 1),
         ranks_cpu_ms=round(statistics.median(r["cpu_ms"] for r in rounds), 1),
+        work_dir=WORK_DIR,
+        file_create_us=round(create_us, 1),
         one_rank_cpu_ms=round(statistics.median(a["cpu_ms"] for a in alone), 1),
     )
 

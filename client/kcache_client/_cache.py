@@ -48,8 +48,6 @@ __all__ = ["KernelCache"]
 #: Recipes per ``/v1/resolve/batch`` request: big enough for the server to compile
 #: in parallel, small enough for the progress bar to move.
 _BATCH = 8
-#: How long closing waits for the tier's bookkeeping (records, manifest entries) to be written.
-_BOOKKEEPING_WAIT_S = 10.0
 _ORIGIN_OF_STATUS: dict[str, ArtifactOrigin] = {
     "hit": "server",
     "compiled": "compiled",
@@ -139,13 +137,13 @@ class KernelCache:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Write the tier's pending bookkeeping and deliver queued audit events (bounded waits),
+        """Write the tier's pending records, deliver queued audit events (bounded wait) and
         close connections; idempotent."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self._atexit)
-        self.tier.flush(_BOOKKEEPING_WAIT_S)  # the records of this process's last publishes
+        self.tier.flush()  # the records of this process's last publishes
         if self._events is not None:
             self._events.close()
         if self._transport is not None:

@@ -82,6 +82,7 @@ class LocalCompiler:
                 f"{offline.cause}; {where}, and it names toolchain {concrete.toolchain} while the "
                 f"local NVRTC is {engine.toolchain_id}",
             ) from offline
+        self.tier.flush()  # the manifest entries of this process's fetches, for the engine's match
         result = engine.resolve(concrete)
         data = engine.read(result.artifact)
         if result.status == "compiled":

@@ -75,7 +75,6 @@ from kcache.keys import sha256_hex
 from kcache.locks import FileKeyLock, SingleFlight, try_file_lock
 from kcache.lru import LruCache
 from kcache.store.local import LocalArtifactStore
-from kcache_client._background import BackgroundWork
 
 __all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_dir"]
 
@@ -87,6 +86,8 @@ _TOUCH_EVERY_S = 5.0
 _PARSED_ENTRIES = 4096
 # A file is known by its identity once its ctime is this old (coarse clocks: FAT's 2 s).
 _SETTLED_NS = 2_000_000_000
+# Publishes whose record and manifest entry wait for a moment the process is idle, at most.
+_PENDING_MAX = 32
 # A process rescans the tier's size after a publish at least this often (or 20 scans' time).
 _RESCAN_MIN_S = 1.0
 
@@ -174,11 +175,13 @@ class NodeTier:
             max_entries=_PARSED_ENTRIES
         )
         self._size_lock = threading.Lock()
+        # (base key, metadata, size) of publishes whose record is not written yet (flush).
+        self._pending: list[tuple[str, ArtifactMeta, int]] = []
+        self._pending_lock = threading.Lock()
         self._scanned_bytes: int | None = None  # the tier's size at this process's last scan
         self._since_scan = 0  # bytes this process published since
         self._scanned_at = float("-inf")
         self._rescan_s = _RESCAN_MIN_S
-        self._bookkeeping = BackgroundWork("kcache-tier-bookkeeping")
 
     def lookup(self, recipe_key: str) -> tuple[ArtifactMeta, bytes] | None:
         """The artifact and its verified bytes, or None.
@@ -245,23 +248,39 @@ class NodeTier:
     def publish(self, recipe_key: str, base_key: str, meta: ArtifactMeta, data: bytes) -> Path:
         """Store verified bytes and the recipe's alias (the blob first, as everywhere); the rest later.
 
-        This thread's lock of the key is let go once the alias is written: processes
-        waiting for the key take the entry from there. The artifact record, the manifest
-        entry and the size accounting (which may evict) are left to this process's
-        bookkeeping thread (:mod:`~kcache_client._background`), so the caller goes on to
-        its next kernel meanwhile (B8: eight ranks fetching the same kernels in turn);
-        :meth:`flush` waits for them.
+        The alias is what a hit reads, and this thread's lock of the key is let go as
+        soon as it is written: processes waiting for the key take the entry from there.
+        The artifact record, the manifest entry and the size accounting (which may
+        evict) wait in this process (:meth:`flush`) until it is idle anyway, waiting for
+        another process's fetch (:meth:`hold_unless`), or until 32 publishes are pending,
+        or until anything reads them here (listing, evicting, closing the cache). A
+        rank fetching kernels one after another thus goes on to its next kernel at once
+        (B8: eight ranks fetching the same kernels in turn). A record lost when a
+        process ends without closing costs what a crash's would (module docstring).
+        A thread of its own for that work cost a lone rank half as much time again (the
+        GIL).
         """
         digest = self.store.put(data)
         if digest != meta.digest:  # the caller verified already; this is a second line of defence
             raise CorruptArtifactError(meta.digest, digest, None)
         self.index.write_alias(recipe_key, meta)
         self.lock.let_go(recipe_key)
-        self._bookkeeping.submit(lambda: self._record(base_key, meta, len(data)))
+        with self._pending_lock:
+            self._pending.append((base_key, meta, len(data)))
+            due = len(self._pending) >= _PENDING_MAX
+        if due:
+            self.flush()
         return self.store.path(digest)
 
+    def flush(self) -> None:
+        """Write the records and manifest entries of this process's pending publishes; may evict."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for base_key, meta, size in pending:
+            self._record(base_key, meta, size)
+
     def _record(self, base_key: str, meta: ArtifactMeta, size: int) -> None:
-        """A published entry's record and manifest entry; may evict (the bookkeeping thread).
+        """A published entry's record and manifest entry; may evict.
 
         The blob may be gone by now (evicted by another process, which saw no record
         yet, removed by ``kcache cache clear``, quarantined as damaged): then nothing is
@@ -277,10 +296,6 @@ class NodeTier:
                 os.unlink(self._record_path(meta.digest))
             return
         self.stored(size)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until this process's bookkeeping of its publishes is written; False on timeout."""
-        return self._bookkeeping.flush(timeout)
 
     # ---------------------------------------------------------------- bounded size
     def _record_path(self, digest: str) -> str:
@@ -311,7 +326,7 @@ class NodeTier:
             due = time.monotonic() - self._scanned_at >= self._rescan_s
             if self._scanned_bytes is not None and not due and not self.marks.over(estimate):
                 return
-        self._evict()  # not evict(): its flush would wait for the bookkeeping thread itself
+        self._evict()
 
     def _scan(self) -> list[_Scanned]:
         started = time.monotonic()
@@ -345,7 +360,7 @@ class NodeTier:
 
         None when another process is evicting already (it does the work).
         """
-        self.flush()
+        self.flush()  # this process's own publishes count
         return self._evict()
 
     def _evict(self) -> TierRemoval | None:
@@ -397,7 +412,7 @@ class NodeTier:
 
     def entries(self) -> list[TierEntry]:
         """Every stored artifact, most recently used first, with its recipe keys and metadata."""
-        self.flush()  # this process's own publishes count
+        self.flush()
         aliases = self._aliases()
         listed = []
         for blob in self._scan():
@@ -418,7 +433,7 @@ class NodeTier:
 
     def usage(self) -> TierUsage:
         """Bytes used of the cap, entries, oldest and newest use."""
-        self.flush()  # this process's own publishes count
+        self.flush()
         scanned = self._scan()
         stamps = [b.last_used for b in scanned]
         return TierUsage(
@@ -486,7 +501,15 @@ class NodeTier:
         """
         # The holder renames the entry's alias into this directory, then lets go.
         aliases = os.path.dirname(self.index.alias_path(recipe_key))
-        with self.lock.hold_unless(recipe_key, self.lock_timeout, published, aliases) as found:
+
+        def looked() -> T | None:
+            # Asked first when this process is about to wait for another's fetch: the
+            # moment for its own pending bookkeeping, which nothing waits for.
+            if self._pending:
+                self.flush()
+            return published()
+
+        with self.lock.hold_unless(recipe_key, self.lock_timeout, looked, aliases) as found:
             yield found
 
     # ---------------------------------------------------------------- server facts
