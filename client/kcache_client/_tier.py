@@ -38,9 +38,10 @@ memory with it. Every process and every new file is verified at least once.
 
 The tier is bounded (:mod:`kcache.eviction`): ``max_bytes`` (``KCACHE_CACHE_MAX_BYTES``,
 default 10 GiB or 10 % of the tier's filesystem, whichever is smaller; 0 for none).
-When a publish takes the blobs past the high-water mark, the least recently used are
-evicted down to the low-water mark, by one process at a time (a file lock; the
-others skip their pass). Recency is the mtime of an entry's artifact record under
+When a publish's bookkeeping (written when the process is idle, every 32 publishes, or
+on demand: :meth:`NodeTier.publish`) takes the blobs past the high-water mark, the
+least recently used are evicted down to the low-water mark, by one process at a time
+(a file lock; the others skip their pass). Recency is the mtime of an entry's artifact record under
 ``index/artifacts/``, touched when a lookup reads the entry (at most once per
 entry every few seconds per process), because atime is often off (``noatime``).
 
@@ -49,8 +50,9 @@ artifact record and recipe aliases first and its blob last; a reader that opened
 the blob keeps reading it (an unlinked file lives on for open descriptors) and
 verifies the digest; one that comes later finds no blob, drops the alias and
 fetches again. A publisher that stored the same bytes again meanwhile keeps them:
-the evictor re-checks the blob's mtime and the record after setting the blob aside,
-and a publish checks its blob is still there after writing the record.
+the evictor re-checks the blob's mtime and the record after setting the blob aside.
+A publish writes no record for a blob gone by then, and takes back one written as it
+went, so no record names a missing blob.
 """
 
 from __future__ import annotations
