@@ -6,17 +6,17 @@ out) and the server saying it is overloaded (429/503/502/504), where its
 typed error from :mod:`kcache_client.errors`. Resolve requests are safe to repeat:
 identical concurrent resolves join one compile on the server.
 
-Two ways out, one policy. A GET without a body (every fetch: artifact, blob,
-metadata, toolchains) goes through :class:`~kcache_client._lean_http.LeanClient`,
-a keep-alive ``http.client`` pool that costs a third of httpx's CPU per request, as
-long as it would do what httpx does: no injected client (its hooks, proxies and
-transport must apply), an ``http``/``https`` URL without credentials, and no proxy
-from the environment for it (``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` unset, or
-``NO_PROXY`` covering the host). Everything else (POSTs, DELETEs, an injected
-client, a proxied server) goes through httpx, whose client is made on first use
-only, so a process that only fetches never builds one (nor its SSL context). Both
-answer a :class:`Reply`; the retry loop, the request count and the error mapping
-are the same code for both.
+Two ways out, one policy. GETs (every fetch: artifact, blob, metadata, toolchains)
+and POSTs (resolves, audit events; a JSON body, encoded as httpx encodes it) go
+through :class:`~kcache_client._lean_http.LeanClient`, a keep-alive ``http.client``
+pool that costs a third of httpx's CPU per request, as long as it would do what
+httpx does: no injected client (its hooks, proxies and transport must apply), an
+``http``/``https`` URL without credentials, and no proxy from the environment for it
+(``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` unset, or ``NO_PROXY`` covering the
+host). Everything else (DELETEs, an injected client, a proxied server) goes through
+httpx, whose client is made on first use only, so a client that never needs it never
+builds one (nor its SSL context). Both answer a :class:`Reply`; the retry loop, the
+request count and the error mapping are the same code for both.
 """
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ def lean_path_serves(url: str) -> bool:
     return bool(urllib.request.proxy_bypass(parts.netloc))
 
 
+def _json_body(value: Any) -> bytes:
+    """``value`` as httpx sends a ``json=`` body: compact UTF-8, NaN refused (ValueError)."""
+    return jsonlib.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
 def parse_retry_after(value: str | None) -> float | None:
     """``Retry-After`` as seconds: a number, or an HTTP date; None if absent or garbled."""
     if not value:
@@ -115,7 +120,7 @@ class Transport:
     ``client``, when given, is used as it is for every request (its timeouts, limits,
     proxies, event hooks and transport apply) and never closed here; kcache adds its
     ``Authorization`` and ``User-Agent`` headers to each request and sends absolute
-    URLs. Otherwise the transport makes its own: GETs without a body take the lean
+    URLs. Otherwise the transport makes its own: GETs and POSTs take the lean
     path when :func:`lean_path_serves` the URL (decided here, once, as httpx reads its
     proxies once), the rest a client with ``timeout`` made on first use; :meth:`close`
     closes both. ``requests`` counts the HTTP requests sent (retries included), for
@@ -137,6 +142,7 @@ class Transport:
         self._headers = {"User-Agent": user_agent}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+        self._json_headers = {**self._headers, "Content-Type": "application/json"}
         self._timeout = timeout or DEFAULT_TIMEOUT
         self._owned = client is None
         self._client = client
@@ -207,14 +213,16 @@ class Transport:
         raise ServerUnavailableError(self.url, cause or "no response")
 
     def _send(self, method: str, path: str, json: Any, timeout: float | None) -> Reply:
-        """One try: the lean path for a plain GET it serves, httpx for the rest."""
-        if (
-            self._lean is not None
-            and method == "GET"
-            and json is None
-            and _PLAIN_TARGET.fullmatch(path)
-        ):
-            return self._lean.get(path, self._headers, timeout=timeout)
+        """One try: the lean path for a GET or a JSON POST it serves, httpx for the rest."""
+        if self._lean is not None and _PLAIN_TARGET.fullmatch(path):
+            if method == "GET" and json is None:
+                return self._lean.get(path, self._headers, timeout=timeout)
+            if method == "POST":
+                if json is None:  # as httpx sends it: no body, no content type
+                    return self._lean.request("POST", path, self._headers, b"", timeout=timeout)
+                return self._lean.request(
+                    "POST", path, self._json_headers, _json_body(json), timeout=timeout
+                )
         return self._httpx().request(
             method,
             self.url + path,

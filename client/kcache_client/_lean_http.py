@@ -1,9 +1,10 @@
-"""A lean keep-alive HTTP/1.1 GET client for one origin, on the stdlib's ``http.client``.
+"""A lean keep-alive HTTP/1.1 client for one origin, on the stdlib's ``http.client``.
 
 Why: a rank fetching its kernels is CPU-bound on a small machine, and httpx spends
-about three times the CPU of ``http.client`` on each GET (and builds an SSL context
-from certifi when its client is made, even for plain http). :class:`LeanClient` does
-only what a kcache GET needs: one origin, small idle-connection pool, whole bodies.
+about three times the CPU of ``http.client`` on each request (and builds an SSL
+context from certifi when its client is made, even for plain http). :class:`LeanClient`
+does only what kcache's requests need: one origin, a small idle-connection pool,
+whole bodies (a JSON body for a POST).
 
 What it keeps the same as httpx: TLS verification (the context is
 ``httpx.create_ssl_context()``, made on the first https connection only, as httpx
@@ -14,9 +15,12 @@ failures: every transport failure is raised as the ``httpx.TransportError`` http
 would raise (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``, ``ReadError``,
 ``WriteError``, ``RemoteProtocolError``), so a caller's retry loop treats both alike.
 
-A keep-alive connection the server closed while it sat idle fails as soon as it is
-used again (the request cannot be sent, or the answer ends or resets before it
-began); such a GET is sent once more on a fresh connection, here, as urllib3 does.
+A keep-alive connection the server closed while it sat idle is dropped before it is
+used again when its socket reads as closed (as httpcore does). One that fails anyway
+(the request cannot be sent, or the answer ends or resets before it began) is sent
+once more on a fresh connection, here, as urllib3 does, if it was a GET; another
+method may have reached the server, so its failure goes to the caller's retry policy,
+as httpx's would.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json as jsonlib
+import select
 import socket
 import ssl
 import threading
 import zlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import httpx
@@ -152,10 +157,24 @@ class LeanClient:
     def get(
         self, path: str, headers: Mapping[str, str], *, timeout: float | None = None
     ) -> LeanResponse:
-        """``GET path`` with ``headers``, read whole; ``timeout`` (seconds) overrides all four.
+        """``GET path`` with ``headers``, read whole (:meth:`request`)."""
+        return self.request("GET", path, headers, timeout=timeout)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> LeanResponse:
+        """``method path`` with ``headers`` and ``body``, read whole; ``timeout`` (seconds) overrides all four.
 
         Raises the ``httpx.TransportError`` httpx would raise for a failure to connect,
-        send or read, and RuntimeError once the client is closed.
+        send or read, and RuntimeError once the client is closed. Only a GET is sent
+        again by itself when a reused connection turns out closed: another method may
+        have reached the server (its caller's retry policy decides).
         """
         connect_s: float | None
         read_s: float | None
@@ -167,19 +186,14 @@ class LeanClient:
             connect_s, read_s, write_s = t.connect, t.read, t.write
         target = self._prefix + path
         url = self.url + path
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the lean HTTP client has been closed")
-            conn = self._idle.pop() if self._idle else None
+        sent = _Request(method, target, url, headers, body, read_s, write_s)
+        conn = self._reusable()
         if conn is not None:
             try:
-                return self._exchange(
-                    conn, target, url, headers, read_s, write_s, stale_is_retry=True
-                )
+                return self._exchange(conn, sent, stale_is_retry=method == "GET")
             except _Stale:
                 pass  # the server closed it while it was idle: once more, on a fresh one
-        conn = self._connect(connect_s)
-        return self._exchange(conn, target, url, headers, read_s, write_s, stale_is_retry=False)
+        return self._exchange(self._connect(connect_s), sent, stale_is_retry=False)
 
     def close(self) -> None:
         """Close the idle connections; those in use are closed when their answer is read."""
@@ -190,6 +204,23 @@ class LeanClient:
             conn.close()
 
     # ------------------------------------------------------------------ internals
+    def _reusable(self) -> http.client.HTTPConnection | None:
+        """An idle connection the server has not closed meanwhile, or None.
+
+        An idle connection's socket has nothing to read until the server closes it, so
+        a readable one is dropped (as httpcore does), not found closed by a request.
+        """
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the lean HTTP client has been closed")
+                if not self._idle:
+                    return None
+                conn = self._idle.pop()
+            if conn.sock is not None and not _readable(conn.sock):
+                return conn
+            conn.close()
+
     def _connect(self, connect_s: float | None) -> http.client.HTTPConnection:
         conn: http.client.HTTPConnection
         if self._https:
@@ -221,30 +252,24 @@ class LeanClient:
             return self._ssl_context
 
     def _exchange(
-        self,
-        conn: http.client.HTTPConnection,
-        target: str,
-        url: str,
-        headers: Mapping[str, str],
-        read_s: float | None,
-        write_s: float | None,
-        *,
-        stale_is_retry: bool,
+        self, conn: http.client.HTTPConnection, sent: _Request, *, stale_is_retry: bool
     ) -> LeanResponse:
-        """Send the GET on ``conn`` and read its answer whole; ``conn`` is given back or closed."""
+        """Send ``sent`` on ``conn`` and read its answer whole; ``conn`` is given back or closed."""
         sock = conn.sock
         assert sock is not None, "a connected connection"
         stage = "write"
         try:
-            if sock.gettimeout() != write_s:
-                sock.settimeout(write_s)
-            conn.putrequest("GET", target)
-            for name, value in headers.items():
+            if sock.gettimeout() != sent.write_s:
+                sock.settimeout(sent.write_s)
+            conn.putrequest(sent.method, sent.target)
+            for name, value in sent.headers.items():
                 conn.putheader(name, value)
-            conn.endheaders()
+            if sent.body is not None:
+                conn.putheader("Content-Length", str(len(sent.body)))
+            conn.endheaders(sent.body)
             stage = "read"
-            if write_s != read_s:
-                sock.settimeout(read_s)
+            if sent.write_s != sent.read_s:
+                sock.settimeout(sent.read_s)
             response = conn.getresponse()
             stage = "body"
             content = response.read()
@@ -264,7 +289,7 @@ class LeanClient:
         encoding = reply_headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("identity", ""):  # not asked for (Accept-Encoding: identity)
             content = _decode(content, encoding)
-        return LeanResponse(status, reply_headers, content, url)
+        return LeanResponse(status, reply_headers, content, sent.url)
 
     def _give_back(self, conn: http.client.HTTPConnection, keep: bool) -> None:
         if keep and conn.sock is not None:
@@ -273,6 +298,25 @@ class LeanClient:
                     self._idle.append(conn)
                     return
         conn.close()
+
+
+class _Request(NamedTuple):
+    """One request as the lean client sends it (``target``: the path on the wire)."""
+
+    method: str
+    target: str
+    url: str
+    headers: Mapping[str, str]
+    body: bytes | None
+    read_s: float | None
+    write_s: float | None
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read now (or is closed): never so for a live idle one."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class _Stale(Exception):

@@ -165,29 +165,63 @@ def test_a_fetch_only_cache_takes_the_lean_path_and_never_builds_an_httpx_client
         proxy.close()
 
 
-def test_posts_take_httpx_whose_client_is_made_once_on_first_use_and_closed(
+def test_posts_take_the_lean_path_with_the_bytes_httpx_would_send(
+    built_clients: list[httpx.Client],
+) -> None:
+    """A JSON body (non-ASCII text included), an empty POST; no httpx client is made."""
+    server = Scripted(lambda s: json_response(200, {"path": s.path}))
+    body = {"events": [{"kernel": "scale_\u00e9", "n": 1.5, "ok": True, "none": None}]}
+    try:
+        seen: dict[str, list[tuple[str, bytes, str | None, str | None]]] = {}
+        for name, transport in _both_paths(server.url, retry=FAST):
+            before = len(server.seen)
+            assert transport.request("POST", "/v1/events", json=body).json() == {
+                "path": "/v1/events"
+            }
+            transport.request("POST", "/v1/cache/clear")  # no json: no body
+            sent = server.seen[before:]
+            assert all(took_lean_path(s) == (name == "lean") for s in sent)
+            seen[name] = [
+                (s.method, s.body, s.headers.get("content-type"), s.headers.get("content-length"))
+                for s in sent
+            ]
+        assert seen["lean"] == seen["httpx"]
+        assert (
+            seen["lean"][0][1]
+            == json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        )
+        assert seen["lean"][1][1:] == (b"", None, "0")
+        assert len(built_clients) == 1  # only _both_paths' own injected client
+        with pytest.raises(ValueError):  # NaN is not JSON: refused before anything is sent
+            Transport(server.url, retry=FAST).request("POST", "/v1/events", json=float("nan"))
+    finally:
+        server.close()
+
+
+def test_other_methods_take_httpx_whose_client_is_made_once_on_first_use_and_closed(
     built_clients: list[httpx.Client],
 ) -> None:
     server = Scripted(lambda s: json_response(200, {"path": s.path}))
     try:
         transport = Transport(server.url, retry=FAST)
         assert transport.request("GET", "/v1/toolchains").json() == {"path": "/v1/toolchains"}
+        transport.request("POST", "/v1/resolve", json={})
         assert built_clients == []
         barrier = threading.Barrier(6)
 
-        def post() -> None:
+        def delete() -> None:
             barrier.wait()
-            transport.request("POST", "/v1/events", json={"events": []})
+            transport.request("DELETE", "/v1/pins?key=k")
 
-        threads = [threading.Thread(target=post) for _ in range(6)]
+        threads = [threading.Thread(target=delete) for _ in range(6)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         assert len(built_clients) == 1  # six threads at once, one client
-        posts = [s for s in server.seen if s.method == "POST"]
-        assert len(posts) == 6 and not any(took_lean_path(s) for s in posts)
-        assert took_lean_path(server.seen[0])
+        deletes = [s for s in server.seen if s.method == "DELETE"]
+        assert len(deletes) == 6 and not any(took_lean_path(s) for s in deletes)
+        assert all(took_lean_path(s) for s in server.seen if s.method != "DELETE")
         transport.close()
         assert built_clients[0].is_closed
     finally:
@@ -290,6 +324,31 @@ def test_a_keep_alive_connection_the_server_closed_while_idle_is_replaced_quietl
         assert [s.path for s in server.seen] == ["/first", "/again", "/again"]
     finally:
         server.close()
+
+
+def test_a_reused_connection_closed_unanswered_sends_a_get_again_but_not_a_post() -> None:
+    """The server closes a kept connection as the request arrives (after the idle check).
+
+    A GET cannot have done anything: it goes again on a fresh connection, unseen by the
+    retry policy. A POST may have: its failure goes to the policy (here: no retries).
+    """
+    ok = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    for method, again in (("GET", True), ("POST", False)):
+        server = RawServer(lambda n: None if n == 1 else ok)  # the 2nd request: closed unanswered
+        try:
+            transport = Transport(server.url, retry=RetryPolicy(attempts=1))
+            assert transport.request(method, "/v1/first").json() == {}
+            if again:
+                assert transport.request(method, "/v1/second").json() == {}
+                assert (server.requests, server.connections) == (3, 2)
+            else:
+                with pytest.raises(ServerUnavailableError) as info:
+                    transport.request(method, "/v1/second")
+                assert info.value.cause.startswith("RemoteProtocolError")
+                assert (server.requests, server.connections) == (2, 1)
+            assert transport.requests == 2
+        finally:
+            server.close()
 
 
 def test_a_response_with_connection_close_is_not_reused() -> None:
