@@ -169,9 +169,9 @@ class LeanClient:
         *,
         timeout: float | None = None,
     ) -> LeanResponse:
-        """``method path`` with ``headers`` and ``body``, read whole; ``timeout`` (seconds) overrides all four.
+        """``method path`` with ``headers`` and ``body``, the answer read whole.
 
-        Raises the ``httpx.TransportError`` httpx would raise for a failure to connect,
+        ``timeout`` (seconds) overrides the client's four timeouts. Raises the ``httpx.TransportError`` httpx would raise for a failure to connect,
         send or read, and RuntimeError once the client is closed. Only a GET is sent
         again by itself when a reused connection turns out closed: another method may
         have reached the server (its caller's retry policy decides).
