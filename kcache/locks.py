@@ -293,9 +293,8 @@ class FileKeyLock:
                 if lock.take():
                     return None
                 if watch is None:
-                    time.sleep(
-                        _RETRY_S
-                    )  # another waiter took it, or holds its shared lock a moment
+                    # Another waiter took it, or holds its shared lock a moment.
+                    time.sleep(_RETRY_S)
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
