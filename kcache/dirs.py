@@ -127,12 +127,13 @@ def cache_layout(root: Path) -> CacheLayout:
     before anything else is written there, so a process that sees its blobs or index
     also sees the file. Why flat: a cold node tier created a fan-out directory for
     almost every file it published, and on the benchmark machine's ext4 creating an
-    inode (a file or a directory) costs 0.1-0.4 ms of CPU; hashed directories (ext4,
+    inode (a file or a directory) cost 0.1-0.7 ms of CPU; hashed directories (ext4,
     XFS, btrfs) look a name up as fast among 100k entries as among 100.
 
     A directory written by several releases at once stays correct: each reads and
     writes its own layout (an older release does not see the flat files, and fetches
-    or compiles again), so at worst a kernel is stored twice.
+    or compiles again), so at worst a kernel is stored twice, and each release's
+    eviction counts only its own files against the cap.
     """
     # Blobs or index first, the file second: a creator writes the file before either.
     filled = (root / "blobs").is_dir() or (root / "index").is_dir()
