@@ -6,6 +6,7 @@ Nothing here mocks HTTP: every request crosses a real socket.
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import itertools
 import json
@@ -23,6 +24,7 @@ import httpx
 import pytest
 
 from kcache import Recipe
+from kcache.artifact import ArtifactMeta
 from tests.support import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,6 +218,21 @@ class Scripted(_Base):
 
     def _respond(self, seen: Seen) -> tuple[int, dict[str, str], bytes]:
         return self.route(seen)
+
+
+def artifact_meta(data: bytes, target: str = "sm_90") -> ArtifactMeta:
+    """Metadata naming ``data`` (hashed with hashlib: tests that count the tier's hashes
+    must not see these)."""
+    digest = hashlib.sha256(data).hexdigest()
+    return ArtifactMeta(digest=digest, size=len(data), kind="cubin", target=target, toolchain="t")
+
+
+def tier_entry(name: str) -> tuple[str, str, ArtifactMeta, bytes]:
+    """A synthetic entry to publish into a tier: recipe key, base key, metadata, bytes."""
+    data = f"cubin {name} ".encode() * 100
+    key = hashlib.sha256(f"key {name}".encode()).hexdigest()
+    base = hashlib.sha256(f"base {name}".encode()).hexdigest()
+    return key, base, artifact_meta(data), data
 
 
 def json_response(status: int, body: Any, **headers: str) -> tuple[int, dict[str, str], bytes]:

@@ -10,19 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from client_harness import tier_entry
 from kcache_client import KernelCache
 from kcache_client._tier import NodeTier
 
 from kcache.artifact import ArtifactMeta
 from kcache.keys import sha256_hex
-
-
-def _entry(text: str) -> tuple[str, str, ArtifactMeta, bytes]:
-    data = text.encode() * 100
-    meta = ArtifactMeta(
-        digest=sha256_hex(data), size=len(data), kind="cubin", target="sm_90", toolchain="t"
-    )
-    return sha256_hex(f"k {text}".encode()), sha256_hex(f"b {text}".encode()), meta, data
 
 
 def _gone(tier: NodeTier, key: str, meta: ArtifactMeta) -> None:
@@ -35,7 +28,7 @@ def _gone(tier: NodeTier, key: str, meta: ArtifactMeta) -> None:
 def test_a_blob_cleared_before_its_record_is_written_gets_no_record(tmp_path: Path) -> None:
     tier = NodeTier(tmp_path, max_bytes=0)
     other = NodeTier(tmp_path, max_bytes=0)  # as another process
-    key, base, meta, data = _entry("cleared before")
+    key, base, meta, data = tier_entry("cleared before")
     write_alias = tier.index.write_alias
 
     def then_cleared(recipe_key: str, written: ArtifactMeta) -> None:
@@ -54,7 +47,7 @@ def test_a_blob_cleared_while_its_record_is_written_has_the_record_taken_back(
 ) -> None:
     tier = NodeTier(tmp_path, max_bytes=0)
     other = NodeTier(tmp_path, max_bytes=0)
-    key, base, meta, data = _entry("cleared during")
+    key, base, meta, data = tier_entry("cleared during")
     record = tier.index.record_metadata
 
     def cleared_meanwhile(base_key: str, written: ArtifactMeta) -> None:
@@ -69,7 +62,7 @@ def test_a_blob_cleared_while_its_record_is_written_has_the_record_taken_back(
 
 def test_an_undisturbed_publish_writes_its_record_and_manifest_entry(tmp_path: Path) -> None:
     tier = NodeTier(tmp_path, max_bytes=0)
-    key, base, meta, data = _entry("undisturbed")
+    key, base, meta, data = tier_entry("undisturbed")
     tier.publish(key, base, meta, data)
     assert tier.index.artifact(meta.digest) is None  # pending: nothing reads it yet
     tier.flush()
@@ -80,7 +73,7 @@ def test_an_undisturbed_publish_writes_its_record_and_manifest_entry(tmp_path: P
 
 def test_pending_records_are_written_by_the_32nd_publish(tmp_path: Path) -> None:
     tier = NodeTier(tmp_path, max_bytes=0)
-    entries = [_entry(f"batch {i}") for i in range(32)]
+    entries = [tier_entry(f"batch {i}") for i in range(32)]
     for key, base, meta, data in entries[:31]:
         tier.publish(key, base, meta, data)
     assert not list(tier.index.files("artifacts"))  # all pending
@@ -91,7 +84,7 @@ def test_pending_records_are_written_by_the_32nd_publish(tmp_path: Path) -> None
 
 def test_a_process_about_to_wait_for_another_writes_its_pending_records(tmp_path: Path) -> None:
     tier = NodeTier(tmp_path, max_bytes=0)
-    key, base, meta, data = _entry("then waits")
+    key, base, meta, data = tier_entry("then waits")
     tier.publish(key, base, meta, data)
     assert tier.index.artifact(meta.digest) is None
     other_key = sha256_hex(b"fetched by another process")
@@ -111,14 +104,14 @@ def test_a_process_about_to_wait_for_another_writes_its_pending_records(tmp_path
 
 def test_lists_and_evictions_count_pending_publishes(tmp_path: Path) -> None:
     tier = NodeTier(tmp_path, max_bytes=0)
-    key, base, meta, data = _entry("listed")
+    key, base, meta, data = tier_entry("listed")
     tier.publish(key, base, meta, data)
     (listed,) = tier.entries()
     assert (listed.digest, listed.kind) == (meta.digest, "cubin")  # its record, written first
 
 
 def test_closing_the_cache_writes_the_pending_records(tmp_path: Path) -> None:
-    key, base, meta, data = _entry("closed")
+    key, base, meta, data = tier_entry("closed")
     cache = KernelCache(None, cache_dir=tmp_path)
     cache.tier.publish(key, base, meta, data)
     assert cache.tier.index.artifact(meta.digest) is None

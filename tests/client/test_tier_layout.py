@@ -13,22 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from client_harness import tier_entry
 from kcache_client._tier import NodeTier
 
-from kcache.artifact import ArtifactMeta
 from kcache.dirs import LAYOUT_FILE, cache_layout
 from kcache.errors import KCacheError
 from kcache.index.file import FileIndex
 from kcache.keys import sha256_hex
 from kcache.store.local import LocalArtifactStore
-
-
-def _entry(i: int) -> tuple[str, str, ArtifactMeta, bytes]:
-    data = f"cubin {i} ".encode() * 200
-    meta = ArtifactMeta(
-        digest=sha256_hex(data), size=len(data), kind="cubin", target="sm_90", toolchain="t"
-    )
-    return sha256_hex(f"key {i}".encode()), sha256_hex(f"base {i}".encode()), meta, data
 
 
 def _files(root: Path) -> set[str]:
@@ -38,7 +30,7 @@ def _files(root: Path) -> set[str]:
 def test_a_new_tier_is_flat_and_publishes_no_fanout_directories(tmp_path: Path) -> None:
     tier = NodeTier(tmp_path / "tier")
     assert (tmp_path / "tier" / LAYOUT_FILE).read_text() == "flat\n"
-    key, base, meta, data = _entry(0)
+    key, base, meta, data = tier_entry(0)
     tier.publish(key, base, meta, data)
     tier.flush()  # the record and the manifest entry wait for an idle moment
     files = _files(tmp_path / "tier")
@@ -58,7 +50,7 @@ def test_a_new_tier_is_flat_and_publishes_no_fanout_directories(tmp_path: Path) 
 
 def test_a_tier_an_earlier_release_filled_keeps_its_fanout_layout(tmp_path: Path) -> None:
     root = tmp_path / "old"
-    key, base, meta, data = _entry(1)
+    key, base, meta, data = tier_entry(1)
     # What an earlier release left: fan-out blobs and index, no LAYOUT file.
     LocalArtifactStore(root, durable=False).put(data)
     FileIndex(root, durable=False).record_artifact(key, base, meta)
@@ -67,7 +59,7 @@ def test_a_tier_an_earlier_release_filled_keeps_its_fanout_layout(tmp_path: Path
     assert cache_layout(root) == "fanout" and not (root / LAYOUT_FILE).exists()
     found = tier.lookup(key)
     assert found is not None and found[1] == data  # its entries are found where they are
-    key2, base2, meta2, data2 = _entry(2)
+    key2, base2, meta2, data2 = tier_entry(2)
     tier.publish(key2, base2, meta2, data2)
     d = meta2.digest
     assert f"blobs/{d[:2]}/{d[2:4]}/{d}" in _files(root)  # and new ones go where old ones are
@@ -79,7 +71,7 @@ def test_the_cli_maintains_a_flat_cache_directory(tmp_path: Path) -> None:
     """`kcache verify` and `kcache gc` see the flat layout's blobs and records."""
     root = tmp_path / "cache"
     tier = NodeTier(root)
-    key, base, meta, data = _entry(3)
+    key, base, meta, data = tier_entry(3)
     tier.publish(key, base, meta, data)
     tier.flush()
     orphan = b"an orphan nobody names"

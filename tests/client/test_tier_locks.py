@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from client_harness import artifact_meta
 from kcache_client import NodeTier
 
 from kcache.artifact import ArtifactMeta
@@ -31,11 +31,6 @@ KEY = "4d" * 32
 BASE = "5e" * 32
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="OFD record locks are Linux's")
-
-
-def _meta(data: bytes) -> ArtifactMeta:
-    digest = hashlib.sha256(data).hexdigest()
-    return ArtifactMeta(digest=digest, size=len(data), kind="cubin", target="sm_80", toolchain="t")
 
 
 def _other_process_finds(root: Path, key: str) -> str:
@@ -80,7 +75,7 @@ def test_a_holder_that_lets_go_frees_the_key_before_its_block_ends(tmp_path: Pat
 def test_a_waiting_rank_takes_the_entry_once_the_alias_is_written(tmp_path: Path) -> None:
     """The holder stops after its alias (as if slow to write the rest); the waiter goes on."""
     data = b"kernel for the waiters " * 100
-    meta = _meta(data)
+    meta = artifact_meta(data)
     holder_tier = NodeTier(tmp_path, max_bytes=0)
     held, publish, finish, taken = (threading.Event() for _ in range(4))
     record = holder_tier.index.record_metadata
@@ -168,7 +163,7 @@ def test_the_alias_is_written_first_in_a_cache_and_last_in_a_durable_index(
     tmp_path: Path, durable: bool
 ) -> None:
     index = FileIndex(tmp_path, durable=durable)
-    meta = _meta(b"ordered")
+    meta = artifact_meta(b"ordered")
     write_alias = index.write_alias
     before_alias: list[tuple[object, list[str]]] = []  # what was written when the alias was
 
@@ -187,7 +182,7 @@ def test_the_alias_is_written_first_in_a_cache_and_last_in_a_durable_index(
 
 def test_an_entry_whose_record_a_crash_lost_reads_lists_evicts_and_heals(tmp_path: Path) -> None:
     data = b"kernel of a crashed publish " * 100
-    meta = _meta(data)
+    meta = artifact_meta(data)
     tier = NodeTier(tmp_path, max_bytes=0)
 
     tier.store.put(data)

@@ -19,17 +19,13 @@ from pathlib import Path
 
 import kcache_client._tier as _tier
 import pytest
+from client_harness import artifact_meta
 from kcache_client import NodeTier
 
 from kcache.artifact import ArtifactMeta, CompileFailure
 
 KEY = "1a" * 32
 BASE = "2b" * 32
-
-
-def _meta(data: bytes) -> ArtifactMeta:
-    digest = hashlib.sha256(data).hexdigest()
-    return ArtifactMeta(digest=digest, size=len(data), kind="cubin", target="sm_80", toolchain="t")
 
 
 @pytest.fixture
@@ -83,7 +79,7 @@ def test_a_settled_blob_is_hashed_once_and_a_new_file_again(
     tmp_path: Path, settled: None, hashes: list[bytes]
 ) -> None:
     data = b"kernel bytes " * 300
-    meta = _meta(data)
+    meta = artifact_meta(data)
     tier = NodeTier(tmp_path, max_bytes=0)
     tier.publish(KEY, BASE, meta, data)
     parsed: list[str] = []
@@ -114,7 +110,7 @@ def test_a_file_younger_than_its_timestamps_can_tell_is_hashed_at_every_read(
 ) -> None:
     monkeypatch.setattr(_tier, "_SETTLED_NS", 1 << 62)  # never settled
     data = b"fresh kernel " * 300
-    meta = _meta(data)
+    meta = artifact_meta(data)
     tier = NodeTier(tmp_path, max_bytes=0)
     tier.publish(KEY, BASE, meta, data)
     for _ in range(3):
@@ -127,7 +123,7 @@ def test_a_blob_changed_in_place_after_its_check_is_never_handed_out(
     tmp_path: Path, settled: None, hashes: list[bytes], damage: str
 ) -> None:
     data = b"kernel to damage " * 300
-    meta = _meta(data)
+    meta = artifact_meta(data)
     tier = NodeTier(tmp_path, max_bytes=0)
     tier.publish(KEY, BASE, meta, data)
     assert tier.lookup(KEY) == (meta, data)  # verified, and its identity remembered
@@ -145,7 +141,7 @@ def test_a_blob_changed_in_place_after_its_check_is_never_handed_out(
 
 def test_an_alias_is_parsed_again_when_its_file_changes(tmp_path: Path, settled: None) -> None:
     one, two = b"first kernel " * 200, b"second kernel " * 200
-    meta_one, meta_two = _meta(one), _meta(two)
+    meta_one, meta_two = artifact_meta(one), artifact_meta(two)
     tier = NodeTier(tmp_path, max_bytes=0)
     tier.publish(KEY, BASE, meta_one, one)
     assert tier.lookup(KEY) == (meta_one, one)
