@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kcache.deps import Dependency
+from kcache.deps import DEPENDENCY_CHECK, Dependency
 
 __all__ = ["ArtifactMeta", "CompileFailure", "CompileOutput", "ManifestEntry", "now_us"]
 
@@ -33,6 +33,8 @@ class CompileOutput:
     dependencies: tuple[Dependency, ...]
     dependencies_exact: bool
     compile_seconds: float
+    #: How the dependency list was proven (:data:`kcache.deps.DEPENDENCY_CHECK`).
+    dependency_check: int = DEPENDENCY_CHECK
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class ArtifactMeta:
     dependencies_exact: bool = True
     kernel: str = ""
     created_at: float = field(default_factory=now_us)
+    #: How ``dependencies`` was proven: 0 by releases that trusted NVRTC's trace alone
+    #: (:func:`kcache.deps.proven` says what such a record may still serve).
+    dependency_check: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (the ``artifact`` object of API responses)."""
@@ -67,6 +72,7 @@ class ArtifactMeta:
             "dependencies_exact": self.dependencies_exact,
             "kernel": self.kernel,
             "created_at": self.created_at,
+            "dependency_check": self.dependency_check,
         }
 
     @classmethod
@@ -85,6 +91,7 @@ class ArtifactMeta:
             dependencies_exact=bool(data.get("dependencies_exact", True)),
             kernel=data.get("kernel", ""),
             created_at=float(data.get("created_at", 0.0)),
+            dependency_check=int(data.get("dependency_check", 0)),
         )
 
 
@@ -158,6 +165,8 @@ class ManifestEntry:
     digest: str
     dependencies: tuple[Dependency, ...]
     created_at: float = field(default_factory=now_us)
+    #: As :attr:`ArtifactMeta.dependency_check`: only a proven entry is ever matched.
+    dependency_check: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -165,6 +174,7 @@ class ManifestEntry:
             "digest": self.digest,
             "dependencies": [d.to_dict() for d in self.dependencies],
             "created_at": self.created_at,
+            "dependency_check": self.dependency_check,
         }
 
     @classmethod
@@ -174,4 +184,5 @@ class ManifestEntry:
             digest=data["digest"],
             dependencies=_dependencies(data["dependencies"]),
             created_at=float(data.get("created_at", 0.0)),
+            dependency_check=int(data.get("dependency_check", 0)),
         )

@@ -102,6 +102,7 @@ def parse_meta(data: object, where: str = "artifact") -> ArtifactMeta:
         dependencies_exact=_field(data, "dependencies_exact", bool, where),
         kernel=_text(data, "kernel", where),
         created_at=_number(data, "created_at", where),
+        dependency_check=_optional_int(data, "dependency_check", where),
     )
 
 
@@ -110,6 +111,16 @@ def _field(data: dict[str, Any], name: str, kind: type[Any], where: str) -> Any:
     # bool is an int in Python, and JSON's true is not a size.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ValueError(f"{where}: {name} must be a JSON {kind.__name__}")
+    return value
+
+
+def _optional_int(data: dict[str, Any], name: str, where: str) -> int:
+    """A non-negative integer field that older servers do not send (absent: 0)."""
+    if name not in data:
+        return 0
+    value: int = _field(data, name, int, where)
+    if value < 0:
+        raise ValueError(f"{where}: {name} must not be negative")
     return value
 
 

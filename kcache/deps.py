@@ -3,47 +3,85 @@
 A compile may read exactly its inputs: the source, the in-memory ``headers``, the
 toolchain's bundled headers and the files of the include sets the recipe names.
 :class:`CompileInputs` decides, for a path NVRTC reports, which input it is, or that it
-is none of them.
+is none of them. NVRTC's own pseudo-files (the builtin header it injects, the
+``__nv_name_map`` it compiles name expressions in) belong to the toolchain.
 
 NVRTC has no ``-M``. Its ``--fdevice-time-trace`` JSON has one "Processing Header File"
 event per header it opened, nested ones included: in-memory headers under their include
-names, files under the path NVRTC opened (an ``-I`` directory joined with the include as
-written, or an absolute path as written). That list is exact, and every entry must be
-attributed: :func:`dependencies_from_trace` refuses the recipe
-(:class:`~kcache.errors.UnlistedIncludeError`) on the first file that is not an input,
-and refuses to record anything when the trace is missing. There is no "superset"
-fallback any more: a dependency list that does not name everything the compile read is
-how a changed working-directory header was once answered with the old artifact.
+names, files under the path NVRTC opened (an ``-I`` directory or the including file's
+directory joined with the include as written, or an absolute path as written). Every
+entry must be attributed: :func:`dependencies_from_trace` refuses the recipe
+(:class:`~kcache.errors.UnlistedIncludeError`) on the first file that is not an input.
+
+That trace is a side output, and it can be silently short: once a traced compile in a
+process stopped on a fatal error inside a header, every later trace of that process
+lacks the builtin header and every header the source includes directly but the last
+(``docs/design.md`` has the whole finding and ``bench/nvrtc_trace_probe.py`` shows it).
+So a trace is recorded only when it is *proven* complete, by two checks that do not
+rest on the trace machinery:
+
+- **Shape.** Every complete trace starts with the builtin header, which NVRTC opens
+  before the program; a trace without it is refused.
+- **Read markers** (:class:`ReadMarkers`). Each in-memory header is compiled with a
+  ``#pragma message`` appended that names it by index under a nonce fresh for each
+  compile. NVRTC's diagnostics print one line each time the preprocessor reaches the
+  end of a header, independently of the trace. The in-memory entries of the trace must
+  equal the markers printed, one for one (as counts: the trace's order of nested events
+  is not the preprocessor's). This catches a short trace, a trace entry that was really a file of the
+  same name read from disk (it carries no marker), and a marker the recipe's own text
+  tried to forge (the nonce is unknown to it). The pragma is wrapped in
+  ``nv_diagnostic push``/``pop`` with ``nv_diag_remark 20200``, so neither ``-w`` nor a
+  recipe's ``diag_suppress`` hides it; it changes no byte of the output (tested with
+  ``-G`` and ``-lineinfo``) and costs no second compile.
+
+A check that fails raises :class:`~kcache.errors.DependencyTraceError`; the compile is
+not recorded and :mod:`kcache.nvrtc` stops trusting that process's NVRTC.
 
 A dependency is ``(name, sha256)``: ``name`` is the include name of an in-memory
 header, or ``<set>:<relative path>`` for a file of a registered include set (a colon
 never occurs in an include name). Bundled headers are covered by the toolchain id.
+:data:`DEPENDENCY_CHECK` versions the proof: what releases before it recorded is never
+used for a manifest match (see :func:`proven`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+import re
+import secrets
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kcache.errors import RecipeError, ToolchainError, UnlistedIncludeError
+from kcache.errors import DependencyTraceError, RecipeError, UnlistedIncludeError
 from kcache.include_sets import IncludeSets
 from kcache.keys import sha256_hex
 
 __all__ = [
     "BUILTIN_HEADER",
+    "DEPENDENCY_CHECK",
+    "NVRTC_PSEUDO_FILES",
     "CompileInputs",
     "Dependency",
     "Origin",
+    "ReadMarkers",
     "dependencies_from_trace",
     "include_set_files_unchanged",
+    "proven",
     "unchanged",
 ]
 
 #: The header NVRTC injects itself; it is part of the toolchain.
 BUILTIN_HEADER = "__nv_nvrtc_builtin_header.h"
+#: Files NVRTC makes up itself: the builtin header, and the translation unit in which it
+#: compiles name expressions (an error in a name expression is reported there).
+NVRTC_PSEUDO_FILES = frozenset({BUILTIN_HEADER, "__nv_name_map"})
+#: How dependency lists are proven: 0 (or absent) for what releases before the read
+#: markers recorded, trusting NVRTC's trace alone; 1 for a trace checked by its shape
+#: and by read markers, from an NVRTC that had seen no failed compile.
+DEPENDENCY_CHECK = 1
 
 
 @dataclass(frozen=True, order=True)
@@ -130,7 +168,7 @@ class CompileInputs:
         points out of the root (nor an absolute path to a link that points into it)
         is attributed to the set.
         """
-        if path == BUILTIN_HEADER:
+        if path in NVRTC_PSEUDO_FILES:
             return Origin("toolchain", path)
         if path in self.headers:
             return Origin("header", path)
@@ -185,6 +223,60 @@ class CompileInputs:
         return None
 
 
+class ReadMarkers:
+    """The read markers of one compile: header texts to compile, and the log lines they print.
+
+    ``names`` are the in-memory headers' include names, in a fixed order; marker ``i``
+    names ``names[i]``. The nonce is fresh for each compile, so no recipe text can
+    print a marker of its own.
+    """
+
+    #: NVRTC's diagnostic number for ``#pragma message``.
+    _MESSAGE_DIAGNOSTIC = 20200
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+        self.nonce = secrets.token_hex(8)
+        self._line = re.compile(
+            r'\S.*#pragma message: "kcache-read-' + self.nonce + r'-(?P<index>\d+)"'
+        )
+
+    def marked(self, name: str, index: int, text: str) -> str:
+        """``text`` of header ``name`` (number ``index``) with its marker appended.
+
+        Two newlines first: a last line ending in a backslash continues into an empty
+        line, never into the marker.
+        """
+        number = self._MESSAGE_DIAGNOSTIC
+        return (
+            f"{text}\n\n#pragma nv_diagnostic push\n#pragma nv_diag_remark {number}\n"
+            f'#pragma message("kcache-read-{self.nonce}-{index}")\n#pragma nv_diagnostic pop\n'
+        )
+
+    def split_log(self, log: str) -> tuple[str, list[str]]:
+        """NVRTC's ``log`` without the markers' messages, and the headers they name, in order.
+
+        A marker's message is one line located in the header plus indented lines (the
+        source line and a caret); all of them are removed.
+        """
+        kept: list[str] = []
+        read: list[str] = []
+        dropping = False
+        for line in log.split("\n"):
+            if line[:1] in (" ", "\t") or not line:
+                if not dropping:
+                    kept.append(line)
+                continue
+            match = self._line.fullmatch(line)
+            dropping = match is not None
+            if match is None:
+                kept.append(line)
+                continue
+            index = int(match.group("index"))
+            read.append(self.names[index] if index < len(self.names) else f"#{index}")
+        return "\n".join(kept), read
+
+
 def _trace_headers(trace_file: Path) -> list[str] | None:
     try:
         data = json.loads(trace_file.read_text())
@@ -203,16 +295,48 @@ def _trace_headers(trace_file: Path) -> list[str] | None:
     ]
 
 
-def dependencies_from_trace(trace_file: Path, inputs: CompileInputs) -> tuple[Dependency, ...]:
+def _check_complete(seen: list[str], inputs: CompileInputs, marked_reads: Sequence[str]) -> None:
+    """Refuse a trace that is not proven complete (:class:`~kcache.errors.DependencyTraceError`)."""
+    if not seen or seen[0] != BUILTIN_HEADER:
+        raise DependencyTraceError(
+            "NVRTC's dependency trace of a successful compile does not start with its builtin "
+            f"header ({BUILTIN_HEADER}), so it may miss headers the compile read; nothing was stored"
+        )
+    traced = Counter(path for path in seen if path in inputs.headers)
+    reached = Counter(marked_reads)
+    for name in traced - reached:
+        if os.path.lexists(name):
+            # Traced under a header's name, but no marker: the file of that name here.
+            raise RecipeError(
+                "headers",
+                f"NVRTC read {name!r} from the working directory instead of the in-memory header "
+                "of that name (a quoted include is looked up next to the program first); "
+                "rename or remove that file, or compile from another directory",
+            )
+    if traced != reached:
+        differ = sorted((traced - reached) + (reached - traced))
+        raise DependencyTraceError(
+            "NVRTC's dependency trace and the headers the preprocessor reached disagree "
+            f"({traced.total()} in-memory header reads traced, {reached.total()} reached; first "
+            f"difference: {differ[0]}), so what the compile read is not proven; nothing was stored"
+        )
+
+
+def dependencies_from_trace(
+    trace_file: Path, inputs: CompileInputs, marked_reads: Sequence[str]
+) -> tuple[Dependency, ...]:
     """The exact dependency list of a successful compile, every file attributed to an input.
 
-    Raises :class:`~kcache.errors.UnlistedIncludeError` for the first file that is
-    not an input (named as written), and :class:`~kcache.errors.ToolchainError` when
-    NVRTC left no readable trace: then nothing about the compile can be trusted.
+    ``marked_reads`` are the in-memory headers the compile's read markers named, in
+    order (:meth:`ReadMarkers.split_log`). Raises
+    :class:`~kcache.errors.UnlistedIncludeError` for the first file that is not an
+    input (named as written), and :class:`~kcache.errors.DependencyTraceError` when
+    NVRTC left no readable trace or one that is not proven complete: then nothing
+    about the compile can be trusted.
     """
     seen = _trace_headers(trace_file)
     if seen is None:
-        raise ToolchainError(
+        raise DependencyTraceError(
             "NVRTC wrote no dependency trace for a successful compile, so what it read is "
             "unknown; nothing was stored (is the compile scratch directory writable?)"
         )
@@ -224,7 +348,21 @@ def dependencies_from_trace(trace_file: Path, inputs: CompileInputs) -> tuple[De
         dep = inputs.dependency(origin)
         if dep is not None:
             deps.add(dep)
+    _check_complete(seen, inputs, marked_reads)
     return tuple(sorted(deps))
+
+
+def proven(dependency_check: int, *, manifest: bool, include_sets: IncludeSets) -> bool:
+    """True when a dependency list recorded with ``dependency_check`` may be relied on.
+
+    A manifest match rests on the list alone: it needs the current proof. An exact-key
+    hit rests on it only for include-set files (the key covers the source and every
+    in-memory header), so an older list still serves by key where there are no
+    include sets to have missed.
+    """
+    if dependency_check >= DEPENDENCY_CHECK:
+        return True
+    return not manifest and not include_sets.names
 
 
 def unchanged(

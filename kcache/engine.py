@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 
 from kcache.artifact import ArtifactMeta, CompileFailure, CompileOutput
 from kcache.compilers import Compiler
-from kcache.deps import include_set_files_unchanged, unchanged
+from kcache.deps import include_set_files_unchanged, proven, unchanged
 from kcache.errors import (
     ArtifactNotFoundError,
     ArtifactTooLargeError,
@@ -144,7 +144,12 @@ class Engine:
             raise failure_error(entry)
         if entry is not None and self._usable(entry):
             return entry
+        sets = self.compiler.include_sets
         for candidate in self.index.manifest(base):
+            # A match rests on the list alone: one recorded before lists were proven may
+            # miss a header the compile read.
+            if not proven(candidate.dependency_check, manifest=True, include_sets=sets):
+                continue
             if not unchanged(
                 candidate.dependencies,
                 header_hashes,
@@ -153,17 +158,25 @@ class Engine:
             ):
                 continue
             meta = self.index.artifact(candidate.digest)
-            if meta is not None and meta.dependencies_exact and self.store.has(meta.digest):
+            if (
+                meta is not None
+                and meta.dependencies_exact
+                and proven(meta.dependency_check, manifest=True, include_sets=sets)
+                and self.store.has(meta.digest)
+            ):
                 self.index.record_alias(key, meta.digest)
                 return meta
         return None
 
     def _usable(self, meta: ArtifactMeta) -> bool:
         # An artifact whose dependency list may miss a file it read (recorded before every
-        # read was attributed) is never served: a changed file would not be noticed.
+        # read was attributed, or before lists were proven, where include-set files could
+        # be the ones missed) is never served: a changed file would not be noticed.
+        sets = self.compiler.include_sets
         return (
             meta.dependencies_exact
-            and include_set_files_unchanged(meta.dependencies, self.compiler.include_sets)
+            and proven(meta.dependency_check, manifest=False, include_sets=sets)
+            and include_set_files_unchanged(meta.dependencies, sets)
             and self.store.has(meta.digest)
         )
 
@@ -218,6 +231,7 @@ class Engine:
             log=output.log,
             dependencies=output.dependencies,
             dependencies_exact=output.dependencies_exact,
+            dependency_check=output.dependency_check,
             kernel=kernel_name(recipe),
         )
         self.index.record_artifact(key, base, meta)

@@ -8,6 +8,7 @@ Hierarchy::
     │   ├── UnresolvedRecipeError             target "auto" or no toolchain at keying time
     │   └── UnlistedIncludeError              the compile reached a file that is not a recipe input
     ├── ToolchainError (RuntimeError)         NVRTC/nvJitLink missing or unusable
+    │   └── DependencyTraceError              a compile's dependency trace is not proven complete
     ├── CompileError                          NVRTC or nvJitLink rejected the recipe; carries the log
     │   ├── CompileTimeoutError (TimeoutError)  the compile ran past its time limit
     │   └── ArtifactTooLargeError             the compile's output is over the artifact size limit
@@ -30,6 +31,7 @@ __all__ = [
     "CompileError",
     "CompileTimeoutError",
     "CorruptArtifactError",
+    "DependencyTraceError",
     "InvalidArtifactError",
     "InvalidKeyError",
     "KCacheError",
@@ -101,6 +103,15 @@ class UnlistedIncludeError(RecipeError):
 
 class ToolchainError(KCacheError, RuntimeError):
     """NVRTC or nvJitLink is not installed, or could not be loaded or prepared."""
+
+
+class DependencyTraceError(ToolchainError):
+    """NVRTC's record of the files a successful compile read is not proven complete.
+
+    Nothing is stored from such a compile. The NVRTC of the process that ran it is
+    no longer trusted (see :mod:`kcache.nvrtc`); the compile is run again in a fresh
+    process, and this error reaches a caller only when that fails the same way.
+    """
 
 
 class CompileError(KCacheError):

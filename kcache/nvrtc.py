@@ -5,13 +5,17 @@ translated here into :class:`CompileError` carrying the compiler's log.
 
 A compile reads exactly its inputs (see :mod:`kcache.deps`):
 
-- NVRTC runs with ``-no-source-include``, so a quoted include is never looked up
-  next to the program name, which for an in-memory program means the compiling
-  process's working directory. (In-process compiles cannot ``chdir`` into a scratch
-  directory in a threaded process; server workers do that as well, see
-  ``kcache_server._compile_worker``.)
+- NVRTC resolves includes as it does for anyone: a quoted include is looked up next
+  to the including file (so ``<cooperative_groups.h>`` finds its siblings in the
+  bundled headers, and a set file its own), among the in-memory headers, then along
+  the ``-I`` directories. For the program itself "next to" means the compiling
+  process's working directory, which is no input: a file read from there is a
+  relative path in the trace that no input has (refused), or has the name of an
+  in-memory header but prints no read marker (refused). Server workers run in an
+  empty working directory, where nothing is found.
 - After a successful compile every file in the dependency trace must be an input,
-  otherwise :class:`UnlistedIncludeError`; nothing is stored.
+  otherwise :class:`UnlistedIncludeError`, and the trace must be proven complete,
+  otherwise :class:`DependencyTraceError`; nothing is stored either way.
 - NVRTC writes no trace when the compile fails, so the log is read instead: a message
   located in a file that is not an input, or "cannot open source file", refuses the
   recipe with the same :class:`UnlistedIncludeError` whether the file exists or not
@@ -27,25 +31,50 @@ A compile reads exactly its inputs (see :mod:`kcache.deps`):
   in an unconfined compile that leaves an existence oracle, which the Landlock
   confinement of server workers closes (a file outside the allowed roots cannot be
   opened, so it answers false like a missing one).
+
+**A process's NVRTC is trusted until its first failed compile.** Once a traced
+compile stops on a fatal error inside a header, NVRTC's traces in that process are
+short from then on (``docs/design.md``). Which failures do it is NVRTC's business, so
+any failed compile counts, and so does a trace that fails its checks:
+:func:`compile_in_this_process` notes it (:func:`nvrtc_untrusted` says why), and
+:func:`compile_recipe`, the entry point of every in-process compile, runs every later
+compile of the process in a fresh process instead (:mod:`kcache.fresh_compile`); it
+does the same for a compile whose trace failed its checks, or that ran while another
+thread's compile failed. A server worker, which must not start processes, answers its
+failure and is replaced (``kcache_server.compile_pool``).
 """
 
 from __future__ import annotations
 
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from kcache.artifact import CompileOutput
-from kcache.deps import CompileInputs, dependencies_from_trace
+from kcache.deps import CompileInputs, ReadMarkers, dependencies_from_trace
 from kcache.elf import validate_cubin
-from kcache.errors import CompileError, RecipeError, ToolchainError, UnlistedIncludeError
+from kcache.errors import (
+    CompileError,
+    DependencyTraceError,
+    RecipeError,
+    ToolchainError,
+    UnlistedIncludeError,
+)
 from kcache.include_sets import IncludeSets
 from kcache.recipe import Recipe
 from kcache.toolchain import Toolchain
 
-__all__ = ["check_has_include", "compile_recipe", "kernel_name", "recipe_log"]
+__all__ = [
+    "check_has_include",
+    "compile_in_this_process",
+    "compile_recipe",
+    "kernel_name",
+    "nvrtc_untrusted",
+    "recipe_log",
+]
 
 _GLOBAL_RE = re.compile(r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)")
 
@@ -65,6 +94,30 @@ _CANNOT_OPEN_RE = re.compile(r"cannot open (?:source|include) file \"(?P<name>.*
 _HAS_INCLUDE_RE = re.compile(r"\b__has_include\w*")
 _LITERAL_OPERAND_RE = re.compile(r'\s*\(\s*(?:"(?P<quoted>[^"\n]*)"|<(?P<angled>[^>\n]*)>)\s*\)')
 _DEFINED_BEFORE_RE = re.compile(r"(?:\bdefined\s*\(?|#\s*(?:ifdef|ifndef|elifdef|elifndef))\s*$")
+
+
+class _ProcessNvrtc:
+    """Whether this process's NVRTC may still trace a compile (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.untrusted: str | None = None
+        #: Counts the events that spoil NVRTC: a compile started before one must not be trusted.
+        self.generation = 0
+
+    def spoil(self, why: str) -> None:
+        with self._lock:
+            self.generation += 1
+            if self.untrusted is None:
+                self.untrusted = why
+
+
+_process_nvrtc = _ProcessNvrtc()
+
+
+def nvrtc_untrusted() -> str | None:
+    """Why this process's NVRTC no longer traces compiles reliably, or None while it does."""
+    return _process_nvrtc.untrusted
 
 
 def kernel_name(recipe: Recipe) -> str:
@@ -238,6 +291,33 @@ def compile_recipe(
 
     ``link_inputs`` are the bytes of the recipe's ``link`` entries, in order (LTO-IR
     or cubins), fetched by the caller. Raises :class:`CompileError` with the log.
+    Runs in this process while its NVRTC is trusted, else in a fresh one.
+    """
+    if _process_nvrtc.untrusted is None:
+        generation = _process_nvrtc.generation
+        try:
+            output = compile_in_this_process(recipe, toolchain, include_sets, link_inputs)
+        except DependencyTraceError:
+            pass  # this process's NVRTC is spoiled: a fresh one decides
+        else:
+            if _process_nvrtc.generation == generation:
+                return output
+            # Another thread's compile failed meanwhile: this trace may be short too.
+    from kcache.fresh_compile import compile_in_fresh_process
+
+    return compile_in_fresh_process(recipe, toolchain, include_sets, link_inputs)
+
+
+def compile_in_this_process(
+    recipe: Recipe,
+    toolchain: Toolchain,
+    include_sets: IncludeSets,
+    link_inputs: Sequence[bytes] = (),
+) -> CompileOutput:
+    """:func:`compile_recipe` in this process, whatever NVRTC saw before.
+
+    A failed compile, and a trace that fails its checks, mark this process's NVRTC
+    untrusted (:func:`nvrtc_untrusted`); the caller must not compile here again.
     """
     from cuda.bindings import nvrtc
 
@@ -250,6 +330,8 @@ def compile_recipe(
     inputs = CompileInputs(
         recipe.name, recipe.headers, recipe.include_sets, include_sets, toolchain.include_dir
     )
+    names = list(recipe.headers)
+    markers = ReadMarkers(names)
     wants_ltoir = recipe.lto or recipe.output == "ltoir"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kcache-trace-") as trace_dir:
@@ -257,9 +339,6 @@ def compile_recipe(
         options = [
             f"-arch={target.text}",
             *(["-dlto"] if wants_ltoir else []),
-            # Never look next to the program name: for an in-memory program that is the
-            # working directory, which is no input of the recipe.
-            "-no-source-include",
             *toolchain.include_flags,
             *(f"-I{item.root}" for item in set_dirs),
             *recipe.macro_flags(),
@@ -267,12 +346,11 @@ def compile_recipe(
             # NVRTC appends ".json". Never a PCH option: automatic PCH ignores header edits.
             f"--fdevice-time-trace={trace_base}",
         ]
-        names = list(recipe.headers)
         err, prog = nvrtc.nvrtcCreateProgram(
             recipe.source.encode(),
             recipe.name.encode(),
             len(names),
-            [recipe.headers[n].encode() for n in names],
+            [markers.marked(n, i, recipe.headers[n]).encode() for i, n in enumerate(names)],
             [n.encode() for n in names],
         )
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
@@ -284,14 +362,23 @@ def compile_recipe(
                         "name_expressions", f"NVRTC refused the name expression {expr!r}"
                     )
             result = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
-            log, unlisted = recipe_log(_program_log(prog), inputs)
+            if not _ok(result):
+                _process_nvrtc.spoil(f"a compile in this process failed ({result[0]!r})")
+            raw_log, marked_reads = markers.split_log(_program_log(prog))
+            log, unlisted = recipe_log(raw_log, inputs)
             if unlisted:
                 raise UnlistedIncludeError(unlisted[0])
             if not _ok(result):
                 raise CompileError(None, log or f"NVRTC failed with {result[0]!r} and no log")
-            # Before anything is read out: a compile that read a file outside its inputs
-            # must not produce an artifact.
-            deps = dependencies_from_trace(trace_base.with_suffix(".json"), inputs)
+            # Before anything is read out: a compile that read a file outside its inputs,
+            # or whose reads are not proven, must not produce an artifact.
+            try:
+                deps = dependencies_from_trace(
+                    trace_base.with_suffix(".json"), inputs, marked_reads
+                )
+            except DependencyTraceError as exc:
+                _process_nvrtc.spoil(str(exc))
+                raise
             lowered: dict[str, str] = {}
             for expr in recipe.name_expressions:
                 res = nvrtc.nvrtcGetLoweredName(prog, expr.encode())

@@ -173,10 +173,13 @@ class FileIndex:
         self._write("recipes", recipe_key, alias)
 
     def record_metadata(self, base_key: str, meta: ArtifactMeta) -> None:
-        """The artifact's record (unless there is one) and its entry in ``base_key``'s manifest."""
-        if self.artifact(meta.digest) is None:
+        """The artifact's record (unless there is one as well proven) and its entry in ``base_key``'s manifest."""
+        known = self.artifact(meta.digest)
+        if known is None or known.dependency_check < meta.dependency_check:
             self._write("artifacts", meta.digest, meta.to_dict())
-        entry = ManifestEntry(meta.digest, meta.dependencies)
+        entry = ManifestEntry(
+            meta.digest, meta.dependencies, dependency_check=meta.dependency_check
+        )
         if self.durable:
             # The lock only keeps concurrent writers from dropping each other's entries;
             # a lost entry would cost a recompile, never a wrong result.

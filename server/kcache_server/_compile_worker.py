@@ -18,16 +18,19 @@ an unconfined worker may serve (``compile_sandbox``).
 Messages on the pipe (pickled tuples):
   parent -> child  WorkerConfig (first) | ("compile", recipe_dict, [link input bytes]) | ("stop",)
   child -> parent  ("ready", toolchain_id, sandbox status dict) | ("start_failed", text)
-                   ("ok", CompileOutput) | ("compile_error", log) | ("recipe_error", field, detail)
-                   ("unlisted_include", include, field) | ("toolchain_error", text)
-                   ("invalid_artifact", text) | ("failed", type name, text)
-Errors travel as tuples because exceptions with extra constructor arguments
-(RecipeError(field, detail)) do not survive pickling.
+                   ("reply", reply, retiring) for each compile: ``reply`` as
+                   :mod:`kcache.compile_replies` has it, ``retiring`` None or why the worker
+                   exits after this reply
+
+A worker compiles until its first failed compile (or a dependency trace that fails its
+checks): from then on NVRTC's traces in that process may be short (:mod:`kcache.nvrtc`),
+so it answers that compile, says it is retiring, and exits; the pool starts another.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -39,6 +42,12 @@ import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the worker imports kcache only once its limits are set
+    from kcache.artifact import CompileOutput
+    from kcache.include_sets import IncludeSets
+    from kcache.toolchain import Toolchain
 
 __all__ = ["WorkerConfig", "WorkerProcess", "main", "spawn"]
 
@@ -132,7 +141,7 @@ def _child(fd: int) -> None:
 def _warm_up(toolchain: object) -> None:
     """Compile to LTO-IR and link once, so NVRTC's and nvJitLink's lazy loads happen before Landlock."""
     from kcache.include_sets import IncludeSets
-    from kcache.nvrtc import compile_recipe
+    from kcache.nvrtc import compile_in_this_process
     from kcache.recipe import LinkInput, Recipe
     from kcache.toolchain import Toolchain
 
@@ -144,7 +153,7 @@ def _warm_up(toolchain: object) -> None:
         output="ltoir",
         toolchain=toolchain.id,
     )
-    ltoir = compile_recipe(helper, toolchain, IncludeSets())
+    ltoir = compile_in_this_process(helper, toolchain, IncludeSets())
     main_recipe = Recipe(
         source='extern __device__ float kc_warm(float); extern "C" __global__ void k(float* o) '
         "{ o[0] = kc_warm(o[0]); }",
@@ -154,7 +163,20 @@ def _warm_up(toolchain: object) -> None:
         link=(LinkInput(recipe=helper),),
         toolchain=toolchain.id,
     )
-    compile_recipe(main_recipe, toolchain, IncludeSets(), [ltoir.data])
+    compile_in_this_process(main_recipe, toolchain, IncludeSets(), [ltoir.data])
+
+
+def _compile(
+    recipe_dict: dict[str, object],
+    toolchain: Toolchain,
+    sets: IncludeSets,
+    link_inputs: list[bytes],
+) -> CompileOutput:
+    """One compile in this process, the recipe read from its message (its errors reported too)."""
+    from kcache.nvrtc import compile_in_this_process
+    from kcache.recipe import Recipe
+
+    return compile_in_this_process(Recipe.from_dict(recipe_dict), toolchain, sets, link_inputs)
 
 
 def main(conn: Connection, config: WorkerConfig) -> None:
@@ -164,16 +186,9 @@ def main(conn: Connection, config: WorkerConfig) -> None:
     os.chdir(config.scratch)
     tempfile.tempdir = config.scratch
     try:
-        from kcache.errors import (
-            CompileError,
-            InvalidArtifactError,
-            RecipeError,
-            ToolchainError,
-            UnlistedIncludeError,
-        )
+        from kcache.compile_replies import reply_of
         from kcache.include_sets import IncludeSets
-        from kcache.nvrtc import compile_recipe
-        from kcache.recipe import Recipe
+        from kcache.nvrtc import nvrtc_untrusted
         from kcache.sandbox import SandboxStatus, compile_policy, confine
         from kcache.toolchain import load_toolchain
 
@@ -196,24 +211,11 @@ def main(conn: Connection, config: WorkerConfig) -> None:
         if message[0] != "compile":
             return
         _, recipe_dict, link_inputs = message
-        try:
-            output = compile_recipe(Recipe.from_dict(recipe_dict), toolchain, sets, link_inputs)
-            reply: tuple[object, ...] = ("ok", output)
-        except UnlistedIncludeError as exc:
-            reply = ("unlisted_include", exc.include, exc.field)
-        except RecipeError as exc:
-            reply = ("recipe_error", exc.field, exc.detail)
-        except CompileError as exc:
-            reply = ("compile_error", exc.log)
-        except ToolchainError as exc:
-            reply = ("toolchain_error", str(exc))
-        except InvalidArtifactError as exc:
-            reply = ("invalid_artifact", str(exc))
-        except MemoryError:
-            reply = (
-                "compile_error",
-                f"the compile ran out of memory (limit {config.memory_mb} MiB)",
-            )
-        except Exception as exc:
-            reply = ("failed", type(exc).__name__, str(exc))
-        conn.send(reply)
+        reply = reply_of(
+            functools.partial(_compile, recipe_dict, toolchain, sets, link_inputs),
+            config.memory_mb,
+        )
+        retiring = nvrtc_untrusted()
+        conn.send(("reply", reply, retiring))
+        if retiring is not None:
+            return

@@ -4,7 +4,10 @@ NVRTC runs in spawned processes with an address-space limit, so a runaway templa
 or a crashing compile costs one request, never the server: a compile past its
 timeout has its worker killed (``CompileTimeoutError``), a worker that dies fails
 its one request (``CompileWorkerCrashedError``), and either way a fresh worker
-takes its place. A worker that dies while idle (the OOM killer) is noticed by a
+takes its place. So does a worker after its first failed compile: NVRTC's dependency
+traces in that process may be short from then on (:mod:`kcache.nvrtc`), so the worker
+answers and retires. A compile whose trace failed its checks is run once more, on
+another worker. A worker that dies while idle (the OOM killer) is noticed by a
 watcher thread, and again before it is handed out, and replaced; it never gets a
 compile. Every death and replacement is logged.
 
@@ -35,14 +38,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from kcache.artifact import CompileOutput
+from kcache.compile_replies import Reply, result_of
 from kcache.errors import (
-    CompileError,
     CompileTimeoutError,
-    InvalidArtifactError,
-    RecipeError,
+    DependencyTraceError,
     StoreFullError,
     ToolchainError,
-    UnlistedIncludeError,
 )
 from kcache.fsutil import check_free_space, free_bytes
 from kcache.include_sets import IncludeSets
@@ -271,7 +272,7 @@ class ProcessPoolCompiler:
         worker.conn.close()
         shutil.rmtree(worker.scratch, ignore_errors=True)
 
-    def _replace(self, worker: _Worker, why: str) -> None:
+    def _replace(self, worker: _Worker, why: str, level: int = logging.WARNING) -> None:
         """Kill ``worker`` and start another in the background (whoever held it has been answered)."""
         with self._guard:
             # Counted before the dead one leaves the pool, so a waiter never sees neither.
@@ -281,7 +282,8 @@ class ProcessPoolCompiler:
         pid = worker.process.pid
         self._discard(worker)
         self.restarts += 1
-        log.warning(
+        log.log(
+            level,
             "compile worker pid %s %s (exit code %s); %s",
             pid,
             why,
@@ -406,6 +408,14 @@ class ProcessPoolCompiler:
             log.warning("compile refused: %s", exc)
             raise
         caller = current_caller.get()
+        try:
+            return result_of(self._compile_once(caller, recipe, link_inputs))
+        except DependencyTraceError as exc:
+            # That worker's NVRTC was spoiled (it retired); another decides.
+            log.warning("recipe %s: %s; compiling it again on another worker", recipe.key(), exc)
+        return result_of(self._compile_once(caller, recipe, link_inputs))
+
+    def _compile_once(self, caller: str, recipe: Recipe, link_inputs: Sequence[bytes]) -> Reply:
         while True:
             worker = self._queue.get(caller, self.queue_timeout_s, self._unavailable)
             if self._usable(worker):
@@ -416,7 +426,7 @@ class ProcessPoolCompiler:
 
     def _run(
         self, caller: str, worker: _Worker, recipe: Recipe, link_inputs: Sequence[bytes]
-    ) -> CompileOutput:
+    ) -> Reply:
         back: _Worker | None = None  # the worker goes back to the queue only after a clean reply
         try:
             try:
@@ -442,24 +452,16 @@ class ProcessPoolCompiler:
                     f"the compile ran past the limit of {self.timeout_s:g}s (compile_timeout_s) and was "
                     "stopped; a template that never finishes instantiating does this",
                 )
-            back = worker
+            answer: Reply = reply[1]
+            retiring: str | None = reply[2]
+            if retiring is None:
+                back = worker
+            else:
+                self._replace(worker, f"retires: {retiring}", logging.INFO)
         finally:
             self._queue.give_back(caller, back)
-        kind = reply[0]
-        if kind == "ok":
-            output: CompileOutput = reply[1]
-            return output
-        if kind == "compile_error":
-            raise CompileError(None, reply[1])
-        if kind == "unlisted_include":
-            raise UnlistedIncludeError(reply[1], reply[2])
-        if kind == "recipe_error":
-            raise RecipeError(reply[1], reply[2])
-        if kind == "invalid_artifact":
-            raise InvalidArtifactError(reply[1])
-        full = self._disk_full()
-        if full is not None:
-            raise self._full_disk_error(full)
-        if kind == "toolchain_error":
-            raise ToolchainError(reply[1])
-        raise ToolchainError(f"the compile worker failed: {reply[1]}: {reply[2]}")
+        if answer[0] in ("toolchain_error", "failed"):
+            full = self._disk_full()
+            if full is not None:
+                raise self._full_disk_error(full)
+        return answer

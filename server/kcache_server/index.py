@@ -220,7 +220,12 @@ class SqlIndex:
         """Entries newest first, at most MANIFEST_LIMIT."""
         _check(base_key)
         query = (
-            sa.select(_manifests.c.digest, _manifests.c.dependencies, _manifests.c.created_at)
+            sa.select(
+                _manifests.c.digest,
+                _manifests.c.dependencies,
+                _manifests.c.created_at,
+                _manifests.c.dependency_check,
+            )
             .where(_manifests.c.base_key == base_key)
             .order_by(_manifests.c.created_at.desc(), _manifests.c.id.desc())
             .limit(MANIFEST_LIMIT)
@@ -228,7 +233,10 @@ class SqlIndex:
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
         return [
-            ManifestEntry(r.digest, _deps(r.dependencies), r.created_at.timestamp()) for r in rows
+            ManifestEntry(
+                r.digest, _deps(r.dependencies), r.created_at.timestamp(), r.dependency_check
+            )
+            for r in rows
         ]
 
     # ------------------------------------------------------------------ writes
@@ -243,8 +251,9 @@ class SqlIndex:
         with self.engine.begin() as conn:
             insert = self._insert(_artifacts).values(**row)
             # An existing row stays (the first compile's metadata), unless it was rebuilt
-            # from the bare blob after a lost database: then this compile's metadata,
-            # which knows lowered names and dependencies, takes its place.
+            # from the bare blob after a lost database, or its dependency list was proven
+            # less well: then this compile's metadata, which knows lowered names and
+            # dependencies, takes its place.
             conn.execute(
                 insert.on_conflict_do_update(
                     index_elements=["digest"],
@@ -252,7 +261,8 @@ class SqlIndex:
                         **{k: insert.excluded[k] for k in row if k != "digest"},
                         "recovered": False,
                     },
-                    where=_artifacts.c.recovered.is_(True),
+                    where=_artifacts.c.recovered.is_(True)
+                    | (_artifacts.c.dependency_check < insert.excluded.dependency_check),
                 )
             )
             upsert = self._insert(_manifests).values(
@@ -261,6 +271,7 @@ class SqlIndex:
                 digest=meta.digest,
                 dependencies=deps,
                 created_at=now,
+                dependency_check=meta.dependency_check,
             )
             conn.execute(
                 upsert.on_conflict_do_update(
@@ -268,6 +279,7 @@ class SqlIndex:
                     set_={
                         "digest": upsert.excluded.digest,
                         "created_at": upsert.excluded.created_at,
+                        "dependency_check": upsert.excluded.dependency_check,
                     },
                 )
             )

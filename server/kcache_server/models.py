@@ -121,6 +121,9 @@ class Artifact(Base):
     dependencies_exact: Mapped[bool]
     created_at: Mapped[Stamp]
     last_used_at: Mapped[OptStamp]
+    # kcache.deps.DEPENDENCY_CHECK of the compile that recorded `dependencies`; 0 for rows
+    # older than read markers (migration 0008).
+    dependency_check: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # True for a row `kcache serve --recreate-index` rebuilt from a blob alone (after the
     # database was lost): only digest, size, kind and target are known; the next compile
     # that produces these bytes replaces the rest.
@@ -153,6 +156,7 @@ class ManifestRow(Base):
     )
     dependencies: Mapped[list[dict[str, str]]] = mapped_column(JSON)
     created_at: Mapped[Stamp]
+    dependency_check: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class NegativeEntry(Base):

@@ -29,7 +29,7 @@ from typing import Any, cast
 import anyio
 
 from kcache.artifact import ArtifactMeta, CompileFailure
-from kcache.deps import include_set_files_unchanged
+from kcache.deps import include_set_files_unchanged, proven
 from kcache.engine import failure_error
 from kcache.errors import ArtifactNotFoundError, KCacheError
 from kcache.lru import LruCache
@@ -242,7 +242,14 @@ class Resolver:
                 f"the artifact for recipe {recipe_key} was recorded without an exact list of the files "
                 "it read, so it is not served; resolve the recipe again to compile it afresh"
             )
-        if not include_set_files_unchanged(meta.dependencies, self.backends.compiler.include_sets):
+        sets = self.backends.compiler.include_sets
+        if not proven(meta.dependency_check, manifest=False, include_sets=sets):
+            return (
+                f"the artifact for recipe {recipe_key} was recorded before dependency lists were "
+                "proven, and this server has include sets it may have missed, so it is not served; "
+                "resolve the recipe again to compile it afresh"
+            )
+        if not include_set_files_unchanged(meta.dependencies, sets):
             return (
                 f"the artifact for recipe {recipe_key} read include-set files that have changed since; "
                 "resolve the recipe again"

@@ -332,6 +332,11 @@ class ArtifactBody(BaseModel):
     dependencies_exact: bool
     kernel: str
     created_at: float
+    dependency_check: int = Field(
+        description="How the dependency list was proven: 1 checked by read markers, from an NVRTC "
+        "that had seen no failed compile; 0 recorded by a release that trusted NVRTC's trace alone "
+        "(never used for a manifest match)"
+    )
 
 
 class ResolveResponse(BaseModel):

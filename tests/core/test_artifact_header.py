@@ -10,7 +10,7 @@ import pytest
 
 from kcache.artifact import ArtifactMeta
 from kcache.artifact_header import MAX_CHARS, decode_meta, encode_meta, parse_meta
-from kcache.deps import Dependency
+from kcache.deps import DEPENDENCY_CHECK, Dependency
 
 META = ArtifactMeta(
     digest="ab" * 32,
@@ -25,6 +25,7 @@ META = ArtifactMeta(
     dependencies_exact=True,
     kernel="add",
     created_at=1_790_000_000.5,
+    dependency_check=DEPENDENCY_CHECK,
 )
 
 
@@ -76,6 +77,9 @@ def test_metadata_too_long_for_a_header_is_not_sent() -> None:
         ({"compile_seconds": float("nan")}, "compile_seconds"),
         ({"created_at": float("inf")}, "created_at"),
         ({"log": 7}, "log"),
+        ({"dependency_check": -1}, "dependency_check"),
+        ({"dependency_check": True}, "dependency_check"),
+        ({"dependency_check": "1"}, "dependency_check"),
     ],
 )
 def test_every_malformed_field_is_refused_by_name(change: dict[str, Any], field: str) -> None:
@@ -84,12 +88,19 @@ def test_every_malformed_field_is_refused_by_name(change: dict[str, Any], field:
     assert field in str(info.value)
 
 
-@pytest.mark.parametrize("missing", sorted(_fields()))
+@pytest.mark.parametrize("missing", sorted(set(_fields()) - {"dependency_check"}))
 def test_every_field_but_the_log_is_required(missing: str) -> None:
     fields = _fields()
     del fields[missing]
     with pytest.raises(ValueError, match=missing):
         decode_meta(_encode(fields))
+
+
+def test_metadata_of_an_older_server_says_its_dependencies_are_unproven() -> None:
+    fields = _fields()
+    assert fields["dependency_check"] >= 1  # what this release records
+    del fields["dependency_check"]
+    assert decode_meta(_encode(fields)).dependency_check == 0
 
 
 @pytest.mark.parametrize("value", ["%%%", "eyJ", _encode([1, 2]), _encode("x"), ""])

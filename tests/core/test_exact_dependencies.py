@@ -1,0 +1,353 @@
+"""Exact dependencies in every process state: NVRTC's trace is checked, never taken on trust.
+
+A traced compile that stops on a fatal error inside a header leaves NVRTC's traces of
+that process short from then on (the builtin header and all but the last of the
+source's own includes are missing). These tests run such failures in this very
+process (pytest's), then check what good compiles record against the truth a model
+of each program gives (tests/deps_workload.py), and that every edit of a header a
+compile read is a miss.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kcache.deps import BUILTIN_HEADER, CompileInputs, ReadMarkers, dependencies_from_trace
+from kcache.engine import Engine
+from kcache.errors import CompileError, DependencyTraceError, RecipeError, UnlistedIncludeError
+from kcache.include_sets import IncludeSets
+from kcache.local_engine import open_local_engine
+from kcache.nvrtc import compile_in_this_process, compile_recipe, nvrtc_untrusted
+from kcache.recipe import Recipe
+from kcache.toolchain import Toolchain
+from tests.deps_workload import SET_NAME, run_sequence
+
+#: Sequences per run here; bench/bdeps_exact_dependencies.py runs thousands.
+SEQUENCES = int(os.environ.get("KCACHE_DEPS_SEQUENCES", "6"))
+
+ADD = "__device__ float add(float a, float b) { return a + b; }\n"
+MUL = "__device__ float mul(float a, float b) { return a * b; }\n"
+TWO_HEADERS = (
+    "#include <add.cuh>\n#include <mul.cuh>\n"
+    'extern "C" __global__ void k(float* o) { o[0] = mul(add(o[0], 1.0f), 2.0f); }\n'
+)
+HEADER_ERROR = {"source": "#include <bad.cuh>\n", "headers": {"bad.cuh": "#error typo\n"}}
+
+
+def _recipe(toolchain: Toolchain, **fields: Any) -> Recipe:
+    fields.setdefault("target", "sm_90")
+    return Recipe(toolchain=toolchain.id, **fields)
+
+
+def _spoil(toolchain: Toolchain) -> None:
+    """The failure that spoils NVRTC's traces: a fatal error inside a header, here."""
+    with pytest.raises(CompileError, match="typo"):
+        compile_in_this_process(_recipe(toolchain, **HEADER_ERROR), toolchain, IncludeSets())
+    assert nvrtc_untrusted() is not None
+
+
+@pytest.fixture()
+def set_root(tmp_path: Path) -> Path:
+    root = tmp_path / "set"
+    root.mkdir()
+    return root
+
+
+def _engine_resolver(engine: Engine) -> Callable[[dict[str, Any]], tuple[str, list[str]]]:
+    def resolve(recipe: dict[str, Any]) -> tuple[str, list[str]]:
+        try:
+            found = engine.resolve(Recipe.from_dict(recipe))
+        except (CompileError, RecipeError):
+            return "error", []
+        return found.status, [d.name for d in found.artifact.dependencies]
+
+    return resolve
+
+
+def test_a_spoiled_nvrtc_trace_is_refused_not_recorded(toolchain: Toolchain) -> None:
+    """The finding itself, in this process: after the failure the trace lacks headers."""
+    _spoil(toolchain)
+    recipe = _recipe(toolchain, source=TWO_HEADERS, headers={"add.cuh": ADD, "mul.cuh": MUL})
+    with pytest.raises(DependencyTraceError, match="builtin header"):
+        compile_in_this_process(recipe, toolchain, IncludeSets())
+    # The entry point every in-process compile takes runs it in a fresh process instead.
+    output = compile_recipe(recipe, toolchain, IncludeSets())
+    assert [d.name for d in output.dependencies] == ["add.cuh", "mul.cuh"]
+
+
+def test_the_issue_case_locally_a_header_edit_after_a_typo_is_a_miss(
+    toolchain: Toolchain, tmp_path: Path
+) -> None:
+    engine = open_local_engine(tmp_path / "data")
+    with pytest.raises(CompileError, match="typo"):
+        engine.resolve(Recipe(target="sm_90", **HEADER_ERROR))  # type: ignore[arg-type]
+    headers = {"add.cuh": ADD, "mul.cuh": MUL}
+    first = engine.resolve(Recipe(source=TWO_HEADERS, headers=headers, target="sm_90"))
+    assert first.status == "compiled"
+    assert [d.name for d in first.artifact.dependencies] == ["add.cuh", "mul.cuh"]
+    edit = {**headers, "add.cuh": ADD.replace("a + b", "a - b")}
+    second = engine.resolve(Recipe(source=TWO_HEADERS, headers=edit, target="sm_90"))
+    assert second.status == "compiled"
+    assert second.artifact.digest != first.artifact.digest
+
+
+def test_random_sequences_in_one_process_record_exactly_what_was_read(
+    tmp_path: Path, set_root: Path
+) -> None:
+    engine = open_local_engine(tmp_path / "data", include_sets={SET_NAME: set_root})
+    base = random.SystemRandom().randrange(1 << 32)
+    print(f"exact-dependency sequences: seeds {base}..{base + SEQUENCES - 1}")
+    mismatches = [
+        m
+        for seed in range(base, base + SEQUENCES)
+        for m in run_sequence(seed, set_root, _engine_resolver(engine))
+    ]
+    assert not mismatches, mismatches
+
+
+def test_a_model_program_reads_in_a_fresh_process_what_the_model_says(
+    toolchain: Toolchain, set_root: Path
+) -> None:
+    """The model is the truth the property tests use: a fresh NVRTC agrees with it."""
+    from kcache.fresh_compile import compile_in_fresh_process
+    from tests.deps_workload import Workload
+
+    work = Workload(random.Random(7), set_root)
+    sets = IncludeSets({SET_NAME: set_root})
+    for _ in range(4):
+        program = work.program()
+        recipe = Recipe.from_dict({**program.recipe, "toolchain": toolchain.id})
+        output = compile_in_fresh_process(recipe, toolchain, sets)
+        assert {d.name for d in output.dependencies} == program.reads
+
+
+def test_threads_compiling_while_another_fails_record_complete_lists(
+    toolchain: Toolchain,
+) -> None:
+    """A compile that overlapped another thread's failure is not trusted to this process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    headers = {f"h{i}.cuh": f"#pragma once\n#define H{i} {i}\n" for i in range(6)}
+    source = "".join(f"#include <h{i}.cuh>\n" for i in range(6))
+    source += 'extern "C" __global__ void k(int* o) { o[0] = H0 + H5; }\n'
+
+    def good(i: int) -> list[str]:
+        recipe = _recipe(toolchain, source=source + f"// {i}\n", headers=headers)
+        return [d.name for d in compile_recipe(recipe, toolchain, IncludeSets()).dependencies]
+
+    def bad(i: int) -> None:
+        recipe = _recipe(
+            toolchain, source=f"// {i}\n" + HEADER_ERROR["source"], headers=HEADER_ERROR["headers"]
+        )  # type: ignore[arg-type]
+        with pytest.raises(CompileError):
+            compile_recipe(recipe, toolchain, IncludeSets())
+
+    with ThreadPoolExecutor(4) as pool:
+        goods = [pool.submit(good, i) for i in range(6)]
+        bads = [pool.submit(bad, i) for i in range(3)]
+        for future in bads:
+            future.result()
+        for future in goods:
+            assert future.result() == sorted(headers)
+
+
+def test_the_read_markers_change_no_byte_of_the_output(
+    toolchain: Toolchain, tmp_path: Path
+) -> None:
+    """Markers are appended to each in-memory header: plain NVRTC, same bytes (-G, -lineinfo)."""
+    headers = {
+        "a.cuh": "#ifndef A\n#define A\n__device__ int fa(int x) { return x + 1; }\n#endif",
+        "vals.inc": "1, 2, 3,",  # included inside an initializer: a pragma there is fine
+    }
+    source = (
+        "#include <a.cuh>\n#include <a.cuh>\n__device__ int tab[] = {\n#include <vals.inc>\n};\n"
+        'extern "C" __global__ void k(int* o) { o[0] = fa(tab[o[1]]); }\n'
+    )
+    for flags in ((), ("-G",), ("-lineinfo",)):
+        recipe = _recipe(toolchain, source=source, headers=headers, flags=flags)
+        ours = compile_recipe(recipe, toolchain, IncludeSets())
+        assert [d.name for d in ours.dependencies] == ["a.cuh", "vals.inc"]
+        assert "kcache-read" not in ours.log
+        # Traced as kcache traces (under -G the trace option itself moves bytes, markers do not).
+        traced = (*flags, f"--fdevice-time-trace={tmp_path / 'trace'}")
+        assert ours.data == _plain_nvrtc(toolchain, source, headers, traced)
+
+
+def test_markers_survive_a_recipe_that_suppresses_messages(toolchain: Toolchain) -> None:
+    headers = {
+        "quiet.cuh": "#pragma nv_diag_suppress 20200\n",
+        "b.cuh": "#define B 2\n",
+    }
+    source = '#include <quiet.cuh>\n#include <b.cuh>\nextern "C" __global__ void k(int* o) { o[0] = B; }\n'
+    for flags in ((), ("-w",), ("--diag-suppress=20200",), ("--diag-error=20200",)):
+        recipe = _recipe(toolchain, source=source, headers=headers, flags=flags)
+        deps = compile_recipe(recipe, toolchain, IncludeSets()).dependencies
+        assert [d.name for d in deps] == ["b.cuh", "quiet.cuh"], flags
+
+
+def test_a_trace_that_disagrees_with_the_markers_is_refused(tmp_path: Path) -> None:
+    """The checks themselves, on traces NVRTC could write: short, from disk, forged."""
+    import json
+
+    inputs = CompileInputs("k.cu", {"a.cuh": "", "b.cuh": ""}, (), IncludeSets(), tmp_path)
+
+    def check(trace: list[str], marked: list[str]) -> None:
+        events = [{"name": "Processing Header File", "args": {"detail": p}} for p in trace]
+        path = tmp_path / "trace.json"
+        path.write_text(json.dumps({"traceEvents": events}))
+        dependencies_from_trace(path, inputs, marked)
+
+    check([BUILTIN_HEADER, "a.cuh", "b.cuh"], ["a.cuh", "b.cuh"])  # complete: accepted
+    for trace, marked in (
+        (["b.cuh"], ["a.cuh", "b.cuh"]),  # what a spoiled NVRTC writes
+        ([BUILTIN_HEADER, "b.cuh"], ["a.cuh", "b.cuh"]),  # a header missing
+        ([BUILTIN_HEADER, "a.cuh", "b.cuh"], ["b.cuh"]),  # traced but never reached: from disk
+        (
+            [BUILTIN_HEADER, "a.cuh", "b.cuh", "b.cuh"],
+            ["a.cuh", "b.cuh"],
+        ),  # read twice, once from disk
+    ):
+        with pytest.raises(DependencyTraceError):
+            check(trace, marked)
+    markers = ReadMarkers(["a.cuh"])
+    forged = 'a.cuh(3): remark #20200-D: #pragma message: "kcache-read-0000000000000000-0"'
+    assert markers.split_log(forged) == (forged, [])  # another nonce is just a message
+
+
+def test_a_working_directory_file_named_like_a_header_never_answers_for_it(
+    toolchain: Toolchain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`#include "x.cuh"` from program `sub/k.cu` reads ./sub/x.cuh, which NVRTC traces under the
+    name of the in-memory header `sub/x.cuh`: it printed no marker, so the recipe is refused."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.cuh").write_text("#define X 7\n")
+    monkeypatch.chdir(tmp_path)
+    recipe = _recipe(
+        toolchain,
+        name="sub/k.cu",
+        source='#include "x.cuh"\nextern "C" __global__ void k(int* o) { o[0] = X; }\n',
+        headers={"sub/x.cuh": "#define X 1\n"},
+    )
+    with pytest.raises(RecipeError, match="from the working directory instead of the in-memory"):
+        compile_recipe(recipe, toolchain, IncludeSets())
+    # Without the file nothing answers: in-memory headers are found by the name as written.
+    (tmp_path / "sub" / "x.cuh").unlink()
+    with pytest.raises(UnlistedIncludeError, match=r"x\.cuh"):
+        compile_recipe(recipe, toolchain, IncludeSets())
+
+
+# The bundled headers, as their users include them: plain NVRTC and kcache agree.
+BUNDLED = {
+    "cooperative_groups": (
+        "#include <cooperative_groups.h>\nnamespace cg = cooperative_groups;\n"
+        'extern "C" __global__ void k(int* o) { cg::thread_block b = cg::this_thread_block(); '
+        "b.sync(); o[b.thread_rank()] = 1; }\n"
+    ),
+    "cluster": (
+        "#include <cooperative_groups.h>\nnamespace cg = cooperative_groups;\n"
+        'extern "C" __global__ void __cluster_dims__(2, 1, 1) k(int* o) { '
+        "cg::cluster_group c = cg::this_cluster(); c.sync(); o[c.block_rank()] = 1; }\n"
+    ),
+    "cuda_barrier": (
+        "#include <cuda/barrier>\n"
+        'extern "C" __global__ void k(int* o) { __shared__ cuda::barrier<cuda::thread_scope_block> '
+        "bar; if (threadIdx.x == 0) init(&bar, blockDim.x); __syncthreads(); bar.arrive_and_wait(); "
+        "o[threadIdx.x] = 1; }\n"
+    ),
+    "cuda_std": (
+        "#include <cuda/std/array>\n#include <cuda/std/limits>\n#include <cuda/std/utility>\n"
+        'extern "C" __global__ void k(int* o) { cuda::std::array<int, 2> a{1, 2}; '
+        "o[0] = a[1] + cuda::std::numeric_limits<int>::max(); }\n"
+    ),
+    "cub": (
+        "#include <cub/block/block_reduce.cuh>\n"
+        'extern "C" __global__ void k(const float* x, float* o) { using R = cub::BlockReduce<float, 128>; '
+        "__shared__ typename R::TempStorage t; float s = R(t).Sum(x[threadIdx.x]); "
+        "if (threadIdx.x == 0) o[0] = s; }\n"
+    ),
+    "thrust": (
+        "#include <thrust/complex.h>\n"
+        'extern "C" __global__ void k(float* o) { thrust::complex<float> z(o[0], o[1]); '
+        "o[0] = thrust::abs(z * z); }\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_bundled_header_kernels_compile_as_plain_nvrtc_compiles_them(
+    toolchain: Toolchain, tmp_path: Path, name: str
+) -> None:
+    source = BUNDLED[name]
+    plain = _plain_nvrtc(toolchain, source, {}, (), allow_failure=True)
+    engine = open_local_engine(tmp_path / "data")
+    recipe = Recipe(source=source, target="sm_90")
+    try:
+        first = engine.resolve(recipe)
+    except CompileError as exc:
+        assert plain is None, f"plain NVRTC compiles {name}, kcache says: {exc}"
+        return
+    assert plain is not None, f"kcache compiles {name}, plain NVRTC does not"
+    assert first.status == "compiled"
+    assert first.artifact.dependencies == ()  # bundled headers are the toolchain's
+    assert engine.resolve(recipe).status == "hit"
+
+
+def test_a_name_expression_typo_is_nvrtcs_compile_error(toolchain: Toolchain) -> None:
+    recipe = _recipe(
+        toolchain,
+        source="template <typename T> __global__ void scale(T* x) { x[0] *= T(2); }\n",
+        name_expressions=("scale<flaot>",),
+    )
+    with pytest.raises(CompileError) as info:
+        compile_recipe(recipe, toolchain, IncludeSets())
+    assert 'identifier "flaot" is undefined' in info.value.log
+    assert "__nv_name_map" in info.value.log
+
+
+_PLAIN = """
+import sys, json
+from cuda.bindings import nvrtc
+source, headers, options = json.loads(sys.stdin.read())
+names = list(headers)
+_, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", len(names),
+    [headers[n].encode() for n in names], [n.encode() for n in names])
+(result,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
+if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+    sys.exit(3)
+_, size = nvrtc.nvrtcGetCUBINSize(prog)
+buf = bytearray(size)
+nvrtc.nvrtcGetCUBIN(prog, buf)
+sys.stdout.buffer.write(bytes(buf))
+"""
+
+
+def _plain_nvrtc(
+    toolchain: Toolchain,
+    source: str,
+    headers: dict[str, str],
+    flags: tuple[str, ...],
+    *,
+    allow_failure: bool = False,
+) -> bytes | None:
+    """NVRTC as anyone calls it (bundled headers on the path, nothing else), in a fresh process."""
+    import json
+
+    options = ["-arch=sm_90", *toolchain.include_flags, *flags]
+    done = subprocess.run(
+        [sys.executable, "-c", _PLAIN],
+        input=json.dumps([source, headers, options]).encode(),
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode == 3 and allow_failure:
+        return None
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout
