@@ -5,6 +5,7 @@ Hierarchy (the core's errors are in :mod:`kcache.errors`)::
     KCacheError
     └── ServerError
         ├── BadRequestError (ValueError)            400: malformed JSON, a bad key in a path
+        ├── ArtifactSetAsideError (ArtifactNotFoundError)  404: the stored blob failed its check
         ├── InvalidRequestError (ValueError)        422: a request field is wrong (names it)
         ├── AuthenticationError                     401: no token, or an unknown one
         ├── PermissionDeniedError                   403: the token lacks the scope
@@ -47,6 +48,7 @@ from kcache_server.request_ids import current_request_id
 
 __all__ = [
     "ERROR_TABLE",
+    "ArtifactSetAsideError",
     "AuthenticationError",
     "BadRequestError",
     "CompileWorkerCrashedError",
@@ -73,6 +75,30 @@ class ServerError(KCacheError):
 
 class BadRequestError(ServerError, ValueError):
     """The request cannot be read at all (malformed JSON, a path key that is not hex)."""
+
+
+class ArtifactSetAsideError(ServerError, ArtifactNotFoundError):
+    """A stored blob failed verification on read and was set aside: a miss, with that reason.
+
+    Answered as an evicted artifact is (404 ``not_found``), never as a server error:
+    the store moved the damaged copy to its quarantine, and the next compile of the
+    recipe stores the bytes afresh. ``digest`` names the blob, ``recipe_key`` the
+    recipe when known; the quarantine's location goes to the server log only.
+    """
+
+    def __init__(self, digest: str, recipe_key: str | None = None) -> None:
+        subject = (
+            f"the artifact for recipe {recipe_key} (blob {digest})"
+            if recipe_key
+            else f"blob {digest}"
+        )
+        super().__init__(
+            f"the stored copy of {subject} failed its integrity check (its bytes no longer hash "
+            "to their name), so it was set aside and is not served: a miss until the recipe is "
+            "compiled again (resolve it with compile: true)"
+        )
+        self.digest = digest
+        self.recipe_key = recipe_key
 
 
 class InvalidRequestError(ServerError, ValueError):
@@ -171,6 +197,8 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     CompileError: ErrorInfo(422, "compile_error"),
     AuthenticationError: ErrorInfo(401, "unauthorized"),
     PermissionDeniedError: ErrorInfo(403, "forbidden"),
+    # A blob that failed its check answers as an evicted one does: a miss, with the reason.
+    ArtifactSetAsideError: ErrorInfo(404, "not_found"),
     ArtifactNotFoundError: ErrorInfo(404, "not_found"),
     PayloadTooLargeError: ErrorInfo(413, "too_large"),
     CompilerUnavailableError: ErrorInfo(503, "compiler_unavailable", retry=True),
@@ -248,6 +276,8 @@ def error_body(exc: BaseException) -> dict[str, Any]:
     body: dict[str, Any] = {"error": info.code, "detail": str(exc)}
     if isinstance(exc, RecipeError | InvalidRequestError):
         body["field"] = exc.field
+    if isinstance(exc, ArtifactSetAsideError) and exc.recipe_key:
+        body["recipe_key"] = exc.recipe_key
     if isinstance(exc, CompileError):
         body["log"] = exc.log
         body["recipe_key"] = exc.recipe_key

@@ -4,9 +4,11 @@ Tables: ``artifacts`` (metadata by digest), ``recipe_aliases`` (recipe_key ->
 digest), ``manifests`` (base_key -> dependency list -> digest), ``negative_entries``
 (failed recipes with their log), ``audit_events`` (one row per lookup outcome),
 ``tokens`` (sha256 of bearer tokens with scopes), and for bounded storage ``pins``
-(recipe keys eviction keeps), ``evictions`` (what was evicted, when) and
-``compile_charges`` (who caused each compile, for quotas). Alembic migrations under
-``kcache_server/migrations/`` must agree with these; a test checks it on SQLite and PostgreSQL.
+(recipe keys eviction keeps), ``evictions`` (what was evicted, when),
+``compile_charges`` (who caused each compile, for quotas), and ``quota_accounts`` and
+``quota_reservations`` (bytes promised to compiles in progress, per caller). Alembic
+migrations under ``kcache_server/migrations/`` must agree with these; a test checks it
+on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ __all__ = [
     "ManifestRow",
     "NegativeEntry",
     "Pin",
+    "QuotaAccount",
+    "QuotaReservation",
     "RecipeAlias",
     "Token",
     "UTCDateTime",
@@ -362,3 +366,34 @@ class CompileCharge(Base):
     caller: Mapped[str] = mapped_column(String(300), index=True)
     size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[Stamp]
+
+
+class QuotaAccount(Base):
+    """One row per caller that compiled under a quota: the row its reservations lock.
+
+    :mod:`kcache_server.quotas` upserts it as the first statement of every reserve
+    and settle transaction, so one caller's reservations are decided one at a time
+    across processes and replicas (a row lock on PostgreSQL, the write lock on SQLite).
+    """
+
+    __tablename__ = "quota_accounts"
+
+    caller: Mapped[str] = mapped_column(String(300), primary_key=True)
+    touched_at: Mapped[Stamp]
+
+
+class QuotaReservation(Base):
+    """Bytes of a caller's quota promised to one compile in progress.
+
+    Deleted when the compile settles (its charge replaces it) or fails; one whose
+    process died stops counting at ``expires_at`` and is deleted by the caller's
+    next reservation.
+    """
+
+    __tablename__ = "quota_reservations"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    caller: Mapped[str] = mapped_column(String(300), index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[Stamp]
+    expires_at: Mapped[Stamp]

@@ -17,10 +17,23 @@ The memory caches hold what the engine or the index answered for an exact recipe
 key. Aliases only ever point at identical bytes, so an entry cannot go stale by
 itself; what a recipe key does not cover is checked on every use (:meth:`Resolver._unservable`):
 include-set files, and artifacts recorded without an exact dependency list.
+
+A resolve says ``hit`` only for bytes it can serve. The store verifies a blob's digest on
+every read; a resolve answered from memory needs the blob's verified bytes in memory,
+or its file unchanged (inode, size, modification and change times) since this process
+verified it, a file changed too recently for its times to tell (:data:`_RACY_NS`) being
+read again; any other hit of the engine is read and verified before it is answered.
+A blob that fails (its bytes no longer hash to their name) is set aside by the store
+(its quarantine) and becomes a miss with that reason
+(:class:`~kcache_server.errors.ArtifactSetAsideError`, 404 ``not_found``, as for an
+evicted artifact): the resolve asks the engine again, which then compiles it afresh
+when the caller may compile, and the fetch by key and by digest answer the same 404.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -30,15 +43,15 @@ import anyio
 
 from kcache.artifact import ArtifactMeta, CompileFailure
 from kcache.deps import include_set_files_unchanged, proven
-from kcache.engine import failure_error
-from kcache.errors import ArtifactNotFoundError, KCacheError
+from kcache.engine import Resolution, failure_error
+from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, KCacheError
 from kcache.lru import LruCache
 from kcache.nvrtc import kernel_name
 from kcache.outcomes import Outcome
 from kcache.recipe import Recipe
 from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.backends import Backends
-from kcache_server.errors import error_body, error_info
+from kcache_server.errors import ArtifactSetAsideError, error_body, error_info
 from kcache_server.schemas import ArtifactBody, BatchError, BatchResult, Context, ResolveResponse
 
 __all__ = ["Resolver", "error_result"]
@@ -50,6 +63,17 @@ Run = Callable[..., Awaitable[Any]]
 _MAX_CACHED_BLOB = 16 << 20
 # Recipe keys whose artifact metadata is kept in memory.
 _MAX_CACHED_KEYS = 100_000
+#: A blob file changed less than this before it was verified is verified again next
+#: time: file times are kept at a coarse granularity (a clock tick, or seconds on some
+#: network filesystems), so a change right after a write may leave them as they were.
+_RACY_NS = 2_000_000_000
+# Digests this process saw fail their check, for the reason of the misses that follow.
+_MAX_SET_ASIDE = 10_000
+
+_log = logging.getLogger(__name__)
+
+#: What identifies one state of a blob file: inode, size, mtime and ctime (ns).
+_Stamp = tuple[int, int, int, int]
 
 
 @dataclass
@@ -76,6 +100,9 @@ class Resolver:
         self._run = run
         self._blobs: LruCache[str, bytes] = LruCache(max_bytes=blob_cache_bytes, size=len)
         self._known: LruCache[str, _Known] = LruCache(max_entries=_MAX_CACHED_KEYS)
+        # Blob files verified by this process, as they were then (see the module docstring).
+        self._verified: LruCache[str, _Stamp] = LruCache(max_entries=_MAX_CACHED_KEYS)
+        self._set_aside: LruCache[str, bool] = LruCache(max_entries=_MAX_SET_ASIDE)
 
     # ------------------------------------------------------------------ resolving
     async def resolve(
@@ -140,11 +167,12 @@ class Resolver:
         """The artifact a resolve of ``recipe`` may be answered with from memory, or None.
 
         The key must be known here and still servable (:meth:`_unservable`), and the
-        blob must still be in the store: a collected one is compiled again. This is
-        the whole decision of a memory hit, shared with the resolve fast path.
+        blob's bytes known good without reading them (:meth:`_trusted_blob`): a
+        collected blob is compiled again, a damaged one found by the engine's path.
+        This is the whole decision of a memory hit, shared with the resolve fast path.
         """
         known = self._cached(recipe.key())
-        if known is None or not self.backends.store.has(known.meta.digest):
+        if known is None or not self._trusted_blob(known.meta.digest):
             return None
         return known.meta
 
@@ -176,7 +204,10 @@ class Resolver:
         """The engine's answer (blocking: index, lock, compile), audited and remembered."""
         started = time.perf_counter()
         try:
-            result = self.backends.engine.resolve(recipe, compile=compile)
+            result = self._engine_resolve(recipe, compile)
+        except ArtifactSetAsideError:
+            self._audit(recipe, context, route, started, "miss", error="set_aside")
+            raise
         except ArtifactNotFoundError as exc:
             self._audit(recipe, context, route, started, "miss", error="not_found")
             raise ArtifactNotFoundError(
@@ -189,6 +220,46 @@ class Resolver:
         answer = ResolveResponse.model_validate(result.to_dict())
         self._known.put(result.recipe_key, _Known(result.artifact, answer.artifact))
         return answer
+
+    def _engine_resolve(self, recipe: Recipe, compile: bool) -> Resolution:
+        """The engine's answer, a hit only once its bytes are known good (see the module docstring).
+
+        A hit whose blob fails its check (set aside by the store just now) is asked
+        again: a miss now, compiled afresh with ``compile``, else
+        :class:`ArtifactSetAsideError`. So is a compile whose linked recipe's blob failed.
+        """
+        key = recipe.key()
+        set_aside = self._set_aside_digest(key)  # seen by an earlier request of this process
+        for _ in range(2):
+            try:
+                result = self.backends.engine.resolve(recipe, compile=compile)
+            except CorruptArtifactError as exc:  # a blob the engine read itself: a link input
+                self._note_set_aside(exc)
+                set_aside = exc.digest
+                continue
+            except ArtifactNotFoundError as exc:
+                if set_aside is not None:
+                    raise ArtifactSetAsideError(set_aside, key) from exc
+                raise
+            digest = result.artifact.digest
+            if result.status == "compiled":
+                self._set_aside.discard(digest)  # stored afresh
+                return result
+            if self._servable(digest):
+                return result
+            if self._set_aside.get(digest):
+                set_aside = digest
+        if set_aside is not None:  # set aside twice in a row: another copy failed its check too
+            raise ArtifactSetAsideError(set_aside, key)
+        raise ArtifactNotFoundError(  # collected twice between the engine's look and the read
+            f"the blob of recipe {key} was removed while it was read; resolve it again"
+        )
+
+    def _set_aside_digest(self, recipe_key: str) -> str | None:
+        known = self._known.get(recipe_key)
+        if known is not None and self._set_aside.get(known.meta.digest):
+            return known.meta.digest
+        return None
 
     def _audit(
         self,
@@ -315,13 +386,61 @@ class Resolver:
         return data
 
     def _blob_from_store(self, digest: str) -> bytes:
+        """Read and verify; a blob that fails is set aside by the store: :class:`ArtifactSetAsideError`."""
+        read_at = time.time_ns()
         try:
             data = self.backends.store.get(digest)
         except ArtifactNotFoundError:  # the store's message names its directory: not for callers
+            if self._set_aside.get(digest):
+                raise ArtifactSetAsideError(digest) from None
             raise ArtifactNotFoundError(f"no blob {digest}") from None
+        except CorruptArtifactError as exc:  # its text names the quarantine: for the log only
+            self._note_set_aside(exc)
+            raise ArtifactSetAsideError(digest) from None
+        self._set_aside.discard(digest)
+        stamp = self._stamp(digest)
+        if stamp is not None and stamp[1] == len(data) and stamp[3] < read_at - _RACY_NS:
+            self._verified.put(digest, stamp)
         if len(data) <= _MAX_CACHED_BLOB:
             self._blobs.put(digest, data)
         return data
+
+    def _note_set_aside(self, exc: CorruptArtifactError) -> None:
+        _log.warning("a stored blob failed its check and was set aside: %s", exc)
+        self._set_aside.put(exc.digest, True)
+        self._verified.discard(exc.digest)
+        self._blobs.discard(exc.digest)
+
+    def _stamp(self, digest: str) -> _Stamp | None:
+        """The blob file's identity now (a bucket store's local copy), or None without one."""
+        try:
+            # The store's own path join, without a pathlib object (every memory hit asks);
+            # never LocalArtifactStore.path, which fills a bucket store's local copy first.
+            st = os.stat(self.backends.store._path_str(digest))
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _trusted_blob(self, digest: str) -> bool:
+        """Whether the bytes of ``digest`` are known good without reading them.
+
+        Verified bytes in memory (while the store still has the blob: a collected one
+        is compiled again), or a blob file unchanged since this process verified it.
+        """
+        if self._blobs.get(digest) is not None:
+            return self.backends.store.has(digest)
+        stamp = self._verified.get(digest)
+        return stamp is not None and stamp == self._stamp(digest)
+
+    def _servable(self, digest: str) -> bool:
+        """Whether the engine's hit on ``digest`` can be served: trusted, else read and verified now."""
+        if self._trusted_blob(digest):
+            return True
+        try:
+            self._blob_from_store(digest)
+        except ArtifactNotFoundError:  # set aside just now, or collected since the engine looked
+            return False
+        return True
 
     def forget_blob(self, digest: str) -> None:
         """Drop a blob's bytes from memory (the store is asked next time)."""

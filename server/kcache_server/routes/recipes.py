@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from kcache.artifact_header import HEADER as META_HEADER
 from kcache.artifact_header import MAX_CHARS
 from kcache.errors import ArtifactNotFoundError
+from kcache_server.errors import ArtifactSetAsideError
 from kcache_server.http_cache import artifact_headers, etag_matches
 from kcache_server.routes._deps import ERRORS, Reader, State
 from kcache_server.schemas import ArtifactBody, RecipeKeyPath, check_key
@@ -77,7 +78,10 @@ async def recipe_artifact(
     The body is the bytes, cacheable forever; ``X-KCache-Meta`` carries the metadata a
     client needs to trust and use them (see the 200 response's headers). Warm keys are
     answered before this route by :mod:`kcache_server.fastpath`; this one serves the
-    rest (and fills the memory caches the fast path reads).
+    rest (and fills the memory caches the fast path reads). A blob that fails its
+    check on the read is a 404 ``not_found`` saying so, as for an evicted artifact
+    (:class:`~kcache_server.errors.ArtifactSetAsideError`); the fast path serves only
+    bytes verified into memory.
     """
     started = time.perf_counter()
     check_key(recipe_key, "recipe_key")
@@ -89,9 +93,11 @@ async def recipe_artifact(
             resolver.record_fetch(recipe_key, meta, started, "hit")
             return Response(status_code=304, headers=headers)
         data = await resolver.blob(meta.digest)
-    except ArtifactNotFoundError:
+    except ArtifactNotFoundError as exc:  # evicted, collected, or set aside as damaged
         resolver.forget(recipe_key)
         resolver.record_fetch(recipe_key, None, started, "miss")
+        if isinstance(exc, ArtifactSetAsideError) and exc.recipe_key is None:
+            raise ArtifactSetAsideError(exc.digest, recipe_key) from None
         raise
     resolver.record_fetch(recipe_key, meta, started, "hit")
     return Response(data, media_type="application/octet-stream", headers=headers)
