@@ -7,8 +7,7 @@ A file belongs to a set only when it lies strictly inside the root, after resolv
 symlinks: a link in the tree that points elsewhere is not part of the set (a compile
 that reads through it is refused, see :mod:`kcache.deps`). A set's root is an ``-I``
 directory, so its headers include each other by their path from the root (as CUTLASS
-and CCCL do); NVRTC's ``-no-source-include`` turns off the lookup next to the
-including file.
+and CCCL do), and a quoted include is found next to the including file first.
 
 A file's timestamps only move in clock ticks, so an edit made within a tick of the
 hashing can leave every stat field as it was (same size, same mtime). As git does

@@ -14,8 +14,7 @@ the option and why:
   directory, else the directory's headers as in-memory ``headers`` (a small
   directory only: :data:`INCLUDE_DIR_MAX_FILES` files, :data:`INCLUDE_DIR_MAX_BYTES`
   bytes; past that the error says to register an include set);
-* ``-no-source-include`` and ``--use-bundled-headers`` are dropped: kcache compiles
-  always run that way;
+* ``--use-bundled-headers`` is dropped: kcache compiles always use the bundled headers;
 * every other accepted option becomes a flag in one canonical spelling.
 
 Canonical flags make equivalent spellings one recipe key: macros (``-D``/``-U``) keep
@@ -208,10 +207,10 @@ _SPECS: tuple[_Spec, ...] = (
     _Spec(
         "--no-source-include",
         "-no-source-include",
-        "drop",
+        "bool",
         None,
-        field="no_source_include",
-        reason="kcache compiles always run with -no-source-include",
+        "-no-source-include",
+        "no_source_include",
     ),
     _Spec(
         "--use-bundled-headers",

@@ -1,7 +1,7 @@
 """OS confinement of compile workers with Landlock, and their scrubbed environment.
 
-A compile worker runs NVRTC over untrusted recipes. Our own checks (``-no-source-include``,
-attribution of every file in the dependency trace, see :mod:`kcache.deps`) refuse a
+A compile worker runs NVRTC over untrusted recipes. Our own checks (attribution of
+every file in the dependency trace, proven complete, see :mod:`kcache.deps`) refuse a
 recipe that read a file outside its inputs, but NVRTC has already opened the file by
 then. Landlock makes the kernel refuse the open itself: after :func:`confine`, the
 process may read only the toolchain tree, the registered include-set roots and what the

@@ -351,3 +351,75 @@ def _plain_nvrtc(
         return None
     assert done.returncode == 0, done.stderr.decode()
     return done.stdout
+
+
+def test_lists_recorded_before_the_proof_never_serve_a_manifest_match(tmp_path: Path) -> None:
+    """An earlier release's short list (`mul.cuh` only, as a spoiled trace wrote) under the
+    same base key: never matched, and the next compile of those bytes replaces its record."""
+    from kcache.deps import DEPENDENCY_CHECK
+
+    engine = open_local_engine(tmp_path / "data")
+    headers = {"add.cuh": ADD, "mul.cuh": MUL}
+    first = engine.resolve(Recipe(source=TWO_HEADERS, headers=headers, target="sm_90"))
+    index = engine.index
+    short = [e for e in first.artifact.to_dict()["dependencies"] if e["name"] == "mul.cuh"]
+    legacy = {**first.artifact.to_dict(), "dependencies": short}
+    del legacy["dependency_check"]  # what an earlier release wrote
+    manifest = {"digest": first.artifact.digest, "dependencies": short, "created_at": 1.0}
+    index._write("artifacts", first.artifact.digest, legacy)  # type: ignore[attr-defined]
+    index._write("manifests", first.base_key, [manifest])  # type: ignore[attr-defined]
+    assert index.artifact(first.artifact.digest).dependency_check == 0  # type: ignore[union-attr]
+
+    # add.cuh edited in a way that leaves the output alone: same bytes, other key.
+    edit = {**headers, "add.cuh": ADD + "// an edit the old list does not see\n"}
+    again = engine.resolve(Recipe(source=TWO_HEADERS, headers=edit, target="sm_90"))
+    assert again.status == "compiled"  # the legacy entry would have said "hit"
+    assert again.artifact.digest == first.artifact.digest
+    record = index.artifact(first.artifact.digest)
+    assert record is not None and record.dependency_check == DEPENDENCY_CHECK
+    assert [d.name for d in record.dependencies] == ["add.cuh", "mul.cuh"]
+    assert index.manifest(first.base_key)[0].dependency_check == DEPENDENCY_CHECK
+
+
+def test_kernel_cache_compiling_locally_answers_an_edit_after_a_typo(tmp_path: Path) -> None:
+    from kcache_client import ClientSettings, KernelCache
+
+    settings = ClientSettings.from_env(url="", local_compile=True)
+    with KernelCache(cache_dir=tmp_path / "tier", settings=settings) as cache:
+        with pytest.raises(CompileError):
+            cache.get(Recipe(target="sm_90", **HEADER_ERROR))  # type: ignore[arg-type]
+        headers = {"add.cuh": ADD, "mul.cuh": MUL}
+        first = cache.get(Recipe(source=TWO_HEADERS, headers=headers, target="sm_90"))
+        assert [d.name for d in first.metadata.dependencies] == ["add.cuh", "mul.cuh"]
+        edit = {**headers, "add.cuh": ADD.replace("a + b", "a - b")}
+        second = cache.get(Recipe(source=TWO_HEADERS, headers=edit, target="sm_90"))
+        assert second.digest != first.digest
+
+
+def test_the_cli_answers_an_edit_after_a_typo(tmp_path: Path) -> None:
+    from tests.support import KCACHE
+
+    (tmp_path / "bad.cu").write_text(HEADER_ERROR["source"])  # type: ignore[arg-type]
+    (tmp_path / "bad.cuh").write_text("#error typo\n")
+    (tmp_path / "k.cu").write_text(TWO_HEADERS)
+    (tmp_path / "add.cuh").write_text(ADD)
+    (tmp_path / "mul.cuh").write_text(MUL)
+    env = {**os.environ, "KCACHE_URL": "", "KCACHE_CACHE_DIR": str(tmp_path / "cache")}
+
+    def compile(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [KCACHE, "compile", *args, "--target", "sm_90"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    assert compile("bad.cu", "--header", "bad.cuh=bad.cuh").returncode != 0
+    headers = ("--header", "add.cuh=add.cuh", "--header", "mul.cuh=mul.cuh")
+    first = compile("k.cu", *headers)
+    assert '"compiled"' in first.stdout, first.stderr
+    (tmp_path / "add.cuh").write_text(ADD.replace("a + b", "a - b"))
+    second = compile("k.cu", *headers)
+    assert '"compiled"' in second.stdout, second.stdout + second.stderr

@@ -140,3 +140,68 @@ def test_a_name_expression_typo_answers_nvrtcs_message(one_worker: ServerThread)
     assert "unlisted_include" not in answer.text
     assert answer.json()["error"] == "compile_error", answer.text
     assert 'identifier \\"flaot\\" is undefined' in answer.text, answer.text
+
+
+def test_sql_lists_recorded_before_the_proof_never_serve_a_manifest_match(
+    one_worker: ServerThread,
+) -> None:
+    """Rows as an earlier release left them (0008 gives them dependency_check 0), with the short
+    list a spoiled worker recorded: the edit compiles, and the artifact row is replaced."""
+    import sqlalchemy as sa
+    from kcache_server.models import Artifact, ManifestRow
+
+    from kcache.deps import DEPENDENCY_CHECK
+
+    resolve = _resolver(one_worker)
+    headers = {"add.cuh": ADD, "mul.cuh": MUL}
+    source = TWO_HEADERS + "// sql legacy\n"
+    with httpx.Client(base_url=one_worker.url, timeout=120) as client:
+        first = client.post(
+            "/v1/resolve",
+            json={"recipe": {"source": source, "headers": headers, "target": "sm_90"}},
+        ).json()
+    digest, base = first["artifact"]["digest"], first["base_key"]
+    short = [d for d in first["artifact"]["dependencies"] if d["name"] == "mul.cuh"]
+    engine = one_worker.state.backends.index.engine
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(Artifact)
+            .where(Artifact.digest == digest)
+            .values(dependency_check=0, dependencies=short)
+        )
+        conn.execute(
+            sa.update(ManifestRow)
+            .where(ManifestRow.base_key == base)
+            .values(dependency_check=0, dependencies=short)
+        )
+    edit = {**headers, "add.cuh": ADD + "// unseen by the old list\n"}
+    status, deps = resolve({"source": source, "headers": edit, "target": "sm_90"})
+    assert status == "compiled"
+    assert deps == ["add.cuh", "mul.cuh"]
+    with engine.connect() as conn:
+        row = conn.execute(sa.select(Artifact).where(Artifact.digest == digest)).one()
+    assert row.dependency_check == DEPENDENCY_CHECK
+    assert [d["name"] for d in row.dependencies] == ["add.cuh", "mul.cuh"]
+
+
+def test_the_upgrade_marks_every_existing_row_unproven(tmp_path: Path) -> None:
+    import sqlalchemy as sa
+    from alembic import command
+    from kcache_server.migrate import alembic_config
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    command.upgrade(alembic_config(url), "0007")
+    engine = sa.create_engine(url)
+    now = "2026-11-30 00:00:00.000000"
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO artifacts (digest, size, kind, target, toolchain, kernel, lowered_names, "
+                "compile_seconds, log, dependencies, dependencies_exact, created_at, recovered) "
+                f"VALUES ('{'a' * 64}', 1, 'cubin', 'sm_90', 't', 'k', '{{}}', 0, '', '[]', 1, '{now}', 0)"
+            )
+        )
+    command.upgrade(alembic_config(url), "head")
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT dependency_check FROM artifacts")).scalar_one() == 0
+    engine.dispose()
