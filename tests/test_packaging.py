@@ -40,7 +40,7 @@ DISTRIBUTIONS = {
     "kcache-server": ("server", "server/kcache_server"),
 }
 # What users already have in a training image: never pinned, always a lower bound.
-USER_SIDE = re.compile(r"torch|httpx|filelock|tqdm|numpy|cupy.*|cuda-.*|nvidia-.*")
+USER_SIDE = re.compile(r"torch|httpx|filelock|cryptography|tqdm|numpy|cupy.*|cuda-.*|nvidia-.*")
 SERVER_ONLY = re.compile(r"fastapi|uvicorn|sqlalchemy|alembic|pydantic.*|prometheus-client|psycopg")
 
 
@@ -212,7 +212,7 @@ def test_the_client_brings_no_torch_nvrtc_or_server_packages_unless_asked(
             assert req.marker is not None and "extra" in str(req.marker), req
 
     core = built["kcache"]
-    assert set(core.base_requirements()) == {"filelock"}
+    assert set(core.base_requirements()) == {"filelock", "cryptography"}
     nvrtc = core.extra("nvrtc")
     assert set(nvrtc) == {
         "cuda-bindings",
