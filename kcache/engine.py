@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Literal
 
 from kcache.artifact import ArtifactMeta, CompileFailure, CompileOutput
 from kcache.compilers import Compiler
@@ -31,7 +33,12 @@ from kcache.outcomes import ResolveStatus
 from kcache.recipe import Recipe
 from kcache.store.base import ArtifactStore
 
-__all__ = ["Engine", "Resolution", "failure_error"]
+__all__ = ["Engine", "Resolution", "Via", "failure_error"]
+
+#: How a resolve found its artifact: by the recipe's own key, by a manifest match (an
+#: entry of another recipe with the same base key whose headers read are unchanged), or
+#: by compiling it.
+Via = Literal["key", "manifest", "compile"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,7 @@ class Resolution:
     artifact: ArtifactMeta
     recipe: Recipe
     seconds: float
+    via: Via = "key"
 
     def to_dict(self) -> dict[str, object]:
         """JSON form (the body of a resolve response)."""
@@ -96,6 +104,8 @@ class Engine:
         self.lock_timeout = lock_timeout
         self.max_artifact_bytes = max_artifact_bytes
         self.failure_ttl_s = failure_ttl_s
+        #: Called with every resolution (the server's verifier samples hits from it).
+        self.observers: list[Callable[[Resolution], None]] = []
 
     @property
     def toolchain_id(self) -> str:
@@ -121,29 +131,45 @@ class Engine:
         key, base = recipe.key(), recipe.base_key()
         found = self._find(recipe, key, base)
         if found is not None:
-            return Resolution("hit", key, base, found, recipe, time.perf_counter() - started)
+            return self._observed(
+                Resolution(
+                    "hit", key, base, found[0], recipe, time.perf_counter() - started, found[1]
+                )
+            )
         if not compile:
             raise ArtifactNotFoundError(f"no artifact for recipe {key}")
         with self.lock.hold(key, self.lock_timeout) as waited:
             found = self._find(recipe, key, base)
             if found is not None:
                 status: ResolveStatus = "waited" if waited else "hit"
-                return Resolution(status, key, base, found, recipe, time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                return self._observed(
+                    Resolution(status, key, base, found[0], recipe, elapsed, found[1])
+                )
             meta = self._compile_and_publish(recipe, key, base)
-        return Resolution("compiled", key, base, meta, recipe, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        return self._observed(Resolution("compiled", key, base, meta, recipe, elapsed, "compile"))
+
+    def _observed(self, resolution: Resolution) -> Resolution:
+        for observe in self.observers:
+            try:
+                observe(resolution)
+            except Exception:  # an observer's failure is never the caller's
+                log.exception("a resolution observer failed")
+        return resolution
 
     def read(self, meta: ArtifactMeta) -> bytes:
         """The artifact's bytes, verified against its digest."""
         return self.store.get(meta.digest)
 
     # ------------------------------------------------------------------ internals
-    def _find(self, recipe: Recipe, key: str, base: str) -> ArtifactMeta | None:
+    def _find(self, recipe: Recipe, key: str, base: str) -> tuple[ArtifactMeta, Via] | None:
         header_hashes = recipe.header_hashes()
         entry = self.index.lookup(key)
         if isinstance(entry, CompileFailure):
             raise failure_error(entry)
         if entry is not None and self._usable(entry):
-            return entry
+            return entry, "key"
         sets = self.compiler.include_sets
         for candidate in self.index.manifest(base):
             # A match rests on the list alone: one recorded before lists were proven may
@@ -165,7 +191,7 @@ class Engine:
                 and self.store.has(meta.digest)
             ):
                 self.index.record_alias(key, meta.digest)
-                return meta
+                return meta, "manifest"
         return None
 
     def _usable(self, meta: ArtifactMeta) -> bool:
@@ -180,7 +206,8 @@ class Engine:
             and self.store.has(meta.digest)
         )
 
-    def _link_inputs(self, recipe: Recipe) -> list[bytes]:
+    def link_inputs(self, recipe: Recipe) -> list[bytes]:
+        """The bytes of ``recipe``'s link entries, in order (linked recipes resolved first)."""
         inputs = []
         for i, item in enumerate(recipe.link):
             if item.recipe is not None:
@@ -200,7 +227,7 @@ class Engine:
         return inputs
 
     def _compile_and_publish(self, recipe: Recipe, key: str, base: str) -> ArtifactMeta:
-        link_inputs = self._link_inputs(recipe)
+        link_inputs = self.link_inputs(recipe)
         try:
             output: CompileOutput = self.compiler.compile(recipe, link_inputs)
         except CompileTimeoutError as exc:
@@ -211,6 +238,10 @@ class Engine:
             self.index.record_failure(CompileFailure(key, exc.log))
             exc.recipe_key = key
             raise
+        return self.publish(recipe, key, base, output)
+
+    def publish(self, recipe: Recipe, key: str, base: str, output: CompileOutput) -> ArtifactMeta:
+        """Store ``output`` of ``recipe`` and record it under ``key`` and ``base`` (blob first)."""
         limit = self.max_artifact_bytes
         if limit is not None and len(output.data) > limit:
             detail = (

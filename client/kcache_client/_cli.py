@@ -357,5 +357,7 @@ def register(subparsers: Any) -> None:
     warm.set_defaults(func=_cmd_warmup)
 
     from kcache_client._cache_cli import register as register_cache_commands
+    from kcache_client._explain_cli import register as register_explain
 
     register_cache_commands(subparsers)  # kcache cache info|ls|rm|clear, kcache pin|unpin
+    register_explain(subparsers)  # kcache explain RECIPE|KEY

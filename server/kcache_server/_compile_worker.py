@@ -67,6 +67,7 @@ class WorkerConfig:
     memory_mb: int = 8192
     scratch: str = ""  # absolute; the worker's working directory and TMPDIR
     confine: bool = True  # False: compile_sandbox=off, run unconfined on purpose
+    nice: int = 0  # added to the worker's niceness: verification workers yield the CPU
 
 
 class WorkerProcess:
@@ -183,6 +184,8 @@ def main(conn: Connection, config: WorkerConfig) -> None:
     """Run in the worker process until told to stop or the pipe closes."""
     limit = config.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if config.nice:
+        os.nice(config.nice)
     os.chdir(config.scratch)
     tempfile.tempdir = config.scratch
     try:

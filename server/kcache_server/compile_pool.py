@@ -99,6 +99,7 @@ class ProcessPoolCompiler:
         queue_timeout_s: float = 300.0,
         min_free_bytes: int = 0,
         compile_sandbox: str = "best-effort",
+        nice: int = 0,
     ) -> None:
         self.toolchain = toolchain
         self.include_sets = include_sets
@@ -111,6 +112,7 @@ class ProcessPoolCompiler:
         self.retry_after_s = retry_after_s
         self.queue_timeout_s = queue_timeout_s
         self.min_free_bytes = min_free_bytes
+        self.nice = nice  # added to each worker's niceness
         #: "required": an unconfined worker is refused; "best-effort": it serves, loudly;
         #: "off": workers are not even asked to confine themselves.
         self.sandbox_mode = compile_sandbox
@@ -200,6 +202,7 @@ class ProcessPoolCompiler:
             memory_mb=self.memory_mb,
             scratch=str(scratch),
             confine=self.sandbox_mode != "off",
+            nice=self.nice,
         )
         try:
             process, conn = _compile_worker.spawn(config)

@@ -350,6 +350,19 @@ class SqlIndex:
             conn.execute(sa.delete(_aliases).where(_aliases.c.recipe_key == recipe_key))
             conn.execute(sa.delete(_negatives).where(_negatives.c.recipe_key == recipe_key))
 
+    def withdraw(self, digest: str) -> int:
+        """Stop serving ``digest``: remove every alias and manifest entry that names it.
+
+        For an artifact verification found to differ from a fresh compile of its recipe:
+        no recipe key reaches it any more (the row and blob stay, for the record and for
+        gc). Returns how many aliases went.
+        """
+        _check(digest)
+        with self.engine.begin() as conn:
+            conn.execute(sa.delete(_manifests).where(_manifests.c.digest == digest))
+            gone = conn.execute(sa.delete(_aliases).where(_aliases.c.digest == digest))
+        return int(gone.rowcount or 0)
+
     # ------------------------------------------------------------------ recovery
     def recover(self, store: LocalArtifactStore) -> tuple[int, int]:
         """Add a ``recovered`` artifact row for every blob that verifies; (rows added, blobs quarantined).

@@ -19,8 +19,13 @@ What is measured:
 - ``kcache_store_bytes_cap``, ``kcache_store_pinned_artifacts``, ``kcache_store_pinned_bytes``,
   ``kcache_evictions_total``, ``kcache_evicted_bytes_total``: bounded storage (the
   eviction counters count what this process evicted; one evictor runs at a time);
+- ``kcache_verified_total{result}``, ``kcache_verification_divergences_total``: served
+  artifacts compiled again and compared (:mod:`kcache_server.verification`);
 - ``kcache_audit_rows_dropped_total{reason}``: audit rows the database refused
-  (``refused``) or that found the writer's queue full (``queue_full``).
+  (``refused``) or that found the writer's queue full (``queue_full``);
+- ``kcache_recipe_record_failures_total{operation}``: recipes not recorded (``record``),
+  misses not explained (``explain``) for a database error, notes dropped (``queue_full``)
+  (:mod:`kcache_server.recipe_records`).
 """
 
 from __future__ import annotations
@@ -69,6 +74,18 @@ class ServerMetrics:
             "HTTP request latency by route template",
             ["route"],
             buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.verified = Counter(
+            "kcache_verified",
+            "Served artifacts compiled again and compared, by result "
+            "(same_bytes, same_code, diverged, failed)",
+            ["result"],
+            registry=r,
+        )
+        self.divergences = Counter(
+            "kcache_verification_divergences",
+            "Served artifacts a fresh compile of their recipe disagreed with (withdrawn)",
             registry=r,
         )
         self.lookups = Counter(
@@ -121,6 +138,12 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+        self.recipe_record_failures = Counter(
+            "kcache_recipe_record_failures",
+            "Recipe records not written or misses not explained (database errors, full queue)",
+            ["operation"],
+            registry=r,
+        )
         self._samplers: list[Callable[[], None]] = []
         self._loop_metrics: list[LoopCounter | LoopHistogram] = []
         # labels() costs microseconds per call; the hot path counts every warm fetch.
@@ -136,6 +159,10 @@ class ServerMetrics:
         child.inc(n)
         if outcome == "compiled":
             self.compile_seconds.observe(latency_ms / 1000.0)
+
+    def recipe_record_failed(self, operation: str) -> None:
+        """Count one failure of :mod:`kcache_server.recipe_records` (``record``, ``explain``, ...)."""
+        self.recipe_record_failures.labels(operation=operation).inc()
 
     def loop_counter(self, child: Any) -> LoopCounter:
         """A :class:`LoopCounter` adding to ``child`` (a labelled counter) at every scrape."""

@@ -14,7 +14,7 @@ on SQLite and PostgreSQL.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Annotated
+from typing import Annotated, Any
 
 from sqlalchemy import (
     JSON,
@@ -26,6 +26,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -50,8 +51,10 @@ __all__ = [
     "QuotaAccount",
     "QuotaReservation",
     "RecipeAlias",
+    "RecipeRecord",
     "Token",
     "UTCDateTime",
+    "VerificationEvent",
     "metadata",
     "utcnow",
 ]
@@ -218,6 +221,9 @@ class AuditEvent(Base):
     compile_seconds_saved: Mapped[float]  # the sum over the row's lookups
     # How many identical lookups this row stands for: warm fetches are tallied per flush.
     count: Mapped[int] = mapped_column(BigInteger, default=1, server_default="1")
+    # A miss's explanation (kcache.recipe_diff): the nearest recorded recipe of the
+    # kernel and what differs from it, or "never seen" (0011).
+    miss_reason: Mapped[str | None] = mapped_column(String(1024), nullable=True)
 
 
 class Token(Base):
@@ -397,3 +403,53 @@ class QuotaReservation(Base):
     size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[Stamp]
     expires_at: Mapped[Stamp]
+
+
+class VerificationEvent(Base):
+    """One artifact the server compiled again to check what it serves, and what it found.
+
+    ``result`` is ``same_bytes``, ``same_code`` (equal after normalising NVRTC's random
+    symbol tags) or ``diverged``; ``differences`` lists what differed (code, dependencies,
+    lowered names), ``via`` how the artifact had been served (``key`` or ``manifest``).
+    """
+
+    __tablename__ = "verification_events"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    at: Mapped[Stamp] = mapped_column(index=True)
+    recipe_key: Mapped[Hex64] = mapped_column(index=True)
+    base_key: Mapped[Hex64]
+    via: Mapped[str] = mapped_column(String(16))
+    result: Mapped[str] = mapped_column(String(16), index=True)
+    stored_digest: Mapped[Hex64]
+    fresh_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    kernel: Mapped[str] = mapped_column(String(1024), default="")
+    differences: Mapped[list[str]] = mapped_column(JSON)
+    seconds: Mapped[float] = mapped_column(Float)
+
+
+class RecipeRecord(Base):
+    """A recipe the server compiled or served through a manifest match, kept to explain misses.
+
+    ``fingerprint`` is :func:`kcache.recipe_diff.fingerprint` (headers by hash, flags,
+    target, toolchain, ...); ``recipe_zlib`` the whole recipe (``Recipe.to_dict()`` as
+    JSON, zlib-compressed) where that is at most 256 KiB, else NULL. Written by
+    :mod:`kcache_server.recipe_records`.
+    """
+
+    __tablename__ = "recipe_records"
+    __table_args__ = (
+        # A miss's candidates: the most recent recipes of the same base key, and of the
+        # same program name and source, each a backward probe of its index.
+        Index(None, "base_key", "last_seen_at"),
+        Index(None, "source_sha256", "name", "last_seen_at"),
+    )
+
+    recipe_key: Mapped[Hex64] = mapped_column(primary_key=True)
+    base_key: Mapped[Hex64]
+    name: Mapped[str] = mapped_column(String(300))
+    source_sha256: Mapped[Hex64]
+    fingerprint: Mapped[dict[str, Any]] = mapped_column(JSON)
+    recipe_zlib: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    created_at: Mapped[Stamp]
+    last_seen_at: Mapped[Stamp]

@@ -52,6 +52,7 @@ from kcache.recipe import Recipe
 from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.backends import Backends
 from kcache_server.errors import ArtifactSetAsideError, error_body, error_info
+from kcache_server.recipe_records import RecipeRecords
 from kcache_server.schemas import ArtifactBody, BatchError, BatchResult, Context, ResolveResponse
 
 __all__ = ["Resolver", "error_result"]
@@ -93,10 +94,17 @@ class Resolver:
     """The resolve and fetch use cases over the engine, the index and the store; see the module docstring."""
 
     def __init__(
-        self, backends: Backends, audit: AuditLog, run: Run, blob_cache_bytes: int
+        self,
+        backends: Backends,
+        audit: AuditLog,
+        run: Run,
+        blob_cache_bytes: int,
+        recipe_records: RecipeRecords | None = None,
     ) -> None:
         self.backends = backends
         self.audit = audit
+        #: Where compiled and served recipes are kept and misses explained (off the loop).
+        self.recipe_records = recipe_records
         self._run = run
         self._blobs: LruCache[str, bytes] = LruCache(max_bytes=blob_cache_bytes, size=len)
         self._known: LruCache[str, _Known] = LruCache(max_entries=_MAX_CACHED_KEYS)
@@ -216,7 +224,7 @@ class Resolver:
         except KCacheError as exc:
             self._audit(recipe, context, route, started, "error", error=error_info(exc).code)
             raise
-        self._audit(recipe, context, route, started, result.status, result.artifact)
+        self._audit(recipe, context, route, started, result.status, result.artifact, via=result.via)
         answer = ResolveResponse.model_validate(result.to_dict())
         self._known.put(result.recipe_key, _Known(result.artifact, answer.artifact))
         return answer
@@ -271,6 +279,7 @@ class Resolver:
         meta: ArtifactMeta | None = None,
         *,
         error: str | None = None,
+        via: str | None = None,
     ) -> None:
         saved = meta.compile_seconds if meta is not None and outcome in ("hit", "waited") else 0.0
         latency_ms = (time.perf_counter() - started) * 1000.0
@@ -296,8 +305,15 @@ class Resolver:
             # Repeated hits of one recipe by one caller become one counted row per flush.
             tally = (route, recipe.key(), meta.digest, *who.values())
             self.audit.tally(tally, make, latency_ms, saved)
+            if via is not None and self.recipe_records is not None:  # found by the engine
+                self.recipe_records.note(recipe, keep=True)
         else:
-            self.audit.record(make())
+            record = make()
+            # A miss is explained (and a compiled recipe kept) before the row is written.
+            explain = outcome == "compiled" or (outcome == "miss" and error != "set_aside")
+            if explain and self.recipe_records is not None:
+                self.recipe_records.note(recipe, record, keep=outcome == "compiled")
+            self.audit.record(record)
 
     # ------------------------------------------------------------------ fetching by key
     def _unservable(self, recipe_key: str, meta: ArtifactMeta) -> str | None:
@@ -444,6 +460,15 @@ class Resolver:
 
     def forget_blob(self, digest: str) -> None:
         """Drop a blob's bytes from memory (the store is asked next time)."""
+        self._blobs.discard(digest)
+
+    def withdraw(self, digest: str) -> None:
+        """Forget every recipe key memory holds and ``digest``'s bytes: it is no longer served.
+
+        Rare (a verification found the artifact wrong), so memory is simply emptied of
+        keys rather than searched for those that named it.
+        """
+        self._known.clear()
         self._blobs.discard(digest)
 
     def record_fetch(

@@ -60,6 +60,8 @@ __all__ = [
     "DependencyBody",
     "DigestPath",
     "ErrorBody",
+    "ExplainRequest",
+    "ExplanationBody",
     "HealthBody",
     "HexKey",
     "Label32",
@@ -308,6 +310,29 @@ class BatchRequest(_Strict):
     )
     compile: bool = Field(default=True, strict=True)
     context: Context = Field(default_factory=Context)
+
+
+class ExplainRequest(_Strict):
+    """Body of ``POST /v1/explain``: the recipe whose miss is to be explained."""
+
+    recipe: dict[str, Any] = Field(
+        description=_RECIPE_DOC, examples=[_RECIPE_EXAMPLE], json_schema_extra={RECIPE_MARK: True}
+    )
+
+
+class ExplanationBody(BaseModel):
+    """The nearest recipe of the same kernel the server recorded, and what differs from it."""
+
+    nearest_key: str | None = Field(
+        description="recipe key of the nearest recorded recipe (same program name and source, "
+        "or same base key); null when none is recorded"
+    )
+    differences: list[str] = Field(
+        description="one line per difference, e.g. 'header add.cuh changed (3f2a1b2c.. -> "
+        "9c01d4e5..)', 'flag -O3 added', 'target sm_80 -> sm_90'; at most 12, then "
+        "'... and N more'"
+    )
+    text: str = Field(description="'never seen', or 'nearest <key[:16]>: <d1>; <d2>'")
 
 
 class DependencyBody(BaseModel):

@@ -21,6 +21,7 @@ from kcache_server.backends import Backends
 from kcache_server.fairness import CallerSlots, current_caller
 from kcache_server.metrics import ServerMetrics
 from kcache_server.recipe_checks import RecipeChecks
+from kcache_server.recipe_records import RecipeRecords
 from kcache_server.resolving import Resolver
 from kcache_server.settings import Settings
 
@@ -42,12 +43,21 @@ class ServerState:
     caller_slots: CallerSlots = field(init=False)
     resolver: Resolver = field(init=False)
     recipes: RecipeChecks = field(init=False)
+    #: Recipes compiled or served, kept to explain misses (written by the audit writer's thread).
+    recipe_records: RecipeRecords = field(init=False)
 
     def __post_init__(self) -> None:
         threads = self.settings.request_threads
         self.caller_slots = CallerSlots(self.settings.caller_threads or max(1, threads // 2))
+        self.recipe_records = RecipeRecords(self.backends.db)
+        self.recipe_records.failure_listeners.append(self.metrics.recipe_record_failed)
+        self.audit.preparers.append(self.recipe_records.prepare)
         self.resolver = Resolver(
-            self.backends, self.audit, self.run, self.settings.blob_cache_bytes
+            self.backends,
+            self.audit,
+            self.run,
+            self.settings.blob_cache_bytes,
+            recipe_records=self.recipe_records,
         )
         self.recipes = RecipeChecks(self.backends)
 

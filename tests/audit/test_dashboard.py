@@ -106,7 +106,16 @@ def test_numbers_match_the_stats_api(page: Any, workload: Workload, artifacts_di
     for m in stats["top_missed"]:
         cells = missed[m["kernel"]]
         assert cells[1].text_content() == str(m["misses"])
-        assert cells[3].text_content() == m["last_miss_reason"]
+        assert cells[3].query_selector(".why").text_content() == m["last_miss_reason"]
+        explained = cells[3].query_selector(".explained")
+        said = explained.text_content() if explained is not None else None
+        assert said == m["last_miss_explanation"]
+    # The miss of job-b's second header explained: the nearest recipe and the header that changed.
+    scaled = next(m for m in stats["top_missed"] if m["kernel"] == "scaled")
+    assert scaled["last_miss_explanation"].startswith("nearest ")
+    assert "header scale.h changed (" in scaled["last_miss_explanation"]
+    assert "header scale.h changed (" in missed["scaled"][3].text_content()
+    assert page.is_visible('#top-missed tr[data-kernel="scaled"] .explained')
     # Per-job table with ranks.
     jobs = {r.get_attribute("data-job"): r for r in page.query_selector_all("#jobs tbody tr")}
     assert set(jobs) == {"job-a", "job-b"}
@@ -262,3 +271,43 @@ def http_status(w: Workload, path: str) -> int:
     """The status of ``GET path`` sent verbatim."""
     with w.server.client() as http:
         return http.get(path).status_code
+
+
+def test_verification_divergences_are_shown(page: Any, workload: Workload) -> None:
+    """A divergence the verifier recorded (planted here: tests/server/test_verification.py makes
+    real ones) is listed with how it was served and what differed."""
+    import sqlalchemy as sa
+    from kcache_server.models import VerificationEvent, utcnow
+
+    key = "7e" * 32
+    with workload.server.state.backends.db.begin() as conn:
+        conn.execute(
+            sa.insert(VerificationEvent).values(
+                at=utcnow(),
+                recipe_key=key,
+                base_key="8f" * 32,
+                via="manifest",
+                result="diverged",
+                stored_digest="aa" * 32,
+                fresh_digest="bb" * 32,
+                kernel="scaled",
+                differences=["dependency b.cuh (0123abcd..) read but not recorded"],
+                seconds=0.1,
+            )
+        )
+    _open(page, workload)
+    page.wait_for_selector(f'#verification tr[data-recipe-key="{key}"]', timeout=15_000)
+    row = page.query_selector(f'#verification tr[data-recipe-key="{key}"]')
+    text = row.text_content()
+    assert "manifest match" in text and "b.cuh" in text and "aaaaaaaaaaaa" in text
+    assert int(page.get_attribute("#verification-summary", "data-diverged")) >= 1
+
+
+def test_the_token_is_kept_for_the_tab_only(page: Any, workload: Workload) -> None:
+    _open(page, workload)
+    page.evaluate(
+        """() => { document.getElementById("token").value = "secret-token";
+                   document.getElementById("auth-form").requestSubmit(); }"""
+    )
+    assert page.evaluate("() => sessionStorage.getItem('kcache.token')") == "secret-token"
+    assert page.evaluate("() => localStorage.getItem('kcache.token')") is None

@@ -187,6 +187,11 @@ class MissedKernel(BaseModel):
     last_miss_at: float | None = Field(default=None, description="unix seconds")
     last_miss_outcome: str | None = None
     last_miss_reason: str | None = None
+    last_miss_explanation: str | None = Field(
+        default=None,
+        description="what the last miss's recipe differs in from the nearest one seen before "
+        '(nearest <key>: header a.cuh changed (..); flag -O3 added), or "never seen"',
+    )
     target: str | None = None
     recipe_key: str | None = None
 
@@ -860,6 +865,7 @@ def _last_misses(conn: sa.Connection, query: StatsQuery, items: list[MissedKerne
             ev.recipe_key,
             ev.base_key,
             ev.target,
+            ev.miss_reason,
         )
         .where(ev.id.in_(sa.select(picked.c.id)))
         .subquery("latest")
@@ -909,6 +915,7 @@ def _last_misses(conn: sa.Connection, query: StatsQuery, items: list[MissedKerne
             latest.c.error,
             latest.c.recipe_key,
             latest.c.target,
+            latest.c.miss_reason,
             history.label("history"),
         )
     ).all()
@@ -921,6 +928,7 @@ def _last_misses(conn: sa.Connection, query: StatsQuery, items: list[MissedKerne
             item.target = row.target
             item.recipe_key = row.recipe_key
             item.last_miss_reason = _reason(row.outcome, row.error, row.history)
+            item.last_miss_explanation = row.miss_reason
     rolled_only = [item for item in items if item.kernel not in last]
     if rolled_only:
         _last_rolled_up_misses(conn, query, rolled_only)

@@ -80,6 +80,8 @@ class AuditRecord:
     compile_seconds_saved: float = 0.0
     count: int = 1
     at: datetime = field(default_factory=utcnow)
+    #: A miss's explanation (:mod:`kcache.recipe_diff`), filled in by a preparer before the write.
+    miss_reason: str | None = None
 
 
 @dataclass
@@ -112,6 +114,9 @@ class AuditLog:
         self.listeners: list[Callable[[AuditRecord], None]] = []
         # Called with each dropped row and why ("refused" or "queue_full"); quick, never raising.
         self.drop_listeners: list[Callable[[AuditRecord, str], None]] = []
+        # Called in the writer's thread with each batch before it is written (it may fill
+        # in fields, e.g. miss_reason); must not raise. The database is theirs to use.
+        self.preparers: list[Callable[[list[AuditRecord]], None]] = []
         #: Rows dropped so far, by reason.
         self.dropped: Counter[str] = Counter()
         self._queue_full_logged = 0.0
@@ -201,6 +206,8 @@ class AuditLog:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            for prepare in self.preparers:
+                prepare(batch)
             if not batch:
                 return 0
             written = self._write(batch)

@@ -5,6 +5,7 @@ from kcache_server.routes import (
     cache,
     dashboard,
     events,
+    explain,
     health,
     metrics,
     pins,
@@ -12,12 +13,14 @@ from kcache_server.routes import (
     resolve,
     stats,
     toolchains,
+    verification,
 )
 
 #: Every router of the app; a new resource module adds its router here, nowhere else.
 ROUTERS = [
     resolve.router,
     recipes.router,
+    explain.router,
     blobs.router,
     toolchains.router,
     health.router,
@@ -27,6 +30,7 @@ ROUTERS = [
     dashboard.router,
     pins.router,
     cache.router,
+    verification.router,
 ]
 
 __all__ = ["ROUTERS"]

@@ -19,7 +19,8 @@
 
   let windowName = (location.hash.match(/window=(\w+)/) || [])[1] || "24h";
   if (!(windowName in WINDOWS)) windowName = "24h";
-  let token = localStorage.getItem("kcache.token") || "";
+  // The token lives for this tab only: sessionStorage, never localStorage.
+  let token = sessionStorage.getItem("kcache.token") || "";
   let timer = null;
   let lastStats = null;
   let loads = 0;
@@ -128,6 +129,7 @@
     lastStats = full.stats;
     render(lastStats, true);
     painted();
+    await loadVerification();
     loads += 1;
     document.body.dataset.loads = String(loads);
   }
@@ -291,6 +293,46 @@
     }
   }
 
+  // GET /v1/verification needs the admin scope: without it the section says so.
+  async function loadVerification() {
+    const headers = token ? { Authorization: "Bearer " + token } : {};
+    const summary = $("verification-summary");
+    const tbody = $("verification").tBodies[0];
+    let response;
+    try {
+      response = await fetch("/v1/verification?limit=20", { headers, cache: "no-store" });
+    } catch (err) {
+      summary.textContent = "cannot reach the server";
+      return;
+    }
+    if (!response.ok) {
+      tbody.replaceChildren();
+      emptyRow(tbody, 6, response.status === 401 || response.status === 403
+        ? "an admin token shows what verification found" : "verification not available");
+      return;
+    }
+    const v = await response.json();
+    const counts = v.verified || {};
+    const total = Object.values(counts).reduce((a, b) => a + b, 0);
+    summary.textContent = v.enabled
+      ? `${int(total)} verified in 30 d · ${int(counts.same_bytes)} same bytes · ` +
+        `${int(counts.same_code)} same code · ${int(counts.diverged)} diverged · ` +
+        `coverage ${pct(v.coverage)} of ${int(v.served_recipes)} served recipes`
+      : "verification is off (KCACHE_VERIFY_ENABLED)";
+    summary.dataset.diverged = String(counts.diverged || 0);
+    tbody.replaceChildren();
+    if (!v.divergences.length) emptyRow(tbody, 6, "no served artifact differed from a fresh compile");
+    for (const d of v.divergences) {
+      tbody.append(el("tr", { class: "divergent", "data-recipe-key": d.recipe_key },
+        el("td", {}, new Date(d.at).toLocaleString()),
+        el("td", { class: "kernel" }, d.kernel || "–"),
+        el("td", { class: "digest", title: d.recipe_key }, short(d.recipe_key)),
+        el("td", {}, d.via === "manifest" ? "manifest match" : "exact key"),
+        el("td", { class: "digest" }, short(d.stored_digest) + " → " + short(d.fresh_digest)),
+        el("td", { class: "why" }, d.differences.join("; "))));
+    }
+  }
+
   function renderMissed(rows) {
     const tbody = $("top-missed").tBodies[0];
     tbody.replaceChildren();
@@ -301,7 +343,12 @@
         el("td", { class: "kernel" }, m.kernel || "(unnamed)"),
         el("td", { class: "num", "data-value": m.misses }, int(m.misses)),
         el("td", { class: "num", "data-value": m.errors }, int(m.errors)),
-        el("td", { class: "reason" + (isError ? " error" : "") }, m.last_miss_reason || "–"),
+        el("td", { class: "reason" + (isError ? " error" : "") },
+          el("span", { class: "why" }, m.last_miss_reason || "–"),
+          // What differs from the nearest recipe the server recorded, or "never seen".
+          m.last_miss_explanation
+            ? el("div", { class: "explained", title: m.last_miss_explanation }, m.last_miss_explanation)
+            : null),
         el("td", { class: "muted" }, ago(m.last_miss_at))));
     }
   }
@@ -482,7 +529,7 @@
     $("auth-form").addEventListener("submit", (event) => {
       event.preventDefault();
       token = $("token").value.trim();
-      localStorage.setItem("kcache.token", token);
+      sessionStorage.setItem("kcache.token", token);
       load(false);
     });
     const canvas = $("hit-chart");

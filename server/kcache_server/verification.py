@@ -1,0 +1,540 @@
+"""Verified hits: the server compiles a sample of what it serves again and compares.
+
+kcache's answers rest on its keys and on a dependency list NVRTC produces as a side
+output. The :class:`Verifier` checks both continuously, in production:
+
+- **What is checked.** Every artifact served through a manifest match (it rests on
+  the dependency list alone) becomes a candidate when it is served; of exact-key hits,
+  a sample (``sample_rate`` of first sightings). Candidates are taken manifest matches
+  first, then by how often and how recently they were served; each at most once per
+  ``period_s``. At most ``max_candidates`` are remembered (the least served go first).
+- **How.** The recipe is compiled again in a verification worker: a compile pool of
+  its own (one worker, confined like the others, its niceness raised by 19), so it
+  never takes a worker, a queue place or a lock a real compile needs, and the kernel
+  gives real compiles the CPU first. Between verifications the verifier sleeps so
+  that it is busy at most ``cpu_share`` of the time. The fresh output is compared with
+  the stored artifact by :func:`kcache.equivalence.compare_outputs` (the same bytes,
+  or the same code once NVRTC's random symbol tags are unified), and so are the
+  dependency list and the lowered names.
+- **A divergence is an incident.** The stored artifact stops being served at once
+  (:meth:`~kcache_server.index.SqlIndex.withdraw`: no alias or manifest entry names
+  it any more; the server's memory forgets it), the fresh compile is published for
+  the recipe, so callers get it, and the event is recorded with what differed and
+  how the artifact had been served (``verification_events``), counted
+  (``kcache_verified_total{result}``, ``kcache_verification_divergences_total``), and
+  shown in ``GET /v1/verification`` and on the dashboard.
+
+A recipe that no longer compiles (an include set changed under it, a toolchain
+problem) is recorded as ``failed``, never as a divergence.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal, cast
+
+import sqlalchemy as sa
+
+from kcache.artifact import ArtifactMeta, CompileOutput
+from kcache.engine import Resolution, Via
+from kcache.equivalence import compare_outputs
+from kcache.errors import KCacheError
+from kcache.nvrtc import kernel_name
+from kcache.recipe import Recipe
+from kcache_server.auditing.writer import AuditRecord
+from kcache_server.backends import Backends
+from kcache_server.compile_pool import ProcessPoolCompiler
+from kcache_server.models import VerificationEvent, utcnow
+from kcache_server.recipe_records import RecipeRecords
+from kcache_server.state import ServerState
+
+__all__ = [
+    "Verdict",
+    "VerificationReport",
+    "Verifier",
+    "install_verification",
+    "verify_offline",
+]
+
+log = logging.getLogger(__name__)
+
+_events = cast(sa.Table, VerificationEvent.__table__)
+
+Result = Literal["same_bytes", "same_code", "diverged", "failed"]
+#: Lines of differences kept per event, and characters per line.
+_MAX_DIFFERENCES = 12
+_MAX_LINE = 300
+
+
+@dataclass
+class _Candidate:
+    recipe: Recipe
+    recipe_key: str
+    base_key: str
+    digest: str
+    via: Via
+    served: int = 1
+    last_served: float = field(default_factory=time.monotonic)
+    verified_at: float | None = None
+
+    def priority(self, now: float) -> tuple[int, float]:
+        """Larger first: manifest matches, then served often and lately (an hour's half-life)."""
+        decay = 0.5 ** ((now - self.last_served) / 3600.0)
+        return (1 if self.via == "manifest" else 0, self.served * decay)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one verification found."""
+
+    recipe_key: str
+    base_key: str
+    via: str
+    result: Result
+    stored_digest: str
+    fresh_digest: str | None
+    kernel: str
+    differences: tuple[str, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class VerificationReport:
+    """The body of ``GET /v1/verification``."""
+
+    enabled: bool
+    verified: dict[str, int]
+    served: int
+    covered: int
+    divergences: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "enabled": self.enabled,
+            "verified": self.verified,
+            "served_recipes": self.served,
+            "verified_recipes": self.covered,
+            "coverage": round(self.covered / self.served, 4) if self.served else None,
+            "divergences": self.divergences,
+        }
+
+
+class Verifier:
+    """Samples served artifacts, compiles them again in its own worker and compares.
+
+    ``compile`` runs a recipe in the verification pool; ``publish`` stores a fresh
+    output for a recipe (the engine's publish); ``withdraw`` stops a digest being
+    served; ``forget`` drops it from the server's memory; ``read`` gives a stored
+    artifact's verified bytes; ``count`` is called with each result for the metrics.
+    """
+
+    def __init__(
+        self,
+        db: sa.Engine,
+        *,
+        compile: Callable[[Recipe], CompileOutput],
+        read: Callable[[ArtifactMeta], bytes],
+        lookup: Callable[[str], ArtifactMeta | None],
+        publish: Callable[[Recipe, CompileOutput], ArtifactMeta],
+        withdraw: Callable[[str], object],
+        forget: Callable[[str], None],
+        count: Callable[[str], None] = lambda result: None,
+        enabled: bool = True,
+        sample_rate: float = 0.05,
+        period_s: float = 86_400.0,
+        cpu_share: float = 0.05,
+        max_candidates: int = 10_000,
+        interval_s: float = 1.0,
+    ) -> None:
+        self.db = db
+        self._compile = compile
+        self._read = read
+        self._lookup = lookup
+        self._publish = publish
+        self._withdraw = withdraw
+        self._forget = forget
+        self._count = count
+        self.enabled = enabled
+        self.sample_rate = sample_rate
+        self.period_s = period_s
+        self.cpu_share = cpu_share
+        self.max_candidates = max_candidates
+        self.interval_s = interval_s
+        self._candidates: dict[str, _Candidate] = {}
+        self._passed_over: set[str] = set()  # exact-key hits not sampled (bounded like the rest)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._random = random.Random()
+
+    # ------------------------------------------------------------------ sampling
+    def observe(self, resolution: Resolution) -> None:
+        """Note a served artifact (an engine observer: called with every resolution)."""
+        if not self.enabled or resolution.status not in ("hit", "waited"):
+            return
+        key = resolution.recipe_key
+        with self._lock:
+            known = self._candidates.get(key)
+            if known is not None:
+                known.served += 1
+                known.last_served = time.monotonic()
+                if resolution.via == "manifest":
+                    known.via = "manifest"
+                known.digest = resolution.artifact.digest
+                return
+            if resolution.via != "manifest":
+                if key in self._passed_over:
+                    return
+                if self._random.random() >= self.sample_rate:
+                    if len(self._passed_over) < self.max_candidates:
+                        self._passed_over.add(key)
+                    return
+            self._make_room()
+            self._candidates[key] = _Candidate(
+                resolution.recipe,
+                key,
+                resolution.base_key,
+                resolution.artifact.digest,
+                resolution.via,
+            )
+
+    def note_hit(self, recipe_key: str | None) -> None:
+        """Count a hit the server answered from memory (no engine call: no resolution)."""
+        if recipe_key is None:
+            return
+        with self._lock:
+            known = self._candidates.get(recipe_key)
+            if known is not None:
+                known.served += 1
+                known.last_served = time.monotonic()
+
+    def _make_room(self) -> None:
+        if len(self._candidates) < self.max_candidates:
+            return
+        now = time.monotonic()
+        least = min(self._candidates.values(), key=lambda c: c.priority(now))
+        del self._candidates[least.recipe_key]
+
+    def _next(self) -> _Candidate | None:
+        now = time.monotonic()
+        with self._lock:
+            due = [
+                c
+                for c in self._candidates.values()
+                if c.verified_at is None or now - c.verified_at >= self.period_s
+            ]
+            if not due:
+                return None
+            chosen = max(due, key=lambda c: c.priority(now))
+            chosen.verified_at = now
+            return chosen
+
+    # ------------------------------------------------------------------ verifying
+    def verify_next(self) -> Verdict | None:
+        """Verify the most deserving candidate now (None when none is due)."""
+        candidate = self._next()
+        return None if candidate is None else self.verify(candidate)
+
+    def verify(self, candidate: _Candidate) -> Verdict | None:
+        """Compile ``candidate`` again, compare, act on a divergence and record the event.
+
+        None when the recipe's key no longer names an artifact (evicted meanwhile).
+        """
+        started = time.perf_counter()
+        meta = self._lookup(candidate.recipe_key)  # what the key serves now
+        if meta is None:
+            with self._lock:
+                self._candidates.pop(candidate.recipe_key, None)
+            return None
+        fresh_digest: str | None = None
+        differences: list[str] = []
+        try:
+            fresh = self._compile(candidate.recipe)
+            result, differences = self._compare(meta, fresh)
+        except KCacheError as exc:  # no longer compiles, or the stored copy is damaged
+            result = "failed"
+            differences = [f"could not compare: {exc}"]
+        if result == "diverged":
+            fresh_digest = self._quarantine(candidate, meta, fresh)
+        verdict = Verdict(
+            candidate.recipe_key,
+            candidate.base_key,
+            candidate.via,
+            result,
+            meta.digest,
+            fresh_digest,
+            kernel_name(candidate.recipe)[:1024],
+            tuple(line[:_MAX_LINE] for line in differences[:_MAX_DIFFERENCES]),
+            time.perf_counter() - started,
+        )
+        self._record(verdict)
+        self._count(result)
+        if result == "diverged":
+            log.error(
+                "VERIFICATION DIVERGED: recipe %s (served by %s) was answered with %s, a fresh "
+                "compile differs (%s); withdrawn and replaced by %s",
+                verdict.recipe_key,
+                "manifest match" if verdict.via == "manifest" else "exact key",
+                verdict.stored_digest,
+                "; ".join(verdict.differences),
+                verdict.fresh_digest,
+            )
+        return verdict
+
+    def _compare(self, meta: ArtifactMeta, fresh: CompileOutput) -> tuple[Result, list[str]]:
+        differences: list[str] = []
+        stored = self._read(meta)
+        comparison = compare_outputs(stored, fresh.data, meta.kind)
+        if not comparison.same:
+            differences.append(f"code: {comparison.detail}")
+        stored_deps = {(d.name, d.sha256) for d in meta.dependencies}
+        fresh_deps = {(d.name, d.sha256) for d in fresh.dependencies}
+        for name, digest in sorted(fresh_deps - stored_deps):
+            differences.append(f"dependency {name} ({digest[:8]}..) read but not recorded")
+        for name, digest in sorted(stored_deps - fresh_deps):
+            differences.append(f"dependency {name} ({digest[:8]}..) recorded but not read")
+        if set(meta.lowered_names) != set(fresh.lowered_names) or (
+            comparison.how == "bytes" and dict(meta.lowered_names) != dict(fresh.lowered_names)
+        ):
+            differences.append(
+                f"lowered names {sorted(meta.lowered_names.items())[:4]} -> "
+                f"{sorted(fresh.lowered_names.items())[:4]}"
+            )
+        if differences:
+            return "diverged", differences
+        return ("same_bytes" if comparison.how == "bytes" else "same_code"), []
+
+    def _quarantine(self, candidate: _Candidate, meta: ArtifactMeta, fresh: CompileOutput) -> str:
+        """Withdraw the stored artifact everywhere and publish the fresh one for this recipe."""
+        self._withdraw(meta.digest)
+        published = self._publish(candidate.recipe, fresh)
+        self._forget(meta.digest)
+        with self._lock:
+            candidate.digest = published.digest
+        return published.digest
+
+    def _record(self, verdict: Verdict) -> None:
+        try:
+            with self.db.begin() as conn:
+                conn.execute(
+                    sa.insert(_events).values(
+                        at=utcnow(),
+                        recipe_key=verdict.recipe_key,
+                        base_key=verdict.base_key,
+                        via=verdict.via,
+                        result=verdict.result,
+                        stored_digest=verdict.stored_digest,
+                        fresh_digest=verdict.fresh_digest,
+                        kernel=verdict.kernel,
+                        differences=list(verdict.differences),
+                        seconds=verdict.seconds,
+                    )
+                )
+        except sa.exc.SQLAlchemyError:
+            log.warning("could not record a verification of %s", verdict.recipe_key, exc_info=True)
+
+    # ------------------------------------------------------------------ the thread
+    def start(self) -> None:
+        """Verify in the background until :meth:`close`."""
+        if not self.enabled or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="kcache-verifier", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the background thread (a verification in progress finishes first)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                verdict = self.verify_next()
+            except Exception:  # the verifier must never take the server down
+                log.exception("verification failed")
+                continue
+            if verdict is not None and self.cpu_share < 1.0:
+                # Busy at most cpu_share of the time: rest (1/share - 1) times what it took.
+                self._stop.wait(verdict.seconds * (1.0 / self.cpu_share - 1.0))
+
+    # ------------------------------------------------------------------ reporting
+    def report(self, *, since_days: float = 30.0, limit: int = 50) -> VerificationReport:
+        """Counts by result, coverage of the recipes seen served, the latest divergences."""
+        since = utcnow() - timedelta(days=since_days)
+        with self.db.connect() as conn:
+            counts: dict[str, int] = {
+                str(result): int(n)
+                for result, n in conn.execute(
+                    sa.select(_events.c.result, sa.func.count())
+                    .where(_events.c.at >= since)
+                    .group_by(_events.c.result)
+                ).all()
+            }
+            rows = conn.execute(
+                sa.select(_events)
+                .where(_events.c.result == "diverged", _events.c.at >= since)
+                .order_by(_events.c.at.desc(), _events.c.id.desc())
+                .limit(limit)
+            ).all()
+        with self._lock:
+            served = len(self._candidates) + len(self._passed_over)
+            covered = sum(1 for c in self._candidates.values() if c.verified_at is not None)
+        return VerificationReport(
+            self.enabled,
+            counts,
+            served,
+            covered,
+            [
+                {
+                    "at": row.at.isoformat(),
+                    "recipe_key": row.recipe_key,
+                    "base_key": row.base_key,
+                    "via": row.via,
+                    "stored_digest": row.stored_digest,
+                    "fresh_digest": row.fresh_digest,
+                    "kernel": row.kernel,
+                    "differences": list(row.differences),
+                }
+                for row in rows
+            ],
+        )
+
+
+def install_verification(state: ServerState) -> tuple[Verifier, ProcessPoolCompiler | None]:
+    """The process's verifier over ``state``, and its one-worker pool; start both in the lifespan.
+
+    The verifier watches the engine's resolutions and the memory hits the audit log
+    sees. Its pool is built like the server's own (same toolchain, include sets,
+    limits and confinement) with one worker, niceness +19.
+    """
+    settings = state.settings
+    options = settings.verify
+    backends = state.backends
+    pool: ProcessPoolCompiler | None = None
+    if options.enabled:
+        main = backends.compiler
+        pool = ProcessPoolCompiler(
+            main.toolchain,
+            main.include_sets,
+            workers=1,
+            timeout_s=main.timeout_s,
+            memory_mb=main.memory_mb,
+            queue_limit=1,
+            tmp_dir=main.tmp_dir,
+            toolchain_dir=main.toolchain_dir,
+            min_free_bytes=main.min_free_bytes,
+            compile_sandbox=main.sandbox_mode,
+            nice=19,
+        )
+    engine = backends.engine
+    metrics = state.metrics
+    starting = threading.Lock()
+    started: list[bool] = []
+
+    def compile(recipe: Recipe) -> CompileOutput:
+        assert pool is not None
+        with starting:  # the worker starts with the first verification, not with the server
+            if not started:
+                pool.start()
+                started.append(True)
+        return pool.compile(recipe, engine.link_inputs(recipe))
+
+    def lookup(recipe_key: str) -> ArtifactMeta | None:
+        entry = backends.index.lookup(recipe_key)
+        return entry if isinstance(entry, ArtifactMeta) else None
+
+    def publish(recipe: Recipe, output: CompileOutput) -> ArtifactMeta:
+        return engine.publish(recipe, recipe.key(), recipe.base_key(), output)
+
+    def count(result: str) -> None:
+        metrics.verified.labels(result).inc()
+        if result == "diverged":
+            metrics.divergences.inc()
+
+    verifier = Verifier(
+        backends.db,
+        compile=compile,
+        read=engine.read,
+        lookup=lookup,
+        publish=publish,
+        withdraw=backends.index.withdraw,
+        forget=state.resolver.withdraw,
+        count=count,
+        enabled=options.enabled,
+        sample_rate=options.sample_rate,
+        period_s=options.period_s,
+        cpu_share=options.cpu_share,
+        max_candidates=options.max_candidates,
+    )
+    engine.observers.append(verifier.observe)
+
+    def on_hit(record: AuditRecord) -> None:
+        if record.outcome == "hit":
+            verifier.note_hit(record.recipe_key)
+
+    state.audit.listeners.append(on_hit)
+    return verifier, pool
+
+
+def verify_offline(
+    backends: Backends, records: RecipeRecords, sample: int | None = None
+) -> list[Verdict]:
+    """``kcache db verify --recompile``: verify recorded recipes of a data directory here.
+
+    The recipes the server recorded whole (``recipe_records``), ``sample`` of them drawn
+    at random or all, are compiled in this process and compared with what their keys
+    serve, exactly as the server's verifier does, divergences withdrawn and replaced
+    and recorded the same way. A key whose recipe was not kept is not verified.
+    """
+    from kcache.nvrtc import compile_recipe
+    from kcache_server.models import RecipeAlias, RecipeRecord
+
+    engine = backends.engine
+    records_table = cast(sa.Table, RecipeRecord.__table__)
+    aliases = cast(sa.Table, RecipeAlias.__table__)
+    query = (
+        sa.select(records_table.c.recipe_key, records_table.c.base_key)
+        .join(aliases, aliases.c.recipe_key == records_table.c.recipe_key)
+        .where(records_table.c.recipe_zlib.is_not(None))
+    )
+    if sample is not None:
+        query = query.order_by(sa.func.random()).limit(sample)
+    with backends.db.connect() as conn:
+        keys = conn.execute(query).all()
+
+    def lookup(recipe_key: str) -> ArtifactMeta | None:
+        entry = backends.index.lookup(recipe_key)
+        return entry if isinstance(entry, ArtifactMeta) else None
+
+    verifier = Verifier(
+        backends.db,
+        compile=lambda recipe: compile_recipe(
+            recipe, backends.toolchain, backends.compiler.include_sets, engine.link_inputs(recipe)
+        ),
+        read=engine.read,
+        lookup=lookup,
+        publish=lambda recipe, output: engine.publish(
+            recipe, recipe.key(), recipe.base_key(), output
+        ),
+        withdraw=backends.index.withdraw,
+        forget=lambda digest: None,  # no server memory here; a running server's verifier
+        enabled=True,  # checks again what it serves
+    )
+    verdicts = []
+    for recipe_key, base_key in keys:
+        recipe = records.recipe(recipe_key)
+        meta = lookup(recipe_key)
+        if recipe is None or meta is None:
+            continue
+        verdict = verifier.verify(_Candidate(recipe, recipe_key, base_key, meta.digest, "key"))
+        if verdict is not None:
+            verdicts.append(verdict)
+    return verdicts
