@@ -16,20 +16,42 @@ that ``init_process_group`` rendezvoused through), never over a process group:
   refused", or a hang); members holding different numbers of groups never meet at
   all. Without groups there is nothing to create at different times on different
   ranks, nothing to tear down, and the main backend (NCCL or gloo) is never touched.
-* Every call has keys of its own, ``kcache/collective/<ranks>/<n>/``: ``n`` counts
-  the calls this rank has made over that set of ranks, and every member makes the
-  same calls in the same order (that is what a collective is), so all agree on ``n``
-  without talking. WORLD and ``None`` are the same set of ranks and share the count.
+* Every call has keys of its own, ``kcache/collective/<ranks>/<run>/<n>/``: ``n``
+  counts the calls this rank has made over that set of ranks, and every member makes
+  the same calls in the same order (that is what a collective is), so all agree on
+  ``n`` without talking. WORLD and ``None`` are the same set of ranks and share the
+  count. ``<run>`` names the job run (issue 30), so that nothing a previous job or a
+  crashed attempt left in a long-lived store can decide a call of this one:
+  torchrun's ``TORCHELASTIC_RUN_ID`` when it is set (every rank of the run has it);
+  else a nonce the group's first member draws at its first call, which the others
+  learn through a *join*: each writes a token of its own under ``join/hello/<m>`` and
+  waits for the first member to answer ``join/welcome/<m>`` with that token and the
+  nonce. Only an answer to a token it drew itself is trusted, so a stale nonce or
+  welcome is never taken; the first member answers while it waits in its calls,
+  until every member has acknowledged.
 * Every call ends the same way on every member. Its outcome is written once, with
   a compare-and-set on the call's ``verdict`` key: by the last member to arrive (an
   all-gather is complete), by the source (a broadcast's value), or by a member whose
   wait ran out (an error naming the ranks that did not arrive). The first write wins
   and every member, however late, reads that one verdict. A verdict of failure is a
-  :class:`~kcache_client.errors.WarmupTimeoutError` raised identically everywhere.
+  :class:`~kcache_client.errors.WarmupTimeoutError` raised identically everywhere;
+  one that no kcache client wrote (garbage in the store) is reported as a malformed
+  verdict, with its key, on every member that reads it.
 * Every wait is bounded by the timeout, counted from this member's own arrival. If
   the store itself stops answering (its host died: rank 0 under a ``tcp://`` or
   ``env://`` rendezvous), no verdict can be shared; each member then raises the same
   error naming the store, made from the call alone so it reads alike on every rank.
+  A member whose join nobody answers in time (the first member is absent, or late)
+  raises the error of the first member's absence, and leaves it under
+  ``join/verdict`` with its hello marked as gone, so that a first member arriving
+  later raises it too, once it has waited its own timeout for those members to
+  come back (a previous job's marks are replaced by the members of this one). A
+  member arriving after everyone else gave up on it takes the verdict of the call
+  that names it, as in any other call, when every other member's hello acknowledges
+  that run. (Left open: with two members, a member that waited its whole timeout for
+  an absent first member may take a previous job's verdict naming it; the warmup
+  fails either way.) Join keys are deleted after the first call
+  that succeeds, call keys by the last member to leave each call.
 """
 
 from __future__ import annotations
@@ -37,10 +59,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
+import secrets
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from kcache_client.errors import WarmupError, WarmupTimeoutError
@@ -56,12 +81,39 @@ _MAX_POLL_S = 0.2
 _COMPLETE = '{"ok":null}'
 #: Members named in full in an error message; more are summarised.
 _NAMED_RANKS = 16
+#: What a member writes after its token in ``join/hello/<m>`` once it gave up waiting.
+_GONE = "-"
+#: The launcher's name for the job run: every rank of a torchrun job has the same one.
+RUN_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
 
-#: Call counts by (store, namespace, rank). The store is held, not just its id, so that
-#: an id is never reused for a new store while its count lives: a job that destroys
-#: and re-creates its process group in the same processes starts counting afresh.
-_sequences: dict[tuple[int, str, int], tuple[Any, Iterator[int]]] = {}
-_sequences_lock = threading.Lock()
+
+@dataclass
+class _Host:
+    """The first member's side of the join: the members that have yet to acknowledge its nonce."""
+
+    pending: set[int]
+    answered: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Session:
+    """One member's standing in one group over one store: its call count and its run.
+
+    ``run`` is the call keys' run part once known, ``host`` the joins the first member
+    still answers, ``tidy`` whether the join's keys may still be in the store.
+    """
+
+    store: Any  # held, so that its id is never reused for a new store while this lives
+    calls: Iterator[int] = field(default_factory=itertools.count)
+    run: str | None = None
+    host: _Host | None = None
+    tidy: bool = False
+
+
+#: Sessions by (store, group, run given, rank). A job that destroys and re-creates its
+#: process group in the same processes has a new store, so it starts afresh.
+_sessions: dict[tuple[int, str, str | None, int], _Session] = {}
+_sessions_lock = threading.Lock()
 
 
 @runtime_checkable
@@ -98,8 +150,10 @@ class StoreCollective:
     ``rank`` and ``world_size`` are this member's place in the group; ``job_ranks``
     names the members in messages (torch's global ranks; default ``0..world_size-1``)
     and, with the member's rank, keys the call count, so every distinct set of ranks
-    has calls of its own (per store). ``timeout`` bounds each wait, in seconds. The module
-    docstring describes the protocol.
+    has calls of its own (per store). ``timeout`` bounds each wait, in seconds.
+    ``run`` names the job run (every member must be given the same; torchrun's run
+    id): None has the members agree on a nonce at their first call (a join). The
+    module docstring describes the protocol.
     """
 
     def __init__(
@@ -110,6 +164,7 @@ class StoreCollective:
         world_size: int,
         timeout: float,
         job_ranks: Sequence[int] | None = None,
+        run: str | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a group of {world_size}")
@@ -124,12 +179,13 @@ class StoreCollective:
         self._timeout = float(timeout)
         self._names = names
         digest = hashlib.sha256(",".join(map(str, names)).encode()).hexdigest()[:20]
-        self._namespace = f"kcache/collective/{digest}"
-        with _sequences_lock:
-            entry = _sequences.setdefault(
-                (id(store), self._namespace, rank), (store, itertools.count())
-            )
-        self._sequence = entry[1]
+        self._group = f"kcache/collective/{digest}/"
+        self._join = f"{self._group}join/"
+        with _sessions_lock:
+            session = _sessions.setdefault((id(store), self._group, run, rank), _Session(store))
+        if run is not None and session.run is None:
+            session.run = "run-" + hashlib.sha256(run.encode()).hexdigest()[:20]
+        self._session = session
 
     @property
     def rank(self) -> int:
@@ -146,26 +202,38 @@ class StoreCollective:
         """The members as the job numbers them (torch's global ranks), by group rank."""
         return list(self._names)
 
+    def call_prefix(self, number: int) -> str | None:
+        """The store keys of this member's call ``number`` (0-based), once its run is known."""
+        run = self._session.run
+        return None if run is None else f"{self._group}{run}/{number}/"
+
     # ------------------------------------------------------------------ collectives
     def all_gather(self, obj: Any) -> list[Any]:
         """Every member's JSON-able ``obj``, indexed by group rank."""
         data = _encode(obj)  # outside the guard: data that is not JSON is the caller's error
-        prefix, what = self._begin("all-gather")
+        number, what = self._begin("all-gather")
         deadline = time.monotonic() + self._timeout
-        parts = [f"{prefix}part/{m}" for m in range(self._world_size)]
 
         def run() -> list[Any]:
+            prefix = self._enter(number, what, deadline, source=None)
+            parts = [f"{prefix}part/{m}" for m in range(self._world_size)]
             self._store.set(parts[self._rank], data)
             if int(self._store.add(f"{prefix}arrived", 1)) == self._world_size:
                 # The last to arrive declares the gather complete, unless a member
                 # whose wait ran out has already declared it failed.
-                verdict = self._decide(prefix, _COMPLETE)
+                verdict = self._decide(prefix, _COMPLETE, what)
             else:
                 verdict = self._await_verdict(
-                    prefix, deadline, lambda: self._gather_failed(parts, what)
+                    prefix, deadline, what, lambda: self._gather_failed(parts, what)
                 )
-            values = [] if "error" in verdict else [_decode(self._store.get(k)) for k in parts]
-            self._finish(prefix, parts, verdict)
+            try:
+                values = (
+                    []
+                    if "error" in verdict
+                    else [self._part(k, m, what) for m, k in enumerate(parts)]
+                )
+            finally:
+                self._finish(prefix, parts, verdict)
             self._raise_if_failed(verdict)
             return values
 
@@ -176,15 +244,16 @@ class StoreCollective:
         if not 0 <= src < self._world_size:
             raise ValueError(f"broadcast source {src} is not in a group of {self._world_size}")
         value = _encode({"ok": obj}).decode() if self._rank == src else ""
-        prefix, what = self._begin("broadcast")
+        number, what = self._begin("broadcast")
         deadline = time.monotonic() + self._timeout
 
         def run() -> Any:
+            prefix = self._enter(number, what, deadline, source=src)
             if self._rank == src:
-                verdict = self._decide(prefix, value)
+                verdict = self._decide(prefix, value, what)
             else:
                 verdict = self._await_verdict(
-                    prefix, deadline, lambda: self._source_failed(src, what)
+                    prefix, deadline, what, lambda: self._source_failed(src, what)
                 )
             self._finish(prefix, [], verdict)
             self._raise_if_failed(verdict)
@@ -193,33 +262,46 @@ class StoreCollective:
         return self._guard(run, what)
 
     # ------------------------------------------------------------------ protocol
-    def _begin(self, op: str) -> tuple[str, str]:
-        """This call's key prefix and a description of it that reads alike on every member."""
-        number = next(self._sequence)
-        what = f"{op} #{number + 1} over ranks {_describe(self._names)}"
-        return f"{self._namespace}/{number}/", what
+    def _begin(self, op: str) -> tuple[int, str]:
+        """This call's number and a description of it that reads alike on every member."""
+        number = next(self._session.calls)
+        return number, f"{op} #{number + 1} over ranks {_describe(self._names)}"
 
-    def _decide(self, prefix: str, proposal: str) -> dict[str, Any]:
+    def _enter(self, number: int, what: str, deadline: float, source: int | None) -> str:
+        """This call's key prefix, after the join when this member has no run yet."""
+        if self._session.run is None:
+            if self._rank == 0:
+                self._host_join(number, what, deadline, source)
+            else:
+                self._member_join(number, what, deadline, source)
+        prefix = self.call_prefix(number)
+        assert prefix is not None, "a run after the join"
+        return prefix
+
+    def _decide(self, prefix: str, proposal: str, what: str) -> dict[str, Any]:
         """Propose a verdict (JSON text); the first proposal made for this call wins and is returned."""
-        won = self._store.compare_set(f"{prefix}verdict", "", proposal)
-        result: dict[str, Any] = json.loads(bytes(won))
-        return result
+        key = f"{prefix}verdict"
+        return self._verdict(bytes(self._store.compare_set(key, "", proposal)), key, what)
 
     def _await_verdict(
-        self, prefix: str, deadline: float, failure: Callable[[], str]
+        self, prefix: str, deadline: float, what: str, failure: Callable[[], str]
     ) -> dict[str, Any]:
         """The call's verdict once someone writes it; at the deadline, ``failure()`` is proposed."""
         key = f"{prefix}verdict"
         if not self._poll(lambda: bool(self._store.check([key])), deadline):
-            return self._decide(prefix, failure())
-        result: dict[str, Any] = json.loads(self._store.get(key))
-        return result
+            return self._decide(prefix, failure(), what)
+        return self._verdict(bytes(self._store.get(key)), key, what)
 
-    @staticmethod
-    def _poll(ready: Callable[[], bool], deadline: float) -> bool:
-        """Whether ``ready()`` became true before ``deadline``, looking with growing pauses."""
+    def _poll(self, ready: Callable[[], bool], deadline: float) -> bool:
+        """Whether ``ready()`` became true before ``deadline``, looking with growing pauses.
+
+        The first member answers the joins still pending each time it looks.
+        """
         pause = 0.002
-        while not ready():
+        while True:
+            self._answer_joins()
+            if ready():
+                return True
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
@@ -227,13 +309,15 @@ class StoreCollective:
             # and the store's own timed wait logs a warning every time it runs out.
             time.sleep(min(pause, left))
             pause = min(pause * 2, _MAX_POLL_S)
-        return True
 
     def _gather_failed(self, parts: list[str], what: str) -> str:
         """The verdict of a member whose all-gather wait ran out."""
         missing = [m for m, key in enumerate(parts) if not self._store.check([key])]
         if not missing:  # everyone arrived just now: the gather is complete after all
             return _COMPLETE
+        return self._absent(missing, what)
+
+    def _absent(self, missing: list[int], what: str) -> str:
         names = [self._names[m] for m in missing]
         error = WarmupTimeoutError(
             f"warmup: {_ranks_phrase(names)} did not reach the {what} within "
@@ -256,10 +340,37 @@ class StoreCollective:
         )
         return _encode({"error": error.to_dict()}).decode()
 
+    def _verdict(self, raw: bytes, key: str, what: str) -> dict[str, Any]:
+        """A verdict read from the store, checked: malformed ones raise the same error everywhere."""
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if isinstance(value, dict) and ("ok" in value or _error_of(value) is not None):
+            return value
+        raise WarmupError(
+            f"warmup: malformed verdict {_preview(raw)} for the {what} in the store "
+            f"(key {key!r}): no kcache client wrote it",
+            kind="MalformedVerdict",
+        )
+
+    def _part(self, key: str, member: int, what: str) -> Any:
+        raw = bytes(self._store.get(key))
+        try:
+            return _decode(raw)
+        except ValueError:
+            raise WarmupError(
+                f"warmup: malformed part of rank {self._names[member]} {_preview(raw)} for the "
+                f"{what} in the store (key {key!r})",
+                kind="MalformedVerdict",
+                leader=member,
+            ) from None
+
     @staticmethod
     def _raise_if_failed(verdict: dict[str, Any]) -> None:
-        if "error" in verdict:
-            raise WarmupError.from_dict(verdict["error"])
+        error = _error_of(verdict)
+        if error is not None:
+            raise error
 
     def _finish(self, prefix: str, keys: list[str], verdict: dict[str, Any]) -> None:
         """Leave a call: after a success, once every member has its result; then tidy up.
@@ -268,19 +379,25 @@ class StoreCollective:
         from ending the job while a member has yet to read the verdict: a warmup-only
         job whose rank 0 returned first would otherwise strand the rest. After a
         failure nobody waits, since a member may be dead. The last member to leave
-        deletes the call's keys, so a long job's store stays small.
+        deletes the call's keys, so a long job's store stays small, and after the
+        first call that succeeded, the join's.
         """
+        succeeded = "error" not in verdict
+        tidy = succeeded and self._session.tidy
         try:
-            if "error" not in verdict:
+            if succeeded:
                 self._store.add(f"{prefix}done", 1)
                 self._poll(
                     lambda: int(self._store.add(f"{prefix}done", 0)) >= self._world_size,
                     time.monotonic() + self._timeout,
                 )
+                # Every member is done, so every member joined: nobody is left to answer.
+                self._session.host = None
+                self._session.tidy = False
             if int(self._store.add(f"{prefix}left", 1)) != self._world_size:
                 return
             own = [f"{prefix}{name}" for name in ("arrived", "verdict", "done", "left")]
-            for key in [*keys, *own]:
+            for key in [*keys, *own, *(self._join_keys() if tidy else [])]:
                 self._store.delete_key(key)
         except Exception:  # the call's outcome is settled; only the courtesy wait or tidying failed
             pass
@@ -301,13 +418,146 @@ class StoreCollective:
                 kind=type(exc).__name__,
             ) from exc
 
+    # ------------------------------------------------------------------ the join
+    def _join_keys(self) -> list[str]:
+        members = range(1, self._world_size)
+        return [
+            f"{self._join}run",
+            f"{self._join}verdict",
+            *(f"{self._join}hello/{m}" for m in members),
+            *(f"{self._join}welcome/{m}" for m in members),
+        ]
+
+    def _read(self, key: str) -> str | None:
+        """A key's text, or None when it is absent (``get`` would wait for it)."""
+        if not self._store.check([key]):
+            return None
+        return bytes(self._store.get(key)).decode("utf-8", "replace")
+
+    def _host_join(self, number: int, what: str, deadline: float, source: int | None) -> None:
+        """The first member draws the run's nonce and starts answering the others' joins.
+
+        If members gave up on it already (a ``join/verdict``, their hellos marked as
+        gone), it waits, answering, for them to come back: marks a previous job left are
+        replaced by this job's members as they arrive. Marks still there at its deadline
+        are this job's: it raises their verdict, and writes it as the call's.
+        """
+        run = "nonce-" + secrets.token_hex(10)
+        self._store.set(f"{self._join}run", run)
+        session = self._session
+        session.run = run
+        session.tidy = True
+        session.host = _Host(pending=set(range(1, self._world_size)))
+        given_up = self._read(f"{self._join}verdict")
+        if given_up is None:
+            return
+        if self._poll(lambda: not self._gone(), deadline):
+            self._store.delete_key(f"{self._join}verdict")  # a previous job's: stale
+            return
+        self._store.delete_key(f"{self._join}verdict")  # taken: a later give-up writes afresh
+        prefix = self.call_prefix(number)
+        assert prefix is not None, "the run was just drawn"
+        verdict = self._decide(prefix, given_up, what)
+        self._finish(prefix, [], verdict)
+        self._raise_if_failed(verdict)
+
+    def _gone(self) -> list[int]:
+        """The members whose hello says they gave up on the join (as last looked)."""
+        host = self._session.host
+        if host is None:
+            return []
+        return [m for m, hello in host.answered.items() if hello.endswith(f" {_GONE}")]
+
+    def _answer_joins(self) -> None:
+        """The first member answers every pending hello with the run's nonce (each once)."""
+        host = self._session.host
+        run = self._session.run
+        if host is None or run is None:
+            return
+        for member in sorted(host.pending):
+            hello = self._read(f"{self._join}hello/{member}")
+            if hello is None or host.answered.get(member) == hello:
+                continue
+            host.answered[member] = hello
+            token, _, said = hello.partition(" ")
+            if said == run:  # acknowledged: this member is in
+                host.pending.discard(member)
+            elif said == "" and token:
+                self._store.set(f"{self._join}welcome/{member}", f"{token} {run}")
+        if not host.pending:
+            self._session.host = None
+
+    def _member_join(self, number: int, what: str, deadline: float, source: int | None) -> None:
+        """A member learns the run's nonce from the first member's answer to a token of its own."""
+        token = secrets.token_hex(10)
+        hello = f"{self._join}hello/{self._rank}"
+        self._store.set(hello, token)
+        answer: list[str] = []
+
+        def welcomed() -> bool:
+            said = self._read(f"{self._join}welcome/{self._rank}")
+            if said is None:
+                return False
+            got, _, run = said.partition(" ")
+            if got != token or not run:
+                return False  # a stale answer, to a token this member never drew
+            answer.append(run)
+            return True
+
+        if self._poll(welcomed, deadline):
+            self._joined(answer[-1], hello, token)
+            return
+        # Nobody answered in time. A member this late may be the one a verdict names: it
+        # takes that verdict when the run is this job's, as far as the store can tell
+        # (every other member's current hello acknowledges it: a previous job's are
+        # overwritten by this job's members as they arrive).
+        run = self._read(f"{self._join}run")
+        if (
+            run is not None
+            and self._acknowledged_by_the_others(run)
+            and self._names_me(f"{self._group}{run}/{number}/verdict")
+        ):
+            self._joined(run, hello, token)
+            return
+        self._store.set(hello, f"{token} {_GONE}")
+        given_up = self._source_failed(0, what) if source == 0 else self._absent([0], what)
+        self._store.set(f"{self._join}verdict", given_up)
+        self._raise_if_failed(json.loads(given_up))
+
+    def _joined(self, run: str, hello: str, token: str) -> None:
+        self._session.run = run
+        self._session.tidy = True
+        self._store.set(hello, f"{token} {run}")  # the acknowledgement: no more answers needed
+
+    def _acknowledged_by_the_others(self, run: str) -> bool:
+        """Whether every member but the first and this one says, in its hello, it joined ``run``."""
+        for member in range(1, self._world_size):
+            if member == self._rank:
+                continue
+            said = (self._read(f"{self._join}hello/{member}") or "").partition(" ")[2]
+            if said != run:
+                return False
+        return True
+
+    def _names_me(self, key: str) -> bool:
+        """Whether the verdict at ``key`` is a failure that names this member as missing."""
+        raw = self._read(key)
+        if raw is None:
+            return False
+        try:
+            error = _error_of(json.loads(raw))
+        except ValueError:
+            return False
+        return error is not None and self._names[self._rank] in error.missing_ranks
+
 
 class TorchCollective(StoreCollective):
     """A :class:`Collective` for a ``torch.distributed`` process group (None: the default one).
 
     It runs over the job's default store (see the module docstring), so it works
     under any main backend, creates no process group, and costs nothing to make: a
-    warmup builds one per call. Members are named by their global ranks.
+    warmup builds one per call. Members are named by their global ranks; the run is
+    torchrun's ``TORCHELASTIC_RUN_ID`` when set, else agreed at the first call.
     """
 
     def __init__(self, group: Any = None, *, timeout: float = 1800.0) -> None:
@@ -332,7 +582,27 @@ class TorchCollective(StoreCollective):
             world_size=len(ranks),
             timeout=timeout,
             job_ranks=ranks,
+            run=os.environ.get(RUN_ID_VARIABLE) or None,
         )
+
+
+def _error_of(verdict: Any) -> WarmupError | None:
+    """The error a verdict (or a verdict-like dict) carries, or None if it carries none or a malformed one."""
+    if not isinstance(verdict, dict):
+        return None
+    data = verdict.get("error")
+    if not isinstance(data, dict) or not isinstance(data.get("message"), str):
+        return None
+    try:
+        return WarmupError.from_dict(data)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _preview(raw: bytes) -> str:
+    """A short, printable rendering of bytes from the store, for a message."""
+    text = repr(raw[:60])
+    return text + ("..." if len(raw) > 60 else "")
 
 
 def _encode(obj: Any) -> bytes:

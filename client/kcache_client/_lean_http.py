@@ -21,28 +21,86 @@ used again when its socket reads as closed (as httpcore does). One that fails an
 once more on a fresh connection, here, as urllib3 does, if it was a GET; another
 method may have reached the server, so its failure goes to the caller's retry policy,
 as httpx's would.
+
+What it bounds, for a caller that does not trust the network: an ``until`` (a
+``time.monotonic()`` instant) bounds the whole exchange, connect, send, status line,
+headers and body, since every socket operation waits at most until then (each read of
+the body included, however slowly its bytes trickle in): past it,
+:class:`DeadlineExceeded`. A ``limit`` (decided from the status and headers, before a
+byte of the body is read) bounds the body: a ``Content-Length`` over it, or one byte
+more than it, or a compressed body that decodes to more, is :class:`AnswerRefused`
+at once and the connection is dropped; so are headers over ``http.client``'s bounds
+(a 64 KiB line, 100 headers). The body is read in pieces, never more than the limit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
+import io
 import json as jsonlib
 import select
 import socket
 import ssl
 import threading
+import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import httpx
 
-__all__ = ["LeanClient", "LeanHeaders", "LeanResponse"]
+__all__ = [
+    "AnswerRefused",
+    "BodyLimit",
+    "DeadlineExceeded",
+    "LeanClient",
+    "LeanHeaders",
+    "LeanResponse",
+    "Limit",
+]
 
 #: Idle connections kept for reuse; one per thread that fetches at the same time.
 MAX_IDLE = 16
+#: The most bytes asked of the socket at once while reading a body.
+_CHUNK = 64 * 1024
+
+
+class Limit(NamedTuple):
+    """The most bytes a body may have, and why (said when a body has more)."""
+
+    bytes: int
+    why: str
+
+
+#: The limit of an answer's body, decided from its status and headers (it may raise
+#: to refuse the answer before its body is read).
+BodyLimit = Callable[[int, Mapping[str, str]], Limit]
+
+
+class DeadlineExceeded(httpx.TimeoutException):
+    """The exchange was not over (connect, send, headers, the whole body) by its deadline."""
+
+    def __init__(
+        self, message: str = "the deadline passed before the answer was read whole"
+    ) -> None:
+        super().__init__(message)
+
+
+class AnswerRefused(Exception):
+    """An answer broke a bound set for it (its headers, its body); the connection was dropped.
+
+    Not an ``httpx.TransportError``: the same server would answer the same, so it is
+    not worth a retry. ``status`` is the answer's status when it had one.
+    """
+
+    def __init__(self, problem: str, status: int | None = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.status = status
+
 
 #: A reused connection failing like this was closed by the server while it was idle.
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
@@ -96,11 +154,17 @@ class LeanHeaders(Mapping[str, str]):
 
 
 class LeanResponse:
-    """A whole response: ``status_code``, ``headers``, ``content``, ``text``, ``json()``, ``url``."""
+    """A whole response: ``status_code``, ``headers``, ``content``, ``text``, ``json()``, ``url``.
+
+    ``headers`` look up names case-insensitively (:class:`LeanHeaders`, or the
+    ``httpx.Headers`` of an answer that came through httpx).
+    """
 
     __slots__ = ("content", "headers", "status_code", "url")
 
-    def __init__(self, status_code: int, headers: LeanHeaders, content: bytes, url: str) -> None:
+    def __init__(
+        self, status_code: int, headers: Mapping[str, str], content: bytes, url: str
+    ) -> None:
         self.status_code = status_code
         self.headers = headers
         self.content = content
@@ -155,10 +219,16 @@ class LeanClient:
         self.connections_opened = 0
 
     def get(
-        self, path: str, headers: Mapping[str, str], *, timeout: float | None = None
+        self,
+        path: str,
+        headers: Mapping[str, str],
+        *,
+        timeout: float | None = None,
+        until: float | None = None,
+        limit: BodyLimit | None = None,
     ) -> LeanResponse:
         """``GET path`` with ``headers``, read whole (:meth:`request`)."""
-        return self.request("GET", path, headers, timeout=timeout)
+        return self.request("GET", path, headers, timeout=timeout, until=until, limit=limit)
 
     def request(
         self,
@@ -168,13 +238,18 @@ class LeanClient:
         body: bytes | None = None,
         *,
         timeout: float | None = None,
+        until: float | None = None,
+        limit: BodyLimit | None = None,
     ) -> LeanResponse:
         """``method path`` with ``headers`` and ``body``, the answer read whole.
 
-        ``timeout`` (seconds) overrides the client's four timeouts. Raises the ``httpx.TransportError`` httpx would raise for a failure to connect,
-        send or read, and RuntimeError once the client is closed. Only a GET is sent
-        again by itself when a reused connection turns out closed: another method may
-        have reached the server (its caller's retry policy decides).
+        ``timeout`` (seconds) overrides the client's four timeouts; ``until`` (a
+        ``time.monotonic()`` instant) ends the whole exchange (:class:`DeadlineExceeded`);
+        ``limit`` bounds the body (:class:`AnswerRefused`; None: unbounded). Raises the
+        ``httpx.TransportError`` httpx would raise for a failure to connect, send or
+        read, and RuntimeError once the client is closed. Only a GET is sent again by
+        itself when a reused connection turns out closed: another method may have
+        reached the server (its caller's retry policy decides).
         """
         connect_s: float | None
         read_s: float | None
@@ -186,14 +261,14 @@ class LeanClient:
             connect_s, read_s, write_s = t.connect, t.read, t.write
         target = self._prefix + path
         url = self.url + path
-        sent = _Request(method, target, url, headers, body, read_s, write_s)
+        sent = _Request(method, target, url, headers, body, read_s, write_s, until, limit)
         conn = self._reusable()
         if conn is not None:
             try:
                 return self._exchange(conn, sent, stale_is_retry=method == "GET")
             except _Stale:
                 pass  # the server closed it while it was idle: once more, on a fresh one
-        return self._exchange(self._connect(connect_s), sent, stale_is_retry=False)
+        return self._exchange(self._connect(connect_s, until), sent, stale_is_retry=False)
 
     def close(self) -> None:
         """Close the idle connections; those in use are closed when their answer is read."""
@@ -221,7 +296,8 @@ class LeanClient:
                 return conn
             conn.close()
 
-    def _connect(self, connect_s: float | None) -> http.client.HTTPConnection:
+    def _connect(self, connect_s: float | None, until: float | None) -> http.client.HTTPConnection:
+        connect_s = _within(connect_s, until)
         conn: http.client.HTTPConnection
         if self._https:
             conn = http.client.HTTPSConnection(
@@ -259,8 +335,9 @@ class LeanClient:
         assert sock is not None, "a connected connection"
         stage = "write"
         try:
-            if sock.gettimeout() != sent.write_s:
-                sock.settimeout(sent.write_s)
+            write_s = _within(sent.write_s, sent.until)
+            if sock.gettimeout() != write_s:
+                sock.settimeout(write_s)
             conn.putrequest(sent.method, sent.target)
             for name, value in sent.headers.items():
                 conn.putheader(name, value)
@@ -268,13 +345,18 @@ class LeanClient:
                 conn.putheader("Content-Length", str(len(sent.body)))
             conn.endheaders(sent.body)
             stage = "read"
-            if sent.write_s != sent.read_s:
-                sock.settimeout(sent.read_s)
+            # Every read of the answer, from its status line to its last byte, goes
+            # through a reader that waits no longer than the deadline (see _Deadline).
+            conn.response_class = functools.partial(  # type: ignore[assignment]
+                _BoundedResponse, read_s=sent.read_s, until=sent.until
+            )
             response = conn.getresponse()
             stage = "body"
-            content = response.read()
             pairs = response.getheaders()
             status = response.status
+            reply_headers = LeanHeaders(pairs)
+            limit = sent.limit(status, reply_headers) if sent.limit is not None else None
+            content = _read_body(response, limit, status)
             keep = not response.will_close
         except BaseException as exc:
             conn.close()
@@ -285,10 +367,9 @@ class LeanClient:
                 raise
             raise mapped from exc
         self._give_back(conn, keep)
-        reply_headers = LeanHeaders(pairs)
         encoding = reply_headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("identity", ""):  # not asked for (Accept-Encoding: identity)
-            content = _decode(content, encoding)
+            content = _decode(content, encoding, limit, status)
         return LeanResponse(status, reply_headers, content, sent.url)
 
     def _give_back(self, conn: http.client.HTTPConnection, keep: bool) -> None:
@@ -310,6 +391,107 @@ class _Request(NamedTuple):
     body: bytes | None
     read_s: float | None
     write_s: float | None
+    until: float | None
+    limit: BodyLimit | None
+
+
+def _within(timeout: float | None, until: float | None) -> float | None:
+    """``timeout``, shortened to what is left until ``until``; DeadlineExceeded once it passed."""
+    if until is None:
+        return timeout
+    left = until - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded()
+    return left if timeout is None or timeout > left else timeout
+
+
+class _Deadline(io.RawIOBase):
+    """A socket's reader (its ``makefile`` raw stream) whose every read ends by ``until``.
+
+    Before each read the socket's timeout is set to the read timeout or to what is left
+    of the deadline, whichever is shorter: an answer that trickles in a byte at a time
+    still ends at the deadline, however ``http.client`` splits its reads.
+    """
+
+    def __init__(
+        self, raw: io.RawIOBase, sock: socket.socket, read_s: float | None, until: float | None
+    ) -> None:
+        super().__init__()
+        self._raw = raw
+        self._sock = sock
+        self._read_s = read_s
+        self._until = until
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        timeout = _within(self._read_s, self._until)
+        capped = self._until is not None and timeout != self._read_s
+        if self._sock.gettimeout() != timeout:
+            self._sock.settimeout(timeout)
+        try:
+            return self._raw.readinto(buffer)
+        except TimeoutError:
+            if capped:
+                raise DeadlineExceeded() from None
+            raise
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()  # the socket's reference count, as http.client expects
+        super().close()
+
+
+class _BoundedResponse(http.client.HTTPResponse):
+    """An ``HTTPResponse`` that reads through :class:`_Deadline`."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        debuglevel: int = 0,
+        method: str | None = None,
+        url: str | None = None,
+        *,
+        read_s: float | None,
+        until: float | None,
+    ) -> None:
+        super().__init__(sock, debuglevel, method, url)
+        raw = self.fp.detach()  # nothing read yet: the buffer is empty
+        self.fp = io.BufferedReader(_Deadline(raw, sock, read_s, until))
+
+
+def _read_body(response: http.client.HTTPResponse, limit: Limit | None, status: int) -> bytes:
+    """The body, no more of it than ``limit`` allows: AnswerRefused as soon as it has more.
+
+    A ``Content-Length`` over the limit is refused unread; one within it is read at
+    once (the deadline still bounds every read). A body of unknown length (chunked,
+    or until the connection closes) is read in pieces of at most 64 KiB.
+    """
+    if limit is None:
+        return response.read()
+    declared = response.length  # None when chunked or read to the connection's end
+    if declared is not None and declared > limit.bytes:
+        raise AnswerRefused(
+            f"its Content-Length is {declared} bytes, more than the {limit.bytes} bytes {limit.why}",
+            status,
+        )
+    if declared is not None:
+        return response.read()  # exactly what it announced, read at once (IncompleteRead if less)
+    pieces: list[bytes] = []
+    got = 0
+    while True:
+        # One byte past the limit is enough to know a body is longer than it.
+        piece = response.read(min(_CHUNK, limit.bytes + 1 - got))
+        if not piece:
+            break
+        got += len(piece)
+        if got > limit.bytes:
+            raise AnswerRefused(
+                f"its body is longer than the {limit.bytes} bytes {limit.why}", status
+            )
+        pieces.append(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _readable(sock: socket.socket) -> bool:
@@ -324,8 +506,18 @@ class _Stale(Exception):
 
 
 def _transport_error(exc: BaseException, stage: str) -> BaseException:
-    """The ``httpx.TransportError`` httpx raises for ``exc`` while at ``stage``; else ``exc``."""
+    """The ``httpx.TransportError`` httpx raises for ``exc`` while at ``stage``; else ``exc``.
+
+    Headers over ``http.client``'s bounds are AnswerRefused (httpx raises a protocol
+    error for them, which the caller could only retry to the same effect).
+    """
+    if isinstance(exc, httpx.TransportError | AnswerRefused):
+        return exc
     message = str(exc) or type(exc).__name__
+    if stage == "read" and isinstance(exc, http.client.LineTooLong):
+        return AnswerRefused(f"its status line or headers are too long ({exc})")
+    if stage == "read" and isinstance(exc, http.client.HTTPException) and "headers" in message:
+        return AnswerRefused(f"it has too many headers ({exc})")
     if isinstance(exc, http.client.RemoteDisconnected):
         return httpx.RemoteProtocolError("Server disconnected without sending a response.")
     if isinstance(exc, http.client.IncompleteRead):
@@ -342,16 +534,40 @@ def _transport_error(exc: BaseException, stage: str) -> BaseException:
     return exc  # not a transport failure (a KeyboardInterrupt, a bug): as it is
 
 
-def _decode(content: bytes, encoding: str) -> bytes:
-    """A body the server compressed although identity was asked for, decoded as httpx would."""
+def _decode(content: bytes, encoding: str, limit: Limit | None, status: int) -> bytes:
+    """A body the server compressed although identity was asked for, decoded as httpx would.
+
+    Decoded to at most one byte past ``limit``: more is AnswerRefused (a small body may
+    decode to gigabytes).
+    """
     try:
         if encoding in ("gzip", "x-gzip"):
-            return zlib.decompress(content, zlib.MAX_WBITS | 16)
+            return _inflate(content, zlib.MAX_WBITS | 16, limit, status)
         if encoding == "deflate":
             try:
-                return zlib.decompress(content)
+                return _inflate(content, zlib.MAX_WBITS, limit, status)
             except zlib.error:
-                return zlib.decompress(content, -zlib.MAX_WBITS)
+                return _inflate(content, -zlib.MAX_WBITS, limit, status)
     except zlib.error as exc:
         raise httpx.DecodingError(f"the {encoding} body does not decode: {exc}") from exc
     raise httpx.DecodingError(f"the body's Content-Encoding {encoding!r} is not supported")
+
+
+def _inflate(content: bytes, wbits: int, limit: Limit | None, status: int) -> bytes:
+    """``content`` inflated in pieces of at most 64 KiB, refused once it passes ``limit``."""
+    inflater = zlib.decompressobj(wbits)
+    pieces: list[bytes] = []
+    got = 0
+    pending = content
+    while pending and not inflater.eof:
+        piece = inflater.decompress(pending, _CHUNK)
+        pending = inflater.unconsumed_tail
+        got += len(piece)
+        if limit is not None and got > limit.bytes:
+            raise AnswerRefused(
+                f"its body decodes to more than the {limit.bytes} bytes {limit.why}", status
+            )
+        pieces.append(piece)
+    if not inflater.eof:
+        raise zlib.error("incomplete or truncated stream")
+    return b"".join(pieces)

@@ -7,6 +7,13 @@ fetch by key is one request: ``GET /v1/recipes/{key}/artifact`` answers with the
 and their metadata (``X-KCache-Meta``, design §5). Bytes damaged on the way are
 fetched again by digest (bounded); metadata that contradicts its own response is
 refused with :class:`~kcache_client.errors.MetadataError`.
+
+No body is read further than it may go: an artifact's by the size its metadata names
+(the header is checked before the body is read, and a size over this client's
+``max_artifact_bytes`` is refused unread), a blob's by the size its resolve named,
+JSON answers by the transport's fixed cap; one byte more is
+:class:`~kcache_client.errors.ResponseRefusedError` at once, with no refetch (bytes
+that only differ are refetched: damage on the way; bytes beyond the promise are not).
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ from kcache.artifact_header import HEADER as META_HEADER
 from kcache.artifact_header import decode_meta, parse_meta
 from kcache.outcomes import ResolveStatus
 from kcache.recipe import Recipe
-from kcache_client._http import Transport, batch_item_error
+from kcache_client._http import Limit, Transport, batch_item_error
+from kcache_client._settings import max_artifact_bytes_from_env
 from kcache_client._stats import CacheStats
 from kcache_client.errors import (
     ClientError,
     DigestMismatchError,
     MetadataError,
     RemoteNotFoundError,
+    ResponseRefusedError,
 )
 
 __all__ = ["Remote", "Resolution"]
@@ -40,16 +49,25 @@ Resolution = tuple[ResolveStatus, ArtifactMeta]
 
 
 class Remote:
-    """One server, through a :class:`Transport`; see the module docstring."""
+    """One server, through a :class:`Transport`; see the module docstring.
 
-    def __init__(self, transport: Transport, stats: CacheStats) -> None:
+    ``max_artifact_bytes`` is the largest artifact accepted (None: the environment's
+    ``KCACHE_CLIENT_MAX_ARTIFACT_BYTES``, else 256 MiB).
+    """
+
+    def __init__(
+        self, transport: Transport, stats: CacheStats, *, max_artifact_bytes: int | None = None
+    ) -> None:
         self.transport = transport
         self.url = transport.url
         self._stats = stats
+        self.max_artifact_bytes = (
+            max_artifact_bytes if max_artifact_bytes is not None else max_artifact_bytes_from_env()
+        )
 
     def toolchains(self) -> dict[str, Any]:
         """``GET /v1/toolchains``: the server's toolchain ids, default and targets."""
-        body = self.transport.request("GET", "/v1/toolchains").json()
+        body = self.transport.request_json("GET", "/v1/toolchains")
         if not isinstance(body, dict) or not isinstance(body.get("default"), str):
             raise ClientError(f"{self.url}/v1/toolchains did not name a default toolchain")
         return body
@@ -59,31 +77,47 @@ class Remote:
 
         One ``GET /v1/recipes/{key}/artifact``. Only an artifact whose metadata is too
         long for a header costs a second request (the metadata route), and only bytes
-        damaged on the way are fetched again (by digest).
+        damaged on the way are fetched again (by digest). The metadata header is
+        checked (well formed, of this response's digest, fitting the recipe, within
+        ``max_artifact_bytes``) before the body is read, and the body is read no
+        further than the size it names.
         """
         path = f"/v1/recipes/{key}/artifact"
-        try:
-            response = self.transport.request("GET", path)
-        except RemoteNotFoundError:
-            return None
         where = self.url + path
-        encoded = response.headers.get(META_HEADER)
-        if encoded is None:
-            try:  # too long for a header (design §5): the metadata route says it
-                meta = self._metadata(key)
-            except RemoteNotFoundError:
-                return None  # forgotten in between (evicted, collected)
-        else:
+        headed: list[ArtifactMeta] = []
+
+        def expect(headers: Mapping[str, str]) -> Limit:
+            headed.clear()
+            encoded = headers.get(META_HEADER)
+            if encoded is None:  # too long for a header (design §5): the metadata route says it
+                return self._artifact_limit()
             try:
                 meta = decode_meta(encoded)
             except ValueError as exc:
                 raise MetadataError(where, str(exc)) from None
-            claimed = response.headers.get("X-Kcache-Digest")
+            claimed = headers.get("X-Kcache-Digest")
             if claimed != meta.digest:
                 raise MetadataError(
                     where, f"{META_HEADER} names digest {meta.digest}, the response {claimed}"
                 )
-        _check_fits(meta, concrete, where)
+            _check_fits(meta, concrete, where)
+            self._check_size(meta, where)
+            headed.append(meta)
+            return Limit(meta.size, f"its {META_HEADER} names")
+
+        try:
+            response = self.transport.request("GET", path, expect=expect)
+        except RemoteNotFoundError:
+            return None
+        if headed:
+            meta = headed[0]
+        else:
+            try:
+                meta = self._metadata(key)
+            except RemoteNotFoundError:
+                return None  # forgotten in between (evicted, collected)
+            _check_fits(meta, concrete, where)
+            self._check_size(meta, where)
         data = response.content
         actual = hashlib.sha256(data).hexdigest()
         if actual != meta.digest:
@@ -91,7 +125,7 @@ class Remote:
             # requests): the blob by digest is immutable, so fetch that, verified.
             self._stats.add("digest_mismatches")
             try:
-                data = self.blob(meta.digest)
+                data = self.blob(meta.digest, meta.size)
             except RemoteNotFoundError:  # no such blob: the metadata named bytes nobody has
                 raise DigestMismatchError(where, meta.digest, actual) from None
         if len(data) != meta.size:
@@ -103,7 +137,7 @@ class Remote:
     ) -> Resolution:
         """``POST /v1/resolve``: hit, or compiled (or joined) on the server; the bytes are not sent."""
         body = {"recipe": concrete.to_dict(), "compile": compile, "context": dict(context)}
-        answer = self.transport.request("POST", "/v1/resolve", json=body).json()
+        answer = self.transport.request_json("POST", "/v1/resolve", json=body, compiles=True)
         return self._resolution(answer, concrete, key, f"{self.url}/v1/resolve")
 
     def resolve_batch(
@@ -125,7 +159,7 @@ class Remote:
             "compile": compile,
             "context": dict(context),
         }
-        answer = self.transport.request("POST", "/v1/resolve/batch", json=body).json()
+        answer = self.transport.request_json("POST", "/v1/resolve/batch", json=body, compiles=True)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list) or len(results) != len(recipes):
             raise ClientError(f"{where} returned a malformed results list")
@@ -137,12 +171,16 @@ class Remote:
                 out.append(self._resolution(result, recipe, key, where))
         return out
 
-    def blob(self, digest: str) -> bytes:
-        """``GET /v1/blobs/{digest}``, fetched again until the bytes hash to ``digest`` (bounded)."""
+    def blob(self, digest: str, size: int | None = None) -> bytes:
+        """``GET /v1/blobs/{digest}``, fetched again until the bytes hash to ``digest`` (bounded).
+
+        ``size``, when known (the metadata's), bounds each body; else ``max_artifact_bytes``.
+        """
         path = f"/v1/blobs/{digest}"
+        limit = Limit(size, "its metadata names") if size is not None else self._artifact_limit()
         actual = ""
         for _ in range(_DIGEST_TRIES):
-            data = self.transport.request("GET", path).content
+            data = self.transport.request("GET", path, expect=limit).content
             actual = hashlib.sha256(data).hexdigest()
             if actual == digest:
                 return data
@@ -151,18 +189,29 @@ class Remote:
 
     def download(self, meta: ArtifactMeta) -> bytes:
         """The verified bytes of a resolved artifact (by digest), which must have its size."""
-        data = self.blob(meta.digest)
+        where = f"{self.url}/v1/blobs/{meta.digest}"
+        self._check_size(meta, where)
+        data = self.blob(meta.digest, meta.size)
         if len(data) != meta.size:
-            raise MetadataError(
-                f"{self.url}/v1/blobs/{meta.digest}",
-                f"its size is {meta.size}, its bytes are {len(data)}",
-            )
+            raise MetadataError(where, f"its size is {meta.size}, its bytes are {len(data)}")
         return data
 
     # ------------------------------------------------------------------ internals
     def _metadata(self, key: str) -> ArtifactMeta:
         path = f"/v1/recipes/{key}"
-        return _parse(self.transport.request("GET", path).json(), self.url + path)
+        return _parse(self.transport.request_json("GET", path), self.url + path)
+
+    def _artifact_limit(self) -> Limit:
+        return Limit(self.max_artifact_bytes, "this client accepts (max_artifact_bytes)")
+
+    def _check_size(self, meta: ArtifactMeta, where: str) -> None:
+        """Refuse an artifact larger than this client accepts, before a byte of it is read."""
+        if meta.size > self.max_artifact_bytes:
+            raise ResponseRefusedError(
+                where,
+                f"its metadata names {meta.size} bytes, more than the {self.max_artifact_bytes} "
+                "this client accepts (max_artifact_bytes, KCACHE_CLIENT_MAX_ARTIFACT_BYTES)",
+            )
 
     def _resolution(self, answer: Any, concrete: Recipe, key: str, where: str) -> Resolution:
         """A resolve body (alone or in a batch), checked against the recipe asked for."""

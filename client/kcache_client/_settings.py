@@ -9,10 +9,17 @@ Local compiles default to on when no server is configured (nothing else could
 compile a miss) and to off when one is: a worker that silently compiled for itself
 while its server is down would hide the outage and key with its own NVRTC.
 ``KCACHE_LOCAL_COMPILE`` or ``local_compile=`` decide either way.
+
+Every call to the server is bounded (:class:`RetryPolicy`): each try by a deadline
+over connect, headers and body (``KCACHE_REQUEST_DEADLINE_S``, 60 s; a resolve, which
+may wait for a compile, ``KCACHE_COMPILE_DEADLINE_S``, 900 s), the tries and the waits
+between them by the retry budget (``KCACHE_RETRY_BUDGET_S``, 60 s), and an artifact's
+bytes by ``max_artifact_bytes`` (``KCACHE_CLIENT_MAX_ARTIFACT_BYTES``, 256 MiB).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import socket
@@ -28,19 +35,62 @@ from kcache.dirs import cache_dir as default_cache_dir
 from kcache.errors import KCacheError
 from kcache.eviction import parse_size
 
-__all__ = ["DEFAULT_TIMEOUT", "ClientSettings", "RetryPolicy"]
+__all__ = [
+    "DEFAULT_MAX_ARTIFACT_BYTES",
+    "DEFAULT_TIMEOUT",
+    "ClientSettings",
+    "RetryPolicy",
+    "max_artifact_bytes_from_env",
+]
 
-#: A compile can take minutes on a cold server; connecting should not.
+#: A compile can take minutes on a cold server; connecting should not. (Each read waits
+#: at most this long for the next bytes; a try as a whole is bounded by RetryPolicy.)
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+
+#: The largest artifact a client accepts: 8 times the server's default cap on compiler
+#: output (32 MiB), so a server that raised its own cap is still served, while a
+#: server's claim of more is refused before a byte of the body is read.
+DEFAULT_MAX_ARTIFACT_BYTES = 256 << 20
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment variable ``name``, else ``default``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise KCacheError(f"{name}={raw!r}: give a positive number of seconds")
+    return value
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded retries: at most ``attempts`` tries and ``budget_s`` seconds of waiting in all.
+    """Bounded calls: each try within its deadline, retries within the budget.
+
+    A try (connect, send, the status line and headers, the whole body) ends within
+    ``deadline_s`` seconds (``KCACHE_REQUEST_DEADLINE_S``), or ``compile_deadline_s``
+    (``KCACHE_COMPILE_DEADLINE_S``) for a request that may wait for a compile on the
+    server (a resolve, a batch). A failed try is retried, up to ``attempts`` tries in
+    all, as long as the wait before it ends within ``budget_s`` seconds
+    (``KCACHE_RETRY_BUDGET_S``) of the call's start; and the whole call, tries and
+    waits, ends within :meth:`call_bound`: the budget, or one try's deadline where
+    that is longer (a lone try keeps its whole deadline; a budget shorter than it only
+    forbids retries).
 
     The wait before try ``n`` is uniform in ``[0, min(cap_s, base_s * 2**n)]`` ("full
     jitter", so a thousand ranks retrying at once spread out), or the server's
     ``Retry-After`` when it gave one (capped by ``max_retry_after_s``).
+
+    Defaults a training job can live with: a fetch of a kernel takes milliseconds and
+    a 256 MiB artifact a few seconds, so a minute is a server or proxy that has stopped
+    serving (the rank then falls back to its tier, or fails); a compile may queue on the
+    server for its ``compile_queue_timeout_s`` (300 s) and run for its
+    ``compile_timeout_s`` (120 s), a batch of them longer, so 15 minutes (the client's
+    and the server's lock timeout for waiting on another's compile).
     """
 
     attempts: int = 6
@@ -48,10 +98,63 @@ class RetryPolicy:
     cap_s: float = 10.0
     budget_s: float = 60.0
     max_retry_after_s: float = 30.0
+    deadline_s: float = 60.0
+    compile_deadline_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise KCacheError(f"attempts must be at least 1, not {self.attempts}")
+        for name in ("deadline_s", "compile_deadline_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise KCacheError(f"{name} must be a positive number of seconds, not {value}")
+        if not self.budget_s >= 0:
+            raise KCacheError(f"budget_s must not be negative, not {self.budget_s}")
+
+    @classmethod
+    def from_env(cls) -> RetryPolicy:
+        """The defaults, with ``KCACHE_REQUEST_DEADLINE_S``, ``KCACHE_COMPILE_DEADLINE_S`` and
+        ``KCACHE_RETRY_BUDGET_S`` where they are set."""
+        default = cls()
+        return cls(
+            deadline_s=_env_seconds("KCACHE_REQUEST_DEADLINE_S", default.deadline_s),
+            compile_deadline_s=_env_seconds(
+                "KCACHE_COMPILE_DEADLINE_S", default.compile_deadline_s
+            ),
+            budget_s=_env_seconds("KCACHE_RETRY_BUDGET_S", default.budget_s),
+        )
+
+    def try_deadline(self, *, compiles: bool) -> float:
+        """How long one try may take: ``compile_deadline_s`` if it may compile, else ``deadline_s``."""
+        return self.compile_deadline_s if compiles else self.deadline_s
+
+    def call_bound(self, *, compiles: bool) -> float:
+        """How long a whole call may take, tries and waits: the budget, or one try's deadline."""
+        return max(self.budget_s, self.try_deadline(compiles=compiles))
 
     def backoff(self, attempt: int) -> float:
         """The jittered wait before retry number ``attempt`` (0-based)."""
         return random.uniform(0.0, min(self.cap_s, self.base_s * (2.0**attempt)))
+
+
+def max_artifact_bytes_from_env() -> int:
+    """``KCACHE_CLIENT_MAX_ARTIFACT_BYTES`` (a size such as ``512MiB``), else the default."""
+    return _artifact_cap(None)
+
+
+def _artifact_cap(explicit: int | str | None) -> int:
+    name = "KCACHE_CLIENT_MAX_ARTIFACT_BYTES"
+    value = explicit if explicit is not None else os.environ.get(name, "").strip() or None
+    if value is None:
+        return DEFAULT_MAX_ARTIFACT_BYTES
+    what = "max_artifact_bytes" if explicit is not None else name
+    try:
+        size = parse_size(value, what)
+    except ValueError as exc:
+        raise KCacheError(str(exc)) from None
+    if size < 1:
+        raise KCacheError(f"{what} must be at least 1 byte, not {value!r}")
+    return size
 
 
 def _job_id_from_env() -> str | None:
@@ -93,8 +196,12 @@ class ClientSettings:
     """How a ``KernelCache`` reaches its server, where its node tier is, and how it behaves.
 
     Server: ``url`` (``KCACHE_URL``; None: no server), ``token`` (``KCACHE_TOKEN``),
-    ``retry`` (a :class:`RetryPolicy`), ``timeout`` (an ``httpx.Timeout``; default 600 s
-    to read, for compiles, and 5 s to connect). Node tier: ``cache_dir``
+    ``retry`` (a :class:`RetryPolicy`: attempts, each try's deadline, the whole call's
+    budget; ``KCACHE_REQUEST_DEADLINE_S``, ``KCACHE_COMPILE_DEADLINE_S``,
+    ``KCACHE_RETRY_BUDGET_S``), ``timeout`` (an ``httpx.Timeout``: the longest wait for
+    the next bytes; default 600 s to read, for compiles, and 5 s to connect),
+    ``max_artifact_bytes`` (the largest artifact accepted from the server,
+    ``KCACHE_CLIENT_MAX_ARTIFACT_BYTES``, default 256 MiB). Node tier: ``cache_dir``
     (``KCACHE_CACHE_DIR``, else ``~/.cache/kcache/client``), ``cache_max_bytes`` (its
     cap, ``KCACHE_CACHE_MAX_BYTES``: None for the default of 10 GiB or 10 % of its
     filesystem, 0 for none), ``lock_timeout_s`` (how long a process waits for another
@@ -124,8 +231,13 @@ class ClientSettings:
     lock_timeout_s: float = 900.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     timeout: httpx.Timeout = field(default_factory=lambda: DEFAULT_TIMEOUT)
+    max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES
 
     def __post_init__(self) -> None:
+        if self.max_artifact_bytes < 1:
+            raise KCacheError(
+                f"max_artifact_bytes must be at least 1 byte, not {self.max_artifact_bytes}"
+            )
         if self.memory_entries < 1:
             raise KCacheError(f"memory_entries must be at least 1, not {self.memory_entries}")
         if not self.lock_timeout_s > 0:
@@ -163,10 +275,13 @@ class ClientSettings:
         lock_timeout_s: float = 900.0,
         retry: RetryPolicy | None = None,
         timeout: httpx.Timeout | None = None,
+        max_artifact_bytes: int | str | None = None,
     ) -> ClientSettings:
         """Arguments first, then the environment, then the defaults.
 
-        ``cache_max_bytes`` also takes sizes such as ``"10GiB"``.
+        ``cache_max_bytes`` and ``max_artifact_bytes`` also take sizes such as ``"10GiB"``;
+        a ``retry`` given is used as it is (the environment's deadlines and budget are
+        read only for the default one, :meth:`RetryPolicy.from_env`).
         """
         if local_compile is None:
             local_compile = env_flag("KCACHE_LOCAL_COMPILE")
@@ -185,8 +300,9 @@ class ClientSettings:
             send_events=send_events,
             memory_entries=memory_entries,
             lock_timeout_s=lock_timeout_s,
-            retry=retry or RetryPolicy(),
+            retry=retry or RetryPolicy.from_env(),
             timeout=timeout or DEFAULT_TIMEOUT,
+            max_artifact_bytes=_artifact_cap(max_artifact_bytes),
         )
 
     def located(

@@ -11,7 +11,9 @@ Failures cross process boundaries as plain data (JSON, never pickles), so every 
 raises the same :class:`~kcache_client.errors.WarmupError` with the same fields: a
 compile error as :class:`~kcache_client.errors.WarmupCompileError`, a rank that does
 not arrive or a leader that dies or runs out of time as
-:class:`~kcache_client.errors.WarmupTimeoutError`.
+:class:`~kcache_client.errors.WarmupTimeoutError`. What a rank shared that no warmup
+sends (a malformed verdict, entry or outcome in the store) is a WarmupError that says
+so, the same on every rank, never taken for a rank that died.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def _warmup_group(
         concrete_or_error = _error_dict(exc, rank)
         mine = {"host": cache.host, "error": concrete_or_error}
     gathered = _collective(lambda: coll.all_gather(mine), "all-gather of the recipes", 0)
+    _check_gathered(gathered, size)
     for entry in gathered:
         if "error" in entry:
             raise WarmupError.from_dict(entry["error"])
@@ -170,6 +173,7 @@ def _warmup_group(
         )
     else:
         answers = [_collective(lambda: coll.broadcast(payload, 0), "broadcast of the outcomes", 0)]
+    _check_outcomes(answers, leaders if per_node else [0])
     # Every leader's failure is checked in rank order, so with several leaders
     # (per_node) every rank still raises the same error, not only its node's ranks.
     for r in leaders:
@@ -314,6 +318,53 @@ def _raise_first_error(
             log=log,
             leader=leader,
         )
+
+
+def _malformed(what: str, rank: int, problem: str) -> WarmupError:
+    """The error of data a rank shared that no kcache warmup sends (the same on every rank)."""
+    return WarmupError(
+        f"warmup: malformed {what} from rank {rank} (of the group): {problem}",
+        kind="MalformedVerdict",
+        leader=rank,
+    )
+
+
+def _check_gathered(gathered: Any, size: int) -> None:
+    """Refuse an all-gather of the recipes that is not one entry per rank as warmups send them."""
+    if not isinstance(gathered, list) or len(gathered) != size:
+        raise _malformed("all-gather of the recipes", 0, f"not a list of {size} entries")
+    for rank, entry in enumerate(gathered):
+        if not isinstance(entry, dict) or not isinstance(entry.get("host"), str):
+            raise _malformed("recipes", rank, "not an object naming its host")
+        if "error" in entry:
+            error = entry["error"]
+            if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+                raise _malformed("recipes", rank, "an error without a message")
+            continue
+        recipes = entry.get("recipes")
+        if not isinstance(recipes, list) or not all(
+            isinstance(item, list)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], dict)
+            for item in recipes
+        ):
+            raise _malformed("recipes", rank, "not a list of [key, recipe] pairs")
+
+
+def _check_outcomes(answers: Any, leaders: list[int]) -> None:
+    """Refuse leaders' outcomes that are not what a warmup's leader broadcasts."""
+    for rank in leaders:
+        answer = answers[rank] if isinstance(answers, list) and rank < len(answers) else None
+        if not isinstance(answer, dict) or not isinstance(answer.get("outcomes"), dict):
+            raise _malformed("outcomes", rank, "not an object with outcomes")
+        error = answer.get("error")
+        if error is not None and (
+            not isinstance(error, dict) or not isinstance(error.get("message"), str)
+        ):
+            raise _malformed("outcomes", rank, "an error without a message")
+        if not all(isinstance(o, dict) for o in answer["outcomes"].values()):
+            raise _malformed("outcomes", rank, "an outcome that is not an object")
 
 
 def _collective(op: Callable[[], _T], what: str, leader: int) -> _T:

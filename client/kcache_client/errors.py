@@ -14,6 +14,8 @@ Hierarchy (every class is also a :class:`kcache.errors.KCacheError`)::
         ├── RecipeRefusedError                         one recipe of a batch failed otherwise on the server (its code)
         ├── DigestMismatchError                        received bytes do not hash to the digest they claim
         ├── MetadataError                              the server's artifact metadata is malformed or does not fit
+        ├── ResponseRefusedError                       an answer broke the protocol: a redirect, headers or a body
+        │                                              over their bound, a body that is not the JSON asked for
         ├── NoDeviceError (RuntimeError)               target "auto" without a usable CUDA device
         ├── ArchitectureMismatchError (RuntimeError)   an artifact built for another GPU or a newer driver
         └── WarmupError                                a warmup failed; raised identically on every rank
@@ -42,6 +44,7 @@ __all__ = [
     "RemoteCompileError",
     "RemoteNotFoundError",
     "RequestRejectedError",
+    "ResponseRefusedError",
     "ServerBusyError",
     "ServerResponseError",
     "ServerUnavailableError",
@@ -143,6 +146,23 @@ class MetadataError(ClientError):
         super().__init__(f"artifact metadata from {url} refused: {problem}")
         self.url = url
         self.problem = problem
+
+
+class ResponseRefusedError(ClientError):
+    """An answer from ``url`` broke the protocol and was refused; ``problem`` says how.
+
+    A redirect (never followed: the token goes to the configured server only), headers
+    or a body over their bound (a body may have what its metadata promises, a JSON answer
+    a fixed cap), or a body that is not the JSON its route answers. The connection is
+    dropped, the request is not retried (the server would answer the same) and nothing
+    is stored. ``status`` is the answer's HTTP status when it had one.
+    """
+
+    def __init__(self, url: str, problem: str, *, status: int | None = None) -> None:
+        super().__init__(f"answer from {url} refused: {problem}")
+        self.url = url
+        self.problem = problem
+        self.status = status
 
 
 class NoDeviceError(ClientError, RuntimeError):
