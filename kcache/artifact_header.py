@@ -12,6 +12,12 @@ field, as it does for the metadata in JSON answers) and then checks the body aga
 A value longer than :data:`MAX_CHARS` (a dependency list of several hundred headers) is
 not sent: the response then has no ``X-KCache-Meta``, and a client reads the metadata
 route instead, a second round trip for such artifacts only.
+
+The other way, a fetch may say what its client does when it misses:
+``X-KCache-On-Miss: resolve`` (:data:`ON_MISS_HEADER`, :data:`ON_MISS_RESOLVE`) says a
+``POST /v1/resolve`` of the same recipe follows a 404, and that resolve is the lookup
+the caller sees (compiled, waited, or a miss). The server then does not audit the 404
+itself, so one lookup is counted once, with its real outcome.
 """
 
 from __future__ import annotations
@@ -26,10 +32,22 @@ from kcache.artifact import ArtifactMeta
 from kcache.deps import Dependency
 from kcache.keys import canonical_json, is_hex_key
 
-__all__ = ["HEADER", "MAX_CHARS", "decode_meta", "encode_meta", "parse_meta"]
+__all__ = [
+    "HEADER",
+    "MAX_CHARS",
+    "ON_MISS_HEADER",
+    "ON_MISS_RESOLVE",
+    "decode_meta",
+    "encode_meta",
+    "parse_meta",
+]
 
 #: The header's name (HTTP header names are case-insensitive).
 HEADER = "X-KCache-Meta"
+#: A fetch's request header: what its client does after a 404 (see the module docstring).
+ON_MISS_HEADER = "X-KCache-On-Miss"
+#: :data:`ON_MISS_HEADER`'s value for "a resolve of the same recipe follows".
+ON_MISS_RESOLVE = "resolve"
 #: The longest value sent: well under what HTTP clients accept for all headers together
 #: (httpx: 100 KiB), and what a proxy in front must allow (nginx: ``proxy_buffer_size 64k``).
 MAX_CHARS = 32 * 1024

@@ -7,12 +7,24 @@ build on what is here; nothing here is a fixture.
 Only the standard library and httpx are imported at module level, so a client-only
 install (and a benchmark) can import this module; what needs the server's packages
 (uvicorn, SQLAlchemy, ``kcache_server``) or pytest imports it where it is used.
+
+Every server started here is checked for tracebacks when it stops: a server in normal
+operation logs none, and nothing else would notice one (a request still answers, the
+test passes). :class:`ServerProcess` reads its log file, :class:`ServerThread` the
+records logged in this process while it ran, on its event loop or on a thread of no
+other server's loop (uvicorn's loggers do not propagate to the root, so they are
+listened to as well). Their ``stop()`` (and ``check_log()``) raise
+:class:`AssertionError` naming each exception; a test that provokes one on purpose
+says so, around the provoking call with ``with server.tracebacks_allowed("Name",
+reason=...)``, or for the server's whole life with ``server.allow_tracebacks(...)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,6 +44,7 @@ __all__ = [
     "NEVER_FINISHES",
     "PG_ADMIN_URL",
     "ROOT",
+    "TRACEBACK",
     "VECTOR_ADD",
     "ServerProcess",
     "ServerThread",
@@ -40,6 +53,7 @@ __all__ = [
     "free_port",
     "never_finishes",
     "pg_database",
+    "tracebacks",
     "unique",
     "upgrade",
     "vector_add",
@@ -147,6 +161,174 @@ def requests_counted(metrics: str, route: str, method: str, status: str) -> floa
     )
 
 
+# ------------------------------------------------------------------------------ tracebacks
+#: What opens every traceback Python prints (chained ones and exception groups too).
+TRACEBACK = "Traceback (most recent call last)"
+#: The line between two tracebacks of one chain: the next one is what was raised last.
+_CHAINED = (
+    "During handling of the above exception, another exception occurred:",
+    "The above exception was the direct cause of the following exception:",
+)
+#: A traceback's last line: the exception's (qualified) name, then ``: message`` or nothing.
+_EXCEPTION_LINE = re.compile(r"([A-Za-z_][\w.]*)(?::|$)")
+
+
+def tracebacks(text: str) -> list[tuple[str, str]]:
+    """``(exception name, traceback text)`` for each traceback (or chain of them) in ``text``.
+
+    A chain (``During handling of the above exception ...``) counts once, by the
+    exception raised last; an exception group once, by the group's name. A traceback
+    whose exception line cannot be found (cut off, or interleaved with other output) is
+    named ``"?"``, which no allowance covers.
+    """
+    lines = text.splitlines()
+    found: list[tuple[str, str]] = []
+    start: int | None = None  # where the chain being read began
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        at = line.find(TRACEBACK)
+        if at < 0 or "|" in line[:at]:
+            i += 1  # not one, or a sub-exception of a group: the group counts, by its name
+            continue
+        if start is None:
+            start = i
+        # The exception line starts where the traceback's own prefix ends (nothing, or an
+        # exception group's "  | "), and unlike the frames it is not indented past it.
+        prefix = line[:at].replace("+ Exception Group ", "| ").replace("Exception Group ", "")
+        name, j = "?", i + 1
+        while j < len(lines):
+            rest = lines[j][len(prefix) :] if lines[j].startswith(prefix) else None
+            if rest is not None and rest[:1] not in ("", " "):
+                match = _EXCEPTION_LINE.match(rest)
+                if match is not None and TRACEBACK not in rest:
+                    name = match.group(1)
+                break
+            j += 1
+        following = next((t.strip() for t in lines[j + 1 :] if t.strip()), "")
+        if any(following.endswith(c) for c in _CHAINED):
+            i = j + 1  # the chain goes on: judged by its last exception
+            continue
+        found.append((name, "\n".join(lines[start : j + 1])))
+        start = None
+        i = j + 1
+    return found
+
+
+def _allowed(name: str, allowed: Mapping[str, str]) -> bool:
+    """Whether ``name`` (maybe qualified) is one of ``allowed`` (by its last part)."""
+    short = name.rsplit(".", 1)[-1]
+    return any(short == a.rsplit(".", 1)[-1] for a in allowed)
+
+
+def _refuse_tracebacks(
+    found: Sequence[tuple[str, str]], allowed: Mapping[str, str], where: str
+) -> None:
+    """AssertionError naming every traceback of ``found`` that ``allowed`` does not cover."""
+    bad = [(name, text) for name, text in found if not _allowed(name, allowed)]
+    if not bad:
+        return
+    names = ", ".join(sorted({name for name, _ in bad}))
+    raise AssertionError(
+        f"{where} logged {len(bad)} traceback(s) ({names}); a server logs none in normal "
+        "operation (a test that provokes one calls allow_tracebacks(NAME, reason=...)). "
+        f"The first:\n{_shortened(bad[0][1])}"
+    )
+
+
+def _shortened(text: str, lines: int = 40) -> str:
+    """``text``'s first and last lines (a traceback's start says who logged it, its end what)."""
+    every = text.splitlines()
+    if len(every) <= 2 * lines:
+        return text
+    return "\n".join([*every[:lines], f"... ({len(every) - 2 * lines} lines) ...", *every[-lines:]])
+
+
+class _TracebackRecords(logging.Handler):
+    """The records of this process that carry a traceback: an ERROR with exc_info, or text with one."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.records: list[logging.LogRecord] = []
+        #: Records a server's check allowed: no other server's check counts them.
+        self.excused: set[int] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string is the logger's bug, not a traceback
+            message = str(record.msg)
+        logged = record.exc_info is not None and record.exc_info[0] is not None
+        if (logged and record.levelno >= logging.ERROR) or TRACEBACK in message:
+            self.records.append(record)
+
+    def listen(self) -> int:
+        """Attach to the root and to uvicorn's loggers (again: each ``uvicorn.Config``
+        reconfigures those); how many records were kept before now."""
+        for name in ("", "uvicorn", "uvicorn.access"):
+            logger = logging.getLogger(name)
+            if self not in logger.handlers:
+                logger.addHandler(self)
+        return len(self.records)
+
+    def judge(
+        self, first: int, loop_thread: str, allowed: Mapping[str, str]
+    ) -> list[tuple[str, str]]:
+        """``(exception name, text)`` of each record since ``first`` that may be a server's,
+        those ``allowed`` left out (and excused for every other server's check too).
+
+        A record logged on another server's event-loop thread (named by
+        :data:`_LOOP_THREAD`) is that server's; ``loop_thread`` is the asker's. A record
+        of any other thread (an executor's, the audit writer's) may be anyone's.
+        """
+        found: list[tuple[str, str]] = []
+        formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+        for index in range(first, len(self.records)):
+            record = self.records[index]
+            name = record.threadName or ""
+            if index in self.excused or (
+                name.startswith(_LOOP_THREAD.format(port="")) and name != loop_thread
+            ):
+                continue
+            text = formatter.format(record)
+            parsed = tracebacks(text)
+            if record.exc_info and record.exc_info[0] is not None:
+                # The logged exception names the record whatever its text shows.
+                parsed = [(record.exc_info[0].__name__, text)]
+            parsed = parsed or [("?", text)]
+            if all(_allowed(exception, allowed) for exception, _ in parsed):
+                self.excused.add(index)
+            found.extend(parsed)
+        return found
+
+
+_RECORDS = _TracebackRecords()
+#: The name of a :class:`ServerThread`'s event-loop thread (its port makes it unique
+#: among the servers running at one time).
+_LOOP_THREAD = "kcache-test-server-{port}"
+
+
+@contextlib.contextmanager
+def _allowing(
+    server: ServerThread | ServerProcess, names: Sequence[str], reason: str
+) -> Iterator[None]:
+    """``server.allowed`` widened by ``names`` for what is logged within the block.
+
+    What was logged before is judged first, without them; what the block logged is
+    judged at its end, with them (a server logs a request's traceback before answering).
+    """
+    server.check_log()
+    saved = dict(server.allowed)
+    server.allowed.update(dict.fromkeys(names, reason))
+    try:
+        yield
+    finally:
+        try:
+            server.check_log()
+        finally:
+            server.allowed = saved
+
+
 # ------------------------------------------------------------------------------ servers
 class ServerThread:
     """``create_app(settings)`` served by a real uvicorn on an ephemeral loopback port, in a thread.
@@ -177,8 +359,14 @@ class ServerThread:
             access_log=settings.access_log,  # (with the access log on, it answers nothing itself)
         )
         self.server = uvicorn.Server(config)
+        #: Exceptions this server may log with a traceback: name -> why (allow_tracebacks).
+        self.allowed: dict[str, str] = {}
+        self._records_from = _RECORDS.listen()  # after the Config: it reconfigures logging
         self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+            target=self.server.run,
+            kwargs={"sockets": [sock]},
+            daemon=True,
+            name=_LOOP_THREAD.format(port=self.port),  # whose records are whose (check_log)
         )
         self.thread.start()
         try:
@@ -202,10 +390,35 @@ class ServerThread:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=120, **kwargs)
 
+    def allow_tracebacks(self, *names: str, reason: str) -> None:
+        """Let this server log tracebacks of these exceptions from now on (``reason``: why)."""
+        self.allowed.update(dict.fromkeys(names, reason))
+
+    @contextlib.contextmanager
+    def tracebacks_allowed(self, *names: str, reason: str) -> Iterator[None]:
+        """Let this server log tracebacks of these exceptions within the block only (``reason``: why)."""
+        with _allowing(self, names, reason):
+            yield
+
+    def check_log(self) -> None:
+        """AssertionError for each traceback not allowed, logged since the last check.
+
+        What this server's event loop logged is checked, and what other threads of the
+        process logged meanwhile (its executor's and writers', or anyone's: a record
+        says its thread, not its server); not what another server's loop logged.
+        """
+        first, self._records_from = self._records_from, len(_RECORDS.records)
+        _refuse_tracebacks(
+            _RECORDS.judge(first, self.thread.name, self.allowed),
+            self.allowed,
+            f"the test server at {self.url}",
+        )
+
     def stop(self) -> None:
-        """Graceful shutdown (workers stopped, audit flushed)."""
+        """Graceful shutdown (workers stopped, audit flushed); AssertionError if it logged a traceback."""
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.check_log()
 
 
 class ServerProcess:
@@ -213,6 +426,8 @@ class ServerProcess:
 
     ``env`` replaces the environment (default: this process's); ``args`` are further
     ``serve`` flags. Use it as a context manager, or call :meth:`start` and :meth:`stop`.
+    :meth:`stop` reads what the process wrote to ``log`` since it was launched, and
+    fails on a traceback there that :meth:`allow_tracebacks` did not allow.
     """
 
     def __init__(
@@ -248,6 +463,10 @@ class ServerProcess:
         self.env = dict(os.environ if env is None else env)
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
+        #: Exceptions this server may log with a traceback: name -> why (allow_tracebacks).
+        self.allowed: dict[str, str] = {}
+        #: Where the log not yet checked for tracebacks starts (it is appended to).
+        self._unchecked: int | None = None
 
     def start(self, timeout: float = 60.0, ready: str = "/healthz") -> ServerProcess:
         """:meth:`launch`, then :meth:`wait_ready`."""
@@ -260,6 +479,8 @@ class ServerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as log:
+            if self._unchecked is None:  # a relaunch after a stop that checked keeps going
+                self._unchecked = log.tell()
             self.proc = subprocess.Popen(
                 self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT
             )
@@ -276,9 +497,11 @@ class ServerProcess:
                 interval=0.1,
             )
         except AssertionError as exc:
-            self.stop()
+            self._terminate()
+            self._unchecked = None  # the error shows the log; a caller may skip on it
             raise RuntimeError(f"{exc}; the server's log ends:\n{self.log_tail()}") from None
         if proc.poll() is not None:
+            self._unchecked = None
             raise RuntimeError(
                 f"kcache serve exited {proc.returncode}; its log ends:\n{self.log_tail()}"
             )
@@ -290,8 +513,38 @@ class ServerProcess:
         except FileNotFoundError:
             return ""
 
+    def allow_tracebacks(self, *names: str, reason: str) -> None:
+        """Let this server log tracebacks of these exceptions from now on (``reason``: why)."""
+        self.allowed.update(dict.fromkeys(names, reason))
+
+    @contextlib.contextmanager
+    def tracebacks_allowed(self, *names: str, reason: str) -> Iterator[None]:
+        """Let this server log tracebacks of these exceptions within the block only (``reason``: why)."""
+        with _allowing(self, names, reason):
+            yield
+
     def stop(self) -> None:
-        """SIGTERM (a graceful shutdown: the audit is flushed), then SIGKILL if it lingers."""
+        """SIGTERM (a graceful shutdown: the audit is flushed), then SIGKILL if it lingers;
+        then AssertionError if its log has a traceback :meth:`allow_tracebacks` did not allow."""
+        self._terminate()
+        self.check_log()
+
+    def check_log(self) -> None:
+        """AssertionError for each traceback not allowed in the log written since the last check."""
+        if self._unchecked is None:
+            return
+        try:
+            with self.log.open("rb") as log:
+                log.seek(self._unchecked)
+                text = log.read().decode(errors="replace")
+                self._unchecked = log.tell()
+        except FileNotFoundError:
+            return
+        _refuse_tracebacks(
+            tracebacks(text), self.allowed, f"kcache serve at {self.url} ({self.log})"
+        )
+
+    def _terminate(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)

@@ -6,6 +6,18 @@
                -> on a miss: POST /v1/resolve (compile if allowed), GET /v1/blobs/{digest}
                -> verified -> published into the node tier -> memory
 
+One ``get`` is one lookup on the server's books, counted once with the outcome the
+caller sees. A kernel the server holds is one request (the fetch, audited as its
+``hit``: B8 counts the requests per kernel, and a warm fetch must stay one round trip,
+so the fetch is not replaced by a resolve). A kernel it does not hold costs the fetch's
+404 and then a resolve, which is audited (``compiled``, ``waited``, or ``miss`` with
+``compile=False``); the fetch says so with ``X-KCache-On-Miss: resolve``
+(:data:`kcache.artifact_header.ON_MISS_HEADER`), and the server does not audit that
+404 as a ``miss`` of its own. Without it a first ``get`` counted two lookups, a miss
+and a compile, and the hit rate on the dashboard was too low. The header is sent on
+every request of the cache's transport: it states what this client does after any
+fetch that misses, and only the fetch route reads it.
+
 ``get_many`` does the same for many recipes with ``/v1/resolve/batch`` (what a warmup's
 leader runs; :mod:`~kcache_client._warmup` is the warmup). When the server cannot be
 reached the tier still answers, and a worker with NVRTC and local compiles enabled
@@ -29,6 +41,7 @@ import httpx
 from tqdm import tqdm
 
 from kcache.artifact import ArtifactMeta
+from kcache.artifact_header import ON_MISS_HEADER, ON_MISS_RESOLVE
 from kcache.errors import CompileError, KCacheError, ToolchainError
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
@@ -57,6 +70,17 @@ _ORIGIN_OF_STATUS: dict[str, ArtifactOrigin] = {
 
 def _nothing() -> None:
     """A look that finds nothing (``refresh``: the server is asked whatever the tier holds)."""
+
+
+def _resolving_on_miss(transport: Transport) -> Transport:
+    """``transport``, its requests saying that a fetch that misses is followed by a resolve.
+
+    ``Transport`` takes no per-request headers yet: its header dict, which every GET
+    sends, gets the one entry. (Once ``Remote.fetch`` can send request headers, the
+    header belongs on the fetch alone.)
+    """
+    transport._headers[ON_MISS_HEADER] = ON_MISS_RESOLVE
+    return transport
 
 
 def _needs(recipe: Recipe) -> tuple[bool, bool]:
@@ -105,17 +129,23 @@ class KernelCache:
         )
         self.stats = CacheStats()
         self._transport = (
-            Transport(
-                settings.url,
-                settings.token,
-                retry=settings.retry,
-                timeout=settings.timeout,
-                client=http_client,
+            _resolving_on_miss(
+                Transport(
+                    settings.url,
+                    settings.token,
+                    retry=settings.retry,
+                    timeout=settings.timeout,
+                    client=http_client,
+                )
             )
             if settings.url
             else None
         )
-        self._remote = Remote(self._transport, self.stats) if self._transport else None
+        self._remote = (
+            Remote(self._transport, self.stats, max_artifact_bytes=settings.max_artifact_bytes)
+            if self._transport
+            else None
+        )
         self._local = LocalCompiler(self.tier, settings)
         self._events = (
             EventSink(self._transport)

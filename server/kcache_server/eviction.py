@@ -243,11 +243,14 @@ class Evictor:
         """Run ``step``; log a failure (once a minute per kind: a database outage repeats)."""
         try:
             step()
-        except Exception:
+        except Exception as exc:
             now = time.monotonic()
             if now - self._complained.get(what, -_COMPLAINT_EVERY_S) >= _COMPLAINT_EVERY_S:
                 self._complained[what] = now
-                log.exception("evictor: %s failed; retrying", what)
+                if isinstance(exc, DBAPIError):  # an outage: the reason is the message
+                    log.warning("evictor: %s failed (%s); retrying", what, exc.orig or exc)
+                else:
+                    log.exception("evictor: %s failed; retrying", what)
 
     # ------------------------------------------------------------------ eviction
     def run_pass(self) -> PassReport | None:

@@ -38,6 +38,14 @@ and body bytes, as if it had never stopped here), marked so it is not offered tw
 
 Anything else — no answer, pipelined requests, an access log to write, a concurrency
 limit — takes uvicorn's path unchanged.
+
+A request answered here has no request cycle: the protocol's ``cycle`` is set back to
+None, the state uvicorn's protocol is in before a connection's first request and which
+every one of its methods handles (``connection_lost`` included: a stand-in cycle there
+lacked the ``message_event`` uvicorn sets, and the traceback cut its cleanup short on
+every close of a connection whose last request was answered here). The parser's
+callbacks for the rest of such a request (its body, its end) are the protocol's own
+and skip uvicorn's, which would look for the cycle.
 """
 
 from __future__ import annotations
@@ -124,15 +132,6 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
-class _Answered:
-    """The request cycle of a fetch the protocol answered itself: already complete."""
-
-    response_complete = True
-
-
-_ANSWERED = _Answered()
-
-
 def _in_chain(app: Any, kind: type[T]) -> T | None:
     """The middleware of ``kind`` in uvicorn's app chain (under its own middleware), if any."""
     for _ in range(8):
@@ -174,13 +173,21 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         self._gathering: _Gathering | None = None
         #: When the connection last became idle (its last response complete); None while busy.
         self._idle_since: float | None = None
+        #: The request being parsed was answered here: the parser's callbacks for its
+        #: body and its end are not uvicorn's (there is no cycle for them).
+        self._answered_here = False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """uvicorn's, and the keep-alive timer goes."""
-        super().connection_lost(exc)
-        if self.timeout_keep_alive_task is not None:
-            self.timeout_keep_alive_task.cancel()
-            self.timeout_keep_alive_task = None
+        """uvicorn's, and the keep-alive timer goes (whatever uvicorn's cleanup did)."""
+        try:
+            super().connection_lost(exc)
+        finally:
+            # uvicorn cancels its timer only on a clean close (its own timer is re-armed
+            # per response); this one stays armed per connection, so it goes on every
+            # close, or the loop keeps the dead protocol until the timer fires.
+            if self.timeout_keep_alive_task is not None:
+                self.timeout_keep_alive_task.cancel()
+                self.timeout_keep_alive_task = None
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, with what its callbacks write sent in one write when it returns."""
@@ -254,17 +261,24 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         return True
 
     def on_body(self, body: bytes) -> None:
-        """A gathered resolve's bytes kept (within the length admitted), else uvicorn's."""
+        """A gathered resolve's bytes kept (within the length admitted), else uvicorn's.
+
+        The body of a request answered here (a GET may have one) is dropped, as uvicorn
+        drops the body of a request whose response is complete.
+        """
         if self._gathering is not None:
             self._gathering.body += body
-        else:
+        elif not self._answered_here:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
         """A gathered resolve answered if it is a hit, else handed to uvicorn's path whole."""
         gathering = self._gathering
         if gathering is None:
-            super().on_message_complete()
+            if self._answered_here:
+                self._answered_here = False  # the next request is uvicorn's unless answered
+            else:
+                super().on_message_complete()
             return
         self._gathering = None
         resolve = self._resolve
@@ -295,6 +309,7 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         if answer is None:
             return False
         keep_alive = self._write_answer(*answer.http_parts())
+        self._answered_here = True  # answered from its headers: its body and end come next
         fast.finish(answer, started)
         self._answered(keep_alive)
         return True
@@ -302,12 +317,12 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
     def _write_answer(self, status: int, lines: bytes, body: bytes) -> bool:
         """Write a whole answer made here, after uvicorn's own headers; whether to keep alive.
 
-        The request cycle is marked complete first, so the parser's body callbacks and
-        the next request see no request in flight.
+        There is no request cycle from here on (see the module docstring): the next
+        request, a shutdown and a close see none in flight, as before a first request.
         """
         keep_alive = self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
         end = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
-        self.cycle = _ANSWERED  # type: ignore[assignment]
+        self.cycle = None  # type: ignore[assignment]  # uvicorn's own "no request yet"
         self.transport.write(
             b"".join((STATUS_LINE[status], self._default_lines(), lines, end, body))
         )

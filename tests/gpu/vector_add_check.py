@@ -47,8 +47,12 @@ def build(outdir: Path) -> None:
                 str(source),
                 "--target",
                 target,
-                "--data-dir",
-                str(outdir / "data"),
+                # Compiled here, into a cache directory of its own: no server is asked
+                # (an empty --server overrides a KCACHE_URL in the environment).
+                "--server",
+                "",
+                "--cache-dir",
+                str(outdir / "cache"),
                 "-o",
                 str(outdir / f"add_{target}.cubin"),
             ],

@@ -43,5 +43,12 @@ def serve() -> Iterator[Callable[[Any], ServerThread]]:
         return server
 
     yield start
+    # Every server is stopped before any is failed for a traceback in its log.
+    failures: list[AssertionError] = []
     for server in reversed(started):
-        server.stop()
+        try:
+            server.stop()
+        except AssertionError as exc:
+            failures.append(exc)
+    if failures:
+        raise failures[0]

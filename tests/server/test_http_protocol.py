@@ -15,12 +15,13 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
 from kcache_server.http_protocol import CoalescingHttpToolsProtocol, CoalescingTransport
 
-from tests.support import VECTOR_ADD, ServerProcess, upgrade, wait_until
+from tests.support import VECTOR_ADD, ServerProcess, ServerThread, upgrade, wait_until
 
 
 class Counted:
@@ -192,3 +193,54 @@ def test_keep_alive_closes_idle_connections_only() -> None:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def _response(conn: socket.socket) -> bytes:
+    """One whole response with a ``content-length`` (headers and body) from ``conn``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        assert chunk, f"closed before the headers: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head
+
+
+def test_closing_after_an_answer_of_the_protocol_cleans_up_without_a_traceback(
+    make_settings: Callable[..., Any], serve: Callable[[Any], ServerThread]
+) -> None:
+    """uvicorn's connection_lost runs whole (no stand-in cycle it trips on), the timer goes.
+
+    The connection's last request is a warm fetch the protocol answered itself: before,
+    uvicorn's cleanup raised on the stand-in cycle (a traceback in the log on every such
+    close) and the keep-alive timer cancel after it never ran. ``stop()`` fails on a
+    traceback logged while the server ran.
+    """
+    server = serve(make_settings(auth_cache_s=60.0))  # the fast path answers cached callers only
+    with server.client() as c:
+        body = {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
+        key = c.post("/v1/resolve", json=body).raise_for_status().json()["recipe_key"]
+    connections = server.server.server_state.connections
+    wait_until(lambda: not connections, "the resolve's connection to be closed")
+    request = f"GET /v1/recipes/{key}/artifact HTTP/1.1\r\nHost: t\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+        conn.sendall(request)  # the route: the caches fill
+        assert _response(conn).startswith(b"HTTP/1.1 200")
+        conn.sendall(request)  # answered by the protocol from memory
+        assert _response(conn).startswith(b"HTTP/1.1 200")
+        (protocol,) = connections
+        assert isinstance(protocol, CoalescingHttpToolsProtocol)
+        assert protocol.cycle is None  # the protocol's answer has no request cycle
+        assert protocol.timeout_keep_alive_task is not None  # idle: the timer is armed
+    # uvicorn's last step of connection_lost drops the parser; the timer is cancelled after.
+    wait_until(lambda: protocol.parser is None, "connection_lost to run to its end")
+    wait_until(lambda: protocol.timeout_keep_alive_task is None, "the keep-alive timer to go")
+    assert not connections
+    server.stop()  # raises on any traceback logged while it ran

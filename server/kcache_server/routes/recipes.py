@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 
 from kcache.artifact_header import HEADER as META_HEADER
-from kcache.artifact_header import MAX_CHARS
-from kcache.errors import ArtifactNotFoundError
+from kcache.artifact_header import MAX_CHARS, ON_MISS_HEADER, ON_MISS_RESOLVE
+from kcache.errors import ArtifactNotFoundError, CompileError
 from kcache_server.errors import ArtifactSetAsideError
 from kcache_server.http_cache import artifact_headers, etag_matches
 from kcache_server.routes._deps import ERRORS, Reader, State
@@ -72,6 +73,18 @@ async def recipe_artifact(
     request: Request,
     _: Reader,
     state: State,
+    on_miss: Annotated[
+        str | None,
+        Header(
+            alias=ON_MISS_HEADER,
+            max_length=64,
+            description=(
+                f"'{ON_MISS_RESOLVE}': a POST /v1/resolve of the same recipe follows a 404, "
+                "and that resolve is the lookup audited (so a 404 here is not counted as a "
+                "miss); anything else, or absent: a 404 is audited as a miss"
+            ),
+        ),
+    ] = None,
 ) -> Response:
     """The artifact's bytes and its metadata in one round trip; ``ETag`` is the digest.
 
@@ -81,7 +94,10 @@ async def recipe_artifact(
     rest (and fills the memory caches the fast path reads). A blob that fails its
     check on the read is a 404 ``not_found`` saying so, as for an evicted artifact
     (:class:`~kcache_server.errors.ArtifactSetAsideError`); the fast path serves only
-    bytes verified into memory.
+    bytes verified into memory. A recipe whose compile failed answers its recorded error,
+    audited as an ``error``. A 404 is audited as a miss unless the caller says a
+    resolve follows (``X-KCache-On-Miss: resolve``, as ``KernelCache`` does): the
+    resolve is then the one lookup, with the outcome the caller sees.
     """
     started = time.perf_counter()
     check_key(recipe_key, "recipe_key")
@@ -95,9 +111,15 @@ async def recipe_artifact(
         data = await resolver.blob(meta.digest)
     except ArtifactNotFoundError as exc:  # evicted, collected, or set aside as damaged
         resolver.forget(recipe_key)
-        resolver.record_fetch(recipe_key, None, started, "miss")
+        if on_miss != ON_MISS_RESOLVE:  # else the resolve that follows is the lookup
+            resolver.record_fetch(recipe_key, None, started, "miss")
         if isinstance(exc, ArtifactSetAsideError) and exc.recipe_key is None:
             raise ArtifactSetAsideError(exc.digest, recipe_key) from None
+        raise
+    except CompileError:
+        # A recorded failure answers here (422): the caller's lookup ends in that error,
+        # and no resolve follows to count it.
+        resolver.record_fetch(recipe_key, None, started, "error")
         raise
     resolver.record_fetch(recipe_key, meta, started, "hit")
     return Response(data, media_type="application/octet-stream", headers=headers)
