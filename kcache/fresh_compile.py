@@ -2,7 +2,8 @@
 
 :func:`kcache.nvrtc.compile_recipe` sends a compile here once a compile of its own
 process failed (NVRTC's dependency traces may be short from then on), and for a
-compile whose trace failed its checks. The child is a new interpreter in this
+compile whose trace failed its checks. The child (:func:`kcache.nvrtc.answer_one_compile`,
+so that this module needs nothing of :mod:`kcache.nvrtc`) is a new interpreter in this
 process's working directory (``-G`` and ``-lineinfo`` cubins record it, so the bytes
 are those this process would have made) and with its environment (a local compile
 is the user's own, nothing to scrub). It compiles once with
@@ -24,18 +25,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kcache.artifact import CompileOutput
-from kcache.compile_replies import reply_of, result_of
+from kcache.compile_replies import result_of
 from kcache.errors import ToolchainError
 from kcache.include_sets import IncludeSets
 from kcache.recipe import Recipe
 from kcache.toolchain import Toolchain
 
-__all__ = ["compile_in_fresh_process"]
+__all__ = ["REPLY_FIELD", "compile_in_fresh_process"]
 
 _REPLY = "reply.pickle"
+#: Where in the request the child is told to leave its reply.
+REPLY_FIELD = "reply"
 _BOOTSTRAP = (
     "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
-    "from kcache.fresh_compile import _child; _child()"
+    "from kcache.nvrtc import answer_one_compile; answer_one_compile()"
 )
 
 
@@ -55,7 +58,7 @@ def compile_in_fresh_process(
         "link_inputs": [bytes(item) for item in link_inputs],
     }
     with tempfile.TemporaryDirectory(prefix="kcache-compile-") as workdir:
-        request["reply"] = str(Path(workdir) / _REPLY)
+        request[REPLY_FIELD] = str(Path(workdir) / _REPLY)
         done = subprocess.run(
             [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path)],
             input=pickle.dumps(request),
@@ -72,31 +75,3 @@ def compile_in_fresh_process(
             )
         reply = pickle.loads(answer.read_bytes())  # written by our own child, just now
     return result_of(reply)
-
-
-def _child() -> None:
-    """Entry point of the fresh interpreter: one compile, its reply in the working directory."""
-    from kcache.nvrtc import compile_in_this_process
-    from kcache.toolchain import load_toolchain
-
-    request = pickle.loads(sys.stdin.buffer.read())
-    toolchain = load_toolchain(Path(request["toolchain_dir"]))
-
-    def compile() -> CompileOutput:
-        if toolchain.id != request["toolchain_id"]:
-            raise ToolchainError(
-                f"the fresh compile process loaded toolchain {toolchain.id}, "
-                f"not {request['toolchain_id']}"
-            )
-        return compile_in_this_process(
-            Recipe.from_dict(request["recipe"]),
-            toolchain,
-            IncludeSets(request["include_sets"]),
-            request["link_inputs"],
-        )
-
-    reply = reply_of(compile)
-    answer = Path(request["reply"])
-    partial = answer.with_suffix(".partial")
-    partial.write_bytes(pickle.dumps(reply))
-    partial.rename(answer)

@@ -1,26 +1,41 @@
-"""Maintenance of a local data directory: verify every blob, collect garbage.
+"""Maintenance of a store: verify its blobs, collect garbage.
+
+The store is a local directory (:class:`~kcache.store.local.LocalArtifactStore`) or a
+server's bucket (:class:`~kcache.store.s3.S3ArtifactStore`: the truth behind every
+replica's local copies, so a server's ``kcache db verify|gc`` work on it directly).
 
 Both are safe while writers run: verification only reads (and quarantines blobs
 whose bytes no longer match their name), and garbage collection removes only
 staging files older than a grace period and blobs that no index record names
 and that are themselves older than the grace period (a writer publishes the blob
 before its index record, so a young unreferenced blob may be about to be named;
-a writer that reuses an old orphan refreshes its mtime). Each deletion re-checks
-the blob's mtime and the index after setting the blob aside, so a blob named by a
-row at the moment of deletion is never removed (:meth:`LocalArtifactStore.collect`).
+a writer that reuses an old orphan refreshes its mtime, or the object's
+``Last-Modified``). Each deletion re-checks the index and the blob's age just before:
+a local blob is set aside first, so a blob named by a row at the moment of deletion
+is never removed (:meth:`LocalArtifactStore.collect`); a bucket has no rename, see
+:meth:`S3ArtifactStore.collect` for what that leaves.
+
+Verification is full (every blob of the store re-hashed, every digest the index
+names looked for) or a sample (:func:`verify_sample`: that many of the index's
+digests, each fetched and hashed, for a bucket too large to read whole every time).
+``dry_run`` collection counts what it would remove and changes nothing.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kcache.errors import CorruptArtifactError, KCacheError
+from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, KCacheError
 from kcache.index.file import FileIndex
+from kcache.store.base import ArtifactStore
 from kcache.store.local import LocalArtifactStore
+from kcache.store.s3 import S3ArtifactStore
 
 __all__ = [
     "MIN_SAFE_GRACE_S",
@@ -31,6 +46,7 @@ __all__ = [
     "collect_garbage",
     "file_index_references",
     "verify_blobs",
+    "verify_sample",
     "verify_store",
 ]
 
@@ -49,6 +65,8 @@ class VerifyReport:
     checked: int = 0
     corrupt: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # indexed artifacts whose blob is gone
+    #: How many of the index's digests a sample drew (None: a full verification).
+    sampled: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -63,6 +81,8 @@ class GcReport:
     temp_files: int = 0
     blobs: int = 0
     bytes_freed: int = 0
+    #: Nothing was removed: the counts are what a real run would have removed.
+    dry_run: bool = False
 
 
 def check_file_indexed(root: Path) -> None:
@@ -80,7 +100,13 @@ def check_file_indexed(root: Path) -> None:
         )
 
 
-def check_index_knows_store(store: LocalArtifactStore, referenced: set[str]) -> None:
+def store_name(store: ArtifactStore) -> str:
+    """Where ``store`` keeps its blobs, for messages: its URL, or its directory."""
+    url = getattr(store, "url", None)
+    return str(url) if url else str(getattr(store, "root", store))
+
+
+def check_index_knows_store(store: ArtifactStore, referenced: set[str]) -> None:
     """Refuse to collect when the index names none of the store's blobs.
 
     That is what a lost, recreated or wrong index looks like (a deleted database, a
@@ -94,7 +120,7 @@ def check_index_knows_store(store: LocalArtifactStore, referenced: set[str]) -> 
         count += 1
     if count:
         raise KCacheError(
-            f"the index names none of the {count} blobs in {store.root}: the database may be lost "
+            f"the index names none of the {count} blobs in {store_name(store)}: the database may be lost "
             "or not the one this store belongs to (check --db-url / KCACHE_DB_URL), and collecting "
             "would delete every blob. Restore the database, or start the server once with "
             "--recreate-index to index the blobs again; pass --force to delete them anyway"
@@ -110,16 +136,50 @@ def verify_store(store: LocalArtifactStore, index: FileIndex) -> VerifyReport:
     return verify_blobs(store, _indexed_digests(index))
 
 
-def verify_blobs(store: LocalArtifactStore, indexed: Iterable[str]) -> VerifyReport:
-    """:func:`verify_store` for any index: ``indexed`` are the digests its artifacts name."""
+def verify_blobs(store: ArtifactStore, indexed: Iterable[str]) -> VerifyReport:
+    """:func:`verify_store` for any index and store: ``indexed`` are the digests its artifacts name.
+
+    Every blob the store lists is read and hashed (a bucket's objects are downloaded:
+    the replica's local copies are not the bucket); every indexed digest it does not
+    list is looked for once more (it may have been published since the listing).
+    """
     report = VerifyReport()
+    listed: set[str] = set()
     for digest in list(store.digests()):
+        listed.add(digest)
+        report.checked += 1
+        try:
+            store.get(digest)
+        except CorruptArtifactError:  # quarantined: a row naming it is missing its blob now
+            report.corrupt.append(digest)
+            listed.discard(digest)
+        except ArtifactNotFoundError:  # deleted since the listing
+            listed.discard(digest)
+    report.missing = sorted(d for d in set(indexed) - listed if not store.has(d))
+    return report
+
+
+def verify_sample(
+    store: ArtifactStore, indexed: Iterable[str], sample: int, rng: random.Random | None = None
+) -> VerifyReport:
+    """Fetch and hash ``sample`` of the ``indexed`` digests, drawn at random: missing or corrupt.
+
+    For a store too large to read whole: each run checks other digests, and a blob
+    lost or damaged anywhere is found with the chance ``sample / len(indexed)`` per run.
+    """
+    digests = sorted(set(indexed))
+    drawn = (rng or random.SystemRandom()).sample(digests, min(sample, len(digests)))
+    report = VerifyReport(sampled=len(drawn))
+    for digest in drawn:
         report.checked += 1
         try:
             store.get(digest)
         except CorruptArtifactError:
             report.corrupt.append(digest)
-    report.missing = sorted(d for d in set(indexed) if not store.has(d))
+        except ArtifactNotFoundError:
+            report.missing.append(digest)
+    report.corrupt.sort()
+    report.missing.sort()
     return report
 
 
@@ -134,35 +194,64 @@ def file_index_references(index: FileIndex) -> set[str]:
     return referenced
 
 
+def _unnamed_and_old(
+    store: LocalArtifactStore | S3ArtifactStore,
+    digest: str,
+    older_than: float,
+    still_referenced: Callable[[str], bool],
+) -> int | None:
+    """What ``store.collect`` would free, deleting nothing (a dry run): the size, or None."""
+    if isinstance(store, S3ArtifactStore):
+        info = store.blob_info(digest)
+    else:
+        try:
+            st = os.stat(store.path(digest))
+        except FileNotFoundError:
+            return None
+        info = (st.st_size, st.st_mtime)
+    if info is None or info[1] >= older_than or still_referenced(digest):
+        return None
+    return info[0]
+
+
 def collect_garbage(
-    store: LocalArtifactStore,
+    store: LocalArtifactStore | S3ArtifactStore,
     referenced: set[str],
     *,
     grace_seconds: float = 3600.0,
     still_referenced: Callable[[str], bool] | None = None,
+    dry_run: bool = False,
 ) -> GcReport:
     """Remove old staging files and old blobs whose digest is not in ``referenced``.
 
     ``referenced`` comes from whichever index owns the store: the JSON files
     (:func:`file_index_references`) or a server's SQL database; it is a snapshot, so
     ``still_referenced(digest)`` is asked again for each blob just before it goes
-    (a row committed since the snapshot keeps it).
+    (a row committed since the snapshot keeps it). A bucket has no staging files (a
+    blob is one PUT). ``dry_run`` counts what would go and changes nothing.
     """
-    report = GcReport()
-    store.restore_set_aside()  # an earlier collector was killed between set-aside and delete
-    for path in store.stale_temp_files(grace_seconds):
-        try:
-            report.bytes_freed += path.stat().st_size
-            path.unlink()
-        except FileNotFoundError:
-            continue
-        report.temp_files += 1
+    report = GcReport(dry_run=dry_run)
+    if isinstance(store, LocalArtifactStore):
+        if not dry_run:
+            store.restore_set_aside()  # an earlier collector was killed between set-aside and delete
+        for path in store.stale_temp_files(grace_seconds):
+            try:
+                size = path.stat().st_size
+                if not dry_run:
+                    path.unlink()
+            except FileNotFoundError:
+                continue
+            report.bytes_freed += size
+            report.temp_files += 1
     cutoff = time.time() - grace_seconds
     recheck = still_referenced or (lambda _digest: False)
     for digest in list(store.digests()):
         if digest in referenced:
             continue
-        freed = store.collect(digest, cutoff, recheck)
+        if dry_run:
+            freed = _unnamed_and_old(store, digest, cutoff, recheck)
+        else:
+            freed = store.collect(digest, cutoff, recheck)
         if freed is not None:
             report.blobs += 1
             report.bytes_freed += freed

@@ -68,6 +68,7 @@ from kcache.recipe import Recipe
 from kcache.toolchain import Toolchain
 
 __all__ = [
+    "answer_one_compile",
     "check_has_include",
     "compile_in_this_process",
     "compile_recipe",
@@ -410,3 +411,39 @@ def compile_in_this_process(
         dependencies_exact=True,  # every file the compile read is attributed, or it was refused
         compile_seconds=time.perf_counter() - started,
     )
+
+
+def answer_one_compile() -> None:
+    """A fresh compile process's whole life (:mod:`kcache.fresh_compile` starts it).
+
+    Reads the request from stdin, compiles once in this new process and leaves the
+    :mod:`kcache.compile_replies` tuple where the request says.
+    """
+    import pickle
+    import sys
+
+    from kcache.compile_replies import reply_of
+    from kcache.fresh_compile import REPLY_FIELD
+    from kcache.toolchain import load_toolchain
+
+    request = pickle.loads(sys.stdin.buffer.read())
+    toolchain = load_toolchain(Path(request["toolchain_dir"]))
+
+    def compile() -> CompileOutput:
+        if toolchain.id != request["toolchain_id"]:
+            raise ToolchainError(
+                f"the fresh compile process loaded toolchain {toolchain.id}, "
+                f"not {request['toolchain_id']}"
+            )
+        return compile_in_this_process(
+            Recipe.from_dict(request["recipe"]),
+            toolchain,
+            IncludeSets(request["include_sets"]),
+            request["link_inputs"],
+        )
+
+    reply = reply_of(compile)
+    answer = Path(request[REPLY_FIELD])
+    partial = answer.with_suffix(".partial")
+    partial.write_bytes(pickle.dumps(reply))
+    partial.rename(answer)

@@ -15,11 +15,13 @@ another ``moto_server`` executable.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import threading
 import urllib.request
@@ -70,14 +72,40 @@ def _executable() -> str | None:
     return shutil.which("moto_server")
 
 
+_MISSING = (
+    "no S3 server: moto_server is not installed (scripts/ensure-services installs it "
+    "into .venv/s3-server; or set KCACHE_TEST_MOTO_SERVER)"
+)
+
+
 @functools.cache
 def _start() -> S3Server | str:
     exe = _executable()
     if exe is None:
-        return (
-            "no S3 server: moto_server is not installed (scripts/ensure-services installs it "
-            "into .venv/s3-server; or set KCACHE_TEST_MOTO_SERVER)"
-        )
+        return _MISSING
+    return _launch(exe)
+
+
+def own_s3_server() -> S3Server:
+    """A new S3 server for one test module alone (one it may stop, kill or restart), or skip.
+
+    The caller stops it (:func:`stop_s3_server`); the session's server is never touched.
+    """
+    exe = _executable()
+    if exe is None:
+        pytest.skip(_MISSING)
+    return _launch(exe)
+
+
+def stop_s3_server(server: S3Server) -> None:
+    """Stop a server from :func:`own_s3_server` (continued first, if it was stopped)."""
+    if server.process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.process.pid, signal.SIGCONT)
+    _stop(server.process)
+
+
+def _launch(exe: str) -> S3Server:
     proc = subprocess.Popen(
         [exe, "-H", "127.0.0.1", "-p", "0"],
         stdout=subprocess.DEVNULL,

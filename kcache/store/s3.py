@@ -13,7 +13,17 @@ The contract is the local store's:
   5 GiB single-PUT limit.
 - **Uploaded once.** The PUT carries ``If-None-Match: *``: when the bytes are already
   stored, the bucket answers 412 and nothing is sent twice. Stores that ignore the
-  header simply overwrite the object with the same bytes, which is harmless.
+  header simply overwrite the object with the same bytes, which is harmless. One
+  exception keeps garbage collection safe: an object already there that is older than
+  :data:`REFRESH_AFTER_S` is written again, which renews its ``Last-Modified`` (a
+  local store touches the file's mtime), because it may be an old orphan that a row is
+  about to name and the collector's grace period is measured from that time.
+- **Collected like the local store's blobs.** :meth:`S3ArtifactStore.collect` deletes
+  an unnamed object only when it is older than the grace period, asking the index
+  again just before (the object store offers no rename to set a blob aside first, so
+  a reuse in the milliseconds between that last look and the delete is not caught;
+  such a row's blob is then missing, which a resolve answers as a miss and compiles
+  afresh).
 - **Verified on read.** A GET whose bytes do not hash to the name is moved to
   ``quarantine/`` (copy, then delete) and reported as
   :class:`~kcache.errors.CorruptArtifactError`, so the next ``put`` republishes it.
@@ -40,7 +50,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -51,7 +61,15 @@ from kcache.keys import is_hex_key, require_hex_key
 if TYPE_CHECKING:
     from obstore.store import S3Store
 
-__all__ = ["S3ArtifactStore", "parse_s3_url"]
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "DEFAULT_RETRIES",
+    "DEFAULT_TIMEOUT_S",
+    "PROBE_KEY",
+    "REFRESH_AFTER_S",
+    "S3ArtifactStore",
+    "parse_s3_url",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -60,8 +78,22 @@ _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 # A prefix is path segments of safe characters; no "..", no empty segment.
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
-#: How long one request may take before the bucket counts as down (seconds).
-DEFAULT_TIMEOUT_S = 30.0
+#: How long one request may take, body included, before the bucket counts as down
+#: (seconds). Retries happen only within this time, so a call fails within about twice
+#: it: a server's fetch of a blob its replica has no copy of answers 503 (with
+#: ``Retry-After``) in seconds, not after a load balancer or a client gave up.
+DEFAULT_TIMEOUT_S = 5.0
+#: How long opening a connection may take (seconds); at most the request timeout.
+DEFAULT_CONNECT_TIMEOUT_S = 1.0
+#: Retries of a request that failed in a way worth retrying (a refused or reset
+#: connection, a 5xx), each after a short backoff, within the request timeout.
+DEFAULT_RETRIES = 2
+#: An object already stored and older than this (seconds) is written again by ``put``
+#: (see the module docstring): far below any grace period ``kcache db gc`` allows.
+REFRESH_AFTER_S = 60.0
+#: The object :meth:`S3ArtifactStore.probe` asks for (it need not exist: "not found"
+#: is an answer). Outside ``blobs/``, so no listing ever takes it for a blob.
+PROBE_KEY = "kcache-readiness-probe"
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -103,8 +135,10 @@ class S3ArtifactStore:
     holds its own connection pool.
     """
 
-    def __init__(self, store: S3Store, url: str) -> None:
+    def __init__(self, store: S3Store, url: str, *, probe_store: S3Store | None = None) -> None:
+        """``store`` serves the blobs; ``probe_store`` (default ``store``) answers :meth:`probe`."""
         self._store = store
+        self._probe_store = probe_store or store
         self.url = url.rstrip("/")
 
     @classmethod
@@ -117,6 +151,9 @@ class S3ArtifactStore:
         access_key_id: str | None = None,
         secret_access_key: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        retries: int = DEFAULT_RETRIES,
+        probe_timeout_s: float | None = None,
     ) -> S3ArtifactStore:
         """The store at ``s3://bucket/prefix``.
 
@@ -126,6 +163,11 @@ class S3ArtifactStore:
         ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and ``AWS_SESSION_TOKEN``
         (or the instance's or pod's role when they are unset). Requests are path-style
         when an endpoint is given (MinIO, Ceph and moto want that).
+
+        Every request is bounded: ``timeout_s`` for the whole request (its body
+        included), ``connect_timeout_s`` to connect, ``retries`` quick retries within
+        ``timeout_s``. :meth:`probe` uses a client of its own that never retries and
+        gives up after ``probe_timeout_s`` (default: ``timeout_s``).
         """
         try:
             from obstore.store import S3Store
@@ -147,30 +189,43 @@ class S3ArtifactStore:
             token = _env("AWS_SESSION_TOKEN")
             if token:
                 config["session_token"] = token
-        timeout = timedelta(seconds=timeout_s)
-        store = S3Store(
-            bucket,
-            prefix=prefix or None,
-            config=config,  # type: ignore[arg-type]  # keys checked against S3Config above
-            client_options={
-                "allow_http": bool(endpoint and endpoint.startswith("http://")),
-                "timeout": timeout,
-                "connect_timeout": timedelta(seconds=min(5.0, timeout_s)),
-            },
-            # A few quick retries, bounded in time: a bucket that is down must surface as
-            # StoreUnavailableError (503 + Retry-After) within a request's lifetime, not after
-            # obstore's default of 10 retries over 3 minutes.
-            retry_config={
-                "max_retries": 3,
-                "retry_timeout": timeout,
-                "backoff": {
-                    "init_backoff": timedelta(milliseconds=50),
-                    "max_backoff": timedelta(seconds=1),
-                    "base": 2,
+        if not (timeout_s > 0 and connect_timeout_s > 0 and retries >= 0):
+            raise ValueError(
+                f"S3 timeouts must be positive and retries not negative (timeout_s={timeout_s}, "
+                f"connect_timeout_s={connect_timeout_s}, retries={retries})"
+            )
+        allow_http = bool(endpoint and endpoint.startswith("http://"))
+
+        def client(timeout_s: float, retries: int) -> S3Store:
+            timeout = timedelta(seconds=timeout_s)
+            return S3Store(
+                bucket,
+                prefix=prefix or None,
+                config=config,  # type: ignore[arg-type]  # keys checked against S3Config above
+                client_options={
+                    "allow_http": allow_http,
+                    "timeout": timeout,
+                    "connect_timeout": timedelta(seconds=min(connect_timeout_s, timeout_s)),
                 },
-            },
+                # A few quick retries, bounded in time: a bucket that is down must surface as
+                # StoreUnavailableError (503 + Retry-After) within a request's lifetime, not
+                # after obstore's default of 10 retries over 3 minutes.
+                retry_config={
+                    "max_retries": retries,
+                    "retry_timeout": timeout,
+                    "backoff": {
+                        "init_backoff": timedelta(milliseconds=50),
+                        "max_backoff": timedelta(seconds=1),
+                        "base": 2,
+                    },
+                },
+            )
+
+        return cls(
+            client(timeout_s, retries),
+            f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}",
+            probe_store=client(probe_timeout_s or timeout_s, 0),
         )
-        return cls(store, f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}")
 
     # ------------------------------------------------------------------ names
     @staticmethod
@@ -193,10 +248,18 @@ class S3ArtifactStore:
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         digest = hashlib.sha256(data).hexdigest()
+        key = self.key(digest)
         try:
-            obstore.put(self._store, self.key(digest), data, mode="create", use_multipart=False)
+            obstore.put(self._store, key, data, mode="create", use_multipart=False)
         except (AlreadyExistsError, PreconditionError):
-            pass  # the same name holds the same bytes (reads verify anyway)
+            # The same name holds the same bytes (reads verify anyway); renew an old one's
+            # Last-Modified, as a local store touches the file (the collector's grace).
+            info = self.blob_info(digest)
+            if info is None or info[1] < time.time() - REFRESH_AFTER_S:
+                try:
+                    obstore.put(self._store, key, data, use_multipart=False)
+                except Exception as exc:
+                    self._raise(exc, digest, "store")
         except Exception as exc:
             self._raise(exc, digest, "store")
         return digest
@@ -227,6 +290,63 @@ class S3ArtifactStore:
             except ArtifactNotFoundError:
                 return False
         return True
+
+    def probe(self) -> None:
+        """Ask the bucket one cheap question (a HEAD of :data:`PROBE_KEY`); raise if it cannot answer.
+
+        "Not found" is an answer: the bucket is reachable and takes the credentials.
+        Anything else (no connection, a timeout, refused credentials, a 5xx) raises
+        :class:`~kcache.errors.StoreUnavailableError`. Never retried, and bounded by the
+        probe's own timeout (:meth:`from_url`), so a readiness check can afford it.
+        """
+        import obstore
+
+        try:
+            obstore.head(self._probe_store, PROBE_KEY)
+        except Exception as exc:
+            try:
+                self._raise(exc, None, "reach")
+            except ArtifactNotFoundError:
+                return
+
+    def blob_info(self, digest: str) -> tuple[int, float] | None:
+        """``(size, Last-Modified as unix seconds)`` of the object, None when it is absent."""
+        import obstore
+
+        try:
+            meta = obstore.head(self._store, self.key(digest))
+        except Exception as exc:
+            try:
+                self._raise(exc, digest, "look up")
+            except ArtifactNotFoundError:
+                return None
+        return int(meta["size"]), meta["last_modified"].timestamp()
+
+    def collect(
+        self, digest: str, older_than: float, still_referenced: Callable[[str], bool]
+    ) -> int | None:
+        """Delete the object if it was last written before ``older_than`` and no row names it.
+
+        ``still_referenced(digest)`` is asked first (a row committed since the caller's
+        snapshot keeps it), then the object's age is read once more (a writer that
+        reused it since renewed it), then it is deleted; the bytes freed, or None when
+        kept. See the module docstring for the one window this leaves.
+        """
+        import obstore
+
+        if still_referenced(digest):
+            return None
+        info = self.blob_info(digest)
+        if info is None or info[1] >= older_than:
+            return None
+        try:
+            obstore.delete(self._store, self.key(digest))
+        except Exception as exc:
+            try:
+                self._raise(exc, digest, "delete")
+            except ArtifactNotFoundError:
+                return None
+        return info[0]
 
     def size(self, digest: str) -> int:
         """The object's size in bytes; ArtifactNotFoundError when absent."""

@@ -54,8 +54,10 @@ from kcache_server.request_ids import HEADER, new_request_id, request_id_var
 from kcache_server.resolve_fastpath import ResolveFastPath
 from kcache_server.routes import ROUTERS
 from kcache_server.schemas import invalid_request
+from kcache_server.security_headers import secure
 from kcache_server.settings import Settings
 from kcache_server.state import ServerState
+from kcache_server.verification import install_verification
 
 __all__ = ["SETTINGS_ENV", "check_bind", "create_app", "create_app_from_env", "serving_app"]
 
@@ -86,6 +88,9 @@ def check_bind(settings: Settings, tokens: TokenStore) -> None:
 class _RequestIds:
     """An ``X-Request-ID`` on every response; an unhandled exception becomes a bare 500.
 
+    Every response also gets ``X-Content-Type-Options: nosniff``, and an HTML one a
+    ``Content-Security-Policy`` when it has none (:mod:`kcache_server.security_headers`).
+
     The id is also the context variable :data:`~kcache_server.request_ids.request_id_var`
     while the request runs, so error bodies and log lines anywhere can name it.
     """
@@ -106,7 +111,7 @@ class _RequestIds:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message["headers"] = [*message.get("headers", ()), header]
+                message["headers"] = secure([*message.get("headers", ()), header])
             await send(message)
 
         try:
@@ -253,6 +258,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         retention=retention,
     )
     evictor = install_eviction(state)  # refuses water marks that make no sense
+    verifier, verify_pool = install_verification(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -261,9 +267,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         audit.start()
         retention.start()
         evictor.start()
+        verifier.start()
         try:
             yield
         finally:
+            await anyio.to_thread.run_sync(verifier.close)
+            if verify_pool is not None:
+                await anyio.to_thread.run_sync(verify_pool.close)
             await anyio.to_thread.run_sync(evictor.close)
             await anyio.to_thread.run_sync(retention.close)
             await anyio.to_thread.run_sync(audit.close)
@@ -276,9 +286,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="Content-addressed JIT CUDA kernel cache",
         description="Resolve recipes to cubins compiled once with NVRTC; fetch them by recipe key or digest.",
         lifespan=lifespan,
+        # No Swagger UI or ReDoc: FastAPI's pages load their scripts from a public CDN, on
+        # the origin whose dashboard holds a bearer token. The contract is /openapi.json.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.kcache = state
     app.state.evictor = evictor
+    app.state.verifier = verifier
     install_openapi(app, state)
     for router in ROUTERS:
         app.include_router(router)

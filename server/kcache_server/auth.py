@@ -289,9 +289,9 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: Where the gate leaves the request's :class:`Principal` in the ASGI scope.
 PRINCIPAL_KEY = "kcache.principal"
 # Probes, the dashboard page (it asks for a token itself), / (a redirect to it) and the API
-# docs need none.
-_PUBLIC = frozenset({"/", "/healthz", "/readyz", "/dashboard", "/openapi.json", "/docs", "/redoc"})
-_PUBLIC_PREFIXES = ("/dashboard/", "/docs/")
+# contract need none. (No /docs page is served: see kcache_server.app.)
+_PUBLIC = frozenset({"/", "/healthz", "/readyz", "/dashboard", "/openapi.json"})
+_PUBLIC_PREFIXES = ("/dashboard/",)
 
 
 def authorization_header(scope: Scope) -> str | None:

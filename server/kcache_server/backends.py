@@ -3,7 +3,9 @@
 store     LocalArtifactStore(data_dir)              (a shared POSIX dir for several replicas)
           CachedArtifactStore(data_dir, S3ArtifactStore(store_url))
                                                      with store_url: blobs in a bucket, a
-                                                     bounded local copy on each replica
+                                                     bounded local copy on each replica;
+                                                     every bucket request bounded in time
+                                                     (store_timeout_s, store_retries)
 index     SqlIndex(SQLite | PostgreSQL)
 lock      SingleFlight(PgAdvisoryKeyLock)            on PostgreSQL: across replicas
           SingleFlight(FileKeyLock(data_dir))        on SQLite: across processes on one host
@@ -72,7 +74,13 @@ def _artifact_store(settings: Settings) -> LocalArtifactStore:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     return CachedArtifactStore(
         settings.data_dir,
-        S3ArtifactStore.from_url(settings.store_url),
+        S3ArtifactStore.from_url(
+            settings.store_url,
+            timeout_s=settings.store_timeout_s,
+            connect_timeout_s=settings.store_connect_timeout_s,
+            retries=settings.store_retries,
+            probe_timeout_s=settings.readiness_timeout_s,
+        ),
         max_bytes=int(settings.store_cache_bytes or default_tier_cap(settings.data_dir)),
     )
 

@@ -29,6 +29,17 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     return load_settings(args, **extra)
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
 def _add_db_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", help="data directory (default $KCACHE_DATA_DIR or ./.kcache)")
     parser.add_argument(
@@ -102,9 +113,24 @@ def _cmd_db_current(args: argparse.Namespace) -> int:
     return 0 if have == need else 1
 
 
+def _maintained_store(settings: Settings) -> Any:
+    """The store a server's blobs live in: its bucket (``store_url``: the truth behind every
+    replica's local copies), else its data directory."""
+    from kcache.store.local import LocalArtifactStore
+    from kcache.store.s3 import S3ArtifactStore
+
+    if settings.store_url:
+        return S3ArtifactStore.from_url(
+            settings.store_url,
+            timeout_s=settings.store_timeout_s,
+            connect_timeout_s=settings.store_connect_timeout_s,
+            retries=settings.store_retries,
+        )
+    return LocalArtifactStore(settings.data_dir)
+
+
 def _cmd_db_gc(args: argparse.Namespace) -> int:
     from kcache.maintenance import MIN_SAFE_GRACE_S, check_index_knows_store, collect_garbage
-    from kcache.store.local import LocalArtifactStore
     from kcache_server import migrate
     from kcache_server.backends import open_settings_database
     from kcache_server.db import sqlite_path
@@ -129,7 +155,7 @@ def _cmd_db_gc(args: argparse.Namespace) -> int:
         return 2
     db = open_settings_database(settings)
     migrate.check_schema(db, settings.database_url)
-    store = LocalArtifactStore(settings.data_dir)
+    store = _maintained_store(settings)
     index = SqlIndex(db)
     # Blobs are published before their row is committed: the grace period keeps a
     # blob whose compile is still recording it, and each deletion asks the index again.
@@ -137,15 +163,18 @@ def _cmd_db_gc(args: argparse.Namespace) -> int:
     if not args.force:
         check_index_knows_store(store, referenced)
     report = collect_garbage(
-        store, referenced, grace_seconds=args.grace, still_referenced=index.names
+        store,
+        referenced,
+        grace_seconds=args.grace,
+        still_referenced=index.names,
+        dry_run=args.dry_run,
     )
     print(json.dumps(vars(report)))
     return 0
 
 
 def _cmd_db_verify(args: argparse.Namespace) -> int:
-    from kcache.maintenance import verify_blobs
-    from kcache.store.local import LocalArtifactStore
+    from kcache.maintenance import store_name, verify_blobs, verify_sample
     from kcache_server import migrate
     from kcache_server._cli_support import require_database
     from kcache_server.backends import open_settings_database
@@ -155,13 +184,52 @@ def _cmd_db_verify(args: argparse.Namespace) -> int:
     require_database(settings, args, "kcache db verify")
     db = open_settings_database(settings)
     migrate.check_schema(db, settings.database_url)
-    report = verify_blobs(LocalArtifactStore(settings.data_dir), SqlIndex(db).digests())
+    if args.recompile:
+        return _verify_by_recompiling(settings, db, args.sample)
+    store = _maintained_store(settings)
+    indexed = SqlIndex(db).digests()
+    if args.sample is None:
+        report = verify_blobs(store, indexed)
+    else:
+        report = verify_sample(store, indexed, args.sample)
     print(
         json.dumps(
-            {"checked": report.checked, "corrupt": report.corrupt, "missing": report.missing}
+            {
+                "store": store_name(store),
+                "rows": len(indexed),
+                "sampled": report.sampled,
+                "checked": report.checked,
+                "corrupt": report.corrupt,
+                "missing": report.missing,
+            }
         )
     )
     return 0 if report.ok else 1
+
+
+def _verify_by_recompiling(settings: Any, db: Any, sample: int | None) -> int:
+    """``kcache db verify --recompile``: compile recorded recipes again, compare, act, report."""
+    from kcache_server.backends import open_backends
+    from kcache_server.recipe_records import RecipeRecords
+    from kcache_server.verification import verify_offline
+
+    backends = open_backends(settings, db)
+    verdicts = verify_offline(backends, RecipeRecords(db), sample)
+    results: dict[str, int] = {}
+    for verdict in verdicts:
+        results[verdict.result] = results.get(verdict.result, 0) + 1
+    diverged = [
+        {
+            "recipe_key": v.recipe_key,
+            "stored_digest": v.stored_digest,
+            "fresh_digest": v.fresh_digest,
+            "differences": list(v.differences),
+        }
+        for v in verdicts
+        if v.result == "diverged"
+    ]
+    print(json.dumps({"verified": len(verdicts), "results": results, "diverged": diverged}))
+    return 1 if diverged else 0
 
 
 def _tokens(args: argparse.Namespace) -> Any:
@@ -265,7 +333,9 @@ def register(subparsers: Any) -> None:
     _add_db_options(current)
     current.set_defaults(func=_cmd_db_current)
     gc = db_sub.add_parser(
-        "gc", help="remove store blobs no artifact row names, and stale staging files"
+        "gc",
+        help="remove store blobs no artifact row names (the bucket's, with a store URL), and "
+        "stale staging files",
     )
     _add_db_options(gc)
     gc.add_argument(
@@ -279,11 +349,31 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="allow a grace under 600s, and collecting when the index names none of the blobs",
     )
+    gc.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="count what would be removed and remove nothing",
+    )
     gc.set_defaults(func=_cmd_db_gc)
     verify = db_sub.add_parser(
-        "verify", help="re-hash every store blob; list artifact rows whose blob is missing"
+        "verify",
+        help="re-hash every store blob (the bucket's, with a store URL); list artifact rows "
+        "whose blob is missing",
     )
     _add_db_options(verify)
+    verify.add_argument(
+        "--sample",
+        type=_positive_int,
+        metavar="N",
+        help="fetch and hash N artifact rows' blobs drawn at random instead of every blob "
+        "(with --recompile: compile N recorded recipes drawn at random)",
+    )
+    verify.add_argument(
+        "--recompile",
+        action="store_true",
+        help="compile the recipes the server recorded again, here, and compare with what their "
+        "keys serve; a divergence is withdrawn, replaced by the fresh compile and recorded",
+    )
     verify.set_defaults(func=_cmd_db_verify)
 
     token = subparsers.add_parser("token", help="manage bearer tokens")

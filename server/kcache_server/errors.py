@@ -9,7 +9,7 @@ Hierarchy (the core's errors are in :mod:`kcache.errors`)::
         ├── InvalidRequestError (ValueError)        422: a request field is wrong (names it)
         ├── AuthenticationError                     401: no token, or an unknown one
         ├── PermissionDeniedError                   403: the token lacks the scope
-        ├── PayloadTooLargeError                    413: body over max_request_bytes
+        ├── PayloadTooLargeError                    413: body over max_request_bytes or max_request_values
         ├── OverloadedError                         503 + Retry-After: compile queue full
         │   └── CompilerUnavailableError            503 + Retry-After: no compile worker is running
         ├── DatabaseUnavailableError (ConnectionError)  503 + Retry-After: the database cannot be reached
@@ -119,7 +119,7 @@ class PermissionDeniedError(ServerError):
 
 
 class PayloadTooLargeError(ServerError):
-    """The request body is over ``max_request_bytes``."""
+    """The request body is over ``max_request_bytes``, or holds over ``max_request_values`` JSON values."""
 
 
 class OverloadedError(ServerError):

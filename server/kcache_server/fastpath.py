@@ -31,6 +31,7 @@ from kcache.keys import is_hex_key
 from kcache.lru import LruCache
 from kcache_server.http_cache import artifact_headers, etag_matches
 from kcache_server.request_ids import HEADER, new_request_id
+from kcache_server.security_headers import NOSNIFF
 from kcache_server.state import ServerState
 
 __all__ = ["ArtifactFastPath", "WarmFetch"]
@@ -137,7 +138,7 @@ class EncodedHeaders(NamedTuple):
     """
 
     meta: ArtifactMeta
-    #: The metadata headers (``ETag``, ``Cache-Control``, ``X-KCache-Meta``, ...).
+    #: The metadata headers (``ETag``, ``Cache-Control``, ``X-KCache-Meta``, ...) and ``nosniff``.
     pairs: list[tuple[bytes, bytes]]
     #: A 200's content type and length, after the request id.
     body_pairs: list[tuple[bytes, bytes]]
@@ -153,6 +154,7 @@ class EncodedHeaders(NamedTuple):
             (name.lower().encode(), value.encode())
             for name, value in artifact_headers(meta).items()
         ]
+        pairs.append(NOSNIFF)  # as the app's answers carry it (kcache_server.security_headers)
         body_pairs = [_OCTETS, (b"content-length", str(size).encode())]
         return cls(meta, pairs, body_pairs, header_lines(pairs), header_lines(body_pairs))
 

@@ -8,7 +8,8 @@ document states every limit the server enforces:
   toolchain, targets and include sets, where a model marks it
   (:data:`~kcache_server.schemas.RECIPE_MARK`);
 - bounds that are settings (``max_batch``, ``audit.max_events_per_batch``, ...),
-  where a model marks them (:data:`~kcache_server.schemas.SETTING_MARK`);
+  where a model marks them (:data:`~kcache_server.schemas.SETTING_MARK`), and
+  settings named in a description's text as ``{setting:NAME}`` (:data:`SETTING_TEXT`);
 - every setting that bounds a request, under ``info.x-limits`` (the body size
   too, which no schema keyword states: over it is a 413).
 
@@ -19,6 +20,7 @@ the API version.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI
@@ -29,15 +31,33 @@ from kcache_server.schemas import RECIPE_MARK, SETTING_MARK
 from kcache_server.settings import Settings
 from kcache_server.state import ServerState
 
-__all__ = ["REQUEST_LIMITS", "install_openapi", "openapi_document", "setting_value"]
+__all__ = [
+    "REQUEST_LIMITS",
+    "SETTING_TEXT",
+    "install_openapi",
+    "openapi_document",
+    "setting_value",
+]
 
 #: The settings that bound a request, published under ``info.x-limits``.
 REQUEST_LIMITS = (
     "max_request_bytes",
+    "max_request_values",
     "max_batch",
     "audit.max_events_per_batch",
     "audit.max_clock_skew_s",
 )
+
+
+#: A setting named in a description's text (``{setting:audit.max_clock_skew_s}``): its value.
+SETTING_TEXT = re.compile(r"\{setting:([a-z_][a-z0-9_.]*)\}")
+
+
+def _format(value: Any) -> str:
+    """A setting's value as text (``86400``, not ``86400.0``)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 def setting_value(settings: Settings, name: str) -> Any:
@@ -50,6 +70,8 @@ def setting_value(settings: Settings, name: str) -> Any:
 
 def _complete(node: Any, settings: Settings) -> Any:
     """``node`` with every mark replaced by what it stands for on this server."""
+    if isinstance(node, str):
+        return SETTING_TEXT.sub(lambda m: _format(setting_value(settings, m.group(1))), node)
     if isinstance(node, list):
         return [_complete(item, settings) for item in node]
     if not isinstance(node, dict):

@@ -37,6 +37,7 @@ from kcache_server.auth import Principal
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.routes._deps import INLINE_BODY_BYTES, is_json_content_type
 from kcache_server.schemas import Context
+from kcache_server.security_headers import NOSNIFF
 from kcache_server.state import ServerState
 
 __all__ = ["DECLINED", "ROUTE", "ResolveFastPath", "ResolveHit"]
@@ -207,7 +208,7 @@ class ResolveFastPath:
     def response(self, hit: ResolveHit) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """Status, headers (a new request id among them) and body of the answer to ``hit``."""
         length = (b"content-length", str(len(hit.data)).encode())
-        return 200, [length, _CONTENT_TYPE, (HEADER, new_request_id().encode())], hit.data
+        return 200, [length, _CONTENT_TYPE, NOSNIFF, (HEADER, new_request_id().encode())], hit.data
 
 
 class ResolveHit(NamedTuple):

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import ByteSize, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["AuditSettings", "Settings", "is_loopback"]
+__all__ = ["AuditSettings", "Settings", "VerificationSettings", "is_loopback"]
 
 
 def is_loopback(host: str) -> bool:
@@ -54,6 +54,34 @@ class AuditSettings(BaseSettings):
     )
 
 
+class VerificationSettings(BaseSettings):
+    """``Settings.verify``: verified hits (:mod:`kcache_server.verification`).
+
+    Each field is ``KCACHE_VERIFY_<NAME>`` in the environment. On by default, at a
+    small rate: every manifest match and one exact-key hit in twenty are compiled again,
+    each at most once a day, by one low-priority worker busy at most 5 % of the time.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KCACHE_VERIFY_", extra="ignore")
+
+    enabled: bool = Field(default=True, description="compile a sample of served artifacts again")
+    sample_rate: float = Field(
+        default=0.05,
+        ge=0,
+        le=1,
+        description="share of exact-key hits verified (manifest matches always are)",
+    )
+    period_s: float = Field(
+        default=86_400.0, gt=0, description="an artifact is verified at most once this often"
+    )
+    cpu_share: float = Field(
+        default=0.05, gt=0, le=1, description="most of the time the verification worker is busy"
+    )
+    max_candidates: int = Field(
+        default=10_000, ge=1, description="served recipes remembered as candidates"
+    )
+
+
 class Settings(BaseSettings):
     """Everything ``kcache serve`` can be told; each field is ``KCACHE_<NAME>`` in the environment.
 
@@ -80,6 +108,32 @@ class Settings(BaseSettings):
         default=None,
         description="cap on the local copies of bucket blobs, e.g. 20GiB; unset: 10 GiB or 10% of "
         "the data dir's filesystem, whichever is smaller",
+    )
+    store_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="a bucket request (its body included) taking longer fails; retries happen "
+        "within this time, so a fetch the bucket must answer gets 503 + Retry-After in about "
+        "twice this at most",
+    )
+    store_connect_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=600,
+        description="opening a connection to the bucket taking longer fails",
+    )
+    store_retries: int = Field(
+        default=2,
+        ge=0,
+        le=10,
+        description="quick retries of a bucket request that failed (refused, reset, 5xx)",
+    )
+    readiness_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        le=60,
+        description="a /readyz check of a backend (the database, the bucket) taking longer fails",
     )
     host: str = Field(default="127.0.0.1", description="address to bind")
     port: int = Field(default=8470, ge=0, le=65535)
@@ -159,6 +213,14 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         default=32 << 20, ge=1024, description="request bodies above this get 413"
     )
+    max_request_values: int = Field(
+        default=200_000,
+        ge=1000,
+        description="request bodies holding more JSON values than this (members' values and array "
+        "elements, counted as the body arrives) get 413 before they are parsed: parsing holds the "
+        "GIL, and a body's values are what it costs (200k: under 0.1 s on a current server core; "
+        "a full batch of audit.max_events_per_batch events with every field holds about 18 per event)",
+    )
     max_batch: int = Field(default=1024, ge=1, description="recipes per /v1/resolve/batch")
     blob_cache_bytes: int = Field(default=256 << 20, ge=0, description="hot blobs kept in memory")
     auth_cache_s: float = Field(default=2.0, ge=0, description="how long token checks are cached")
@@ -200,6 +262,10 @@ class Settings(BaseSettings):
     audit: AuditSettings = Field(
         default_factory=AuditSettings,
         description="auditing: KCACHE_AUDIT_<NAME>, see AuditSettings",
+    )
+    verify: VerificationSettings = Field(
+        default_factory=VerificationSettings,
+        description="verified hits: KCACHE_VERIFY_<NAME>, see VerificationSettings",
     )
 
     @field_validator("db_url")

@@ -5,6 +5,13 @@ parameters, because FastAPI would parse and validate them on the event loop: a
 32 MiB body of a million specialization keys took the loop for half a minute.
 Small bodies are still handled inline (a thread hop costs more than they do);
 larger ones are parsed, validated and keyed on a worker thread.
+
+A worker thread is not enough on its own: parsing JSON is one C call that holds the
+GIL throughout, and a 17 MiB body of a million keys held it (and so the loop) for
+0.2 s on a quiet machine. So the values of every body are counted as it arrives
+(:class:`~kcache_server.json_budget.JsonValueCounter`, a few byte operations per
+chunk), and one holding more than ``max_request_values`` is refused (413) unparsed;
+what is parsed costs at most that many values.
 """
 
 from __future__ import annotations
@@ -18,12 +25,14 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from kcache_server.auth import PRINCIPAL_KEY, Principal, authorization_header
-from kcache_server.errors import InvalidRequestError
+from kcache_server.errors import InvalidRequestError, PayloadTooLargeError
 from kcache_server.fairness import caller_identity, current_caller
+from kcache_server.json_budget import JsonValueCounter
 from kcache_server.schemas import ErrorBody
 from kcache_server.state import ServerState
 
 __all__ = [
+    "BODY_LIMITS_DOC",
     "ERRORS",
     "INLINE_BODY_BYTES",
     "Reader",
@@ -41,6 +50,14 @@ __all__ = [
 #: Bodies up to this size are parsed, validated and keyed on the event loop (well
 #: under a millisecond); larger ones on a worker thread.
 INLINE_BODY_BYTES = 64 << 10
+
+#: What every JSON request body is bounded by, as the published document says it
+#: (``{setting:...}`` is filled in with this server's values by :mod:`kcache_server.openapi`).
+BODY_LIMITS_DOC = (
+    "JSON, at most {setting:max_request_bytes} bytes (max_request_bytes) holding at most "
+    "{setting:max_request_values} values (max_request_values: every member's value and array "
+    "element, counted as the body arrives, before it is parsed); past either, 413 too_large"
+)
 
 T = TypeVar("T")
 
@@ -129,11 +146,30 @@ async def read_body(request: Request, state: ServerState, parse: Callable[[bytes
     ``parse`` does everything that grows with the body (JSON, validation, keying);
     it runs inline for bodies up to :data:`INLINE_BODY_BYTES`, else on a worker thread.
     A body that is not sent as JSON is refused: a browser form cannot post one
-    cross-site without a preflight.
+    cross-site without a preflight. A body of more than ``max_request_values`` JSON
+    values is refused (413) without being parsed; it is read to its end first (within
+    ``max_request_bytes``), so the client reads the answer rather than a reset.
     """
     if not is_json_content_type(request.headers.get("content-type")):
         raise InvalidRequestError("body", "send the body as JSON (Content-Type: application/json)")
-    raw = await request.body()
+    limit = state.settings.max_request_values
+    counter = JsonValueCounter()
+    chunks: list[bytes] = []
+    over = False
+    async for chunk in request.stream():
+        if over or not chunk:
+            continue  # past the limit: the rest is only drained
+        if counter.feed(chunk) > limit:
+            over = True
+            chunks.clear()
+        else:
+            chunks.append(chunk)
+    if over:
+        raise PayloadTooLargeError(
+            f"the request body holds more than {limit} JSON values (max_request_values); it was "
+            "not parsed: send fewer values (a smaller batch, fewer keys)"
+        )
+    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     if len(raw) <= INLINE_BODY_BYTES:
         return parse(raw)
     result: T = await state.run(parse, raw)
@@ -159,6 +195,7 @@ def body_doc(model: type[BaseModel]) -> dict[str, Any]:
     return {
         "requestBody": {
             "required": True,
+            "description": BODY_LIMITS_DOC,
             "content": {"application/json": {"schema": inline(schema)}},
         }
     }

@@ -2,20 +2,73 @@
 
 Posting needs the ``report`` scope: these figures are the client's word, and
 ``/v1/stats`` keeps them apart from what the server observed itself.
+
+Event times ahead of the server's clock: a time up to ``audit.max_clock_skew_s``
+past the server's clock when the batch arrives is recorded as sent (clocks differ a
+little); a later one, up to the schema's ``maximum``, is recorded as the batch's
+arrival time (:func:`clamp_event_times`). A lookup cannot have happened after its
+report reached the server, so the arrival is the best estimate of when it did, and
+every time the schema allows is accepted: what the published schema allows is what
+the server takes. The request schema states both (the time's description, and
+``x-max-clock-skew-s``, filled in with this server's setting).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from kcache_server.auditing.events import EventBatch, IngestResult, check_batch, ingest_events
+from kcache_server.auditing.events import (
+    MAX_EVENT_TIME,
+    ClientEvent,
+    EventBatch,
+    IngestResult,
+    check_batch,
+    ingest_events,
+)
 from kcache_server.errors import InvalidRequestError
 from kcache_server.routes._deps import ERRORS, Reporter, State, body_doc, read_body
 from kcache_server.schemas import load_model, parse_json
 
+__all__ = ["TIME_DESCRIPTION", "clamp_event_times", "router"]
+
 router = APIRouter(prefix="/v1/events", tags=["audit"])
+
+log = logging.getLogger(__name__)
+
+#: The published description of an event's ``time`` (``{setting:...}`` is filled in with
+#: this server's value by :mod:`kcache_server.openapi`).
+TIME_DESCRIPTION = (
+    "when, in unix seconds. A time up to x-max-clock-skew-s "
+    "({setting:audit.max_clock_skew_s} s on this server) past the server's clock when the "
+    "batch arrives is recorded as sent; a later one (up to maximum) is recorded as the time "
+    "the batch arrived (check the client's clock): every time the schema allows is accepted"
+)
+
+
+def clamp_event_times(events: Sequence[ClientEvent], *, max_skew_s: float, now: float) -> int:
+    """Record times more than ``max_skew_s`` past ``now`` as ``now``; how many were moved.
+
+    A time past the schema's maximum (:data:`~kcache_server.auditing.events.MAX_EVENT_TIME`)
+    is refused, naming the event, as the schema refuses it.
+    """
+    latest = now + max_skew_s
+    moved = 0
+    for i, event in enumerate(events):
+        if event.time > MAX_EVENT_TIME:
+            raise InvalidRequestError(
+                f"events[{i}].time",
+                f"{event.time} is past the latest time accepted ({MAX_EVENT_TIME:.0f}, "
+                "the schema's maximum)",
+            )
+        if event.time > latest:
+            event.time = now
+            moved += 1
+    return moved
 
 
 def _parse(raw: bytes, max_events: int) -> EventBatch:
@@ -28,13 +81,34 @@ def _parse(raw: bytes, max_events: int) -> EventBatch:
     return load_model(EventBatch, data)
 
 
-@router.post("", response_model=IngestResult, responses=ERRORS, openapi_extra=body_doc(EventBatch))
+def _request_doc() -> dict[str, Any]:
+    """The request body's schema, with the time's description saying what this route does."""
+    doc = body_doc(EventBatch)
+    schema = doc["requestBody"]["content"]["application/json"]["schema"]
+    schema["properties"]["events"]["items"]["properties"]["time"]["description"] = TIME_DESCRIPTION
+    return doc
+
+
+@router.post("", response_model=IngestResult, responses=ERRORS, openapi_extra=_request_doc())
 async def post_events(request: Request, _: Reporter, state: State) -> IngestResult:
     """Record a batch of client events in one transaction (all of it, or none on an error)."""
     settings = state.settings.audit
     body = await read_body(request, state, lambda raw: _parse(raw, settings.max_events_per_batch))
+    now = time.time()
+    moved = clamp_event_times(body.events, max_skew_s=settings.max_clock_skew_s, now=now)
+    if moved:
+        log.warning(
+            "%d of %d client events were dated more than %.0f s past this server's clock; "
+            "recorded at their arrival (a client's clock is ahead)",
+            moved,
+            len(body.events),
+            settings.max_clock_skew_s,
+        )
     check_batch(
-        body.events, max_events=settings.max_events_per_batch, max_skew_s=settings.max_clock_skew_s
+        body.events,
+        max_events=settings.max_events_per_batch,
+        max_skew_s=settings.max_clock_skew_s,
+        now=now,
     )
     accepted = await state.run(ingest_events, state.backends.db, body.events)
     metrics = state.metrics

@@ -1,8 +1,14 @@
-"""``GET /healthz`` (the process answers) and ``GET /readyz`` (database, store, workers, sandbox).
+"""``GET /healthz`` (the process answers) and ``GET /readyz`` (database, bucket, store, workers, sandbox).
 
 Both answer without a token, so what they say is for anyone who can reach the
 port: a failed check names what failed and what to do, never a driver's error
 text or a path (those go to the log, under the request id the answer gives).
+
+The checks that ask another service (the database; the bucket, with a
+``store_url``) are bounded in time (:mod:`kcache_server.readiness`): they run at
+once, each on a thread of its own outside the engine's limiter, and one that does
+not answer within ``readiness_timeout_s`` fails, so ``/readyz`` answers within
+about that long whatever a backend does.
 """
 
 from __future__ import annotations
@@ -10,10 +16,11 @@ from __future__ import annotations
 import logging
 import os
 
-import sqlalchemy as sa
-from fastapi import APIRouter, Response
+import anyio
+from fastapi import APIRouter, Request, Response
 
 from kcache.fsutil import free_bytes
+from kcache_server.readiness import BoundedCheck, Readiness
 from kcache_server.request_ids import current_request_id
 from kcache_server.routes._deps import State
 from kcache_server.schemas import HealthBody, ReadyBody
@@ -30,22 +37,32 @@ async def healthz() -> HealthBody:
     return HealthBody(status="ok")
 
 
-def _checks(state: ServerState) -> dict[str, str]:
+def _readiness(request: Request, state: ServerState) -> Readiness:
+    """The app's bounded backend checks (made on the first probe; kept with the app)."""
+    readiness = getattr(request.app.state, "readiness", None)
+    if not isinstance(readiness, Readiness):
+        readiness = Readiness(state.backends, timeout_s=state.settings.readiness_timeout_s)
+        request.app.state.readiness = readiness
+    return readiness
+
+
+async def _backends(readiness: Readiness) -> dict[str, str]:
+    """The database's and the bucket's checks, run at once, each within its bound."""
     checks: dict[str, str] = {}
-    try:
-        with state.backends.db.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
-        checks["database"] = "ok"
-    except Exception as exc:  # any driver error means not ready
-        # The driver's text can hold the host, user and database name: log it, do not answer it.
-        request_id = current_request_id()
-        cause = getattr(exc, "driver_error", None) or exc  # DatabaseUnavailableError's original
-        log.warning(
-            "readyz %s: the database check failed: %s: %s", request_id, type(cause).__name__, cause
-        )
-        checks["database"] = (
-            f"failed: database unreachable (the server log has the error under request id {request_id})"
-        )
+    bounded = [c for c in (readiness.database, readiness.bucket) if c is not None]
+
+    async def one(check: BoundedCheck) -> None:
+        checks[check.name] = await anyio.to_thread.run_sync(check.status)
+
+    async with anyio.create_task_group() as group:
+        for check in bounded:
+            group.start_soon(one, check)
+    return {check.name: checks[check.name] for check in bounded}
+
+
+def _checks(state: ServerState) -> dict[str, str]:
+    """The local checks: the SQLite file, the disk, the store's directory, the workers."""
+    checks: dict[str, str] = {}
     # A deleted SQLite file still answers (open connections keep its inode): look for it.
     db_file = state.backends.db_file
     vanished = db_file.problem() if db_file is not None else None
@@ -99,13 +116,20 @@ def _sandbox(state: ServerState) -> str:
 
 
 @router.get("/readyz", response_model=ReadyBody, responses={503: {"model": ReadyBody}})
-async def readyz(state: State, response: Response) -> ReadyBody:
-    """Readiness: 200 when the database, the store and at least one compile worker work.
+async def readyz(request: Request, state: State, response: Response) -> ReadyBody:
+    """Readiness: 200 when the database, the bucket (if any), the store and a compile worker work.
 
-    ``compile_sandbox`` reads ``degraded`` where the workers run unconfined by choice;
-    that is reported, not a reason to take the server out of service.
+    The database and the bucket are asked within ``readiness_timeout_s`` each (the
+    bucket's answer is kept a few seconds); one that is down or slow is a 503 whose
+    ``checks`` say which. ``compile_sandbox`` reads ``degraded`` where the workers run
+    unconfined by choice; that is reported, not a reason to take the server out of service.
     """
-    checks = await state.run(_checks, state)
+    checks = await _backends(_readiness(request, state))
+    # Local checks on a thread outside the engine's limiter: a probe never queues behind compiles.
+    local = await anyio.to_thread.run_sync(_checks, state)
+    if "database" in local:  # the SQLite file vanished: that says more than SELECT 1 did
+        checks["database"] = local.pop("database")
+    checks.update(local)
     ready = all(v.startswith("ok") or v.startswith("degraded") for v in checks.values())
     response.status_code = 200 if ready else 503
     return ReadyBody(status="ready" if ready else "not_ready", checks=checks)

@@ -1,0 +1,153 @@
+"""Readiness checks of the backends a server depends on, each bounded in time.
+
+``/readyz`` (:mod:`kcache_server.routes.health`) asks the database and, with a
+``store_url``, the bucket. A backend that is down can answer at once (connection
+refused) or never (a stopped process, a black-holed network: the connection opens
+and no answer comes), so each check is a :class:`BoundedCheck`:
+
+- it runs on a thread of its own and the probe waits for it at most ``timeout_s``;
+  past that the check reads ``failed: ... did not answer within N s``;
+- at most one runs at a time: probes that arrive while one is out wait for that one
+  (up to their own deadline), so a hung backend costs one thread, not one per probe;
+- a result is kept for ``ttl_s``: load balancers probe every replica every few
+  seconds, and the bucket is asked at most once per ``ttl_s`` whatever they do.
+
+The bucket's check is :meth:`kcache.store.s3.S3ArtifactStore.probe` (one HEAD, never
+retried, with its own timeout); the database's is ``SELECT 1``. What a check says is
+for anyone who can reach the port: it names what failed and what to do, never a
+driver's or the bucket's error text (those go to the server log).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import sqlalchemy as sa
+
+from kcache.errors import StoreUnavailableError
+from kcache.store.s3 import S3ArtifactStore
+from kcache_server.backends import Backends
+from kcache_server.request_ids import current_request_id
+
+__all__ = ["BUCKET_TTL_S", "BoundedCheck", "Readiness"]
+
+log = logging.getLogger(__name__)
+
+#: How long the bucket's answer is kept (seconds): a few probes' worth.
+BUCKET_TTL_S = 3.0
+
+
+class BoundedCheck:
+    """A check of one backend that never makes its caller wait past ``timeout_s``.
+
+    ``check`` returns the result (``ok ...`` or ``failed: ...``) and may block; it runs
+    on a daemon thread, one at a time, and its result is kept for ``ttl_s`` (0: every
+    call that finds none running starts one).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        check: Callable[[], str],
+        *,
+        timeout_s: float,
+        ttl_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self._check = check
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._result: str | None = None
+        self._at = 0.0
+        self._running: threading.Event | None = None
+
+    def status(self) -> str:
+        """The check's result: kept, fresh, or ``failed`` once ``timeout_s`` passed without one."""
+        with self._lock:
+            if self._result is not None and self._clock() - self._at < self.ttl_s:
+                return self._result
+            done = self._running
+            if done is None:
+                done = self._running = threading.Event()
+                context = contextvars.copy_context()  # the request id, for the log lines
+                threading.Thread(
+                    target=context.run,
+                    args=(self._run, done),
+                    name=f"kcache-ready-{self.name}",
+                    daemon=True,
+                ).start()
+        if done.wait(self.timeout_s):
+            with self._lock:
+                if self._result is not None:
+                    return self._result
+        log.warning(
+            "readyz %s: the %s did not answer within %g s",
+            current_request_id(),
+            self.name,
+            self.timeout_s,
+        )
+        return f"failed: the {self.name} did not answer within {self.timeout_s:g} s"
+
+    def _run(self, done: threading.Event) -> None:
+        try:
+            result = self._check()
+        except Exception as exc:  # a check's own failure is a failed check, never a 500
+            log.warning("readyz: the %s check raised %s: %s", self.name, type(exc).__name__, exc)
+            result = f"failed: the {self.name} check failed (the server log says why)"
+        with self._lock:
+            self._result = result
+            self._at = self._clock()
+            self._running = None
+        done.set()
+
+
+def _database(db: sa.Engine) -> str:
+    try:
+        with db.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except Exception as exc:  # any driver error means not ready
+        # The driver's text can hold the host, user and database name: log it, do not answer it.
+        request_id = current_request_id()
+        cause = getattr(exc, "driver_error", None) or exc  # DatabaseUnavailableError's original
+        log.warning(
+            "readyz %s: the database check failed: %s: %s", request_id, type(cause).__name__, cause
+        )
+        return (
+            "failed: database unreachable (the server log has the error under request id "
+            f"{request_id})"
+        )
+    return "ok"
+
+
+def _bucket(bucket: S3ArtifactStore) -> str:
+    try:
+        bucket.probe()  # logs the bucket's error itself
+    except StoreUnavailableError:
+        return (
+            "failed: the bucket cannot be reached or refuses this server's credentials "
+            f"(the server log says why, near request id {current_request_id()}); fetches of "
+            "blobs this replica holds no copy of answer 503 until it is back"
+        )
+    return "ok"
+
+
+class Readiness:
+    """The bounded checks of one server's backends (built once per app, with its state)."""
+
+    def __init__(self, backends: Backends, *, timeout_s: float) -> None:
+        self.database = BoundedCheck(
+            "database", lambda: _database(backends.db), timeout_s=timeout_s
+        )
+        remote = getattr(backends.store, "remote", None)
+        self.bucket = (
+            BoundedCheck("bucket", lambda: _bucket(remote), timeout_s=timeout_s, ttl_s=BUCKET_TTL_S)
+            if isinstance(remote, S3ArtifactStore)
+            else None
+        )
