@@ -134,7 +134,7 @@ def _child(fd: int) -> None:
     conn = Connection(fd)
     try:
         config = conn.recv()
-    except EOFError:
+    except (EOFError, OSError):  # the server went away before the configuration
         return
     main(conn, config)
 
@@ -209,7 +209,7 @@ def main(conn: Connection, config: WorkerConfig) -> None:
     while True:
         try:
             message = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the server went away (closed or killed): exit quietly
             return
         if message[0] != "compile":
             return
