@@ -219,6 +219,9 @@ def main(conn: Connection, config: WorkerConfig) -> None:
             config.memory_mb,
         )
         retiring = nvrtc_untrusted()
-        conn.send(("reply", reply, retiring))
+        try:
+            conn.send(("reply", reply, retiring))
+        except OSError:  # the server went away while this compiled: exit quietly
+            return
         if retiring is not None:
             return
