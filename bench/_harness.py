@@ -25,6 +25,14 @@ from tests.support import ServerProcess
 
 KCACHE = [sys.executable, "-m", "kcache.cli"]
 
+# Each run's servers make their own signing keys on ephemeral ports: pins of one run
+# must not meet a later run's server on a reused port (kcache_client._trust). The
+# benchmarks' clients pin in a file of their own run.
+os.environ.setdefault(
+    "KCACHE_KNOWN_SERVERS",
+    str(Path(tempfile.mkdtemp(prefix="kcache-bench-pins-")) / "known_servers.json"),
+)
+
 
 def emit(
     bench: str, ours: float, anchor: float | None, unit: str, **extra: object

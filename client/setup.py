@@ -1,4 +1,4 @@
-"""kcache-client's dependencies, which name the kcache core of the client's own release series.
+"""kcache-client's dependencies, which name the core (kcache-core) of the client's own release series.
 
 pyproject.toml declares everything else. This is the one field it cannot write down
 without repeating the version: ``kcache_client/_version.py`` (a link to the core's

@@ -26,7 +26,11 @@ client's ``kcache.remote`` entry point runs ``compile`` and ``key`` through a se
 
 Errors a user can cause end in one or two lines on stderr that name the flag, file or
 variable and what to do (:class:`UsageError` and the other ``KCacheError``); a
-traceback is shown only with ``--debug`` or ``KCACHE_DEBUG=1``.
+traceback is shown only with ``--debug`` or ``KCACHE_DEBUG=1``. That includes
+argparse's own: a value that begins with ``-`` (``--flag -O3``) is shown joined by
+``=``, and a ``--spec`` value that starts as JSON must be JSON. A local compile runs
+through :func:`kcache._waiting.run_long` (a status line while NVRTC works, Ctrl-C at
+once); ``doctor``'s checks are :mod:`kcache._doctor`'s.
 """
 
 from __future__ import annotations
@@ -44,13 +48,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kcache._env import env_flag
+from kcache._waiting import run_long
 from kcache.dirs import (
     SERVER_DATABASE_FILE,
     cache_dir,
     cache_layout,
-    data_dir,
     directory_kind,
-    toolchain_dir,
 )
 from kcache.errors import (
     CompileError,
@@ -73,7 +76,9 @@ __all__ = [
     "main",
     "print_result",
     "recipe_from_args",
+    "recipe_title",
     "refuse_server_dir",
+    "run_command",
     "server_url",
     "write_output",
 ]
@@ -144,6 +149,10 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+_EXPECTED_ONE = re.compile(r"argument (?P<option>-[^\s:/]+)(?:/\S+)?: expected one argument\Z")
+#: The words of the command line being parsed (for errors that must show the next word).
+_WORDS: list[str] = []
+
 _INVALID_CHOICE = re.compile(
     r"argument (?P<arg>\S+): invalid choice: (?P<value>'.*?') \(choose from (?P<choices>.*)\)\Z"
 )
@@ -164,6 +173,17 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """Say what was wrong and the closest valid word; no usage dump (``--help`` has it)."""
+        expected = _EXPECTED_ONE.search(message)
+        if expected:
+            option = expected["option"]
+            after = [w for i, w in enumerate(_WORDS[1:], 1) if _WORDS[i - 1] == option]
+            if after and after[0].startswith("-"):
+                message = (
+                    f"{option} needs a value, and {after[0]!r} after it reads as an option: "
+                    f"join them with '=': {option}={after[0]}"
+                )
+            else:
+                message = f"{option} needs a value: {option} VALUE (or {option}=VALUE)"
         match = _INVALID_CHOICE.search(message)
         if match:
             value = match["value"][1:-1]
@@ -205,8 +225,10 @@ class _VersionAction(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
         from importlib.metadata import PackageNotFoundError, version
 
+        from kcache._version import CORE_DISTRIBUTION
+
         parts = []
-        for dist in ("kcache", "kcache-client", "kcache-server"):
+        for dist in (CORE_DISTRIBUTION, "kcache-client", "kcache-server"):
             try:
                 parts.append(f"{dist} {version(dist)}")
             except PackageNotFoundError:
@@ -274,7 +296,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="OPTION",
-        help="an NVRTC option, e.g. --flag=-O3 (repeatable, order kept)",
+        help="an NVRTC option, e.g. --flag=--use_fast_math (repeatable, order kept; join a value that starts with - by =)",
     )
     parser.add_argument(
         "--header",
@@ -371,7 +393,13 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
         key, value = _split("--spec", item)
         try:
             spec[key] = json.loads(value)
-        except ValueError:
+        except ValueError as exc:
+            # A bare word (dtype=float16) is a string; what starts as JSON must be JSON.
+            if value.lstrip()[:1] in ("[", "{", '"'):
+                raise UsageError(
+                    f"--spec {item}: the value is not valid JSON ({exc}); fix it, or pass a "
+                    f"string as JSON: {key}='{json.dumps(value)}'"
+                ) from exc
             spec[key] = value
     flags = list(data.get("flags") or [])
     flags += [f"-D{d}" for d in args.define] + list(args.flag)
@@ -394,6 +422,11 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
     if not recipe.source.strip() and not recipe.link:
         raise UsageError(f"{path} is empty: there is no kernel to compile")
     return recipe
+
+
+def recipe_title(recipe: Recipe) -> str:
+    """How status lines name a recipe: its program name and target (``add.cu for sm_90``)."""
+    return f"{recipe.name} for {recipe.target}"
 
 
 def print_result(status: str, recipe_key: str, digest: str, path: Path) -> None:
@@ -459,7 +492,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     root = cache_dir(args.cache_dir)
     refuse_server_dir(root, "--cache-dir" if args.cache_dir else "$KCACHE_CACHE_DIR")
     engine = open_local_engine(root, include_sets=include_set_dirs(args))
-    result = engine.resolve(recipe)
+    result = run_long(lambda: engine.resolve(recipe), f"compiling {recipe_title(recipe)}")
     path = engine.store.path(result.artifact.digest)
     if args.o:
         path = write_output("-o", args.o, engine.read(result.artifact))
@@ -562,80 +595,33 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sandbox_check() -> str:
-    """Whether `kcache serve` could confine its compile workers with Landlock here."""
-    from kcache.sandbox import probe
-
-    if os.environ.get("KCACHE_COMPILE_SANDBOX", "").strip().lower() == "off":
-        return "off: KCACHE_COMPILE_SANDBOX=off, server compile workers are not confined"
-    status = probe()
-    if status.abi > 0:
-        return f"ok: {status.detail}; server compile workers will be confined"
-    return (
-        f"UNAVAILABLE: {status.detail}. `kcache serve` refuses to start on a non-loopback address "
-        "(unless compile_sandbox=best-effort) and runs its compile workers unconfined on loopback"
-    )
-
-
-def _writable(root: Path) -> bool | str:
-    """Whether files can be created in ``root``, checked without creating it."""
-    probe_dir = root
-    while not probe_dir.exists() and probe_dir != probe_dir.parent:
-        probe_dir = probe_dir.parent
-    if not probe_dir.is_dir():
-        return f"no: {probe_dir} is not a directory"
-    if not os.access(probe_dir, os.W_OK | os.X_OK):
-        return f"no: {probe_dir} is not writable"
-    return True if probe_dir == root else f"yes (will be created under {probe_dir})"
-
-
-def _server_check(url: str) -> str:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/healthz", timeout=3) as response:
-            return f"ok: {url} answered /healthz with {response.status}"
-    except urllib.error.HTTPError as exc:
-        return f"answering, but /healthz gave HTTP {exc.code}"
-    except (urllib.error.URLError, OSError) as exc:
-        return f"unreachable at {url}: {getattr(exc, 'reason', exc)}"
-
-
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from kcache.toolchain import load_toolchain
+    from kcache._doctor import as_json, run_checks, summary
 
-    status = 0
-    checks: dict[str, object] = {}
-    try:
-        toolchain = load_toolchain()
-        checks["toolchain"] = toolchain.describe()
-        checks["bundled_headers"] = str(toolchain.include_dir)
-        checks["cuda_fp16.h"] = (toolchain.include_dir / "cuda_fp16.h").is_file()
-    except KCacheError as exc:
-        checks["toolchain"] = f"unusable: {exc}"
-        status = 1
-    checks["toolchain_dir"] = str(toolchain_dir())
-    checks["compile_sandbox"] = _sandbox_check()
-    root = cache_dir(args.cache_dir).resolve()
-    checks["cache_dir"] = str(root)
-    checks["cache_dir_writable"] = _writable(root)
-    if checks["cache_dir_writable"] is not True and not str(
-        checks["cache_dir_writable"]
-    ).startswith("yes"):
-        status = 1
-    if args.data_dir or os.environ.get("KCACHE_DATA_DIR"):
-        server_dir = data_dir(args.data_dir).resolve()
-        checks["data_dir"] = str(server_dir)
-        checks["data_dir_kind"] = directory_kind(server_dir)
-        checks["data_dir_writable"] = _writable(server_dir)
-    url = server_url(args)
-    if url:
-        checks["server"] = _server_check(url)
-        if not str(checks["server"]).startswith("ok"):
-            status = 1
-    print(json.dumps(checks, indent=2))
-    return status
+    token = args.token if args.token is not None else os.environ.get("KCACHE_TOKEN") or None
+    token_from = "--token" if args.token is not None else "KCACHE_TOKEN"
+    checks = run_checks(
+        cache=args.cache_dir,
+        data=args.data_dir,
+        url=server_url(args),
+        token=token or None,
+        token_from=token_from,
+    )
+    print(as_json(checks) if args.json else summary(checks))
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+def run_command(argv: Sequence[str], *, needs: str) -> int:
+    """Run another ``kcache`` command (one a different distribution may provide) from this one.
+
+    ``needs`` says what to install when no distribution provides it.
+    """
+    parser = _build()
+    sub = _subparsers(parser)
+    if sub is None or argv[0] not in sub.choices:
+        raise UsageError(f"this needs `kcache {argv[0]}`, which comes with {needs}")
+    delegated = parser.parse_args(list(argv))
+    return int(delegated.func(delegated))
 
 
 # ---------------------------------------------------------------------------- parser
@@ -727,7 +713,11 @@ def _build(command: str | None = None) -> _Parser:
         cmd.set_defaults(func=_cmd_gc if name == "gc" else _cmd_verify)
 
     doctor = sub.add_parser(
-        "doctor", help="check the toolchain, the sandbox, your cache directory and the server"
+        "doctor",
+        help="check the toolchain, the sandbox, your cache directory, the server and its token",
+        description="One line per check (ok, warn, FAIL and what to change), then a verdict; "
+        "exit status 1 when a check failed. With a server (--server / $KCACHE_URL) it asks "
+        "/healthz and then, with the token, GET /v1/toolchains: only that says the token works.",
     )
     add_cache_dir_argument(doctor)
     doctor.add_argument(
@@ -738,6 +728,8 @@ def _build(command: str | None = None) -> _Parser:
     doctor.add_argument(
         "--server", metavar="URL", help="also check this server (default $KCACHE_URL)"
     )
+    doctor.add_argument("--token", help="the token to check (default $KCACHE_TOKEN)")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=_cmd_doctor)
 
     if command in sub.choices:
@@ -814,6 +806,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in words  # accepted anywhere: it is about the run, not one command
     words = [w for w in words if w != "--debug"]
+    _WORDS[:] = words
     try:
         debug = debug or bool(env_flag("KCACHE_DEBUG"))
         # Only a first word can be the command: after an option (`kcache -h key`) it is not.

@@ -1,6 +1,14 @@
 """Atomic publishing of files (unique temp beside the destination, fsync, rename, fsync dir),
-whole-file reads in few system calls (with the identity of the file read), and the
-free-space checks that turn a nearly full disk into :class:`StoreFullError`."""
+whole-file reads in few system calls (with the identity of the file read), directory
+walks, and the free-space checks that turn a nearly full disk into :class:`StoreFullError`.
+
+Reads and walks never trust what a directory holds, since a directory other users can
+write (a node tier shared on a host) may hold anything: a read opens with
+``O_NOFOLLOW | O_NONBLOCK`` (a symbolic link is refused, a FIFO does not block the
+open) and reads only a regular file, at most the bytes its caller expects
+(:class:`UnsafeFileError` otherwise); a walk (:func:`regular_files`) lists regular
+files only and never descends through a symbolic link.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +16,15 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
+from collections.abc import Iterator
 
-from kcache.errors import StoreFullError
+from kcache.errors import KCacheError, StoreFullError
 
 __all__ = [
     "TMP_PREFIX",
     "FileIdentity",
+    "UnsafeFileError",
     "atomic_write",
     "check_free_space",
     "free_bytes",
@@ -22,6 +33,7 @@ __all__ = [
     "is_disk_full",
     "read_file",
     "read_file_identified",
+    "regular_files",
 ]
 
 #: Staging files start with this prefix; readers and listings ignore them.
@@ -59,8 +71,36 @@ def check_free_space(path: str | os.PathLike[str], minimum: int, what: str) -> N
 #: What tells one file at a path from another: (device, inode, size, mtime ns, ctime ns).
 FileIdentity = tuple[int, int, int, int, int]
 
+_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
 
-def read_file(path: str) -> bytes:
+
+class UnsafeFileError(KCacheError, OSError):
+    """A path that should be a regular file is a link, a FIFO, a device, or larger than expected.
+
+    Callers that read caches treat it as an absent or damaged entry; ``path`` and
+    ``reason`` say which and why (for the one warning a reader gives).
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path} {reason}: not read")
+        self.path = path
+        self.reason = reason
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_file(path: str, max_bytes: int | None = None) -> bytes:
     """The whole of the file at ``path``, in few system calls (raises OSError as ``open`` does).
 
     ``open(path, "rb").read()`` makes eight (open, two fstat, an isatty ioctl, a seek,
@@ -69,30 +109,75 @@ def read_file(path: str) -> bytes:
     answer than asked for is the end of the file; a full one means the file grew
     meanwhile, and it is read on to its end.
     """
-    return read_file_identified(path)[0]
+    return read_file_identified(path, max_bytes)[0]
 
 
-def read_file_identified(path: str) -> tuple[bytes, FileIdentity]:
+def read_file_identified(path: str, max_bytes: int | None = None) -> tuple[bytes, FileIdentity]:
     """:func:`read_file`, and the identity of the file read, from the same descriptor.
 
     The identity is taken before the bytes are read, so a change to the file while it
     is read shows in a later identity (a write moves mtime and ctime on; only the
     kernel sets ctime), and bytes read from a file that grew or shrank meanwhile do
     not have the identity's size.
+
+    Only a regular file is read, never through a symbolic link, and never more than
+    ``max_bytes`` (None: no bound): otherwise :class:`UnsafeFileError` (module docstring).
+    A file that grows past the bound while it is read is cut there (its bytes then do
+    not have the identity's size, which callers check).
     """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, _READ)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFileError(path, "is a symbolic link") from None
+        raise
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(path, f"is {_kind(st.st_mode)}")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise UnsafeFileError(
+                path, f"holds {st.st_size} bytes, more than the {max_bytes} expected"
+            )
         asked = st.st_size + 1
         data = os.read(fd, asked)
-        if len(data) == asked:  # grew since the fstat: read on to the end
+        if len(data) == asked:  # grew since the fstat: read on to the end (or the bound)
+            limit = max_bytes + 1 if max_bytes is not None else None
             chunks = [data]
-            while chunks[-1]:
+            total = len(data)
+            while chunks[-1] and (limit is None or total < limit):
                 chunks.append(os.read(fd, 1 << 16))
+                total += len(chunks[-1])
             data = b"".join(chunks)
+            if limit is not None:
+                data = data[:limit]
     finally:
         os.close(fd)
     return data, identity(st)
+
+
+def regular_files(directory: str | os.PathLike[str], depth: int = 0) -> Iterator[os.DirEntry[str]]:
+    """The regular files ``depth`` directory levels below ``directory`` (0: in it).
+
+    Nothing is followed: a symbolic link (to a file or a directory) is skipped, and so
+    is ``directory`` itself when it is a link, or anything but a directory (nothing is
+    listed). A directory that vanishes meanwhile is skipped.
+    """
+    try:
+        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+            return
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        try:
+            if depth == 0:
+                if entry.is_file(follow_symlinks=False):
+                    yield entry
+            elif entry.is_dir(follow_symlinks=False):
+                yield from regular_files(entry.path, depth - 1)
+        except OSError:
+            continue
 
 
 def identity(st: os.stat_result) -> FileIdentity:

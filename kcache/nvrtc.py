@@ -70,6 +70,7 @@ from kcache.toolchain import Toolchain
 __all__ = [
     "answer_one_compile",
     "check_has_include",
+    "check_kernels_emitted",
     "compile_in_this_process",
     "compile_recipe",
     "kernel_name",
@@ -78,6 +79,11 @@ __all__ = [
 ]
 
 _GLOBAL_RE = re.compile(r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)")
+# A kernel template: "template <...>" then, before the body, "__global__".
+_TEMPLATE_KERNEL_RE = re.compile(r"\btemplate\s*<[^{;]*?__global__\s")
+# Code in a compiler output: a cubin's ".text.<function>" section, PTX's .entry/.func.
+_CUBIN_CODE = b".text."
+_PTX_CODE_RE = re.compile(rb"^\s*(?:\.visible\s+|\.weak\s+)?\.(?:entry|func)\s", re.M)
 
 # NVRTC's log: "<file>(<line>): <severity>...", indented continuation lines (the source
 # line, the caret, "detected during ..."), and a few fixed lines.
@@ -127,6 +133,42 @@ def kernel_name(recipe: Recipe) -> str:
         return recipe.name_expressions[0]
     match = _GLOBAL_RE.search(recipe.source)
     return match.group(1) if match else recipe.name
+
+
+def check_kernels_emitted(recipe: Recipe, data: bytes) -> None:
+    """Refuse a cubin or PTX with no code at all from a source that declares a kernel template.
+
+    NVRTC instantiates a ``template <...> __global__`` kernel only for a name expression
+    (or an explicit instantiation in the source); without one it compiles successfully
+    into an output with no kernel in it, and the mistake shows much later, as a failed
+    function lookup on the GPU, for every rank that was served the empty artifact. So
+    it is an error here, not a warning: a warning would have to travel from a server's
+    compile worker to every client, and an artifact nobody can launch is worth storing
+    for no one. The fix is cheap and changes the recipe's key. Outputs that may rightly
+    hold no kernel are left alone: LTO-IR, and relocatable code (``-rdc=true``, device
+    functions for a later link).
+    """
+    if recipe.name_expressions or recipe.produces == "ltoir" or recipe.lto:
+        return
+    if any(f in ("-rdc=true", "--relocatable-device-code=true", "-dc") for f in recipe.flags):
+        return
+    has_code = (
+        _CUBIN_CODE in data if recipe.produces == "cubin" else _PTX_CODE_RE.search(data) is not None
+    )
+    if has_code:
+        return
+    match = _TEMPLATE_KERNEL_RE.search(recipe.source)
+    if match is None:
+        return
+    name = _GLOBAL_RE.search(recipe.source, match.start())
+    example = f"{name.group(1)}<float>" if name else "kernel<float>"
+    raise RecipeError(
+        "name_expressions",
+        "the compile produced no kernel: the source's __global__ templates are compiled only "
+        f"for the instantiations a name expression names; add one for each you launch, e.g. "
+        f"name_expressions=[{example!r}] (kcache compile --name-expression {example!r}), or "
+        "instantiate the template explicitly in the source",
+    )
 
 
 def _ok(result: tuple[object, ...]) -> bool:
@@ -400,6 +442,7 @@ def compile_in_this_process(
     kind = recipe.produces
     if kind == "cubin":
         validate_cubin(data, target)
+    check_kernels_emitted(recipe, data)
     return CompileOutput(
         data=data,
         kind=kind,

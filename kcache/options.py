@@ -52,6 +52,7 @@ __all__ = [
     "cuda_core_option_strings",
     "cuda_core_recipe_fields",
     "cupy_recipe_fields",
+    "recipe_flag_refusal",
     "translate_nvrtc_options",
 ]
 
@@ -489,6 +490,56 @@ def _lookup(option: str) -> tuple[_Spec | None, str | None]:
     if sep:
         return _BY_NAME.get(name), value
     return None, None
+
+
+def recipe_flag_refusal(flag: str) -> str:
+    """Why a recipe refuses ``flag`` (one of its ``flags``), and what to write instead.
+
+    The recipe's allow-list (:mod:`kcache.recipe`) only says yes or no; the reason is
+    here, where every NVRTC option is known: a refused option's own reason (it writes
+    a file, PCH, ...), the recipe field that owns it (``-arch`` is ``target``), the
+    accepted spelling of a known option (``-gpu-architecture`` style aliases,
+    ``--use_fast_math``), or the closest known options for one nobody knows.
+    """
+    import difflib
+
+    if _OPT_LEVEL_RE.fullmatch(flag) or re.fullmatch(r"-O[0-9]+", flag):
+        return (
+            f"{flag!r} is not an NVRTC option: NVRTC has no -O levels, its optimization "
+            "switch is -dopt=on|off"
+        )
+    try:
+        translated = translate_nvrtc_options([flag], where="flag")
+    except RecipeError as exc:
+        if "is not an NVRTC option kcache knows" not in exc.detail:
+            return exc.detail  # a refused option's reason, or a value it does not take
+        name = flag.partition("=")[0]
+        spellings = sorted(_BY_NAME)
+        close = difflib.get_close_matches(name, spellings, n=2, cutoff=0.75)
+        if not close:  # "-use-fast-math": the dashes and underscores of NVRTC's names vary
+            folded = {s.replace("_", "-").lstrip("-"): s for s in spellings}
+            hit = folded.get(name.replace("_", "-").lstrip("-"))
+            close = [hit] if hit else []
+        # One spelling per option (the closest one), the closest option first.
+        close = list({_BY_NAME[c].long: c for c in reversed(close)}.values())[::-1]
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        return f"{flag!r} is not an NVRTC option kcache knows{hint}"
+    if translated.target is not None:
+        return (
+            f"{flag!r}: the target comes from the recipe's `target` (--target {translated.target})"
+        )
+    if translated.ltoir:
+        return f"{flag!r}: LTO-IR comes from the recipe's `output` (ltoir) or `lto`, not a flag"
+    if translated.include_dirs:
+        return (
+            f"{flag!r} reads a directory of the compiling machine, which a recipe cannot "
+            "account for: give the headers (`headers`, --header NAME=FILE) or a registered "
+            "include set (`include_sets`, --include-set NAME=DIR)"
+        )
+    if not translated.flags:
+        return f"{flag!r} is not needed: kcache compiles always use the toolchain's bundled headers"
+    spelled = " ".join(translated.flags)
+    return f"{flag!r} is written {spelled!r} in a recipe"
 
 
 # --------------------------------------------------------------------------- -I directories

@@ -674,12 +674,10 @@ def _validate(recipe: Recipe) -> _HeaderSet:
     for i, flag in enumerate(recipe.flags):
         _check_line(f"flags[{i}]", flag, LIMITS.flag_chars)
         if not _ALLOWED_FLAGS.fullmatch(flag):
-            raise RecipeError(
-                f"flags[{i}]",
-                f"{flag!r} is not allowed: options that read or write files (-I, PCH, traces, "
-                "output) are refused, -arch comes from `target`, -dlto from `output`/`lto`; "
-                "use `include_sets` for registered include directories",
-            )
+            # Only a refusal pays for the reason: kcache.options knows every NVRTC option.
+            from kcache.options import recipe_flag_refusal
+
+            raise RecipeError(f"flags[{i}]", recipe_flag_refusal(flag))
     if recipe.output not in _OUTPUTS:
         raise RecipeError("output", f"{recipe.output!r} is not one of {', '.join(_OUTPUTS)}")
     if isinstance(recipe.name_expressions, str) or not isinstance(

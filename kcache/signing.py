@@ -9,9 +9,13 @@ small keys and signatures (32 and 64 bytes), deterministic, about 50 us to sign 
 100 us to verify.
 
 A key is named by its id, the first 16 hex digits of the sha256 of its raw public
-bytes; a signature is ``{"key_id", "signature"}`` (base64url, no padding). Several
+bytes; a signature is ``{"key_id", "signature"}`` (base64url, no padding), or in one
+HTTP header ``X-KCache-Signature: <key_id>.<signature>`` (:data:`HEADER`). Several
 trusted keys at once allow rotation: sign with the new key while clients trust old
-and new.
+and new. A client that pinned a server's key on first contact follows a rotation
+through an endorsement: the old key's signature over the new public key
+(:meth:`SigningKey.endorse`, :meth:`TrustedKeys.verify_endorsement`), which the server
+publishes beside the new key. Nothing else moves a pin.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kcache.errors import KCacheError
 
 __all__ = [
     "ALGORITHM",
+    "HEADER",
     "Signature",
     "SignatureError",
     "SigningKey",
@@ -39,6 +44,10 @@ __all__ = [
 ]
 
 ALGORITHM = "ed25519"
+#: The response header that carries a signature (HTTP header names are case-insensitive).
+HEADER = "X-KCache-Signature"
+#: What an endorsement signs before the endorsed public key: never a valid artifact message.
+_ENDORSEMENT = b"kcache-key-endorsement/v1:"
 #: Bumped if the signed fields ever change; part of the message, so old and new never mix.
 _MESSAGE_VERSION = 1
 
@@ -103,6 +112,18 @@ class Signature:
         if not isinstance(value, str) or len(_unb64(value, "the signature")) != 64:
             raise SignatureError("the signature must be 64 bytes, base64url")
         return cls(key_id, value)
+
+    def header_value(self) -> str:
+        """The :data:`HEADER` form: ``<key_id>.<signature>``."""
+        return f"{self.key_id}.{self.signature}"
+
+    @classmethod
+    def from_header(cls, value: str) -> Signature:
+        """Inverse of :meth:`header_value`, every part checked (SignatureError)."""
+        key_id, dot, signature = value.strip().partition(".")
+        if not dot:
+            raise SignatureError(f"the {HEADER} header must be <key_id>.<signature>")
+        return cls.from_dict({"key_id": key_id, "signature": signature})
 
 
 def _is_hex(text: str) -> bool:
@@ -183,6 +204,11 @@ class SigningKey:
         """Sign ``recipe_key`` -> ``meta``."""
         return Signature(self.key_id, _b64(self._private.sign(signed_message(recipe_key, meta))))
 
+    def endorse(self, public_key: str) -> Signature:
+        """This key's endorsement of ``public_key`` (base64url): "sign with it after me"."""
+        raw = _unb64(public_key, "the endorsed public key")
+        return Signature(self.key_id, _b64(self._private.sign(_ENDORSEMENT + raw)))
+
 
 class TrustedKeys:
     """The public keys a client accepts signatures by, by key id."""
@@ -191,13 +217,17 @@ class TrustedKeys:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
         self._keys: dict[str, Any] = {}
+        #: key id -> the public key as given (base64url of its 32 raw bytes).
+        self.public_keys: dict[str, str] = {}
         for text in public_keys:
             raw = _unb64(text.strip(), "a trusted public key")
             if len(raw) != 32:
                 raise SignatureError(
                     f"a trusted public key must be 32 bytes of Ed25519, base64url: {text[:60]!r}"
                 )
-            self._keys[key_id_of(raw)] = Ed25519PublicKey.from_public_bytes(raw)
+            key_id = key_id_of(raw)
+            self._keys[key_id] = Ed25519PublicKey.from_public_bytes(raw)
+            self.public_keys[key_id] = _b64(raw)
 
     @classmethod
     def parse(cls, value: str) -> TrustedKeys:
@@ -209,6 +239,9 @@ class TrustedKeys:
             items = value.replace(",", " ").split()
         return cls(item for item in items if item)
 
+    def __or__(self, other: TrustedKeys) -> TrustedKeys:
+        return TrustedKeys([*self.public_keys.values(), *other.public_keys.values()])
+
     def __bool__(self) -> bool:
         return bool(self._keys)
 
@@ -216,6 +249,29 @@ class TrustedKeys:
     def key_ids(self) -> list[str]:
         """Ids of the trusted keys."""
         return sorted(self._keys)
+
+    def __contains__(self, key_id: object) -> bool:
+        return key_id in self._keys
+
+    def verify_endorsement(self, public_key: str, endorsement: Signature) -> None:
+        """Raise :class:`SignatureError` unless a trusted key endorsed ``public_key``."""
+        from cryptography.exceptions import InvalidSignature
+
+        endorser = self._keys.get(endorsement.key_id)
+        if endorser is None:
+            raise SignatureError(
+                f"the endorsement of key {key_id_of(_unb64(public_key, 'a public key'))} is by key "
+                f"{endorsement.key_id}, which is not trusted here"
+            )
+        try:
+            endorser.verify(
+                _unb64(endorsement.signature, "the endorsement"),
+                _ENDORSEMENT + _unb64(public_key, "the endorsed public key"),
+            )
+        except InvalidSignature as exc:
+            raise SignatureError(
+                f"the endorsement by key {endorsement.key_id} does not verify"
+            ) from exc
 
     def verify(self, recipe_key: str, meta: ArtifactMeta, signature: Signature | None) -> None:
         """Raise :class:`SignatureError` unless ``signature`` by a trusted key covers ``recipe_key`` -> ``meta``."""

@@ -4,6 +4,13 @@ A toolchain id names everything outside the recipe that can change the output: t
 NVRTC and nvJitLink versions, a hash of their shared libraries, and a hash of the
 bundled header tree that compiles include (``cuda_fp16.h``, ``cuda/std``, ``cub``).
 The headers are extracted once per toolchain into a cache directory, atomically.
+
+NVRTC must be 13.3 or later (its bundled headers); nvJitLink may be any CUDA 13 release.
+An older nvJitLink beside a newer NVRTC is what an image with torch's pinned CUDA wheels
+gets (torch 2.11 pins nvJitLink 13.0, compiling needs NVRTC >= 13.3): it cannot link the
+newer NVRTC's LTO-IR, so such a toolchain compiles every recipe except LTO ones
+(``lto: true``), which :meth:`Toolchain.check` refuses by name with the pip command that
+fixes it (:func:`nvjitlink_install_advice`). Nothing else here uses nvJitLink.
 :func:`toolchain_id` gives the id alone, from what the last load wrote down
 (:mod:`kcache.toolchain_memo`) while that still holds, without loading anything.
 """
@@ -26,7 +33,13 @@ from kcache.errors import RecipeError, ToolchainError
 if TYPE_CHECKING:
     from kcache.recipe import Recipe
 
-__all__ = ["Toolchain", "load_toolchain", "nvrtc_install_advice", "toolchain_id"]
+__all__ = [
+    "Toolchain",
+    "load_toolchain",
+    "nvjitlink_install_advice",
+    "nvrtc_install_advice",
+    "toolchain_id",
+]
 
 # The first NVRTC (and cuda-bindings) with nvrtcInstallBundledHeaders, whose headers every
 # compile includes; the core's `nvrtc` extra asks for at least this.
@@ -53,6 +66,15 @@ class Toolchain:
         """True when NVRTC of this toolchain can target ``sm``."""
         return sm in self.supported_sms
 
+    @property
+    def links_lto(self) -> bool:
+        """True when nvJitLink here can link NVRTC's LTO-IR: it is at least as new as NVRTC.
+
+        nvJitLink refuses LTO-IR from a newer NVRTC (``ERROR_OUTDATED_LIBRARY``); cubins
+        and PTX never reach nvJitLink, so only ``lto`` recipes depend on this.
+        """
+        return _release(self.nvjitlink_version) >= _release(self.nvrtc_version)
+
     def check(self, recipe: Recipe, side: str = "here", where: str = "") -> None:
         """Refuse (:class:`RecipeError`) a recipe this toolchain cannot compile, and its linked recipes.
 
@@ -74,6 +96,14 @@ class Toolchain:
                 f"{where}target",
                 f"{target.text} is not supported by NVRTC {self.nvrtc_version} {side} ({supported})",
             )
+        if recipe.lto and not self.links_lto:
+            raise RecipeError(
+                f"{where}lto",
+                f"LTO recipes are not compiled {side}: nvJitLink {self.nvjitlink_version} is "
+                f"older than NVRTC {self.nvrtc_version} and cannot link its LTO-IR (recipes "
+                "without lto compile as usual); "
+                f"{nvjitlink_install_advice(self.nvrtc_version)}",
+            )
         for i, item in enumerate(recipe.link):
             if item.recipe is not None:
                 self.check(item.recipe, side, f"{where}link[{i}].recipe.")
@@ -86,6 +116,11 @@ class Toolchain:
             "nvjitlink_version": self.nvjitlink_version,
             "targets": [f"sm_{sm}" for sm in self.supported_sms],
         }
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"13.5"`` -> ``(13, 5)``, for comparing the versions the libraries report."""
+    return tuple(int(part) for part in version.split("."))
 
 
 def _file_sha256(path: Path) -> str:
@@ -131,12 +166,23 @@ def nvrtc_install_advice() -> str:
     """The pip command that installs the NVRTC and nvJitLink this kcache compiles with.
 
     It names this kcache's own version, so pip adds the wheels of its ``nvrtc`` extra
-    (upgrading an older NVRTC, nvJitLink or cuda-bindings in place) and keeps the
-    kcache that is installed. ``kcache-client[compile]`` is the same set of wheels.
+    (upgrading an older NVRTC or cuda-bindings in place, keeping a CUDA 13 nvJitLink) and
+    keeps the kcache that is installed. ``kcache-client[compile]`` is the same set of wheels.
     """
-    from kcache._version import __version__
+    from kcache._version import CORE_DISTRIBUTION, __version__
 
-    return f"pip install 'kcache[nvrtc]=={__version__}'"
+    return f"pip install '{CORE_DISTRIBUTION}[nvrtc]=={__version__}'"
+
+
+def nvjitlink_install_advice(nvrtc_version: str) -> str:
+    """The pip command that installs an nvJitLink able to link NVRTC ``nvrtc_version``'s LTO-IR.
+
+    At least NVRTC's release, within its CUDA major (the libraries' soname). In an image
+    whose torch pins an older nvJitLink, pip then says that torch asked for another one;
+    nvJitLink reads what older releases wrote, so torch's own links keep working.
+    """
+    major = _release(nvrtc_version)[0]
+    return f"pip install 'nvidia-nvjitlink>={nvrtc_version},<{major + 1}'"
 
 
 def _check(result: tuple[object, ...], what: str) -> tuple[object, ...]:
@@ -208,13 +254,8 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
     nvrtc_version = f"{major}.{minor}"
     jl_major, jl_minor = nvjitlink.version()
     nvjitlink_version = f"{jl_major}.{jl_minor}"
-    if (int(jl_major), int(jl_minor)) < (int(major), int(minor)):  # type: ignore[call-overload]
-        # nvJitLink links LTO-IR only from an NVRTC no newer than itself: refuse the pair
-        # here, by name, rather than let every LTO recipe fail with ERROR_OUTDATED_LIBRARY.
-        raise ToolchainError(
-            f"nvJitLink {nvjitlink_version} ({jitlink_lib}) is older than NVRTC {nvrtc_version} "
-            f"({nvrtc_lib}) and cannot link its LTO-IR: {nvrtc_install_advice()}"
-        )
+    # An nvJitLink older than NVRTC is kept: it links no LTO-IR of this NVRTC, and
+    # Toolchain.check refuses exactly the recipes that would need it (lto), by name.
     lib_hash = _library_hash(libraries, root)
     include_root = root / f"nvrtc{nvrtc_version}-{lib_hash[:16]}"
     tree = _install_headers(include_root, f"NVRTC {nvrtc_version} ({nvrtc_lib})")

@@ -1,4 +1,4 @@
-"""kcache-server's dependencies, which name the kcache core of the server's own release series.
+"""kcache-server's dependencies, which name the core (kcache-core) of the server's own release series.
 
 pyproject.toml declares everything else. This is the one field it cannot write down
 without repeating the version: ``kcache_server/_version.py`` (a link to the core's

@@ -13,10 +13,12 @@ from pathlib import Path
 
 from tests.support import KCACHE, answers_200, wait_until
 
-__all__ = ["PROGRESS", "Served", "assert_user_error", "error_lines", "kcache", "user_env"]
+__all__ = ["PROGRESS", "STILL", "Served", "assert_user_error", "error_lines", "kcache", "user_env"]
 
 #: Lines a command prints while it waits; they are progress, not the error's text.
 PROGRESS = "kcache: waiting for the server"
+#: ... and the status lines of a long compile (kcache._waiting.STATUS_PREFIX).
+STILL = "kcache: still "
 
 
 def user_env(home: Path, **extra: str) -> dict[str, str]:
@@ -39,11 +41,12 @@ def kcache(
     cwd: Path | None = None,
     timeout: float = 120,
 ) -> subprocess.CompletedProcess[str]:
-    """``kcache ARGS`` to completion, output captured."""
+    """``kcache ARGS`` to completion, output captured, stdin empty (no terminal to ask on)."""
     return subprocess.run(
         [KCACHE, *args],
         env=dict(env),
         cwd=cwd,
+        stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -56,7 +59,7 @@ def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
     return [
         line
         for line in result.stderr.strip().splitlines()
-        if line and not line.startswith(PROGRESS)
+        if line and not line.startswith((PROGRESS, STILL))
     ]
 
 

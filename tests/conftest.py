@@ -16,6 +16,31 @@ from kcache.toolchain import Toolchain, load_toolchain
 from tests.support import pg_database
 
 
+def _one_signing_key() -> None:
+    """One signing key for every server of the run, trusted by every client, and a pin file
+    of the run's own; set when this file is imported, before any test module builds its
+    settings (several do at import).
+
+    Servers start on ephemeral ports, so a later server may get a port an earlier one
+    had: with a key each, a client that pinned the first would (rightly) refuse the
+    second. Clients are given the key (as a fleet's images would be), so no test's
+    request count includes a first contact's ``GET /v1/keys``; tests of keys, pins and
+    rotation give their servers and clients their own (tests/client/test_trust_chain.py).
+    """
+    from kcache.signing import SigningKey
+
+    if os.environ.get("KCACHE_SIGNING_KEY_FILE"):
+        return
+    home = Path(tempfile.mkdtemp(prefix="kcache-test-trust-"))
+    key = SigningKey.load_or_create(home / "signing-key.pem")
+    os.environ["KCACHE_SIGNING_KEY_FILE"] = str(home / "signing-key.pem")
+    os.environ["KCACHE_TRUSTED_KEYS"] = key.public_key
+    os.environ["KCACHE_KNOWN_SERVERS"] = str(home / "known_servers.json")
+
+
+_one_signing_key()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shared_toolchain_dir() -> None:
     """One extracted NVRTC header tree for the whole run (servers, workers and commands inherit it)."""

@@ -7,16 +7,18 @@ the flag, file or variable to fix, a non-zero exit, and no traceback.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.cli_harness import PROGRESS, Served, assert_user_error, kcache, user_env
+from tests.cli_harness import PROGRESS, STILL, Served, assert_user_error, kcache, user_env
 from tests.support import KCACHE, VECTOR_ADD, free_port
 
 
@@ -117,6 +119,7 @@ def test_a_server_gone_down_is_reported_in_seconds_and_the_tier_answers_alike(
         if command == "compile":  # it asked the server first: a status line, then what happened
             assert PROGRESS in answered.stderr
             assert f"server unreachable at {gone.url}; answered from the cache" in answered.stderr
+        assert "Logged once per process" not in answered.stderr  # the library's line, not twice
     missing = kcache("compile", "add.cu", "--target", "sm_80", env=env, cwd=home, timeout=30)
     lines = assert_user_error(missing, f"server unreachable at {gone.url}", "--local-compile")
     assert "ConnectError" in lines[0]
@@ -225,6 +228,19 @@ def test_get_slash_leads_to_the_dashboard(server: Server) -> None:
         ),
         (["gc", "--cache-dir", "nowhere"], ["--cache-dir"]),
         (["gc", "--grace", "5"], ["--grace", "--force"]),
+        # Issue 31 item 3: each refusal says its own reason and the accepted spelling.
+        (["compile", "add.cu", "--target", "sm_90", "--flag=-O4"], ["--flag", "-dopt=on|off"]),
+        (
+            ["compile", "add.cu", "--target", "sm_90", "--flag=--use-fast-math"],
+            ["--flag", "did you mean '--use_fast_math'?"],
+        ),
+        (["compile", "add.cu", "--target", "sm_90", "--flag=-arch=sm_80"], ["--target"]),
+        (["compile", "add.cu", "--target", "sm_90", "--flag=-Iinc"], ["--include-set"]),
+        (
+            ["key", "add.cu", "--target", "sm_90", "--spec", "foo=[4,4"],
+            ["--spec", "not valid JSON"],
+        ),
+        (["compile", "add.cu", "--target", "sm_90", "--flag", "-O3"], ["--flag=-O3"]),
     ],
 )
 def test_a_mistake_is_one_or_two_lines_naming_what_to_fix(
@@ -242,6 +258,9 @@ def test_a_mistake_is_one_or_two_lines_naming_what_to_fix(
     lines = assert_user_error(result, *names)
     assert "secret" not in result.stderr  # a database password is never echoed
     assert "url=" not in "\n".join(lines) and "auto_target=" not in "\n".join(lines)
+    # No flag is refused for reading or writing files unless it does (-I, traces, PCH).
+    assert "read or write files" not in result.stderr
+    assert "expected one argument" not in result.stderr  # argparse's bare words
 
 
 @pytest.mark.parametrize(
@@ -309,7 +328,7 @@ def test_debug_shows_the_traceback(home: Path) -> None:
 def test_version_help_defaults_and_suggestions(home: Path) -> None:
     env = user_env(home)
     version = kcache("--version", env=env)
-    assert version.returncode == 0 and version.stdout.startswith("kcache 0.")
+    assert version.returncode == 0 and version.stdout.startswith("kcache-core 0.")
     gc_help = kcache("gc", "--help", env=env).stdout
     assert "(default: 3600.0)" in gc_help
     top = kcache("--help", env=env).stdout
@@ -327,3 +346,288 @@ def test_help_and_key_import_no_server_or_http_stack() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------- issue 31
+TEMPLATE = "template <typename T> __global__ void scale(T* x) { x[threadIdx.x] *= T(2); }\n"
+
+
+def test_a_template_kernel_without_a_name_expression_is_refused_naming_the_fix(home: Path) -> None:
+    """Item 3: NVRTC compiles it into a cubin with no kernel; kcache says so and how to fix it."""
+    (home / "scale.cu").write_text(TEMPLATE)
+    env = user_env(home)
+    refused = kcache("compile", "scale.cu", "--target", "sm_90", env=env, cwd=home)
+    assert_user_error(refused, "no kernel", "--name-expression 'scale<float>'")
+    named = kcache(
+        "compile",
+        "scale.cu",
+        "--target",
+        "sm_90",
+        "--name-expression",
+        "scale<float>",
+        env=env,
+        cwd=home,
+    )
+    assert json.loads(named.stdout)["status"] == "compiled", named.stderr
+
+
+def test_https_against_the_http_port_says_to_use_http(server: Server, home: Path) -> None:
+    """Item 3: a TLS handshake with a plain-HTTP server is not "start the server"."""
+    https = server.url.replace("http://", "https://")
+    env = user_env(home)
+    for args in (["compile", "add.cu", "--target", "sm_90"], ["doctor"]):
+        result = kcache(*args, "--server", https, env=env, cwd=home, timeout=60)
+        text = result.stdout + result.stderr
+        assert result.returncode != 0 and f"http://{server.url[len('http://') :]}" in text, text
+        assert "TLS" in text or "plain HTTP" in text, text
+        assert "start the server" not in text and "start it" not in text, text
+    assert_user_error(
+        kcache("compile", "add.cu", "--target", "sm_90", "--server", https, env=env, cwd=home),
+        "does not speak TLS",
+        f"use {server.url}",
+    )
+
+
+def test_a_long_local_compile_says_it_is_working_and_stops_at_ctrl_c(home: Path) -> None:
+    """Item 5: a status line on stderr while NVRTC works, and Ctrl-C honoured at once.
+
+    The kernel never finishes compiling: before, nothing was printed and SIGINT waited
+    for NVRTC's one C call to return (forever here). The bounds are liveness bounds.
+    """
+    import queue
+    import signal
+    import threading
+
+    from tests.support import NEVER_FINISHES
+
+    (home / "slow.cu").write_text(NEVER_FINISHES)
+    proc = subprocess.Popen(
+        [KCACHE, "compile", "slow.cu", "--target", "sm_90"],
+        env=user_env(home, KCACHE_PROGRESS_S="0.2"),
+        cwd=home,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # As a terminal's Ctrl-C finds it, whatever this test runner does with SIGINT.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert proc.stderr is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr or ()], daemon=True).start()
+    try:
+        first = lines.get(timeout=60)
+        assert first.startswith(STILL) and "slow.cu for sm_90" in first, first
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+    finally:
+        proc.kill()
+        proc.wait()
+    rest = []
+    while not lines.empty():
+        rest.append(lines.get())
+    assert any("interrupted" in line for line in rest), rest
+
+
+def _entries(env: dict[str, str], home: Path) -> list[dict[str, Any]]:
+    listed = kcache("cache", "ls", "--json", env=env, cwd=home)
+    assert listed.returncode == 0, listed.stderr
+    entries: list[dict[str, Any]] = json.loads(listed.stdout)["entries"]
+    return entries
+
+
+def test_cache_keys_as_ls_prints_them_and_rm_of_a_shared_artifact(home: Path) -> None:
+    """Item 4: `cache ls`'s 16 digits work in `cache rm`; a recipe's rm leaves others' blob."""
+    env = user_env(home)
+    (home / "twin.cu").write_text(VECTOR_ADD + "// the same code: the same cubin\n")
+    files = {
+        json.loads(kcache("compile", name, "--target", "sm_90", env=env, cwd=home).stdout)[
+            "recipe_key"
+        ]: name
+        for name in ("add.cu", "twin.cu")
+    }
+    [entry] = _entries(env, home)
+    assert sorted(entry["recipe_keys"]) == sorted(files)
+    printed = kcache("cache", "ls", env=env, cwd=home).stdout.splitlines()[2].split()[0]
+    assert len(printed) == 16  # what ls prints: one of the two keys, shortened
+    first = next(k for k in files if k.startswith(printed))
+    second = next(k for k in files if k != first)
+    removed = kcache("cache", "rm", printed, env=env, cwd=home)
+    assert removed.returncode == 0, removed.stderr
+    assert "removed 1 recipe entry" in removed.stdout and "kept artifact" in removed.stdout
+    [kept] = _entries(env, home)
+    assert kept["recipe_keys"] == [second] and kept["digest"] == entry["digest"]
+    again = kcache("get", files[second], "--target", "sm_90", env=env, cwd=home)
+    assert json.loads(again.stdout)["status"] == "local_hit", again.stderr
+    last = kcache("cache", "rm", second[:8], env=env, cwd=home)
+    assert "removed 1 artifacts" in last.stdout, last.stderr
+    assert _entries(env, home) == []
+    assert_user_error(kcache("cache", "rm", "0000", env=env, cwd=home), "0000", "kcache cache ls")
+    assert_user_error(kcache("cache", "rm", "xyz", env=env, cwd=home), "xyz", "hex digits")
+
+
+def test_an_ambiguous_key_prefix_lists_the_candidates(home: Path) -> None:
+    from kcache_client._tier import NodeTier
+
+    from kcache.artifact import ArtifactMeta
+
+    tier = NodeTier(home / "cache")
+    for n in (1, 2):
+        data = f"cubin {n}".encode() * 64
+        digest = hashlib.sha256(data).hexdigest()
+        meta = ArtifactMeta(
+            digest=digest, size=len(data), kind="cubin", target="sm_90", toolchain="t"
+        )
+        tier.publish(f"abcd{n}".ljust(64, "0"), "f" * 64, meta, data)
+    tier.flush()
+    env = user_env(home)
+    result = kcache("cache", "rm", "abcd", env=env, cwd=home)
+    assert_user_error(result, "ambiguous", "abcd100000000000", "abcd200000000000")
+    assert len(_entries(env, home)) == 2  # nothing removed
+    assert kcache("cache", "rm", "abcd1", env=env, cwd=home).returncode == 0
+    assert len(_entries(env, home)) == 1
+
+
+def test_cache_clear_asks_first(home: Path) -> None:
+    """Item 4: `cache clear` asks on a terminal, and without one wants --yes."""
+    import os
+    import pty
+
+    env = user_env(home)
+    assert kcache("compile", "add.cu", "--target", "sm_90", env=env, cwd=home).returncode == 0
+    assert_user_error(kcache("cache", "clear", env=env, cwd=home), "--yes", "not a terminal")
+    for answer, code, left in (("n\n", 1, 1), ("y\n", 0, 0)):
+        leader, follower = pty.openpty()
+        try:
+            proc = subprocess.Popen(
+                [KCACHE, "cache", "clear"],
+                env=env,
+                stdin=follower,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            os.write(leader, answer.encode())
+            out, err = proc.communicate(timeout=60)
+        finally:
+            os.close(leader)
+            os.close(follower)
+        assert proc.returncode == code and "remove every entry" in err, (out, err)
+        assert len(_entries(env, home)) == left
+    assert kcache("compile", "add.cu", "--target", "sm_90", env=env, cwd=home).returncode == 0
+    assert kcache("cache", "clear", "--yes", env=env, cwd=home).returncode == 0
+    assert _entries(env, home) == []
+
+
+def test_pins_take_prefixes_and_an_unknown_job_is_an_error(server: Server, home: Path) -> None:
+    """Item 4: `pin --job <typo>` pins nothing and fails; keys may be prefixes."""
+    env = user_env(home, KCACHE_URL=server.url, KCACHE_JOB_ID="story-job")
+    (home / "pinned.cu").write_text(VECTOR_ADD.replace("add(", "pinned_add("))
+    compiled = kcache("compile", "pinned.cu", "--target", "sm_90", env=env, cwd=home)
+    key = json.loads(compiled.stdout)["recipe_key"]
+    typo = kcache("pin", "--job", "story-jbo", env=env, cwd=home)
+    assert_user_error(typo, "story-jbo", "no lookups")
+    assert kcache("pin", "--job", "story-job", env=env, cwd=home).returncode == 0
+    by_prefix = kcache("pin", key[:10], "--group", "story", env=env, cwd=home)
+    assert by_prefix.returncode == 0, by_prefix.stderr
+    listed = json.loads(kcache("pin", "--list", "--json", env=env, cwd=home).stdout)["pins"]
+    assert {"recipe_key": key, "group": "story"}.items() <= next(
+        p for p in listed if p["group"] == "story"
+    ).items()
+    unpinned = kcache("unpin", key[:10], "--group", "story", "--json", env=env, cwd=home)
+    assert json.loads(unpinned.stdout)["unpinned"] == 1, unpinned.stderr
+
+
+def test_server_rm_of_a_shared_artifact_asks_for_its_digest(server: Server, home: Path) -> None:
+    env = user_env(home, KCACHE_URL=server.url)
+    source = VECTOR_ADD.replace("add(", "shared_add(")
+    keys = []
+    for n in (1, 2):
+        (home / f"s{n}.cu").write_text(source + f"// twin {n}\n")
+        done = kcache("compile", f"s{n}.cu", "--target", "sm_80", env=env, cwd=home)
+        keys.append(json.loads(done.stdout)["recipe_key"])
+    digest = json.loads(done.stdout)["digest"]
+    refused = kcache("cache", "rm", keys[0][:12], "--server", server.url, env=env, cwd=home)
+    assert_user_error(refused, "other recipe key", digest)
+    removed = kcache("cache", "rm", digest[:12], "--server", server.url, env=env, cwd=home)
+    assert removed.returncode == 0 and "removed 1 artifacts" in removed.stdout, removed.stderr
+
+
+def test_doctor_checks_the_token_and_ends_in_a_verdict(
+    server: Server, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Item 5: a wrong token fails the doctor (it asks an authenticated route), one line a check."""
+    root = tmp_path_factory.mktemp("tokened")
+    env = user_env(root)
+    data = str(root / "server-data")
+    assert kcache("db", "upgrade", "--data-dir", data, env=env).returncode == 0
+    made = kcache("token", "create", "doctor", "--scope", "read", "--data-dir", data, env=env)
+    token = made.stdout.strip()
+    tokened = Server(root)
+    try:
+        wrong = kcache("doctor", "--server", tokened.url, "--token", "kc_wrong", env=env)
+        lines = wrong.stdout.strip().splitlines()
+        assert wrong.returncode == 1 and lines[-1].startswith("kcache doctor: 1 of "), wrong.stdout
+        assert lines[-1].endswith("failed: token")
+        assert any(line.startswith("FAIL  token") and "--token" in line for line in lines)
+        assert any(line.startswith("ok    versions") and "kcache-client " in line for line in lines)
+        right = kcache("doctor", "--server", tokened.url, env=user_env(root, KCACHE_TOKEN=token))
+        assert right.returncode == 0 and "all " in right.stdout.splitlines()[-1], right.stdout
+        report = json.loads(
+            kcache("doctor", "--json", "--server", tokened.url, "--token", "x", env=env).stdout
+        )
+        assert report["ok"] is False
+        assert {c["name"]: c["status"] for c in report["checks"]}["token"] == "fail"
+    finally:
+        tokened.served.stop()
+    open_server = kcache("doctor", "--server", server.url, "--token", "anything", env=env)
+    assert "warn  token" in open_server.stdout and "open" in open_server.stdout
+
+
+def test_config_shows_each_setting_and_where_it_came_from(home: Path) -> None:
+    """Item 5: `kcache config`, the `ccache --show-config` of the client."""
+    env = user_env(home, KCACHE_RETRY_BUDGET_S="7", KCACHE_TOKEN="kc_secret_token")
+    result = kcache("config", "--json", "--server", "http://127.0.0.1:1", env=env, cwd=home)
+    assert result.returncode == 0, result.stderr
+    rows = {r["setting"]: r for r in json.loads(result.stdout)}
+    assert rows["url"]["source"] == "flag (--server)"
+    assert (rows["retry.budget_s"]["value"], rows["retry.budget_s"]["source"]) == (
+        "7 s",
+        "environment (KCACHE_RETRY_BUDGET_S)",
+    )
+    assert rows["token"]["value"] == "(set)" and "kc_secret_token" not in result.stdout
+    assert rows["cache_dir"]["source"] == "environment (KCACHE_CACHE_DIR)"
+    assert rows["timeout.connect"]["source"].startswith("command default")
+    assert rows["memory_entries"]["source"] == "default"
+    text = kcache("config", env=env, cwd=home).stdout
+    assert "retry.budget_s" in text and "environment (KCACHE_RETRY_BUDGET_S)" in text
+
+
+def test_stats_of_a_cache_directory_needs_no_server(home: Path) -> None:
+    """Item 5: `kcache stats --cache-dir`, the node tier's own numbers (`ccache -s`)."""
+    env = user_env(home)
+    assert kcache("compile", "add.cu", "--target", "sm_90", env=env, cwd=home).returncode == 0
+    shown = kcache("stats", "--cache-dir", str(home / "cache"), env=env, cwd=home)
+    assert shown.returncode == 0, shown.stderr
+    assert "entries        1" in shown.stdout and "oldest use" in shown.stdout
+    typo = kcache("stats", "--cache-dir", str(home / "cahce"), env=env, cwd=home)
+    assert_user_error(typo, "cahce", "--cache-dir")
+    assert not (home / "cahce").exists()  # a read-only command creates nothing
+    as_json = kcache("stats", "--cache-dir", str(home / "cache"), "--json", env=env)
+    assert json.loads(as_json.stdout)["entries"] == 1
+
+
+def test_stats_name_lookups_without_a_job_and_serve_names_the_dashboard(
+    server: Server, home: Path
+) -> None:
+    """Item 6: no `None` row; `kcache serve` says where its dashboard is."""
+    (home / "jobbed.cu").write_text(VECTOR_ADD.replace("add(", "jobbed_add("))
+    for extra in ({"KCACHE_JOB_ID": "stats-job"}, {}):
+        env = user_env(home, KCACHE_URL=server.url, **extra)
+        assert (
+            kcache("compile", "jobbed.cu", "--target", "sm_80", env=env, cwd=home).returncode == 0
+        )
+    table = kcache("stats", "--server", server.url, "--group-by", "job", env=user_env(home)).stdout
+    rows = [line.split()[0] for line in table.splitlines() if line.strip()]
+    assert "stats-job" in rows and "(no" in rows and "None" not in rows, table
+    assert f"{server.url}/dashboard" in server.served.log.read_text()

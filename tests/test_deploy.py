@@ -18,6 +18,14 @@
   a free port with the image's environment (SQLite in a temporary data directory instead
   of the PostgreSQL service). ``/readyz`` answers, ``/metrics`` refuses a request without
   a token and answers Prometheus' token, and the image's HEALTHCHECK command passes.
+- The secret files compose reads (``deploy/secrets/``) are ignored by git and kept out of
+  the image's build context (``.dockerignore``).
+- ``deploy/build-image`` (run here with a stand-in ``docker`` that records its commands)
+  builds the image from the repository root and tags it ``kcache-server:VERSION``, the tag
+  Kubernetes (``imagePullPolicy: IfNotPresent``) and compose run; ``--push`` pushes it.
+- ``deploy/install-systemd`` runs here for real, in a copy of the clone, with stand-ins for
+  ``useradd``/``id``/``systemctl``: it creates the user the unit names and the venv its
+  commands live in, installs the unit, and the unit's ``ExecStartPre`` runs from that venv.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import urllib.error
@@ -36,6 +45,7 @@ from typing import Any
 
 import pytest
 
+from kcache._version import __version__ as VERSION
 from tests.cli_harness import Served, user_env
 from tests.support import ROOT, free_port
 
@@ -334,3 +344,186 @@ def test_the_image_serves_after_its_migrate_step(image: tuple[str, dict[str, str
     assert _status(f"{url}/metrics", env["METRICS_TOKEN"]) == 200  # what Prometheus sends
     healthcheck = [w.replace("8470", env["PORT"]) for w in _dockerfile_json("HEALTHCHECK.*?CMD")]
     assert subprocess.run(healthcheck, env=env, check=False, timeout=30).returncode == 0
+
+
+# ---------------------------------------------------------------------------- secrets, image
+def test_the_secret_files_are_ignored_by_git_and_the_image_build() -> None:
+    compose = _yaml("compose.yaml")
+    files = [(DEPLOY / spec["file"]).resolve() for spec in compose["secrets"].values()]
+    assert files and all(f.parent == DEPLOY / "secrets" for f in files), files
+    for path in files:
+        relative = path.relative_to(ROOT).as_posix()
+        ignored = subprocess.run(
+            ["git", "check-ignore", "-q", "--no-index", relative], cwd=ROOT, check=False
+        )
+        assert ignored.returncode == 0, f"{relative} is not ignored by git"
+    # compose builds from the repository root (context ..): its .dockerignore applies.
+    assert compose["services"]["migrate"]["build"]["context"] == ".."
+    patterns = [
+        line.strip().rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert "deploy/secrets" in patterns, patterns
+
+
+def _fake_docker(where: Path) -> tuple[Path, Path]:
+    """A ``docker`` that records each command line (one JSON list a line) and does nothing."""
+    log = where / "docker.log"
+    fake = where / "docker"
+    fake.write_text(
+        "#!/usr/bin/env python3\n"
+        "import json, os, sys\n"
+        f"with open({str(log)!r}, 'a') as f:\n"
+        "    f.write(json.dumps([os.getcwd(), *sys.argv[1:]]) + '\\n')\n"
+    )
+    fake.chmod(0o755)
+    return fake, log
+
+
+def test_build_image_tags_the_release_that_kubernetes_and_compose_run(tmp_path: Path) -> None:
+    fake, log = _fake_docker(tmp_path)
+    image = f"kcache-server:{VERSION}"
+    env = {**os.environ, "DOCKER": str(fake)}
+    built = subprocess.run(
+        [str(DEPLOY / "build-image")], env=env, capture_output=True, text=True, check=False
+    )
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.splitlines()[-1] == image
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls == [[str(ROOT), "build", "--file", "deploy/Dockerfile", "--tag", image, "."]]
+
+    log.unlink()
+    pushed = subprocess.run(
+        [str(DEPLOY / "build-image"), "--push", "registry.example/ml/"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert pushed.returncode == 0, pushed.stderr
+    assert pushed.stdout.splitlines()[-1] == f"registry.example/ml/{image}"
+    calls = [json.loads(line)[1:] for line in log.read_text().splitlines()]
+    assert calls[1:] == [
+        ["tag", image, f"registry.example/ml/{image}"],
+        ["push", f"registry.example/ml/{image}"],
+    ]
+    refused = subprocess.run(
+        [str(DEPLOY / "build-image"), "--push"], env=env, capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "--push needs a registry" in refused.stderr
+
+    pod = _k8s()["Deployment/kcache"]["spec"]["template"]["spec"]
+    for container in (*pod["initContainers"], *pod["containers"]):
+        assert container["image"] == image, container["name"]
+        assert container["imagePullPolicy"] == "IfNotPresent", container["name"]
+    assert "deploy/build-image --push REGISTRY" in (DEPLOY / "kubernetes.yaml").read_text()
+    services = _yaml("compose.yaml")["services"]
+    for name in ("migrate", *_compose_replicas()):
+        assert services[name]["image"] == image, name
+
+
+# ---------------------------------------------------------------------------- systemd
+def _unit() -> dict[str, list[str]]:
+    """deploy/kcache.service's keys (each may repeat) -> values."""
+    found: dict[str, list[str]] = {}
+    for line in (DEPLOY / "kcache.service").read_text().splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, value = line.split("=", 1)
+            found.setdefault(key, []).append(value)
+    return found
+
+
+def test_the_systemd_units_commands_parse() -> None:
+    from kcache.cli import build_parser
+
+    unit = _unit()
+    for key in ("ExecStartPre", "ExecStart"):
+        (line,) = unit[key]
+        words = shlex.split(line)
+        assert words[0] == "/opt/kcache/.venv/bin/kcache", line
+        build_parser().parse_args(words[1:])
+    assert unit["User"] == ["kcache"] and unit["StateDirectory"] == ["kcache"]
+    assert unit["Environment"] == ["KCACHE_DATA_DIR=/var/lib/kcache"]
+
+
+STAND_INS = {
+    # The user exists once useradd made it (nothing is created on this machine).
+    "id": '[ -e "$STATE/user" ] && [ "$1" = -u ] && [ "$2" = "$(cat "$STATE/user")" ]',
+    "useradd": 'echo "$@" >>"$STATE/useradd.log"; echo "${@: -1}" >"$STATE/user"',
+    "systemctl": 'echo "$@" >>"$STATE/systemctl.log"',
+}
+
+
+def test_install_systemd_makes_the_user_and_venv_the_unit_needs(tmp_path: Path) -> None:
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
+        shutil.copy2(ROOT / name, clone / name)
+    skip = shutil.ignore_patterns("__pycache__", "build", "dist", "*.egg-info", ".kcache")
+    for name in ("kcache", "client", "server", "deploy"):
+        shutil.copytree(ROOT / name, clone / name, symlinks=True, ignore=skip)
+    stand_ins, state = tmp_path / "bin", tmp_path / "state"
+    stand_ins.mkdir()
+    state.mkdir()
+    for name, body in STAND_INS.items():
+        (stand_ins / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (stand_ins / name).chmod(0o755)
+    prefix, units = tmp_path / "opt" / "kcache", tmp_path / "units"
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("KCACHE_", "PYTHON", "VIRTUAL"))
+    }
+    env.update(
+        PATH=f"{stand_ins}{os.pathsep}{env['PATH']}",
+        STATE=str(state),
+        KCACHE_PREFIX=str(prefix),
+        KCACHE_UNIT_DIR=str(units),
+        PYTHON=sys.executable,
+    )
+    done = subprocess.run(
+        [str(clone / "deploy" / "install-systemd")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=540,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    useradd = (state / "useradd.log").read_text().split()
+    assert useradd[-1] == "kcache" and "--system" in useradd, useradd
+    assert useradd[useradd.index("--home-dir") + 1] == "/var/lib/kcache"  # the StateDirectory
+    # systemd is not running here: the script says how to start it, and starts nothing.
+    assert not (state / "systemctl.log").exists()
+    assert "systemctl daemon-reload && systemctl enable --now kcache" in done.stderr
+
+    installed = (units / "kcache.service").read_text()
+    assert installed == (DEPLOY / "kcache.service").read_text().replace(
+        "/opt/kcache/", f"{prefix}/"
+    )
+    kcache = prefix / ".venv" / "bin" / "kcache"
+    data = tmp_path / "var-lib-kcache"
+    run_env = {k: v for k, v in env.items() if k not in ("KCACHE_PREFIX", "KCACHE_UNIT_DIR")}
+    run_env["KCACHE_DATA_DIR"] = str(data)  # the unit's Environment=, moved here
+    (pre,) = [
+        line.split("=", 1)[1] for line in installed.splitlines() if line.startswith("ExecStartPre=")
+    ]
+    words = shlex.split(pre)
+    assert words[0] == str(kcache)
+    upgraded = subprocess.run(
+        words, env=run_env, cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert (data / "kcache.db").exists()
+    versions = subprocess.run(
+        [
+            str(prefix / ".venv" / "bin" / "python"),
+            "-c",
+            "import importlib.metadata as m; print(*(m.version(d) for d in "
+            "('kcache-core', 'kcache-client', 'kcache-server', 'psycopg')))",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert versions[:3] == [VERSION] * 3, versions

@@ -135,3 +135,24 @@ def test_the_python_example_runs_as_written(session: Session) -> None:
     assert re.fullmatch(r"[0-9a-f]{64}", digest)
     assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == digest
     assert Path(path).is_relative_to(session.workdir / "cache")  # the user's cache directory
+
+
+def test_the_install_lines_need_no_release_on_pypi() -> None:
+    """The distributions are not on PyPI: each install line builds from the clone or takes the
+    wheels built from it (``tests/test_packaging.py`` runs them), and names the distributions
+    by their own names (``kcache`` on PyPI is another project)."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    lines = re.findall(r"^pip .*$", section, re.M)
+    assert len(lines) >= 7, lines
+    for line in lines:
+        words = line.split("#", 1)[0].split()
+        if words[1] == "wheel":
+            assert words[-3:] == ["./", "./client", "./server"], line
+        elif "--find-links" in words:
+            assert words[2:4] == ["--find-links", "dist"], line
+            assert words[4].strip('"').split("[")[0] in ("kcache-client", "kcache-server"), line
+        else:
+            assert all(w.startswith("./") for w in words[2:]), line
+    for name in ("kcache-core", "kcache-client", "kcache-server"):
+        assert f"`{name}`" in section, name

@@ -8,6 +8,7 @@ driver's bare ``CUDA_ERROR_NO_BINARY_FOR_GPU``.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -19,9 +20,15 @@ from kcache.elf import cubin_sm
 from kcache.errors import RecipeError
 from kcache.outcomes import Outcome
 from kcache.recipe import Recipe
+from kcache.signing import Signature
 from kcache.targets import parse_target
 from kcache_client._device import driver_version
-from kcache_client.errors import ArchitectureMismatchError
+from kcache_client._trust import Trust
+from kcache_client.errors import (
+    ArchitectureMismatchError,
+    DigestMismatchError,
+    UntrustedArtifactError,
+)
 
 __all__ = ["Artifact", "ArtifactOrigin", "check_loadable"]
 
@@ -195,6 +202,10 @@ class Artifact:
     metadata: ArtifactMeta = field(repr=False)
     recipe: Recipe = field(repr=False)
     origin: ArtifactOrigin
+    #: The server's signature of ``recipe_key`` -> ``metadata`` (None: compiled locally).
+    signature: Signature | None = field(default=None, repr=False)
+    #: What the signature was checked against when it was found (checked again on load).
+    trust: Trust | None = field(default=None, repr=False, compare=False)
 
     @property
     def path(self) -> Path:
@@ -224,6 +235,22 @@ class Artifact:
         """``cubin``, ``ptx`` or ``ltoir``."""
         return self.metadata.kind
 
+    def check(self) -> None:
+        """Refuse an artifact whose bytes or signature no longer hold (what loading runs first).
+
+        The bytes must hash to the metadata's digest (DigestMismatchError), and a
+        signature must verify for ``recipe_key`` -> ``metadata`` by a key trusted here
+        (UntrustedArtifactError, naming why): an artifact altered after it was found
+        (its metadata replaced, its bytes swapped) is never loaded.
+        """
+        actual = hashlib.sha256(self.data).hexdigest()
+        if actual != self.metadata.digest or self.digest != self.metadata.digest:
+            raise DigestMismatchError(self.blob_path, self.metadata.digest, actual)
+        if self.signature is not None and self.trust is not None:
+            problem = self.trust.entry_problem(self.recipe_key, self.metadata, self.signature)
+            if problem is not None:
+                raise UntrustedArtifactError(f"artifact {self.recipe_key}", problem)
+
     def load_module(self, device: int | None = None) -> Any:
         """Load into ``device`` (default: the current one, else 0) and return cuda.core's ObjectCode.
 
@@ -233,6 +260,7 @@ class Artifact:
         with :class:`~kcache_client.errors.ArchitectureMismatchError` (see
         :func:`check_loadable`).
         """
+        self.check()
         core = _cuda_core()
         dev = core.Device(device) if device is not None else core.Device()
         capability = tuple(dev.compute_capability)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -45,6 +46,7 @@ from kcache.artifact_header import ON_MISS_HEADER, ON_MISS_RESOLVE
 from kcache.errors import CompileError, KCacheError, ToolchainError
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
+from kcache.signing import Signature
 from kcache_client._artifact import Artifact, ArtifactOrigin
 from kcache_client._events import EventSink, tally_key
 from kcache_client._http import Transport
@@ -53,19 +55,44 @@ from kcache_client._remote import Remote, Resolution
 from kcache_client._settings import ClientSettings
 from kcache_client._stats import CacheStats
 from kcache_client._tier import NodeTier
+from kcache_client._trust import Trust
 from kcache_client._warmup import WarmupResult, warmup
 from kcache_client.errors import RemoteNotFoundError, ServerUnavailableError
 
-__all__ = ["KernelCache"]
+__all__ = ["OFFLINE_LOGGER", "KernelCache"]
 
 #: Recipes per ``/v1/resolve/batch`` request: big enough for the server to compile
 #: in parallel, small enough for the progress bar to move.
 _BATCH = 8
+#: The logger of the one line a process logs when its server first fails it (``kcache``
+#: commands, which say so in their own words, silence it).
+OFFLINE_LOGGER = "kcache_client.offline"
+_offline_log = logging.getLogger(OFFLINE_LOGGER)
+_offline_told = threading.Lock()  # held for good once the line is logged: once per process
 _ORIGIN_OF_STATUS: dict[str, ArtifactOrigin] = {
     "hit": "server",
     "compiled": "compiled",
     "waited": "waited",
 }
+
+
+def _tell_offline(offline: ServerUnavailableError, answer: str) -> None:
+    """Log, once per process, that the server did not answer and how the cache answered instead.
+
+    A training job whose server is down keeps running on its node tier (and local
+    compiles, where enabled), which is the point; but it should not do so without a
+    word, and a word per kernel would flood its log. A warning, so that a program
+    that configured no logging still shows it (Python's last-resort handler).
+    """
+    if not _offline_told.acquire(blocking=False):
+        return
+    _offline_log.warning(
+        "kcache server %s is unreachable (%s); %s. Logged once per process: later "
+        "answers without the server are not logged (KernelCache.stats counts them).",
+        offline.url,
+        offline.cause,
+        answer,
+    )
 
 
 def _nothing() -> None:
@@ -122,10 +149,13 @@ class KernelCache:
             settings = settings.located(url, token, cache_dir)
         self.settings = settings
         self.url = settings.url
+        #: Whose signatures artifacts must carry (given keys, or pins per server).
+        self.trust = Trust.from_settings(settings.trusted_keys, settings.known_servers)
         self.tier = NodeTier(
             settings.cache_dir,
             lock_timeout=settings.lock_timeout_s,
             max_bytes=settings.cache_max_bytes,
+            trust=self.trust,
         )
         self.stats = CacheStats()
         self._transport = (
@@ -142,7 +172,12 @@ class KernelCache:
             else None
         )
         self._remote = (
-            Remote(self._transport, self.stats, max_artifact_bytes=settings.max_artifact_bytes)
+            Remote(
+                self._transport,
+                self.stats,
+                max_artifact_bytes=settings.max_artifact_bytes,
+                trust=self.trust,
+            )
             if self._transport
             else None
         )
@@ -311,6 +346,8 @@ class KernelCache:
             if refresh:  # without the server the tier answers, as it does for get()
                 art = self._from_tier(key, concrete)
                 if art is not None:
+                    if self.url is not None:
+                        _tell_offline(offline, f"answered from the node tier {self.tier.root}")
                     return art
         # Outside the lock: the local engine takes the same per-key lock itself.
         return self._compile_locally(concrete, key, compile, offline)
@@ -436,25 +473,36 @@ class KernelCache:
         return art
 
     def _from_tier(self, key: str, concrete: Recipe) -> Artifact | None:
-        found = self.tier.lookup(key)  # verifies the digest; a corrupt blob reads as absent
+        # Verifies the digest (a corrupt blob reads as absent) and, where the tier's
+        # standing asks for it, the signature (an entry that fails reads as absent).
+        found = self.tier.lookup_signed(key)
         if found is None:
             return None
         self.stats.add("node_hits")
-        meta, data = found
-        return self._remember(self._artifact(key, concrete, meta, data, "node"))
+        meta, data, signature = found
+        return self._remember(self._artifact(key, concrete, meta, data, "node", signature))
 
     def _artifact(
-        self, key: str, concrete: Recipe, meta: ArtifactMeta, data: bytes, origin: ArtifactOrigin
+        self,
+        key: str,
+        concrete: Recipe,
+        meta: ArtifactMeta,
+        data: bytes,
+        origin: ArtifactOrigin,
+        signature: Signature | None,
+        tier: NodeTier | None = None,
     ) -> Artifact:
         return Artifact(
             recipe_key=key,
             base_key=concrete.base_key(),
             digest=meta.digest,
             data=data,
-            blob_path=self.tier.location(meta.digest),
+            blob_path=(tier or self.tier).location(meta.digest),
             metadata=meta,
             recipe=concrete,
             origin=origin,
+            signature=signature,
+            trust=self.trust,
         )
 
     def _remember(self, art: Artifact) -> Artifact:
@@ -463,11 +511,17 @@ class KernelCache:
         return art
 
     def _publish(
-        self, key: str, concrete: Recipe, meta: ArtifactMeta, data: bytes, origin: ArtifactOrigin
+        self,
+        key: str,
+        concrete: Recipe,
+        meta: ArtifactMeta,
+        data: bytes,
+        origin: ArtifactOrigin,
+        signature: Signature,
     ) -> Artifact:
-        self.tier.publish(key, concrete.base_key(), meta, data)
+        self.tier.publish(key, concrete.base_key(), meta, data, signature)
         self.stats.add("server_fetches")
-        return self._remember(self._artifact(key, concrete, meta, data, origin))
+        return self._remember(self._artifact(key, concrete, meta, data, origin, signature))
 
     # ------------------------------------------------------------------ server
     def _require_server(self) -> Remote:
@@ -483,7 +537,8 @@ class KernelCache:
         if not refresh:
             fetched = remote.fetch(concrete, key)
             if fetched is not None:
-                return self._publish(key, concrete, *fetched, "server")
+                meta, data, signature = fetched
+                return self._publish(key, concrete, meta, data, "server", signature)
         return self._resolve(concrete, key, compile)
 
     def _resolve(self, concrete: Recipe, key: str, compile: bool) -> Artifact:
@@ -500,21 +555,22 @@ class KernelCache:
         server between its answer and the download is resolved again, once (a recipe
         whose artifact is gone is a plain miss, compiled again on demand).
         """
-        status, meta = answer
+        status, meta, signature = answer
         origin = _ORIGIN_OF_STATUS[status]
         remote = self._require_server()
         with contextlib.nullcontext() if held else self.tier.hold(key):
             existing = self.tier.lookup(key)
             if existing is not None and existing[0].digest == meta.digest:
-                return self._remember(self._artifact(key, concrete, meta, existing[1], origin))
+                art = self._artifact(key, concrete, meta, existing[1], origin, signature)
+                return self._remember(art)
             try:
                 data = remote.download(meta)
             except RemoteNotFoundError:
                 again = remote.resolve(concrete, key, compile=compile, context=self.context())
-                status, meta = again
+                status, meta, signature = again
                 origin = _ORIGIN_OF_STATUS[status]
                 data = remote.download(meta)
-            return self._publish(key, concrete, meta, data, origin)
+            return self._publish(key, concrete, meta, data, origin, signature)
 
     # ------------------------------------------------------------------ offline
     def _compile_locally(
@@ -523,7 +579,15 @@ class KernelCache:
         origin, meta, data = self._local.compile(concrete, key, compile=compile, offline=offline)
         if origin != "node":
             self.stats.add("local_compiles")
-        return self._remember(self._artifact(key, concrete, meta, data, origin))
+        if self.url is not None:
+            _tell_offline(
+                offline,
+                f"answered from the node tier {self.tier.root}"
+                if origin == "node"
+                else f"compiled here into the node tier {self.tier.root} (local compiles are on)",
+            )
+        art = self._artifact(key, concrete, meta, data, origin, None, self._local.tier)
+        return self._remember(art)
 
     def _compile_one_locally(
         self, concrete: Recipe, key: str, offline: ServerUnavailableError

@@ -5,6 +5,17 @@ the way ``ccache -s``/``-C`` and ``hf cache scan`` do, and with ``--server URL``
 ``admin`` token) on a server's store through ``/v1/cache``. ``kcache pin`` and
 ``kcache unpin`` manage a server's pins (``/v1/pins``); a node tier has none.
 
+Keys are taken as ``cache ls`` prints them: any unique start of a recipe key or digest
+(at least four digits, as git takes a commit's), an ambiguous one refused with the keys
+it begins. Removal follows what the user named, not what happens to share its bytes:
+recipes that compile to the same code share one blob, so ``cache rm RECIPE_KEY`` on a
+node tier removes that recipe's entry and the blob only when no other recipe key names
+it (a server removes whole artifacts, so there a shared one is refused and its digest
+asked for), while ``cache rm DIGEST`` removes the artifact for every recipe. ``cache
+clear`` asks on the terminal first (``--yes`` does not ask; without a terminal it is
+required), and ``pin --job`` with a job id the server never saw is an error that pins
+nothing, not "pinned 0".
+
 Strings that came from a server or from index files (kernel names) are printed with
 control characters escaped, never sent raw to the terminal.
 """
@@ -14,10 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import closing as _closing
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
@@ -31,6 +44,9 @@ if TYPE_CHECKING:  # imported when a command runs: `kcache --help` stays instant
     from kcache_client._tier import NodeTier
 
 __all__ = ["register"]
+
+#: The most entries one listing asks a server for (its own limit).
+_LISTING = 10_000
 
 
 def _show(text: object) -> str:
@@ -61,14 +77,70 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
-def _keys(values: Sequence[str], what: str = "KEY") -> list[str]:
+#: The shortest prefix of a key accepted (git's): shorter ones would match by chance.
+_MIN_PREFIX = 4
+_PREFIX_RE = re.compile(rf"[0-9a-f]{{{_MIN_PREFIX},64}}")
+
+
+@dataclass(frozen=True)
+class _Known:
+    """A key a prefix may stand for: a recipe key or a digest, and what it names."""
+
+    key: str
+    kind: str  # "recipe key" or "digest"
+    kernel: str
+
+
+def _unpack(values: Sequence[str], what: str) -> list[str]:
+    """Check the form of each value: a key, or a prefix of one (what ``kcache cache ls`` prints)."""
     for value in values:
-        if not is_hex_key(value):
+        if not _PREFIX_RE.fullmatch(value):
             raise ClientError(
-                f"{what} {_show(value[:80])!r} is not a recipe key or digest (64 lowercase hex digits; "
+                f"{what} {_show(value[:80])!r} is not a recipe key or digest, nor the start of one "
+                f"({_MIN_PREFIX} to 64 lowercase hex digits, as `kcache cache ls` prints them; "
                 "`kcache key RECIPE` prints a recipe's key)"
             )
     return list(values)
+
+
+def _keys(
+    values: Sequence[str],
+    known: Callable[[], Sequence[_Known]],
+    where: str,
+    what: str = "KEY",
+) -> list[str]:
+    """Each value as the whole key it starts, the way git takes a commit's prefix.
+
+    A whole key (64 digits) is taken as it is, known or not; a shorter one must begin
+    exactly one of ``known()`` (asked only when a prefix needs it): none is an error,
+    and so is more than one, listing them.
+    """
+    out: list[str] = []
+    candidates: Sequence[_Known] | None = None
+    for value in _unpack(values, what):
+        if is_hex_key(value):
+            out.append(value)
+            continue
+        if candidates is None:
+            candidates = known()
+        matches = {k.key: k for k in candidates if k.key.startswith(value)}
+        if not matches:
+            raise ClientError(
+                f"{what} {value} begins no recipe key or digest of {where} "
+                "(`kcache cache ls` lists them)"
+            )
+        if len(matches) > 1:
+            shown = [
+                f"{k.key[:16]} ({k.kind}{', ' + _show(k.kernel) if k.kernel else ''})"
+                for k in list(matches.values())[:5]
+            ]
+            more = f" and {len(matches) - 5} more" if len(matches) > 5 else ""
+            raise ClientError(
+                f"{what} {value} is ambiguous in {where}: it begins {', '.join(shown)}{more}; "
+                "give more of its digits"
+            )
+        out.append(next(iter(matches)))
+    return out
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> int:
@@ -90,12 +162,13 @@ def _server(args: argparse.Namespace, *, required: bool) -> Transport | None:
     import httpx
 
     from kcache_client._http import Transport
-    from kcache_client._settings import RetryPolicy
+    from kcache_client._settings import RetryPolicy, timeout_from_env
 
     token = args.token or os.environ.get("KCACHE_TOKEN") or None
-    # Run by a person: a few quick retries, not a training job's patience.
-    retry = RetryPolicy(attempts=3, budget_s=10.0)
-    timeout = httpx.Timeout(300.0, connect=5.0)
+    # Run by a person: a few quick retries, not a training job's patience (unless the
+    # environment's KCACHE_RETRY_* and KCACHE_*_TIMEOUT_S say otherwise).
+    retry = RetryPolicy.from_env(attempts=3, budget_s=10.0)
+    timeout = timeout_from_env(httpx.Timeout(300.0, connect=5.0))
     return Transport(url, token, retry=retry, timeout=timeout, user_agent="kcache-cli")
 
 
@@ -136,8 +209,51 @@ def _server_ls(server: Transport, args: argparse.Namespace) -> int:
     return _emit(args, body, _table(["key", "kernel", "target", "size", "last used", ""], rows))
 
 
+def _server_entries(server: Transport) -> list[dict[str, Any]]:
+    """The server's stored artifacts, as many as one listing gives (the most recently used)."""
+    entries: list[dict[str, Any]] = server.request(
+        "GET", f"/v1/cache/entries?limit={_LISTING}"
+    ).json()["entries"]
+    return entries
+
+
+def _known_of_entries(entries: Sequence[dict[str, Any]]) -> list[_Known]:
+    known = [_Known(k, "recipe key", e["kernel"]) for e in entries for k in e["recipe_keys"]]
+    return known + [_Known(e["digest"], "digest", e["kernel"]) for e in entries]
+
+
+def _refuse_shared(keys: Sequence[str], entries: Sequence[dict[str, Any]]) -> None:
+    """A recipe key whose artifact other recipe keys name too cannot go alone from a server.
+
+    The server removes whole artifacts (every recipe key naming one goes with it); a
+    recipe key standing for all of them would remove other recipes' entries unasked.
+    Its digest says so explicitly.
+    """
+    asked = set(keys)
+    for entry in entries:
+        named = [k for k in entry["recipe_keys"] if k in asked]
+        others = [k for k in entry["recipe_keys"] if k not in asked]
+        if named and others and entry["digest"] not in asked:
+            raise ClientError(
+                f"KEY {named[0][:16]}: its artifact {entry['digest'][:16]} is also the artifact of "
+                f"{len(others)} other recipe key(s) ({', '.join(k[:16] for k in others[:3])}), "
+                "and a server removes whole artifacts: to remove it for all of them, pass its "
+                f"digest {entry['digest']}"
+            )
+
+
 def _removal_text(body: dict[str, Any]) -> str:
-    lines = [f"removed {body['evicted']} artifacts, {format_size(body['bytes_freed'])} freed"]
+    lines = []
+    if "recipes_removed" in body:
+        count = int(body["recipes_removed"])
+        lines.append(f"removed {count} recipe {'entry' if count == 1 else 'entries'}")
+    lines.append(f"removed {body['evicted']} artifacts, {format_size(body['bytes_freed'])} freed")
+    for digest, others in (body.get("kept") or {}).items():
+        lines.append(
+            f"kept artifact {digest[:16]}: {len(others)} other recipe key(s) name it "
+            f"({', '.join(k[:16] for k in others[:3])}); `kcache cache rm {digest[:16]}` "
+            "removes it for all"
+        )
     if body.get("pinned"):
         lines.append(
             f"kept {len(body['pinned'])} pinned (kcache unpin them first): {' '.join(body['pinned'])}"
@@ -153,6 +269,10 @@ def _tier(args: argparse.Namespace) -> NodeTier:
     from kcache_client._tier import NodeTier
 
     settings = ClientSettings.from_env(cache_dir=args.cache_dir)
+    if args.cache_dir and not settings.cache_dir.is_dir():  # a typo must not make a new tier
+        raise ClientError(
+            f"{settings.cache_dir} (--cache-dir) is not a cache directory: it does not exist"
+        )
     return NodeTier(settings.cache_dir, max_bytes=settings.cache_max_bytes)
 
 
@@ -223,6 +343,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return _tier_info(_tier(args), args)
 
 
+def _cmd_tier_stats(args: argparse.Namespace) -> int:
+    """``kcache stats`` of a client installed alone: the node tier's numbers."""
+    return _tier_info(_tier(args), args)
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     server = _server(args, required=False)
     if server is not None:
@@ -232,32 +357,115 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    keys = _keys(args.keys)
+    _unpack(args.keys, "KEY")
     server = _server(args, required=False)
     if server is not None:
         with _closing(server):
+            entries = _server_entries(server)
+            keys = _keys(args.keys, lambda: _known_of_entries(entries), f"the server {server.url}")
+            _refuse_shared(keys, entries)
             body = server.request("POST", "/v1/cache/remove", json={"keys": keys}).json()
         _emit(args, body, _removal_text(body))
         return 0 if not body.get("unknown") and not body.get("pinned") else 1
-    removal = _tier(args).remove(keys)
-    data = {
-        "evicted": removal.removed,
-        "bytes_freed": removal.bytes_freed,
-        "unknown": list(removal.unknown),
-    }
+    data = _tier_remove(_tier(args), args.keys)
     _emit(args, data, _removal_text(data))
-    return 0 if not removal.unknown else 1
+    return 0 if not data["unknown"] else 1
+
+
+def _tier_remove(tier: NodeTier, values: Sequence[str]) -> dict[str, Any]:
+    """Remove what each value names from a node tier: a recipe key its entry, a digest its artifact.
+
+    A recipe key's artifact goes too when no other recipe key names it (recipes that
+    compile to the same bytes share one blob); otherwise it stays for them, and is
+    reported as kept. A digest removes the artifact and every recipe entry naming it.
+    A kept artifact's manifest entry stays too (the tier's index has no removal of one):
+    a local compile of the removed recipe may match it by its dependencies and find the
+    same bytes again instead of compiling.
+    """
+    entries = tier.entries()
+    known = [_Known(k, "recipe key", e.kernel) for e in entries for k in e.recipe_keys]
+    known += [_Known(e.digest, "digest", e.kernel) for e in entries]
+    keys = _keys(values, lambda: known, f"the cache directory {tier.root}")
+    by_recipe = {k: e for e in entries for k in e.recipe_keys}
+    by_digest = {e.digest: e for e in entries}
+    forgotten: dict[str, set[str]] = {}
+    blobs: set[str] = set()
+    unknown: list[str] = []
+    for key in keys:
+        if key in by_recipe:
+            entry = by_recipe[key]
+            tier.index.forget(key)
+            forgotten.setdefault(entry.digest, set()).add(key)
+        elif key in by_digest:
+            blobs.add(key)
+        else:
+            unknown.append(key)
+    kept: dict[str, list[str]] = {}
+    for digest, gone in forgotten.items():
+        others = sorted(set(by_digest[digest].recipe_keys) - gone)
+        if others and digest not in blobs:
+            kept[digest] = others
+        else:
+            blobs.add(digest)
+    removal = tier.remove(sorted(blobs)) if blobs else None
+    return {
+        "recipes_removed": sum(len(g) for g in forgotten.values()),
+        "evicted": removal.removed if removal else 0,
+        "bytes_freed": removal.bytes_freed if removal else 0,
+        "kept": kept,
+        "unknown": unknown,
+    }
+
+
+def _confirm(args: argparse.Namespace, what: str) -> bool:
+    """Whether the person at the terminal agrees to ``what`` (``--yes``: agreed beforehand)."""
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        raise ClientError(
+            f"kcache cache clear would remove {what}: pass --yes to do it (stdin is not a "
+            "terminal, so it cannot ask)"
+        )
+    sys.stderr.write(f"remove {what}? [y/N] ")
+    sys.stderr.flush()
+    answer = sys.stdin.readline().strip().lower()
+    return answer in ("y", "yes")
 
 
 def _cmd_clear(args: argparse.Namespace) -> int:
     server = _server(args, required=False)
     if server is not None:
         with _closing(server):
+            info = server.request("GET", "/v1/cache").json()
+            unpinned = int(info["artifacts"]) - int(info["pinned_artifacts"])
+            what = (
+                f"every unpinned artifact of the server {server.url} ({unpinned} artifacts, "
+                f"{format_size(int(info['bytes_used']) - int(info['pinned_bytes']))})"
+            )
+            if not _confirm(args, what):
+                print("kcache: nothing removed", file=sys.stderr)
+                return 1
             body = server.request("POST", "/v1/cache/clear").json()
         return _emit(args, body, _removal_text(body))
-    removal = _tier(args).clear()
+    tier = _tier(args)
+    usage = tier.usage()
+    what = (
+        f"every entry of the cache directory {_show(tier.root)} ({usage.entries} artifacts, "
+        f"{format_size(usage.bytes_used)})"
+    )
+    if not _confirm(args, what):
+        print("kcache: nothing removed", file=sys.stderr)
+        return 1
+    removal = tier.clear()
     data = {"evicted": removal.removed, "bytes_freed": removal.bytes_freed}
     return _emit(args, data, _removal_text(data))
+
+
+def _pinnable(server: Transport) -> list[_Known]:
+    """What a pin's prefix may stand for: stored artifacts' recipe keys and pinned keys."""
+    known = [k for k in _known_of_entries(_server_entries(server)) if k.kind == "recipe key"]
+    pins = server.request("GET", "/v1/pins").json()["pins"]
+    return known + [_Known(p["recipe_key"], "recipe key", "pinned") for p in pins]
 
 
 def _cmd_pin(args: argparse.Namespace) -> int:
@@ -278,15 +486,27 @@ def _cmd_pin(args: argparse.Namespace) -> int:
                 for p in body["pins"]
             ]
             return _emit(args, body, _table(["recipe key", "group", "size", "by", "pinned"], rows))
-        keys = _keys(args.keys)
+        keys = _keys(args.keys, lambda: _pinnable(server), f"the server {server.url}")
         if not keys and not args.job:
             raise ClientError(
                 "name recipe keys to pin, or --job JOB to pin a job's recipes (or --list)"
             )
-        request: dict[str, Any] = {"recipe_keys": keys, "group": args.group}
+        body = {"requested": 0, "pinned": 0}
         if args.job:
-            request["job_id"] = args.job
-        body = server.request("POST", "/v1/pins", json=request).json()
+            # The job alone first: a job id nobody was served (a typo) pins nothing, keys neither.
+            request = {"recipe_keys": [], "group": args.group, "job_id": args.job}
+            job = server.request("POST", "/v1/pins", json=request).json()
+            if not job["requested"]:
+                raise ClientError(
+                    f"--job {_show(args.job)!r}: the server recorded no lookups for this job id, "
+                    "so there is nothing to pin (nothing was pinned); `kcache stats --group-by job` "
+                    "lists the job ids it has seen"
+                )
+            body = {k: body[k] + int(job[k]) for k in body}
+        if keys:
+            request = {"recipe_keys": keys, "group": args.group}
+            named = server.request("POST", "/v1/pins", json=request).json()
+            body = {k: body[k] + int(named[k]) for k in body}
         group = f" in group {_show(args.group)}" if args.group else ""
         return _emit(
             args, body, f"pinned {body['requested']} recipe keys{group} ({body['pinned']} new pins)"
@@ -294,13 +514,19 @@ def _cmd_pin(args: argparse.Namespace) -> int:
 
 
 def _cmd_unpin(args: argparse.Namespace) -> int:
-    keys = _keys(args.keys)
-    if not keys and not args.group:
+    _unpack(args.keys, "RECIPE_KEY")
+    if not args.keys and not args.group:
         raise ClientError("name recipe keys to unpin, or --group G to unpin a whole group")
     server = _server(args, required=True)
     assert server is not None
-    params = [("recipe_key", k) for k in keys] + ([("group", args.group)] if args.group else [])
     with _closing(server):
+
+        def pinned() -> list[_Known]:
+            pins = server.request("GET", "/v1/pins").json()["pins"]
+            return [_Known(p["recipe_key"], "recipe key", "pinned") for p in pins]
+
+        keys = _keys(args.keys, pinned, f"the pins of {server.url}", "RECIPE_KEY")
+        params = [("recipe_key", k) for k in keys] + ([("group", args.group)] if args.group else [])
         body = server.request("DELETE", f"/v1/pins?{urlencode(params)}").json()
     return _emit(args, body, f"unpinned {body['unpinned']}")
 
@@ -330,19 +556,35 @@ def register(subparsers: Any) -> None:
     _where(ls, server_default=on_server)
     ls.add_argument("--limit", type=int, default=100, help="show at most this many (default 100)")
     ls.set_defaults(func=_cmd_ls)
-    rm = sub.add_parser("rm", help="remove the entries of these recipe keys (or digests)")
+    rm = sub.add_parser(
+        "rm",
+        help="remove the entries of these recipe keys, or the artifacts of these digests",
+        description="Remove what each KEY names: a recipe key its entry (and its artifact when no "
+        "other recipe key names it; a server removes whole artifacts, so there a shared one is "
+        "refused: pass its digest), a digest its artifact and every entry naming it. A KEY may be "
+        f"any unique start of at least {_MIN_PREFIX} digits, as `kcache cache ls` prints them.",
+    )
     rm.add_argument("keys", nargs="+", metavar="KEY")
     _where(rm, server_default=on_server)
     rm.set_defaults(func=_cmd_rm)
-    clear = sub.add_parser("clear", help="remove every entry (on a server: every unpinned one)")
+    clear = sub.add_parser(
+        "clear",
+        help="remove every entry (on a server: every unpinned one); asks first",
+        description="Remove every entry of the cache directory (with --server: every unpinned "
+        "artifact of the server's store). It asks on the terminal first; --yes does not ask, "
+        "and without a terminal (a script) --yes is required.",
+    )
     _where(clear, server_default=on_server)
+    clear.add_argument("--yes", action="store_true", help="do not ask: remove them")
     clear.set_defaults(func=_cmd_clear)
 
     server_default = "the server (default $KCACHE_URL)"
     pin = subparsers.add_parser(
         "pin", help="keep recipe keys' artifacts on a server through any eviction (admin)"
     )
-    pin.add_argument("keys", nargs="*", metavar="RECIPE_KEY")
+    pin.add_argument(
+        "keys", nargs="*", metavar="RECIPE_KEY", help="recipe keys, or unique starts of them"
+    )
     pin.add_argument("--group", help="label the pins (a release, a job) to list or unpin together")
     pin.add_argument("--job", help="also pin every recipe this job id was served (its warmup set)")
     pin.add_argument("--list", action="store_true", help="list pins (of --group if given)")
@@ -351,9 +593,30 @@ def register(subparsers: Any) -> None:
     pin.add_argument("--json", action="store_true", help="print JSON")
     pin.set_defaults(func=_cmd_pin)
     unpin = subparsers.add_parser("unpin", help="remove pins by recipe key, or a whole --group")
-    unpin.add_argument("keys", nargs="*", metavar="RECIPE_KEY")
+    unpin.add_argument(
+        "keys", nargs="*", metavar="RECIPE_KEY", help="pinned recipe keys, or unique starts of them"
+    )
     unpin.add_argument("--group", help="unpin every pin of this group (or only KEYs within it)")
     unpin.add_argument("--server", help=server_default)
     unpin.add_argument("--token", help="an admin token (default $KCACHE_TOKEN)")
     unpin.add_argument("--json", action="store_true", help="print JSON")
     unpin.set_defaults(func=_cmd_unpin)
+
+    from importlib.metadata import entry_points
+
+    # `kcache stats` is the server distribution's (it reads --cache-dir through `cache
+    # info`); a client alone, as in a training image, still has the node tier's numbers.
+    if not any(ep.name == "stats" for ep in entry_points(group="kcache.commands")):
+        stats = subparsers.add_parser(
+            "stats",
+            help="your cache directory's numbers: entries, bytes of the cap, oldest/newest use",
+            description="The node tier's own numbers, as `kcache cache info` prints them. A "
+            "server's statistics need the server distribution (kcache-server) installed, or "
+            "its dashboard.",
+        )
+        stats.add_argument(
+            "--cache-dir",
+            help="the node tier (default $KCACHE_CACHE_DIR or ~/.cache/kcache/client)",
+        )
+        stats.add_argument("--json", action="store_true", help="print JSON")
+        stats.set_defaults(func=_cmd_tier_stats)

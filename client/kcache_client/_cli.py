@@ -8,7 +8,11 @@ Every command builds its ``KernelCache`` the same way (:func:`_open_cache`): the
 server of ``--server``/``$KCACHE_URL`` if any, the cache directory of
 ``--cache-dir``/``$KCACHE_CACHE_DIR``, local compiles on without a server (or with
 ``--local-compile``), and retries kept to a few seconds with a status line on stderr,
-so a dead server is reported quickly rather than after a silent minute.
+so a dead server is reported quickly rather than after a silent minute
+(:mod:`kcache_client._command_settings`). A lookup that takes longer (a compile on
+the server, or here) prints a status line while it waits and stops at Ctrl-C
+(:func:`kcache._waiting.run_long`). An ``https://`` URL whose server speaks plain
+HTTP is told as that, not as a server to start.
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kcache._waiting import run_long
 from kcache.cli import (
     UsageError,
     add_cache_dir_argument,
     add_recipe_arguments,
     add_server_arguments,
-    include_set_dirs,
     print_result,
     recipe_from_args,
+    recipe_title,
     refuse_server_dir,
     server_url,
     write_output,
@@ -40,14 +45,9 @@ from kcache.errors import ArtifactNotFoundError, KCacheError, RecipeError
 if TYPE_CHECKING:
     from kcache.recipe import Recipe
     from kcache_client._cache import KernelCache
-    from kcache_client._settings import RetryPolicy
 
 __all__ = ["compile_remote", "load_recipes", "register"]
 
-#: The CLI gives a server this long (retries included) before saying it is unreachable.
-_RETRY_BUDGET_S = 4.0
-#: Connecting should be quick; compiles may still take minutes once connected.
-_CONNECT_TIMEOUT_S = 2.0
 #: How long a command waits, at its end, to deliver its audit events.
 _EVENTS_CLOSE_S = 2.0
 
@@ -83,58 +83,20 @@ def load_recipes(path: str | os.PathLike[str]) -> list[Recipe]:
     return recipes
 
 
-def _announcing_retry(url: str) -> RetryPolicy:
-    """A short retry budget that says on stderr, before each wait, that it is waiting.
-
-    Once one request has retried in vain, later requests of the same command try once
-    and give up: the server did not answer a moment ago, and each further round of
-    retries would only repeat the wait.
-    """
-    from dataclasses import dataclass
-
-    from kcache_client._settings import RetryPolicy
-
-    gave_up = False
-
-    @dataclass(frozen=True)
-    class AnnouncingRetry(RetryPolicy):
-        def backoff(self, attempt: int) -> float:
-            nonlocal gave_up
-            if attempt == 0 and gave_up:
-                return float("inf")  # beyond any budget: the transport stops at once
-            if attempt >= 1:
-                gave_up = True
-            wait = super().backoff(attempt)
-            if attempt + 1 < self.attempts:
-                print(
-                    f"kcache: waiting for the server at {url} (try {attempt + 2} of {self.attempts})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            return wait
-
-    return AnnouncingRetry(attempts=4, base_s=0.2, cap_s=0.8, budget_s=_RETRY_BUDGET_S)
-
-
 def _open_cache(args: argparse.Namespace, url: str | None) -> KernelCache:
-    import httpx
+    import logging
 
-    from kcache_client._cache import KernelCache
-    from kcache_client._settings import DEFAULT_TIMEOUT, ClientSettings
+    from kcache_client._cache import OFFLINE_LOGGER, KernelCache
+    from kcache_client._command_settings import command_settings
 
+    # The commands say in their own words that the server did not answer (_note_offline).
+    quiet = logging.getLogger(OFFLINE_LOGGER)
+    quiet.propagate = False
+    if not quiet.handlers:
+        quiet.addHandler(logging.NullHandler())
     explicit = getattr(args, "cache_dir", None)
     refuse_server_dir(cache_dir(explicit), "--cache-dir" if explicit else "$KCACHE_CACHE_DIR")
-    settings = ClientSettings.from_env(
-        url=url,
-        token=getattr(args, "token", None),
-        cache_dir=explicit,
-        auto_target=getattr(args, "auto_target", None),
-        local_compile=True if getattr(args, "local_compile", False) else None,
-        include_sets=include_set_dirs(args),
-        retry=_announcing_retry(url) if url else None,
-        timeout=httpx.Timeout(DEFAULT_TIMEOUT.read, connect=_CONNECT_TIMEOUT_S),
-    )
-    return KernelCache(settings=settings)
+    return KernelCache(settings=command_settings(args, url))
 
 
 @contextmanager
@@ -177,6 +139,7 @@ def _session(args: argparse.Namespace, url: str | None, what: str) -> Iterator[K
 def _offline_error(
     exc: BaseException, cache: KernelCache, url: str | None, what: str
 ) -> KCacheError:
+    from kcache_client._http import tls_advice
     from kcache_client.errors import ServerUnavailableError
 
     tier = cache.tier.root
@@ -193,6 +156,8 @@ def _offline_error(
         first = f"the server at {url} stayed busy ({cause})"
     else:
         first = f"server unreachable at {url} ({cause})"
+    if tls_advice(url, cause):  # the cause says what to change; starting a server is not it
+        return KCacheError(first)
     if what == "key":
         advice = (
             "a recipe that names no toolchain is keyed with the server's default toolchain: start the "
@@ -227,6 +192,7 @@ def _note_offline(cache: KernelCache, url: str | None, status: str, *, asked_ser
 
 def _prepare(cache: KernelCache, recipe: Recipe, url: str | None) -> Recipe:
     """The concrete recipe; a server that cannot say its default toolchain is told as such."""
+    from kcache_client._http import tls_advice
     from kcache_client.errors import ServerUnavailableError
 
     try:
@@ -238,11 +204,24 @@ def _prepare(cache: KernelCache, recipe: Recipe, url: str | None) -> Recipe:
         while isinstance(root.__cause__, ServerUnavailableError):
             root = root.__cause__
         cause = root.cause if isinstance(root, ServerUnavailableError) else str(exc)
+        if tls_advice(url, cause):
+            raise KCacheError(f"server unreachable at {url} ({cause})") from exc
         raise KCacheError(
             f"server unreachable at {url} ({cause})\nthe recipe names no toolchain and this "
             "server's default was never seen here, so its key is unknown: start the server, or "
             "pass --local-compile to key and compile with the local NVRTC"
         ) from exc
+
+
+def _resolving(recipe: Recipe, url: str | None, cache: KernelCache) -> str:
+    """What a status line says a command is waiting for."""
+    if url is None:
+        return f"compiling {recipe_title(recipe)}"
+    here = ", or compiling it here" if cache.settings.compiles_locally else ""
+    return (
+        f"resolving {recipe_title(recipe)} with the server at {url} (a compile there may take "
+        f"up to its KCACHE_COMPILE_TIMEOUT_S){here}"
+    )
 
 
 def compile_remote(args: argparse.Namespace, recipe: Recipe) -> int:
@@ -261,7 +240,8 @@ def compile_remote(args: argparse.Namespace, recipe: Recipe) -> int:
             print(cache.key(recipe))
         return 0
     with _session(args, url, "this recipe") as cache:
-        art = cache.get(_prepare(cache, recipe, url), refresh=True)
+        concrete = _prepare(cache, recipe, url)
+        art = run_long(lambda: cache.get(concrete, refresh=True), _resolving(concrete, url, cache))
         path = write_output("-o", args.o, art.data) if args.o else art.path
         _note_offline(cache, url, art.outcome, asked_server=True)
         print_result(art.outcome, art.recipe_key, art.digest, path)
@@ -272,7 +252,10 @@ def _cmd_get(args: argparse.Namespace) -> int:
     recipe = recipe_from_args(args)
     url = server_url(args)
     with _session(args, url, "this recipe") as cache:
-        art = cache.get(_prepare(cache, recipe, url), compile=args.compile)
+        concrete = _prepare(cache, recipe, url)
+        art = run_long(
+            lambda: cache.get(concrete, compile=args.compile), _resolving(concrete, url, cache)
+        )
         path = write_output("-o", args.o, art.data) if args.o else art.path
         _note_offline(cache, url, art.outcome, asked_server=False)
         print_result(art.outcome, art.recipe_key, art.digest, path)
@@ -289,7 +272,11 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     url = server_url(args)
     with _session(args, url, "the recipes missing from it") as cache:
         try:
-            result = cache.warmup(recipes, compile=args.compile, progress=not args.quiet)
+            result = run_long(
+                lambda: cache.warmup(recipes, compile=args.compile, progress=not args.quiet),
+                f"warming up {len(recipes)} recipes",
+                status=False,  # its progress bar says how far it is
+            )
         except WarmupError as exc:
             if exc.log:
                 print(exc.log.rstrip(), file=sys.stderr)
@@ -357,7 +344,9 @@ def register(subparsers: Any) -> None:
     warm.set_defaults(func=_cmd_warmup)
 
     from kcache_client._cache_cli import register as register_cache_commands
+    from kcache_client._config_cli import register as register_config
     from kcache_client._explain_cli import register as register_explain
 
     register_cache_commands(subparsers)  # kcache cache info|ls|rm|clear, kcache pin|unpin
     register_explain(subparsers)  # kcache explain RECIPE|KEY
+    register_config(subparsers)  # kcache config

@@ -81,6 +81,7 @@ __all__ = [
     "batch_item_error",
     "lean_path_serves",
     "parse_retry_after",
+    "tls_advice",
 ]
 
 _BUSY = frozenset({429, 502, 503, 504})
@@ -97,6 +98,32 @@ ExpectedBody = Limit | Callable[[Mapping[str, str]], Limit]
 
 #: A request target ``http.client`` sends as it is (httpx would percent-encode the rest).
 _PLAIN_TARGET = re.compile(r"[!-~]*")
+
+
+#: What OpenSSL says when the other end answered a TLS hello with something else (HTTP).
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure", "HTTP_REQUEST")
+#: ... and when it does speak TLS, with a certificate this machine does not trust.
+_UNTRUSTED = ("CERTIFICATE_VERIFY_FAILED",)
+
+
+def tls_advice(url: str, cause: str) -> str | None:
+    """What to change when ``cause`` (a transport error's text) is a TLS handshake that failed.
+
+    None for every other cause. Retrying or starting the server fixes neither: an
+    ``https://`` URL whose server speaks plain HTTP needs ``http://``; a certificate
+    this machine does not trust needs its CA named.
+    """
+    if not url.startswith("https://"):
+        return None
+    if any(word in cause for word in _NOT_TLS):
+        plain = "http://" + url[len("https://") :]
+        return f"the server at {url} does not speak TLS (it answers plain HTTP): use {plain}"
+    if any(word in cause for word in _UNTRUSTED):
+        return (
+            f"the certificate of {url} is not trusted here: set SSL_CERT_FILE to the CA "
+            "bundle that signed it"
+        )
+    return None
 
 
 class Reply(Protocol):
@@ -261,6 +288,8 @@ class Transport:
             except httpx.TransportError as exc:
                 # Connection refused/reset, DNS, timeouts, a server that died mid-reply.
                 cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                advice = tls_advice(self.url, cause)
+                cause = f"{cause}; {advice}" if advice else cause
                 wait = policy.backoff(attempt)
                 last_status = 0
             except AnswerRefused as exc:

@@ -5,6 +5,13 @@ on by default without a server) compiles a miss itself with the same engine the 
 runs, over the node tier's own store, index and per-key lock, so every process of the
 node compiles a kernel once and finds it afterwards. Recipes are keyed with this NVRTC's
 toolchain id when the server's default cannot be learnt.
+
+Only over a tier no one else can write (:mod:`kcache.standing`): an unsigned entry
+compiled here proves nothing to another user, and an engine over a shared tier's
+index would take another user's unsigned entry as a hit. Over a shared or untrusted
+tier the engine runs over this user's own private directory instead
+(``~/.cache/kcache/local``, :func:`kcache.dirs.user_cache_dir`), refused loudly when
+that one is not private either.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import threading
 
 from kcache.artifact import ArtifactMeta
+from kcache.dirs import user_cache_dir
 from kcache.engine import Engine
 from kcache.errors import ToolchainError
 from kcache.recipe import Recipe
@@ -27,8 +35,9 @@ class LocalCompiler:
     """The engine over ``tier``, built on first use (loading NVRTC takes a moment)."""
 
     def __init__(self, tier: NodeTier, settings: ClientSettings) -> None:
-        self.tier = tier
+        self.shared_tier = tier
         self.settings = settings
+        self._tier: NodeTier | None = tier if tier.standing.kind == "private" else None
         self._engine: Engine | None = None
         self._lock = threading.Lock()
 
@@ -37,8 +46,26 @@ class LocalCompiler:
         """Whether misses may be compiled here (the settings; NVRTC is checked when used)."""
         return self.settings.compiles_locally
 
+    @property
+    def tier(self) -> NodeTier:
+        """The tier local compiles go to: the node tier when private, else this user's own."""
+        if self._tier is None:
+            own = NodeTier(
+                user_cache_dir("local"),
+                lock_timeout=self.settings.lock_timeout_s,
+                max_bytes=self.settings.cache_max_bytes,
+                trust=self.shared_tier.trust,
+            )
+            if own.standing.kind != "private":
+                raise ToolchainError(
+                    f"local compiles need a private directory, and {own.root} is not one "
+                    f"({own.standing.reason})"
+                )
+            self._tier = own
+        return self._tier
+
     def engine(self) -> Engine:
-        """The core engine over the node tier (same store, index and lock); ToolchainError without NVRTC."""
+        """The core engine over the local tier (same store, index and lock); ToolchainError without NVRTC."""
         with self._lock:
             if self._engine is None:
                 from kcache.compilers import InProcessCompiler
@@ -62,7 +89,7 @@ class LocalCompiler:
         ``compile`` is false, or NVRTC is missing or another toolchain, it is raised
         again with that reason added. A compile error raises the core's CompileError.
         """
-        where = f"the node tier {self.tier.root} has no artifact for recipe {key}"
+        where = f"the node tier {self.shared_tier.root} has no artifact for recipe {key}"
         if not self.enabled or not compile:
             reason = (
                 "local compiles are off (KCACHE_LOCAL_COMPILE=1)" if compile else "compile=False"

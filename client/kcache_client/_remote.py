@@ -14,11 +14,18 @@ No body is read further than it may go: an artifact's by the size its metadata n
 JSON answers by the transport's fixed cap; one byte more is
 :class:`~kcache_client.errors.ResponseRefusedError` at once, with no refetch (bytes
 that only differ are refetched: damage on the way; bytes beyond the promise are not).
+
+And no artifact is handed back without the server's signature of the recipe key ->
+its metadata, by a key this client trusts (given, or pinned on first contact:
+:mod:`~kcache_client._trust`), checked once the bytes match their digest; else
+:class:`~kcache_client.errors.UntrustedArtifactError`. The signature is handed back
+with the artifact, for the node tier to store beside it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,40 +34,56 @@ from kcache.artifact_header import HEADER as META_HEADER
 from kcache.artifact_header import decode_meta, parse_meta
 from kcache.outcomes import ResolveStatus
 from kcache.recipe import Recipe
+from kcache.signing import HEADER as SIGNATURE_HEADER
+from kcache.signing import Signature, SignatureError
 from kcache_client._http import Limit, Transport, batch_item_error
 from kcache_client._settings import max_artifact_bytes_from_env
 from kcache_client._stats import CacheStats
+from kcache_client._trust import Trust, default_known_servers
 from kcache_client.errors import (
     ClientError,
     DigestMismatchError,
     MetadataError,
     RemoteNotFoundError,
     ResponseRefusedError,
+    UntrustedArtifactError,
 )
 
-__all__ = ["Remote", "Resolution"]
+__all__ = ["Fetched", "Remote", "Resolution"]
 
 #: Tries of a download whose bytes do not match their digest.
 _DIGEST_TRIES = 3
 _RESOLVED: frozenset[str] = frozenset({"hit", "compiled", "waited"})
 
-#: What a resolve answered: its status and the (checked) artifact metadata.
-Resolution = tuple[ResolveStatus, ArtifactMeta]
+#: What a resolve answered: its status, the (checked) artifact metadata and its signature.
+Resolution = tuple[ResolveStatus, ArtifactMeta, Signature]
+#: What a fetch by key brought: the metadata, the verified bytes and their signature.
+Fetched = tuple[ArtifactMeta, bytes, Signature]
 
 
 class Remote:
     """One server, through a :class:`Transport`; see the module docstring.
 
     ``max_artifact_bytes`` is the largest artifact accepted (None: the environment's
-    ``KCACHE_CLIENT_MAX_ARTIFACT_BYTES``, else 256 MiB).
+    ``KCACHE_CLIENT_MAX_ARTIFACT_BYTES``, else 256 MiB); ``trust`` the keys signatures
+    are checked against (None: the environment's ``KCACHE_TRUSTED_KEYS``, else pins in
+    ``KCACHE_KNOWN_SERVERS``).
     """
 
     def __init__(
-        self, transport: Transport, stats: CacheStats, *, max_artifact_bytes: int | None = None
+        self,
+        transport: Transport,
+        stats: CacheStats,
+        *,
+        max_artifact_bytes: int | None = None,
+        trust: Trust | None = None,
     ) -> None:
         self.transport = transport
         self.url = transport.url
         self._stats = stats
+        self.trust = trust or Trust.from_settings(
+            os.environ.get("KCACHE_TRUSTED_KEYS"), default_known_servers()
+        )
         self.max_artifact_bytes = (
             max_artifact_bytes if max_artifact_bytes is not None else max_artifact_bytes_from_env()
         )
@@ -72,7 +95,11 @@ class Remote:
             raise ClientError(f"{self.url}/v1/toolchains did not name a default toolchain")
         return body
 
-    def fetch(self, concrete: Recipe, key: str) -> tuple[ArtifactMeta, bytes] | None:
+    def keys(self) -> Any:
+        """``GET /v1/keys``: the keys the server signs with (checked by :class:`Trust`)."""
+        return self.transport.request_json("GET", "/v1/keys")
+
+    def fetch(self, concrete: Recipe, key: str) -> Fetched | None:
         """The artifact of ``key`` and its verified bytes in one round trip; None when unknown.
 
         One ``GET /v1/recipes/{key}/artifact``. Only an artifact whose metadata is too
@@ -80,14 +107,16 @@ class Remote:
         damaged on the way are fetched again (by digest). The metadata header is
         checked (well formed, of this response's digest, fitting the recipe, within
         ``max_artifact_bytes``) before the body is read, and the body is read no
-        further than the size it names.
+        further than the size it names; the signature once the bytes are verified.
         """
         path = f"/v1/recipes/{key}/artifact"
         where = self.url + path
         headed: list[ArtifactMeta] = []
+        signed: list[str | None] = []
 
         def expect(headers: Mapping[str, str]) -> Limit:
             headed.clear()
+            signed[:] = [headers.get(SIGNATURE_HEADER)]
             encoded = headers.get(META_HEADER)
             if encoded is None:  # too long for a header (design §5): the metadata route says it
                 return self._artifact_limit()
@@ -111,9 +140,10 @@ class Remote:
             return None
         if headed:
             meta = headed[0]
+            signature = _header_signature(signed[0] if signed else None, where)
         else:
             try:
-                meta = self._metadata(key)
+                meta, signature = self._metadata(key)
             except RemoteNotFoundError:
                 return None  # forgotten in between (evicted, collected)
             _check_fits(meta, concrete, where)
@@ -130,7 +160,7 @@ class Remote:
                 raise DigestMismatchError(where, meta.digest, actual) from None
         if len(data) != meta.size:
             raise MetadataError(where, f"its size is {meta.size}, its bytes are {len(data)}")
-        return meta, data
+        return meta, data, self._check_signature(key, meta, signature, where)
 
     def resolve(
         self, concrete: Recipe, key: str, *, compile: bool, context: Mapping[str, Any]
@@ -197,9 +227,21 @@ class Remote:
         return data
 
     # ------------------------------------------------------------------ internals
-    def _metadata(self, key: str) -> ArtifactMeta:
+    def _metadata(self, key: str) -> tuple[ArtifactMeta, Signature | None]:
         path = f"/v1/recipes/{key}"
-        return _parse(self.transport.request_json("GET", path), self.url + path)
+        where = self.url + path
+        reply = self.transport.request("GET", path)
+        try:
+            body = reply.json()
+        except ValueError:
+            raise ResponseRefusedError(where, "HTTP 200 with a body that is not JSON") from None
+        signature = _header_signature(reply.headers.get(SIGNATURE_HEADER), where)
+        return _parse(body, where), signature
+
+    def _check_signature(
+        self, key: str, meta: ArtifactMeta, signature: Signature | None, where: str
+    ) -> Signature:
+        return self.trust.check_answer(self.url, key, meta, signature, self.keys, where)
 
     def _artifact_limit(self) -> Limit:
         return Limit(self.max_artifact_bytes, "this client accepts (max_artifact_bytes)")
@@ -226,8 +268,23 @@ class Remote:
             )
         meta = _parse(answer.get("artifact"), where)
         _check_fits(meta, concrete, where)
+        signature = None
+        if answer.get("signature") is not None:
+            try:
+                signature = Signature.from_dict(answer["signature"])
+            except SignatureError as exc:
+                raise UntrustedArtifactError(where, str(exc)) from None
         status: ResolveStatus = answer["status"]
-        return status, meta
+        return status, meta, self._check_signature(key, meta, signature, where)
+
+
+def _header_signature(value: str | None, where: str) -> Signature | None:
+    if value is None:
+        return None
+    try:
+        return Signature.from_header(value)
+    except SignatureError as exc:
+        raise UntrustedArtifactError(where, str(exc)) from None
 
 
 def _parse(data: Any, where: str) -> ArtifactMeta:

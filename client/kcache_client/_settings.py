@@ -19,6 +19,7 @@ bytes by ``max_artifact_bytes`` (``KCACHE_CLIENT_MAX_ARTIFACT_BYTES``, 256 MiB).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import httpx
 
@@ -34,13 +36,16 @@ from kcache._env import env_flag
 from kcache.dirs import cache_dir as default_cache_dir
 from kcache.errors import KCacheError
 from kcache.eviction import parse_size
+from kcache_client._trust import default_known_servers
 
 __all__ = [
     "DEFAULT_MAX_ARTIFACT_BYTES",
     "DEFAULT_TIMEOUT",
+    "ENVIRONMENT",
     "ClientSettings",
     "RetryPolicy",
     "max_artifact_bytes_from_env",
+    "timeout_from_env",
 ]
 
 #: A compile can take minutes on a cold server; connecting should not. (Each read waits
@@ -65,6 +70,65 @@ def _env_seconds(name: str, default: float) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise KCacheError(f"{name}={raw!r}: give a positive number of seconds")
     return value
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    """A whole number of at least ``minimum`` from the environment variable ``name``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise KCacheError(f"{name}={raw!r}: give a whole number of at least {minimum}")
+    return value
+
+
+#: Every setting a client reads from the environment: the field (``retry.`` and
+#: ``timeout.`` for the parts of those) -> its variable. ``kcache config`` shows each
+#: with where its value came from; ``from_env`` reads them.
+ENVIRONMENT: Mapping[str, str] = MappingProxyType(
+    {
+        "url": "KCACHE_URL",
+        "token": "KCACHE_TOKEN",
+        "cache_dir": "KCACHE_CACHE_DIR",
+        "cache_max_bytes": "KCACHE_CACHE_MAX_BYTES",
+        "local_compile": "KCACHE_LOCAL_COMPILE",
+        "include_sets": "KCACHE_CLIENT_INCLUDE_SETS",
+        "job_id": "KCACHE_JOB_ID",
+        "client_id": "KCACHE_CLIENT_ID",
+        "host": "KCACHE_CLIENT_HOST",
+        "auto_target": "KCACHE_AUTO_TARGET",
+        "device": "KCACHE_DEVICE",
+        "send_events": "KCACHE_SEND_EVENTS",
+        "memory_entries": "KCACHE_MEMORY_ENTRIES",
+        "lock_timeout_s": "KCACHE_CLIENT_LOCK_TIMEOUT_S",
+        "retry.attempts": "KCACHE_RETRY_ATTEMPTS",
+        "retry.base_s": "KCACHE_RETRY_BASE_S",
+        "retry.cap_s": "KCACHE_RETRY_CAP_S",
+        "retry.budget_s": "KCACHE_RETRY_BUDGET_S",
+        "retry.max_retry_after_s": "KCACHE_MAX_RETRY_AFTER_S",
+        "retry.deadline_s": "KCACHE_REQUEST_DEADLINE_S",
+        "retry.compile_deadline_s": "KCACHE_COMPILE_DEADLINE_S",
+        "timeout.connect": "KCACHE_CONNECT_TIMEOUT_S",
+        "timeout.read": "KCACHE_READ_TIMEOUT_S",
+        "max_artifact_bytes": "KCACHE_CLIENT_MAX_ARTIFACT_BYTES",
+        "trusted_keys": "KCACHE_TRUSTED_KEYS",
+        "known_servers": "KCACHE_KNOWN_SERVERS",
+    }
+)
+
+
+def timeout_from_env(default: httpx.Timeout = DEFAULT_TIMEOUT) -> httpx.Timeout:
+    """``default``, its connect and read waits replaced by ``KCACHE_CONNECT_TIMEOUT_S`` and
+    ``KCACHE_READ_TIMEOUT_S`` where they are set (the read wait also bounds writes and the pool)."""
+    read = _env_seconds(ENVIRONMENT["timeout.read"], default.read or DEFAULT_TIMEOUT.read or 600.0)
+    connect = _env_seconds(
+        ENVIRONMENT["timeout.connect"], default.connect or DEFAULT_TIMEOUT.connect or 5.0
+    )
+    return httpx.Timeout(read, connect=connect)
 
 
 @dataclass(frozen=True)
@@ -112,17 +176,26 @@ class RetryPolicy:
             raise KCacheError(f"budget_s must not be negative, not {self.budget_s}")
 
     @classmethod
-    def from_env(cls) -> RetryPolicy:
-        """The defaults, with ``KCACHE_REQUEST_DEADLINE_S``, ``KCACHE_COMPILE_DEADLINE_S`` and
-        ``KCACHE_RETRY_BUDGET_S`` where they are set."""
-        default = cls()
-        return cls(
-            deadline_s=_env_seconds("KCACHE_REQUEST_DEADLINE_S", default.deadline_s),
-            compile_deadline_s=_env_seconds(
-                "KCACHE_COMPILE_DEADLINE_S", default.compile_deadline_s
-            ),
-            budget_s=_env_seconds("KCACHE_RETRY_BUDGET_S", default.budget_s),
-        )
+    def from_env(cls, **defaults: Any) -> RetryPolicy:
+        """The defaults (the fields' own, or ``defaults``: what a command runs with), each
+        replaced by its environment variable where it is set: ``KCACHE_RETRY_ATTEMPTS``,
+        ``KCACHE_RETRY_BASE_S``, ``KCACHE_RETRY_CAP_S``, ``KCACHE_RETRY_BUDGET_S``,
+        ``KCACHE_MAX_RETRY_AFTER_S``, ``KCACHE_REQUEST_DEADLINE_S``,
+        ``KCACHE_COMPILE_DEADLINE_S`` (see :data:`ENVIRONMENT`)."""
+        default = replace(cls(), **defaults) if defaults else cls()
+        seconds = {
+            name: _env_seconds(ENVIRONMENT[f"retry.{name}"], getattr(default, name))
+            for name in (
+                "base_s",
+                "cap_s",
+                "budget_s",
+                "max_retry_after_s",
+                "deadline_s",
+                "compile_deadline_s",
+            )
+        }
+        attempts = _env_int(ENVIRONMENT["retry.attempts"], default.attempts, 1)
+        return cls(attempts=attempts, **seconds)
 
     def try_deadline(self, *, compiles: bool) -> float:
         """How long one try may take: ``compile_deadline_s`` if it may compile, else ``deadline_s``."""
@@ -187,6 +260,37 @@ def _cache_max_bytes(explicit: int | str | None) -> int | None:
         raise KCacheError(str(exc)) from None
 
 
+def _known_servers(explicit: str | os.PathLike[str] | None) -> Path:
+    return Path(explicit).expanduser() if explicit is not None else default_known_servers()
+
+
+def _env_device() -> int | None:
+    name = ENVIRONMENT["device"]
+    return _env_int(name, 0, 0) if os.environ.get(name, "").strip() else None
+
+
+def _env_send_events() -> bool:
+    flag = env_flag(ENVIRONMENT["send_events"])
+    return True if flag is None else flag
+
+
+def _env_include_sets() -> dict[str, str]:
+    """``KCACHE_CLIENT_INCLUDE_SETS``: a JSON object of include set name -> directory."""
+    name = ENVIRONMENT["include_sets"]
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise KCacheError(f'{name} is not JSON ({exc}): write {{"name": "/dir"}}') from None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise KCacheError(f'{name} must be a JSON object of name -> directory: {{"name": "/dir"}}')
+    return value
+
+
 def _url(value: str | None) -> str | None:
     return (value or "").strip() or None
 
@@ -232,6 +336,11 @@ class ClientSettings:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     timeout: httpx.Timeout = field(default_factory=lambda: DEFAULT_TIMEOUT)
     max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES
+    #: Public keys whose signatures are accepted (``KCACHE_TRUSTED_KEYS``: keys, or ``@FILE``);
+    #: None: each server's keys pinned on first contact in ``known_servers`` (kcache_client._trust).
+    trusted_keys: str | None = None
+    #: The pin file (``KCACHE_KNOWN_SERVERS``, default ``~/.config/kcache/known_servers.json``).
+    known_servers: Path = field(default_factory=lambda: _known_servers(None))
 
     def __post_init__(self) -> None:
         if self.max_artifact_bytes < 1:
@@ -270,18 +379,21 @@ class ClientSettings:
         host: str | None = None,
         auto_target: str | None = None,
         device: int | None = None,
-        send_events: bool = True,
-        memory_entries: int = 4096,
-        lock_timeout_s: float = 900.0,
+        send_events: bool | None = None,
+        memory_entries: int | None = None,
+        lock_timeout_s: float | None = None,
         retry: RetryPolicy | None = None,
         timeout: httpx.Timeout | None = None,
         max_artifact_bytes: int | str | None = None,
+        trusted_keys: str | None = None,
+        known_servers: str | os.PathLike[str] | None = None,
     ) -> ClientSettings:
         """Arguments first, then the environment, then the defaults.
 
         ``cache_max_bytes`` and ``max_artifact_bytes`` also take sizes such as ``"10GiB"``;
-        a ``retry`` given is used as it is (the environment's deadlines and budget are
-        read only for the default one, :meth:`RetryPolicy.from_env`).
+        a ``retry`` given is used as it is (the environment's retry variables are read
+        only for the default one, :meth:`RetryPolicy.from_env`), and so is a ``timeout``
+        (else :func:`timeout_from_env`). Every variable is in :data:`ENVIRONMENT`.
         """
         if local_compile is None:
             local_compile = env_flag("KCACHE_LOCAL_COMPILE")
@@ -291,18 +403,22 @@ class ClientSettings:
             cache_dir=default_cache_dir(cache_dir),
             cache_max_bytes=_cache_max_bytes(cache_max_bytes),
             local_compile=local_compile,
-            include_sets=_include_sets(include_sets),
+            include_sets=_include_sets(include_sets or _env_include_sets()),
             job_id=job_id or _job_id_from_env(),
             client_id=client_id or os.environ.get("KCACHE_CLIENT_ID") or None,
-            host=host,
-            auto_target=auto_target,
-            device=device,
-            send_events=send_events,
-            memory_entries=memory_entries,
-            lock_timeout_s=lock_timeout_s,
+            host=host or os.environ.get(ENVIRONMENT["host"], "").strip() or None,
+            auto_target=auto_target
+            or os.environ.get(ENVIRONMENT["auto_target"], "").strip()
+            or None,
+            device=device if device is not None else _env_device(),
+            send_events=send_events if send_events is not None else _env_send_events(),
+            memory_entries=memory_entries or _env_int(ENVIRONMENT["memory_entries"], 4096, 1),
+            lock_timeout_s=lock_timeout_s or _env_seconds(ENVIRONMENT["lock_timeout_s"], 900.0),
             retry=retry or RetryPolicy.from_env(),
-            timeout=timeout or DEFAULT_TIMEOUT,
+            timeout=timeout or timeout_from_env(),
             max_artifact_bytes=_artifact_cap(max_artifact_bytes),
+            trusted_keys=trusted_keys or os.environ.get("KCACHE_TRUSTED_KEYS", "").strip() or None,
+            known_servers=_known_servers(known_servers),
         )
 
     def located(

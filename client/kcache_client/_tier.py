@@ -53,12 +53,28 @@ fetches again. A publisher that stored the same bytes again meanwhile keeps them
 the evictor re-checks the blob's mtime and the record after setting the blob aside.
 A publish writes no record for a blob gone by then, and takes back one written as it
 went, so no record names a missing blob.
+
+Who else could have written the tier decides what of it is used
+(:mod:`kcache.standing`, checked at open and again before anything is deleted): a
+*private* tier (this user's, writable by no one else) is used as it is; from a
+*shared* one (writable by others, sticky) only entries signed by a key this client
+trusts (:mod:`~kcache_client._trust`) are used, and nothing unsigned is published
+into it; an *untrusted* one (writable by others without the sticky bit, another
+user's, a linked directory) is only read, for signed entries. One warning says so
+at open, one per entry refused. Every file is read with ``O_NOFOLLOW``, only if it
+is a regular file, and no further than expected (an alias by
+:data:`~kcache.index.file.MAX_ENTRY_BYTES`, a blob by its size), and walks never
+follow links (:mod:`kcache.fsutil`), so a FIFO, a device or a link planted in the
+tier costs a refused entry, never a hang, an unbounded read or a deletion outside it.
+An entry's signature is checked once per alias file this process reads (the file's
+identity, as above), so a repeated hit pays nothing for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -69,18 +85,38 @@ from typing import Any, TypeVar
 
 from kcache.artifact import ArtifactMeta
 from kcache.dirs import cache_dir, cache_layout, mark_cache_dir
-from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, LockTimeoutError
+from kcache.errors import (
+    ArtifactNotFoundError,
+    CorruptArtifactError,
+    KCacheError,
+    LockTimeoutError,
+)
 from kcache.eviction import LruCandidate, WaterMarks, default_tier_cap, least_recently_used
-from kcache.fsutil import FileIdentity, atomic_write, identity, read_file_identified
-from kcache.index.file import FileIndex
+from kcache.fsutil import (
+    FileIdentity,
+    UnsafeFileError,
+    atomic_write,
+    identity,
+    read_file_identified,
+)
+from kcache.index.file import MAX_ENTRY_BYTES, FileIndex
 from kcache.keys import sha256_hex
 from kcache.locks import FileKeyLock, SingleFlight, try_file_lock
 from kcache.lru import LruCache
+from kcache.signing import Signature, SignatureError
+from kcache.standing import Standing, directory_standing
 from kcache.store.local import LocalArtifactStore
+from kcache_client._trust import Trust
 
 __all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_dir"]
 
 T = TypeVar("T")
+
+_log = logging.getLogger("kcache_client")
+#: The tier's own directories, whose standing is checked (kcache.standing).
+_DIRS = ("blobs", "index", "index/recipes", "index/artifacts", "index/manifests", "locks")
+#: Entries refused here are warned about once each, up to this many per process.
+_WARNED_MAX = 10_000
 
 # A lookup refreshes an entry's access stamp at most this often per process (one utime).
 _TOUCH_EVERY_S = 5.0
@@ -152,9 +188,12 @@ class NodeTier:
         *,
         lock_timeout: float = 900.0,
         max_bytes: int | None = None,
+        trust: Trust | None = None,
     ) -> None:
         self.root = Path(root)
         mark_cache_dir(self.root)
+        #: Whose signatures entries are checked against where only signed ones are used.
+        self.trust = trust
         # No fsync on publish: the tier is a cache, not a source of truth. An fsync per
         # file and directory was most of a cold rank's fetch time (B8). Renames stay
         # atomic, so running readers never see part of a file; after a power loss a
@@ -173,7 +212,7 @@ class NodeTier:
         # digest -> the identity of the blob file whose bytes this process verified.
         self._verified: LruCache[str, FileIdentity] = LruCache(max_entries=100_000)
         # recipe key -> an alias file's identity and what it said (metadata is a few KB).
-        self._parsed: LruCache[str, tuple[FileIdentity, ArtifactMeta]] = LruCache(
+        self._parsed: LruCache[str, tuple[FileIdentity, ArtifactMeta, Signature | None]] = LruCache(
             max_entries=_PARSED_ENTRIES
         )
         self._size_lock = threading.Lock()
@@ -184,32 +223,90 @@ class NodeTier:
         self._since_scan = 0  # bytes this process published since
         self._scanned_at = float("-inf")
         self._rescan_s = _RESCAN_MIN_S
+        self._warned: LruCache[str, bool] = LruCache(max_entries=_WARNED_MAX)
+        self._share_dirs()
+        #: Who else could have written the tier (module docstring), as found at open.
+        self.standing = self.check_standing()
+        if self.standing.kind != "private":
+            _log.warning(
+                "kcache: the node tier %s is %s (%s): only entries signed by a trusted key are "
+                "used%s",
+                self.root,
+                self.standing.kind,
+                self.standing.reason,
+                "" if self.standing.writable else ", and nothing is written into it or removed",
+            )
+
+    def check_standing(self) -> Standing:
+        """The tier's standing now (:func:`kcache.standing.directory_standing`)."""
+        return directory_standing(self.root, _DIRS)
+
+    def _share_dirs(self) -> None:
+        """In a shared tier (root sticky, writable by others), give the tier's directories this
+        process made the root's mode, so the other users can publish into them too."""
+        try:
+            st = os.lstat(self.root)
+        except OSError:
+            return
+        mode = st.st_mode & 0o7777
+        if not (mode & 0o1000 and mode & 0o022):
+            return
+        for sub in _DIRS:
+            path = self.root / sub
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_uid == os.geteuid():
+                    os.chmod(path, mode, follow_symlinks=False)
 
     def lookup(self, recipe_key: str) -> tuple[ArtifactMeta, bytes] | None:
-        """The artifact and its verified bytes, or None.
+        """The artifact and its verified bytes, or None (:meth:`lookup_signed` without the signature)."""
+        found = self.lookup_signed(recipe_key)
+        return None if found is None else (found[0], found[1])
+
+    def lookup_signed(self, recipe_key: str) -> tuple[ArtifactMeta, bytes, Signature | None] | None:
+        """The artifact, its verified bytes and the signature stored with it, or None.
 
         A blob whose bytes no longer match its digest is quarantined by the store
         and its alias dropped, so the caller refetches instead of using it. A
         negative entry (a failed local compile) is not an answer here: the server
-        may know better.
+        may know better. Nor is an entry this tier's standing does not let it use
+        (module docstring): it reads as absent, with a warning.
         """
-        entry = self._entry(recipe_key)
-        if entry is None:
+        found = self._entry(recipe_key)
+        if found is None:
             return None
+        entry, signature = found
         try:
-            data = self._blob(entry.digest)
+            data = self._blob(entry.digest, entry.size)
         except CorruptArtifactError:
-            self.index.forget(recipe_key)
+            self._forget(recipe_key)
             return None
         except ArtifactNotFoundError:
             # Metadata without a blob: evicted by another process a moment ago, gc, a manual delete.
-            self.index.forget(recipe_key)
+            self._forget(recipe_key)
             return None
         self._touch(entry.digest)
-        return entry, data
+        return entry, data, signature
 
-    def _entry(self, recipe_key: str) -> ArtifactMeta | None:
-        """The alias's artifact, parsed once per alias file this process read (module docstring).
+    def _forget(self, recipe_key: str) -> None:
+        if self.standing.writable:
+            with contextlib.suppress(PermissionError):  # another user's alias in a shared tier
+                self.index.forget(recipe_key)
+
+    def _refuse(self, what: str, problem: str) -> None:
+        """Warn once per entry that it is not used."""
+        if self._warned.get(what) is None:
+            self._warned.put(what, True)
+            _log.warning(
+                "kcache: not using %s from the %s node tier %s: %s",
+                what,
+                self.standing.kind,
+                self.root,
+                problem,
+            )
+
+    def _entry(self, recipe_key: str) -> tuple[ArtifactMeta, Signature | None] | None:
+        """The alias's artifact and signature, parsed and checked once per alias file this
+        process read (module docstring).
 
         An alias parsed before is only ``stat``-ed: its file unchanged, what it said then
         stands, and its bytes need not be read again.
@@ -217,28 +314,65 @@ class NodeTier:
         path = self.index.alias_path(recipe_key)
         known = self._parsed.get(recipe_key)
         try:
-            if known is not None and identity(os.stat(path)) == known[0]:
-                return known[1]
-            raw, alias = read_file_identified(path)
+            if known is not None and identity(os.lstat(path)) == known[0]:
+                return known[1], known[2]
+            raw, alias = read_file_identified(path, MAX_ENTRY_BYTES)
         except FileNotFoundError:
             return None
-        entry = self.index.parse_alias(recipe_key, raw)
+        except UnsafeFileError as exc:
+            self._refuse(f"the entry {path}", exc.reason)
+            return None
+        entry, stored = self.index.parse_signed_alias(recipe_key, raw)
         if not isinstance(entry, ArtifactMeta):
             return None
+        signature = None
+        if stored is not None:
+            try:
+                signature = Signature.from_dict(stored)
+            except SignatureError as exc:
+                self._refuse(f"the entry {path}", str(exc))
+                return None
+        problem = self._trust_problem(recipe_key, entry, signature)
+        if problem is not None:
+            self._refuse(f"the entry {path}", problem)
+            return None
         if _settled(alias, len(raw)):
-            self._parsed.put(recipe_key, (alias, entry))
-        return entry
+            self._parsed.put(recipe_key, (alias, entry, signature))
+        return entry, signature
 
-    def _blob(self, digest: str) -> bytes:
-        """The verified bytes of ``digest``, hashed once per blob file this process read.
+    def _trust_problem(
+        self, recipe_key: str, entry: ArtifactMeta, signature: Signature | None
+    ) -> str | None:
+        """Why this tier may not use an entry, or None (module docstring).
+
+        Where only signed entries are used, it must verify by a trusted key. In a private
+        tier an unsigned entry is this user's own (a local compile); a signed one is
+        checked where keys were given (KCACHE_TRUSTED_KEYS), which are the rule.
+        """
+        trust = self.trust
+        if self.standing.signed_only:
+            if trust is None:
+                return "no trusted keys to check its signature by"
+            return trust.entry_problem(recipe_key, entry, signature)
+        if signature is not None and trust is not None and trust.given:
+            return trust.entry_problem(recipe_key, entry, signature)
+        return None
+
+    def _blob(self, digest: str, size: int) -> bytes:
+        """The verified bytes of ``digest`` (``size`` of them), hashed once per blob file read.
 
         Bytes that do not match go to the store's own read, which quarantines the file
-        (CorruptArtifactError) unless it was replaced meanwhile.
+        (CorruptArtifactError) unless it was replaced meanwhile. A file larger than
+        ``size``, or not a regular file, is not read at all.
         """
+        location = self.location(digest)
         try:
-            data, blob = read_file_identified(self.location(digest))
+            data, blob = read_file_identified(location, size)
         except FileNotFoundError:
             raise ArtifactNotFoundError(f"no blob {digest} in {self.store.blobs}") from None
+        except UnsafeFileError as exc:
+            self._refuse(f"the blob {location}", exc.reason)
+            raise CorruptArtifactError(digest, exc.reason, None) from None
         if self._verified.get(digest) == blob and len(data) == blob[2]:
             return data
         if sha256_hex(data) != digest:
@@ -247,7 +381,14 @@ class NodeTier:
             self._verified.put(digest, blob)
         return data
 
-    def publish(self, recipe_key: str, base_key: str, meta: ArtifactMeta, data: bytes) -> Path:
+    def publish(
+        self,
+        recipe_key: str,
+        base_key: str,
+        meta: ArtifactMeta,
+        data: bytes,
+        signature: Signature | None = None,
+    ) -> Path | None:
         """Store verified bytes and the recipe's alias (the blob first, as everywhere); the rest later.
 
         The alias is what a hit reads, and this thread's lock of the key is let go as
@@ -261,11 +402,29 @@ class NodeTier:
         process ends without closing costs what a crash's would (module docstring).
         A thread of its own for that work cost a lone rank half as much time again (the
         GIL).
+
+        ``signature`` (the server's, checked by the caller) is stored with the alias.
+        Nothing is published (None) into a tier that is not writable here, nor an
+        unsigned entry into one where only signed entries are used, nor where another
+        user's file stands in the way in a shared tier.
         """
-        digest = self.store.put(data)
-        if digest != meta.digest:  # the caller verified already; this is a second line of defence
-            raise CorruptArtifactError(meta.digest, digest, None)
-        self.index.write_alias(recipe_key, meta)
+        if not self.standing.writable or (signature is None and self.standing.signed_only):
+            self.lock.let_go(recipe_key)
+            return None
+        try:
+            digest = self.store.put(data)
+            if digest != meta.digest:  # the caller verified; this is a second line of defence
+                raise CorruptArtifactError(meta.digest, digest, None)
+            self.index.write_alias(
+                recipe_key, meta, signature.to_dict() if signature is not None else None
+            )
+        except PermissionError as exc:
+            if not self.standing.signed_only:
+                raise
+            # Another user's file (a stale or planted one) at this name in a shared tier.
+            self.lock.let_go(recipe_key)
+            self._refuse(f"the entry of recipe {recipe_key}", f"cannot be published: {exc}")
+            return None
         self.lock.let_go(recipe_key)
         with self._pending_lock:
             self._pending.append((base_key, meta, len(data)))
@@ -311,7 +470,7 @@ class NodeTier:
             return
         self._touched.put(digest, now)
         with contextlib.suppress(OSError):  # evicted meanwhile, or a read-only tier
-            os.utime(self._record_path(digest))
+            os.utime(self._record_path(digest), follow_symlinks=False)
 
     def stored(self, nbytes: int) -> None:
         """Note ``nbytes`` just stored in the tier (by :meth:`publish`, or a local compile); may evict.
@@ -366,6 +525,8 @@ class NodeTier:
         return self._evict()
 
     def _evict(self) -> TierRemoval | None:
+        if not self.standing.writable:
+            return None  # nothing is removed from a tier others could have rearranged
         with self._evicting(0) as held:
             if not held:
                 return None
@@ -387,7 +548,17 @@ class NodeTier:
         return found
 
     def _remove(self, victims: Iterable[_Scanned]) -> TierRemoval:
-        """Records and aliases first, blobs last (kept when republished since the scan)."""
+        """Records and aliases first, blobs last (kept when republished since the scan).
+
+        The tier's standing is checked again first: a directory swapped for a link since
+        the tier was opened stops every deletion (nothing outside the tier is removed).
+        """
+        standing = self.check_standing()
+        if not standing.writable:
+            raise KCacheError(
+                f"nothing removed from the node tier {self.root}: {standing.reason} "
+                "(an untrusted tier is never written or cleaned)"
+            )
         aliases = self._aliases()
         removed = freed = 0
         for victim in victims:
@@ -520,6 +691,8 @@ class NodeTier:
 
     def save_server_facts(self, url: str, facts: dict[str, Any]) -> None:
         """Remember what a server said (its default toolchain), so keys can be computed offline."""
+        if not self.standing.writable:
+            return
         atomic_write(
             self._facts_path(url),
             json.dumps({"url": url, "saved_at": time.time(), **facts}).encode(),

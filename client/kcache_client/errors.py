@@ -14,6 +14,7 @@ Hierarchy (every class is also a :class:`kcache.errors.KCacheError`)::
         ├── RecipeRefusedError                         one recipe of a batch failed otherwise on the server (its code)
         ├── DigestMismatchError                        received bytes do not hash to the digest they claim
         ├── MetadataError                              the server's artifact metadata is malformed or does not fit
+        ├── UntrustedArtifactError (SignatureError)    no signature by a trusted or pinned key covers an artifact
         ├── ResponseRefusedError                       an answer broke the protocol: a redirect, headers or a body
         │                                              over their bound, a body that is not the JSON asked for
         ├── NoDeviceError (RuntimeError)               target "auto" without a usable CUDA device
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError
+from kcache.signing import SignatureError
 
 __all__ = [
     "ArchitectureMismatchError",
@@ -48,6 +50,7 @@ __all__ = [
     "ServerBusyError",
     "ServerResponseError",
     "ServerUnavailableError",
+    "UntrustedArtifactError",
     "WarmupCompileError",
     "WarmupError",
     "WarmupTimeoutError",
@@ -144,6 +147,18 @@ class MetadataError(ClientError):
 
     def __init__(self, url: str, problem: str) -> None:
         super().__init__(f"artifact metadata from {url} refused: {problem}")
+        self.url = url
+        self.problem = problem
+
+
+class UntrustedArtifactError(ClientError, SignatureError):
+    """An artifact from ``url`` (a server's answer, a node-tier entry) is not signed by a key
+    this client trusts; ``problem`` says why (no signature, an unknown key, one that does
+    not verify) and how to fix it where that is a configuration. Nothing was used or stored.
+    """
+
+    def __init__(self, url: str, problem: str) -> None:
+        super().__init__(f"artifact from {url} refused: {problem}")
         self.url = url
         self.problem = problem
 

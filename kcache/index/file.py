@@ -22,11 +22,15 @@ from typing import Any
 import filelock
 
 from kcache.artifact import ArtifactMeta, CompileFailure, ManifestEntry
-from kcache.fsutil import atomic_write, read_file
+from kcache.fsutil import UnsafeFileError, atomic_write, read_file, regular_files
 from kcache.index.base import MANIFEST_LIMIT
 from kcache.keys import is_hex_key, require_hex_key
 
-__all__ = ["FileIndex"]
+__all__ = ["MAX_ENTRY_BYTES", "FileIndex"]
+
+#: The largest index file read: an alias or record is a few KB (a dependency list of a
+#: thousand headers about 100 KB); anything larger was not written by kcache.
+MAX_ENTRY_BYTES = 4 << 20
 
 
 class FileIndex:
@@ -61,15 +65,16 @@ class FileIndex:
 
     def files(self, kind: str) -> Iterator[Path]:
         """Every file of ``kind`` (``recipes``, ``artifacts`` or ``manifests``), named ``<key>.json``."""
-        below = "" if self.flat else "*/"
-        for path in (self.root / kind).glob(f"{below}*.json"):
-            if is_hex_key(path.stem):  # not a staging file
-                yield path
+        for entry in regular_files(self.root / kind, 0 if self.flat else 1):
+            name = entry.name
+            if name.endswith(".json") and is_hex_key(name[:-5]):  # not a staging file
+                yield Path(entry.path)
 
     def _read(self, kind: str, key: str) -> Any:
         try:
-            return json.loads(read_file(self._path_str(kind, key)))
-        except FileNotFoundError:
+            return json.loads(read_file(self._path_str(kind, key), MAX_ENTRY_BYTES))
+        except (FileNotFoundError, UnsafeFileError):
+            # Absent, or a link, FIFO or oversized file planted in a directory others write.
             return None
         except ValueError:
             # Garbage or empty: a file published without fsync (durable=False) before a
@@ -93,8 +98,8 @@ class FileIndex:
         (written before entries did) is absent as well, since nothing vouches for it.
         """
         try:
-            raw = read_file(self.alias_path(recipe_key))
-        except FileNotFoundError:
+            raw = read_file(self.alias_path(recipe_key), MAX_ENTRY_BYTES)
+        except (FileNotFoundError, UnsafeFileError):
             return None
         return self.parse_alias(recipe_key, raw)
 
@@ -108,10 +113,17 @@ class FileIndex:
         For a caller that reads the file itself (the node tier, which also learns the
         file's identity from the same read).
         """
+        return self.parse_signed_alias(recipe_key, raw)[0]
+
+    def parse_signed_alias(
+        self, recipe_key: str, raw: bytes
+    ) -> tuple[ArtifactMeta | CompileFailure | None, Any]:
+        """:meth:`parse_alias`, and the signature stored with it (unparsed; None if none)."""
         try:
-            return self._entry(recipe_key, json.loads(raw))
+            entry = json.loads(raw)
+            return self._entry(recipe_key, entry), entry.get("signature")
         except (KeyError, TypeError, ValueError, AttributeError):
-            return None
+            return None, None
 
     def _entry(self, recipe_key: str, entry: Any) -> ArtifactMeta | CompileFailure | None:
         if not isinstance(entry, dict):
@@ -167,9 +179,18 @@ class FileIndex:
         if self.durable:
             self.write_alias(recipe_key, meta)
 
-    def write_alias(self, recipe_key: str, meta: ArtifactMeta) -> None:
-        """``recipe_key`` -> the artifact, with its metadata (what a hit reads)."""
-        alias = {"recipe_key": recipe_key, "digest": meta.digest, "artifact": meta.to_dict()}
+    def write_alias(
+        self, recipe_key: str, meta: ArtifactMeta, signature: dict[str, str] | None = None
+    ) -> None:
+        """``recipe_key`` -> the artifact, with its metadata (what a hit reads) and the
+        server's signature of the two when there is one (:mod:`kcache.signing`)."""
+        alias: dict[str, Any] = {
+            "recipe_key": recipe_key,
+            "digest": meta.digest,
+            "artifact": meta.to_dict(),
+        }
+        if signature is not None:
+            alias["signature"] = signature
         self._write("recipes", recipe_key, alias)
 
     def record_metadata(self, base_key: str, meta: ArtifactMeta) -> None:

@@ -1,7 +1,7 @@
 """Artifact stores: the ``ArtifactStore`` seam and its backends.
 
 ``LocalArtifactStore`` (a directory), ``S3ArtifactStore`` (an S3-compatible bucket; needs
-the ``kcache[s3]`` extra when used) and ``CachedArtifactStore`` (a bounded local
+the ``kcache-core[s3]`` extra when used) and ``CachedArtifactStore`` (a bounded local
 directory in front of another store, for server replicas that share no filesystem).
 """
 

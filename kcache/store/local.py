@@ -24,7 +24,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
-from kcache.fsutil import TMP_PREFIX, atomic_write, fsync_dir, read_file
+from kcache.fsutil import (
+    TMP_PREFIX,
+    UnsafeFileError,
+    atomic_write,
+    fsync_dir,
+    read_file,
+    regular_files,
+)
 from kcache.keys import is_hex_key, require_hex_key
 
 __all__ = ["SET_ASIDE_PREFIX", "LocalArtifactStore"]
@@ -56,6 +63,7 @@ class LocalArtifactStore:
         self._blobs_str = str(self.blobs)
         # Where a blob's name goes, below blobs/: the glob that lists blobs and staging files.
         self._below = "" if flat else "*/*/"
+        self._depth = 0 if flat else 2  # directory levels below blobs/ (regular_files)
 
     def _path_str(self, digest: str) -> str:
         # String joins: pathlib costs tens of microseconds on a node-tier hit.
@@ -93,12 +101,20 @@ class LocalArtifactStore:
         return digest
 
     def get(self, digest: str) -> bytes:
-        """Read and verify; a mismatching blob is moved to quarantine and reported."""
+        """Read and verify; a mismatching blob is moved to quarantine and reported.
+
+        So is anything at the blob's name that is not a regular file (a link, a FIFO:
+        :class:`~kcache.fsutil.UnsafeFileError`), which is never read.
+        """
         path = self._path_str(digest)
         try:
             data = read_file(path)
         except FileNotFoundError:
             raise ArtifactNotFoundError(f"no blob {digest} in {self.blobs}") from None
+        except UnsafeFileError as exc:
+            raise CorruptArtifactError(
+                digest, exc.reason, self._quarantine(Path(path), digest)
+            ) from None
         actual = hashlib.sha256(data).hexdigest()
         if actual != digest:
             raise CorruptArtifactError(digest, actual, self._quarantine(Path(path), digest))
@@ -108,9 +124,11 @@ class LocalArtifactStore:
         self.quarantine_dir.mkdir(parents=True, exist_ok=True)
         dest = self.quarantine_dir / f"{digest}.{time.time_ns()}"
         try:
-            os.replace(path, dest)
+            os.replace(path, dest)  # a link is moved itself, never what it points at
         except FileNotFoundError:
             return None  # another reader quarantined it first
+        except PermissionError:
+            return None  # another user's file in a shared (sticky) directory: left in place
         fsync_dir(path.parent)
         return str(dest)
 
@@ -135,7 +153,7 @@ class LocalArtifactStore:
         """
         path = self.path(digest)
         try:
-            if path.stat().st_mtime >= older_than:
+            if os.lstat(path).st_mtime >= older_than:
                 return None
             aside = path.with_name(
                 f"{SET_ASIDE_PREFIX}{digest}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -144,7 +162,7 @@ class LocalArtifactStore:
         except FileNotFoundError:
             return None
         try:
-            st = aside.stat()
+            st = os.lstat(aside)
             keep = st.st_mtime >= older_than or still_referenced(digest)
         except BaseException:
             os.replace(aside, path)
@@ -158,7 +176,10 @@ class LocalArtifactStore:
     def restore_set_aside(self) -> int:
         """Put back blobs a collector set aside and never finished with (it was killed); how many."""
         restored = 0
-        for aside in self.blobs.glob(f"{self._below}{SET_ASIDE_PREFIX}*"):
+        for entry in regular_files(self.blobs, self._depth):
+            if not entry.name.startswith(SET_ASIDE_PREFIX):
+                continue
+            aside = Path(entry.path)
             digest = aside.name[len(SET_ASIDE_PREFIX) :].split("-", 1)[0]
             if not is_hex_key(digest):
                 continue
@@ -170,14 +191,17 @@ class LocalArtifactStore:
         return restored
 
     def digests(self) -> Iterator[str]:
-        """Published digests; staging files (``.tmp-*``) are skipped."""
-        for path in self.blobs.glob(f"{self._below}*"):
-            if not path.name.startswith(TMP_PREFIX) and is_hex_key(path.name):
-                yield path.name
+        """Published digests; staging files (``.tmp-*``), links and anything irregular are skipped."""
+        for entry in regular_files(self.blobs, self._depth):
+            if is_hex_key(entry.name):
+                yield entry.name
 
     def stale_temp_files(self, older_than_s: float = 3600.0) -> list[Path]:
         """Staging files left by killed writers (never visible as blobs; ``gc`` removes them)."""
         cutoff = time.time() - older_than_s
         return [
-            p for p in self.blobs.glob(f"{self._below}{TMP_PREFIX}*") if p.stat().st_mtime < cutoff
+            Path(entry.path)
+            for entry in regular_files(self.blobs, self._depth)
+            if entry.name.startswith(TMP_PREFIX)
+            and entry.stat(follow_symlinks=False).st_mtime < cutoff
         ]

@@ -172,7 +172,9 @@ class S3ArtifactStore:
         try:
             from obstore.store import S3Store
         except ImportError as exc:
-            raise ImportError("an s3:// store needs obstore: pip install 'kcache[s3]'") from exc
+            raise ImportError(
+                "an s3:// store needs obstore: pip install 'kcache-core[s3]'"
+            ) from exc
         bucket, prefix = parse_s3_url(url)
         endpoint = endpoint_url or _env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
         config: dict[str, str | bool] = {

@@ -155,6 +155,8 @@ def _warm_up(toolchain: object) -> None:
         toolchain=toolchain.id,
     )
     ltoir = compile_in_this_process(helper, toolchain, IncludeSets())
+    if not toolchain.links_lto:
+        return  # an nvJitLink older than NVRTC: LTO recipes are refused, so none is linked here
     main_recipe = Recipe(
         source='extern __device__ float kc_warm(float); extern "C" __global__ void k(float* o) '
         "{ o[0] = kc_warm(o[0]); }",

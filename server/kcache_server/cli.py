@@ -47,6 +47,23 @@ def _add_db_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _dashboard_line(host: str, port: int) -> str:
+    """Where a person points a browser: the dashboard's URL, said once the app is built.
+
+    A wildcard bind is reachable by this machine's name; port 0 is chosen by uvicorn,
+    whose own line (below this one) names it.
+    """
+    import socket
+
+    shown = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+    if ":" in shown:  # an IPv6 literal
+        shown = f"[{shown}]"
+    if port == 0:
+        return "kcache: the dashboard is at /dashboard on the port uvicorn reports below"
+    base = f"http://{shown}:{port}"
+    return f"kcache: serving {base}; the dashboard is at {base}/dashboard (it asks for a read token if the server has tokens)"
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -59,6 +76,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # Each uvicorn worker process builds its own app (and compile pool) from these settings.
         create_app(settings)  # fail here, once, with a clear message, rather than in every worker
         os.environ[SETTINGS_ENV] = settings.model_dump_json()
+        print(_dashboard_line(settings.host, settings.port), file=sys.stderr, flush=True)
         uvicorn.run(
             "kcache_server.app:create_app_from_env",
             factory=True,
@@ -69,8 +87,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             http=http,
         )
     else:
+        app = serving_app(create_app(settings))
+        print(_dashboard_line(settings.host, settings.port), file=sys.stderr, flush=True)
         uvicorn.run(
-            serving_app(create_app(settings)),
+            app,
             host=settings.host,
             port=settings.port,
             access_log=settings.access_log,

@@ -452,8 +452,9 @@ class ProcessPoolCompiler:
                 )
                 raise CompileTimeoutError(
                     None,
-                    f"the compile ran past the limit of {self.timeout_s:g}s (compile_timeout_s) and was "
-                    "stopped; a template that never finishes instantiating does this",
+                    f"the compile ran past the server's limit of {self.timeout_s:g}s and was stopped "
+                    "(KCACHE_COMPILE_TIMEOUT_S where the server runs); a very large source, or a "
+                    "template that never finishes instantiating, does this",
                 )
             answer: Reply = reply[1]
             retiring: str | None = reply[2]

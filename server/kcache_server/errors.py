@@ -10,6 +10,7 @@ Hierarchy (the core's errors are in :mod:`kcache.errors`)::
         ├── AuthenticationError                     401: no token, or an unknown one
         ├── PermissionDeniedError                   403: the token lacks the scope
         ├── PayloadTooLargeError                    413: body over max_request_bytes or max_request_values
+        ├── ReportLimitError                        429 + Retry-After: a token's reported lookups this minute
         ├── OverloadedError                         503 + Retry-After: compile queue full
         │   └── CompilerUnavailableError            503 + Retry-After: no compile worker is running
         ├── DatabaseUnavailableError (ConnectionError)  503 + Retry-After: the database cannot be reached
@@ -62,6 +63,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PermissionDeniedError",
     "QuotaExceededError",
+    "ReportLimitError",
     "SchemaOutOfDateError",
     "ServerError",
     "error_body",
@@ -120,6 +122,29 @@ class PermissionDeniedError(ServerError):
 
 class PayloadTooLargeError(ServerError):
     """The request body is over ``max_request_bytes``, or holds over ``max_request_values`` JSON values."""
+
+
+class ReportLimitError(ServerError):
+    """A batch of client events would take its token past ``audit.max_reported_per_minute``.
+
+    ``reporter`` names the token, ``limit`` the bound, ``reported`` what the token
+    reported this minute before the batch and ``batch`` the batch's lookups;
+    ``retry_after`` is the seconds until the minute ends, when the count starts again.
+    """
+
+    def __init__(
+        self, reporter: str, *, limit: int, reported: int, batch: int, retry_after: int
+    ) -> None:
+        super().__init__(
+            f"this batch's {batch} lookups would take {reporter} past {limit} reported this "
+            f"minute ({reported} so far), the most one token may report a minute "
+            f"(audit.max_reported_per_minute); send it again in {retry_after} s"
+        )
+        self.reporter = reporter
+        self.limit = limit
+        self.reported = reported
+        self.batch = batch
+        self.retry_after = retry_after
 
 
 class OverloadedError(ServerError):
@@ -201,6 +226,7 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     ArtifactSetAsideError: ErrorInfo(404, "not_found"),
     ArtifactNotFoundError: ErrorInfo(404, "not_found"),
     PayloadTooLargeError: ErrorInfo(413, "too_large"),
+    ReportLimitError: ErrorInfo(429, "too_many_reported", retry=True),
     CompilerUnavailableError: ErrorInfo(503, "compiler_unavailable", retry=True),
     OverloadedError: ErrorInfo(503, "overloaded", retry=True),
     LockTimeoutError: ErrorInfo(503, "lock_timeout", retry=True),

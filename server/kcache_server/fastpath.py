@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from kcache.artifact import ArtifactMeta
 from kcache.keys import is_hex_key
 from kcache.lru import LruCache
+from kcache.signing import HEADER as SIGNATURE_HEADER
 from kcache_server.http_cache import artifact_headers, etag_matches
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.security_headers import NOSNIFF
@@ -47,6 +48,7 @@ _SUFFIX = "/artifact"
 #: The route template the metrics label this path with (the FastAPI route's own).
 ROUTE = "/v1/recipes/{recipe_key}/artifact"
 _OCTETS = (b"content-type", b"application/octet-stream")
+SIGNATURE = SIGNATURE_HEADER.lower().encode()
 
 
 class ArtifactFastPath:
@@ -60,6 +62,7 @@ class ArtifactFastPath:
         self.app = app
         self.tokens = state.tokens
         self.resolver = state.resolver
+        self.signer = state.signer
         metrics = state.metrics
         # Counted without locks: this runs on the event loop's thread only.
         requests = metrics.requests
@@ -121,7 +124,8 @@ class ArtifactFastPath:
             encoded = EncodedHeaders.of(meta, len(data))
             self._headers.put(meta.digest, encoded)
         fresh = etag_matches(if_none_match, meta.digest)
-        return WarmFetch(recipe_key, meta, data, encoded, fresh)
+        signature = (SIGNATURE, self.signer.header_pair(recipe_key, meta))
+        return WarmFetch(recipe_key, meta, data, encoded, signature, fresh)
 
     def finish(self, answer: WarmFetch, started: float) -> None:
         """Audit the fetch and count it, as the route does, once its answer was sent."""
@@ -175,19 +179,22 @@ class WarmFetch(NamedTuple):
     meta: ArtifactMeta
     data: bytes
     headers: EncodedHeaders
+    #: The server's signature of this key -> artifact (``X-KCache-Signature``), per key.
+    signature: tuple[bytes, bytes]
     not_modified: bool
 
     def response(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """Status, headers (a new request id among them) and body."""
         request_id = (HEADER, new_request_id().encode())
         if self.not_modified:
-            return 304, [*self.headers.pairs, request_id], b""
-        return 200, [*self.headers.pairs, request_id, *self.headers.body_pairs], self.data
+            return 304, [*self.headers.pairs, self.signature, request_id], b""
+        pairs = [*self.headers.pairs, self.signature, request_id, *self.headers.body_pairs]
+        return 200, pairs, self.data
 
     def http_parts(self) -> tuple[int, bytes, bytes]:
         """:meth:`response` with its headers as HTTP/1.1 lines (most of them encoded once)."""
         headers = self.headers
-        request_id = header_lines(((HEADER, new_request_id().encode()),))
+        request_id = header_lines((self.signature, (HEADER, new_request_id().encode())))
         if self.not_modified:
             return 304, headers.lines + request_id, b""
         return 200, b"".join((headers.lines, request_id, headers.body_lines)), self.data

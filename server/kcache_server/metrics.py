@@ -3,10 +3,17 @@
 Each app gets its own :class:`ServerMetrics` (never the global default registry),
 so tests can build many apps in one process and every ``/metrics`` answer counts
 only what its app did. With several uvicorn workers each process exports its own
-counters; Prometheus sums them per instance as usual.
+metrics, and a scrape reaches whichever process accepts it; so there every sample also
+carries ``worker`` (the process id): each process's counters stay one series, which a
+scrape of the other process does not seem to reset, and queries sum them
+(``sum without (worker)``, as ``deploy/alerts`` and ``deploy/grafana`` do).
 
 What is measured:
 
+- ``kcache_build_info{version,toolchain}``: always 1; the release and the default toolchain
+  id (NVRTC and nvJitLink versions, library and header hashes) this process serves with;
+- ``kcache_ready`` and ``kcache_readiness_check{check}``: 1 or 0, as this process's last
+  ``/readyz`` answered (absent until it answered one; the orchestrator's probes ask often);
 - ``kcache_http_requests_total{route,method,status}`` and a latency histogram, by
   route template (``/v1/recipes/{recipe_key}``), never by raw path, so label
   cardinality stays bounded whatever clients send;
@@ -32,13 +39,15 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
+from kcache._version import __version__
 from kcache_server.compile_pool import ProcessPoolCompiler
 from kcache_server.models import Artifact
 
@@ -58,11 +67,40 @@ _REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class ServerMetrics:
-    """The metrics of one app; pass ``registry`` to share one, else a private one is made."""
+    """The metrics of one app; pass ``registry`` to share one, else a private one is made.
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    ``toolchain`` is the default toolchain's id, for ``kcache_build_info``; ``worker``, when
+    this process is one of several uvicorn workers, the ``worker`` label of every sample.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        toolchain: str = "",
+        worker: str | None = None,
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.worker = worker
         r = self.registry
+        self.build_info = Gauge(
+            "kcache_build_info",
+            "Always 1: the kcache release and the default toolchain this process serves with",
+            ["version", "toolchain"],
+            registry=r,
+        )
+        self.build_info.labels(version=__version__, toolchain=toolchain).set(1)
+        self.ready = Gauge(
+            "kcache_ready",
+            "1 when this process's last /readyz answer was ready, else 0",
+            registry=r,
+        )
+        self.readiness_checks = Gauge(
+            "kcache_readiness_check",
+            "1 when the check passed (ok or degraded) in this process's last /readyz answer",
+            ["check"],
+            registry=r,
+        )
         self.requests = Counter(
             "kcache_http_requests",
             "HTTP requests by route template, method and status code",
@@ -160,6 +198,12 @@ class ServerMetrics:
         if outcome == "compiled":
             self.compile_seconds.observe(latency_ms / 1000.0)
 
+    def readiness(self, ready: bool, checks: dict[str, bool]) -> None:
+        """Record a ``/readyz`` answer: ready or not, and which checks passed."""
+        self.ready.set(1 if ready else 0)
+        for name, passed in checks.items():
+            self.readiness_checks.labels(check=name).set(1 if passed else 0)
+
     def recipe_record_failed(self, operation: str) -> None:
         """Count one failure of :mod:`kcache_server.recipe_records` (``record``, ``explain``, ...)."""
         self.recipe_record_failures.labels(operation=operation).inc()
@@ -186,7 +230,26 @@ class ServerMetrics:
             metric.flush()
         for sampler in self._samplers:
             sampler()
-        return bytes(generate_latest(self.registry))
+        if self.worker is None:
+            return bytes(generate_latest(self.registry))
+        return bytes(generate_latest(_WorkerLabelled(self.registry, self.worker)))
+
+
+class _WorkerLabelled:
+    """A registry's metrics with ``worker="..."`` added to every sample (see the module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry, worker: str) -> None:
+        self._registry = registry
+        self._worker = worker
+
+    def collect(self) -> Iterator[Metric]:
+        """The registry's metric families (made afresh by each collect), relabelled."""
+        for family in self._registry.collect():
+            family.samples = [
+                sample._replace(labels={**sample.labels, "worker": self._worker})
+                for sample in family.samples
+            ]
+            yield family
 
 
 class LoopCounter:

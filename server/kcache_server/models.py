@@ -3,7 +3,8 @@
 Tables: ``artifacts`` (metadata by digest), ``recipe_aliases`` (recipe_key ->
 digest), ``manifests`` (base_key -> dependency list -> digest), ``negative_entries``
 (failed recipes with their log), ``audit_events`` (one row per lookup outcome),
-``tokens`` (sha256 of bearer tokens with scopes), and for bounded storage ``pins``
+``tokens`` (sha256 of bearer tokens with scopes), ``audit_report_windows`` (what each
+token reported per minute, for its bound), and for bounded storage ``pins``
 (recipe keys eviction keeps), ``evictions`` (what was evicted, when),
 ``compile_charges`` (who caused each compile, for quotas), and ``quota_accounts`` and
 ``quota_reservations`` (bytes promised to compiles in progress, per caller). Alembic
@@ -42,6 +43,7 @@ __all__ = [
     "AuditDigest",
     "AuditDivergence",
     "AuditEvent",
+    "AuditReportWindow",
     "Base",
     "CompileCharge",
     "Eviction",
@@ -85,6 +87,9 @@ class UTCDateTime(TypeDecorator[datetime]):
             return value.replace(tzinfo=timezone.utc)
         return value
 
+
+#: ``"token:"`` or ``"client:"`` and a token name (at most 256 characters) or an address.
+REPORTER_LENGTH = 270
 
 # Autoincrement needs INTEGER PRIMARY KEY (the rowid) on SQLite, BIGINT elsewhere.
 _BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -224,6 +229,10 @@ class AuditEvent(Base):
     # A miss's explanation (kcache.recipe_diff): the nearest recorded recipe of the
     # kernel and what differs from it, or "never seen" (0011).
     miss_reason: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    # Who posted a client-reported event (POST /v1/events): "token:<name>", or
+    # "client:<address>" on an open server; NULL for the server's own events and for
+    # reports from before 0013.
+    reporter: Mapped[str | None] = mapped_column(String(REPORTER_LENGTH), nullable=True)
 
 
 class Token(Base):
@@ -264,6 +273,25 @@ class AuditRollup(Base):
     compile_seconds_saved: Mapped[float]
     last_at: Mapped[Stamp]
     last_error: Mapped[str | None] = mapped_column(String(64))
+    reporter: Mapped[str | None] = mapped_column(String(REPORTER_LENGTH), nullable=True)  # 0013
+
+
+class AuditReportWindow(Base):
+    """Lookups one reporter (a token) posted in one minute of arrival: its bound, kept exact.
+
+    ``POST /v1/events`` adds a batch here in the batch's own transaction and reads the
+    sum back (``INSERT ... ON CONFLICT DO UPDATE ... RETURNING``), so replicas share one
+    count and concurrent batches of one token queue on its row; a batch that takes the
+    sum past ``audit.max_reported_per_minute`` rolls back with everything it wrote.
+    Only the current minute matters: a reporter's older rows go with its next batch.
+    """
+
+    __tablename__ = "audit_report_windows"
+
+    reporter: Mapped[str] = mapped_column(String(REPORTER_LENGTH), primary_key=True)
+    minute: Mapped[Stamp] = mapped_column(primary_key=True)  # its start
+    lookups: Mapped[int] = mapped_column(BigInteger)
+    events: Mapped[int] = mapped_column(BigInteger)
 
 
 class AuditCount(Base):

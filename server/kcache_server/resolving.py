@@ -53,7 +53,15 @@ from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.backends import Backends
 from kcache_server.errors import ArtifactSetAsideError, error_body, error_info
 from kcache_server.recipe_records import RecipeRecords
-from kcache_server.schemas import ArtifactBody, BatchError, BatchResult, Context, ResolveResponse
+from kcache_server.schemas import (
+    ArtifactBody,
+    BatchError,
+    BatchResult,
+    Context,
+    ResolveResponse,
+    SignatureBody,
+)
+from kcache_server.signer import ArtifactSigner
 
 __all__ = ["Resolver", "error_result"]
 
@@ -99,9 +107,12 @@ class Resolver:
         audit: AuditLog,
         run: Run,
         blob_cache_bytes: int,
+        signer: ArtifactSigner,
         recipe_records: RecipeRecords | None = None,
     ) -> None:
         self.backends = backends
+        #: Signs every key -> artifact this resolver answers with.
+        self.signer = signer
         self.audit = audit
         #: Where compiled and served recipes are kept and misses explained (off the loop).
         self.recipe_records = recipe_records
@@ -197,8 +208,17 @@ class Resolver:
         if known.body is None:  # built once per key, not per hit
             known.body = ArtifactBody.model_validate(meta.to_dict())
         return ResolveResponse(
-            status="hit", recipe_key=key, base_key=recipe.base_key(), artifact=known.body
+            status="hit",
+            recipe_key=key,
+            base_key=recipe.base_key(),
+            artifact=known.body,
+            signature=self.signature(key, meta),
         )
+
+    def signature(self, recipe_key: str, meta: ArtifactMeta) -> SignatureBody:
+        """The server's signature of ``recipe_key`` -> ``meta``, as a response body part."""
+        signature = self.signer.sign(recipe_key, meta)
+        return SignatureBody(key_id=signature.key_id, signature=signature.signature)
 
     def record_hit(
         self, recipe: Recipe, context: Context, route: str, started: float, meta: ArtifactMeta
@@ -225,7 +245,12 @@ class Resolver:
             self._audit(recipe, context, route, started, "error", error=error_info(exc).code)
             raise
         self._audit(recipe, context, route, started, result.status, result.artifact, via=result.via)
-        answer = ResolveResponse.model_validate(result.to_dict())
+        answer = ResolveResponse.model_validate(
+            {
+                **result.to_dict(),
+                "signature": self.signer.sign(result.recipe_key, result.artifact).to_dict(),
+            }
+        )
         self._known.put(result.recipe_key, _Known(result.artifact, answer.artifact))
         return answer
 

@@ -364,13 +364,44 @@ class ArtifactBody(BaseModel):
     )
 
 
+class SignatureBody(BaseModel):
+    """The server's Ed25519 signature of ``recipe_key`` -> the artifact (GET /v1/keys has the keys)."""
+
+    key_id: str = Field(description="16 hex digits: the signing key's id")
+    signature: str = Field(description="64 bytes, base64url without padding")
+
+
 class ResolveResponse(BaseModel):
-    """A resolved recipe: how it was found, its keys and its artifact's metadata."""
+    """A resolved recipe: how it was found, its keys, its artifact's metadata and their signature."""
 
     status: ResolveStatus
     recipe_key: str
     base_key: str
     artifact: ArtifactBody
+    signature: SignatureBody = Field(
+        description="covers recipe_key and the artifact's digest, size, kind, target, toolchain, "
+        "lowered_names and dependencies (kcache.signing.signed_message); a client checks it "
+        "before it uses or stores the artifact"
+    )
+
+
+class PublicKeyBody(BaseModel):
+    """A public key the server signs with (or signed with before a rotation)."""
+
+    key_id: str
+    public_key: str = Field(description="the 32 raw bytes of the Ed25519 public key, base64url")
+    endorsements: list[SignatureBody] = Field(
+        description="signatures by earlier keys over this one: a client that pinned one of them "
+        "accepts this key too"
+    )
+
+
+class KeysResponse(BaseModel):
+    """``GET /v1/keys``: the keys artifact signatures are made with."""
+
+    algorithm: Literal["ed25519"]
+    signing_key_id: str = Field(description="the key answers are signed with now")
+    keys: list[PublicKeyBody]
 
 
 class ErrorBody(BaseModel):
@@ -430,4 +461,5 @@ class ReadyBody(BaseModel):
     """Readiness, with each check's result (``ok ...``, ``degraded: ...`` or ``failed: ...``)."""
 
     status: Literal["ready", "not_ready"]
+    version: str  # kcache's release on this replica (a rollout shows which replicas run which)
     checks: dict[str, str]

@@ -52,6 +52,14 @@ class AuditSettings(BaseSettings):
     max_clock_skew_s: float = Field(
         default=86_400.0, ge=0, description="client event times further in the future are refused"
     )
+    max_reported_per_minute: int = Field(
+        default=100_000_000,
+        ge=1,
+        description="lookups one token may report through POST /v1/events per minute of "
+        "arrival (the sum of its events' count), across replicas; past it a batch is refused "
+        "with 429 and Retry-After. The default is 1,000 processes each reporting about 1,700 "
+        "local hits a second; raise it for larger fleets sharing one token",
+    )
 
 
 class VerificationSettings(BaseSettings):
@@ -259,6 +267,17 @@ class Settings(BaseSettings):
         description="cap on the stored bytes of artifacts one token (or, on an open server, one "
         "client address) caused to be compiled; over it, its compiles get 507; unset or 0: none",
     )
+    signing_key_file: Path | None = Field(
+        default=None,
+        description="the Ed25519 private key (PEM, mode 0600) that signs artifact metadata; unset: "
+        "<data_dir>/signing-key.pem, made at first start. Replicas behind one URL: give every one "
+        "the same key (a secret file), since clients pin the keys a URL signs with",
+    )
+    signing_previous_key_file: Path | None = Field(
+        default=None,
+        description="after a key rotation, the key signed with before: it endorses the current key "
+        "in GET /v1/keys, so clients that pinned it follow the rotation; drop it once they have",
+    )
     audit: AuditSettings = Field(
         default_factory=AuditSettings,
         description="auditing: KCACHE_AUDIT_<NAME>, see AuditSettings",
@@ -297,6 +316,11 @@ class Settings(BaseSettings):
 
         parse_s3_url(value)  # its ValueError names the bad part
         return value
+
+    @property
+    def signing_key_path(self) -> Path:
+        """``signing_key_file``, or ``<data_dir>/signing-key.pem``."""
+        return self.signing_key_file or self.data_dir / "signing-key.pem"
 
     @property
     def database_url(self) -> str:

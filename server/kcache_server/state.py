@@ -24,6 +24,7 @@ from kcache_server.recipe_checks import RecipeChecks
 from kcache_server.recipe_records import RecipeRecords
 from kcache_server.resolving import Resolver
 from kcache_server.settings import Settings
+from kcache_server.signer import ArtifactSigner
 
 __all__ = ["ServerState"]
 
@@ -43,6 +44,8 @@ class ServerState:
     caller_slots: CallerSlots = field(init=False)
     resolver: Resolver = field(init=False)
     recipes: RecipeChecks = field(init=False)
+    #: Signs every key -> artifact answer (kcache_server.signer).
+    signer: ArtifactSigner = field(init=False)
     #: Recipes compiled or served, kept to explain misses (written by the audit writer's thread).
     recipe_records: RecipeRecords = field(init=False)
 
@@ -52,11 +55,18 @@ class ServerState:
         self.recipe_records = RecipeRecords(self.backends.db)
         self.recipe_records.failure_listeners.append(self.metrics.recipe_record_failed)
         self.audit.preparers.append(self.recipe_records.prepare)
+        settings = self.settings
+        self.signer = ArtifactSigner.load(
+            settings.signing_key_path,
+            settings.signing_previous_key_file,
+            create=settings.signing_key_file is None,
+        )
         self.resolver = Resolver(
             self.backends,
             self.audit,
             self.run,
             self.settings.blob_cache_bytes,
+            self.signer,
             recipe_records=self.recipe_records,
         )
         self.recipes = RecipeChecks(self.backends)

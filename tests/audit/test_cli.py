@@ -19,7 +19,8 @@ def _run(*args: str) -> str:
 
 def test_stats_from_a_server_prints_the_summary(workload: Workload) -> None:
     out = _run("--server", workload.server.url)
-    assert "hit rate      45.5%  (5 hits; server-observed alone 25.0%)" in out
+    assert "hit rate      25.0%  (server-observed; with client reports 45.5%, 5 hits)" in out
+    assert "reported by   client:127.0.0.1 3" in out
     assert "lookups       11  (8 seen by the server, 3 reported by clients)" in out
     tiers = {
         line.split()[0]: line.split()[1:]

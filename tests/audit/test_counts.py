@@ -106,7 +106,10 @@ def _write_mixed(db: sa.Engine) -> None:
         )
         for h in range(0, 60, 5)
     ]
-    assert ingest_events(db, reports) == len(reports)
+    # Two reporters, and reports from before reporters were recorded (none named).
+    for who in ("token:a", "token:b", None):
+        mine = [r for i, r in enumerate(reports) if ("token:a", "token:b", None)[i % 3] == who]
+        assert ingest_events(db, mine, reporter=who) == len(mine)
 
 
 def _table(db: sa.Engine, table: str) -> list[tuple[Any, ...]]:
@@ -219,8 +222,8 @@ def _divergence_from_events(db: sa.Engine, query: StatsQuery) -> list[dict[str, 
     with db.connect() as conn:
         rows = conn.execute(
             sa.text(
-                "SELECT id, at, job_id, base_key, target, digest, rank, kernel, tier, client_id"
-                " FROM audit_events WHERE job_id IS NOT NULL AND base_key IS NOT NULL"
+                "SELECT id, at, job_id, base_key, target, digest, rank, kernel, tier, client_id,"
+                " reporter FROM audit_events WHERE job_id IS NOT NULL AND base_key IS NOT NULL"
                 " AND digest IS NOT NULL"
             )
         ).all()
@@ -237,29 +240,42 @@ def _divergence_from_events(db: sa.Engine, query: StatsQuery) -> list[dict[str, 
             continue
         found.setdefault((row.job_id, row.base_key, row.target or ""), []).append((at, row))
     result = []
-    for (job, base, target), events in sorted(found.items()):
-        events.sort(key=lambda e: (e[0], e[1].id))
-        digests = sorted({row.digest for _, row in events})
-        if len(digests) < 2:
-            continue
+
+    def row_of(key: tuple[Any, ...], events: list[Any], digests: set[str], **more: Any) -> Any:
         ranks = {("-" if row.rank is None else str(row.rank)): row.digest for _, row in events}
-        server = {row.digest for _, row in events if row.tier == "server"}
-        result.append(
-            {
-                "job_id": job,
-                "base_key": base,
-                "target": target or None,
-                "kernel": next((row.kernel for _, row in events if row.kernel), None),
-                "digests": digests,
-                "ranks": dict(
-                    sorted(
-                        ranks.items(),
-                        key=lambda kv: (kv[0] == "-", int(kv[0]) if kv[0] != "-" else 0),
-                    )
-                ),
-                "reported": len(server) <= 1,
+        return {
+            "job_id": key[0],
+            "base_key": key[1],
+            "target": key[2] or None,
+            "kernel": next((row.kernel for _, row in events if row.kernel), None),
+            "digests": sorted(digests),
+            "ranks": dict(
+                sorted(
+                    ranks.items(),
+                    key=lambda kv: (kv[0] == "-", int(kv[0]) if kv[0] != "-" else 0),
+                )
+            ),
+            **more,
+        }
+
+    for key, events in sorted(found.items()):
+        events.sort(key=lambda e: (e[0], e[1].id))
+        # The server's row holds the server's events alone; client reports naming other
+        # digests make a row of their own, with every event's word and its reporters.
+        observed = [e for e in events if e[1].tier == "server"]
+        server = {row.digest for _, row in observed}
+        unseen = {row.digest for _, row in events if row.tier != "server"} - server
+        if len(server) > 1:
+            result.append(row_of(key, observed, server, reported=False, reported_by=[]))
+        if unseen and len(server | unseen) > 1:
+            reporters = {
+                row.reporter
+                for _, row in events
+                if row.tier != "server" and row.digest in unseen and row.reporter
             }
-        )
+            result.append(
+                row_of(key, events, server | unseen, reported=True, reported_by=sorted(reporters))
+            )
     return result[: query.limit]
 
 
@@ -273,14 +289,16 @@ def test_divergence_probes_equal_a_grouping_of_the_raw_events(engine: sa.Engine)
     _write_mixed(engine)
     filters: list[dict[str, Any]] = [{}, {"job_id": "j1"}, {"client_id": "c2"}]
     filters += [{"kernel": "k2"}, {"target": "sm_80"}, {"limit": 1}]
-    checked = 0
+    checked, hearsay = 0, set()
     for window in WINDOWS:
         for extra in filters:
             query = StatsQuery(**window, **extra)  # type: ignore[arg-type]
             expected = _divergence_from_events(engine, query)
             assert _answers(engine, query)["divergence"] == expected, (window, extra)
             checked += len(expected)
+            hearsay |= {tuple(d["reported_by"]) for d in expected if d["reported"]}
     assert checked > 20
+    assert ("token:b",) in hearsay, hearsay  # a reported row, naming its reporter
     with engine.connect() as conn:
         nulls = conn.execute(
             sa.text("SELECT count(*) FROM audit_divergences WHERE target = ''")

@@ -80,7 +80,10 @@ def _open(page: Any, w: Workload, query: str = "") -> None:
 def test_numbers_match_the_stats_api(page: Any, workload: Workload, artifacts_dir: Path) -> None:
     _open(page, workload)
     stats = _stats(workload)
-    assert page.text_content("#kpi-hit-rate") == f"{stats['hit_rate'] * 100:.1f}%" == "45.5%"
+    # The headline is what the server observed (2 hits of 8); the clients' word beside it.
+    assert page.text_content("#kpi-hit-rate") == f"{stats['hit_rate'] * 100:.1f}%" == "25.0%"
+    assert page.get_attribute("#kpi-hit-rate", "data-value") == str(stats["server_hit_rate"])
+    assert "with client reports 45.5%" in page.text_content("#kpi-hits")
     assert page.get_attribute("#kpi-lookups", "data-value") == str(stats["lookups"]) == "11"
     assert page.text_content("#kpi-lookups") == "11"
     assert float(page.get_attribute("#kpi-saved", "data-value")) == pytest.approx(
@@ -88,7 +91,7 @@ def test_numbers_match_the_stats_api(page: Any, workload: Workload, artifacts_di
     )
     # Server-observed and client-reported figures are shown apart.
     assert page.text_content("#kpi-lookups-sub") == "8 seen by the server · 3 reported by clients"
-    assert "server-observed 25.0%" in page.text_content("#kpi-hits")
+    assert page.text_content("#kpi-reporters") == "reported by client:127.0.0.1 (3)"
     assert "reported by clients" in page.text_content("#kpi-saved-sub")
     assert page.text_content("#kpi-errors") == str(stats["totals"]["error"]) == "2"
     assert page.text_content("#kpi-divergence") == "1"
@@ -311,3 +314,63 @@ def test_the_token_is_kept_for_the_tab_only(page: Any, workload: Workload) -> No
     )
     assert page.evaluate("() => sessionStorage.getItem('kcache.token')") == "secret-token"
     assert page.evaluate("() => localStorage.getItem('kcache.token')") is None
+
+
+def test_the_store_bar_is_empty_without_a_cap(page: Any, workload: Workload) -> None:
+    """No cap: no whole to fill a bar of, so the bar holds no fill and says "no cap" (issue 31).
+
+    The bar used to be drawn full (the stored bytes out of themselves): its ``hidden``
+    attribute lost to the stylesheet's ``display: flex``.
+    """
+    assert _stats(workload)["store"]["bytes_cap"] is None
+    _open(page, workload)
+    bar = page.query_selector("#store-bar")
+    assert bar.is_visible() and bar.text_content() == "no cap"
+    assert page.query_selector_all("#store-bar .seg") == []
+    assert "no cap" in page.text_content("#store-sub")
+    assert bar.get_attribute("aria-valuemax") is None
+
+
+def test_the_store_bar_fills_to_the_share_of_a_cap(page: Any, workload: Workload) -> None:
+    """With a cap the bar is the stored bytes' share of it (the answer rewritten in the browser)."""
+    import json
+
+    body = _stats(workload)
+    used = body["store"]["bytes_used"]
+    assert used > 0
+    body["store"] = {**body["store"], "bytes_cap": used * 4, "pinned_bytes": 0}
+
+    def capped(route: Any) -> None:
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+    page.route("**/v1/stats?*", capped)
+    _open(page, workload, "?refresh=600")
+    widths = page.eval_on_selector_all("#store-bar .seg", "els => els.map(e => e.style.width)")
+    assert widths == ["25%"]
+    assert page.text_content("#store-bar") == ""  # no "no cap" label
+    assert page.get_attribute("#store-bar", "aria-valuemax") == str(used * 4)
+
+
+def test_a_reported_divergence_names_its_reporters(page: Any, workload: Workload) -> None:
+    """A row only client reports make is shown apart, with the tokens that reported it."""
+    import json
+
+    body = _stats(workload)
+    (row,) = body["divergence"]
+    fabricated = {
+        **row,
+        "job_id": "job-hearsay",
+        "reported": True,
+        "reported_by": ["token:liar", "token:other"],
+    }
+    body["divergence"] = [row, fabricated]
+
+    def with_hearsay(route: Any) -> None:
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+    page.route("**/v1/stats?*", with_hearsay)
+    _open(page, workload, "?refresh=600")
+    hearsay = page.query_selector('#divergence tr[data-job="job-hearsay"]')
+    assert "reported-divergence" in hearsay.get_attribute("class")
+    assert "reported by token:liar, token:other" in hearsay.text_content()
+    assert page.text_content("#kpi-divergence") == "1"  # the server's own row only

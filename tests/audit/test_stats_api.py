@@ -31,8 +31,18 @@ def test_totals_and_tiers_equal_the_workload(workload: Workload) -> None:
         t: dict(c) for t, c in workload.by_tier.items()
     }
     assert stats["lookups"] == 11
-    assert stats["hit_rate"] == pytest.approx(5 / 11)  # both kinds of hit over every lookup
-    assert stats["server_hit_rate"] == pytest.approx(2 / 8)  # what the server saw alone
+    # The headline is what the server saw alone; both kinds of hit over every lookup beside it.
+    assert stats["hit_rate"] == pytest.approx(2 / 8) == stats["server_hit_rate"]
+    assert stats["combined_hit_rate"] == pytest.approx(5 / 11)
+    # The workload's server is open: its reports are attributed to the caller's address.
+    assert stats["reported_by"] == [
+        {
+            "reporter": "client:127.0.0.1",
+            "lookups": 3,
+            "share": pytest.approx(3 / 11),
+            "compile_seconds_saved": pytest.approx(workload.reported_saved),
+        }
+    ]
     assert stats["compile_seconds_saved"] == pytest.approx(workload.saved)
     assert stats["reported_compile_seconds_saved"] == pytest.approx(workload.reported_saved)
     assert workload.saved > 0 and workload.reported_saved > 0

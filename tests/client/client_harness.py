@@ -176,6 +176,13 @@ class Proxy(_Base):
         self._client = httpx.Client(base_url=upstream, timeout=600.0)
         super().__init__()
 
+    def retarget(self, upstream: str) -> None:
+        """Send what comes next to ``upstream``: another server answering for this URL."""
+        with self._lock:
+            old, self._client = self._client, httpx.Client(base_url=upstream, timeout=600.0)
+            self.upstream = upstream
+        old.close()
+
     def _respond(self, seen: Seen) -> tuple[int, dict[str, str], bytes]:
         with self._lock:
             f = self.faults

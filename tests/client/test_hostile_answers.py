@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import os
 import socket
 import threading
 import time
@@ -38,6 +39,7 @@ from kcache_client.errors import ResponseRefusedError
 from kcache import Recipe
 from kcache.artifact import ArtifactMeta
 from kcache.artifact_header import encode_meta
+from kcache.signing import SigningKey
 
 TOOLCHAIN = "nvrtc-12.8"
 RECIPE = Recipe(
@@ -542,7 +544,11 @@ def test_a_well_behaved_artifact_still_arrives_whole_on_both_paths(tmp_path: Pat
     def route(seen: Seen) -> tuple[int, dict[str, str], bytes]:
         encoded = encode_meta(META)
         assert encoded is not None
-        return 200, {"X-KCache-Meta": encoded, "X-KCache-Digest": META.digest}, PROMISED
+        # Signed by the run's key, which every client of the suite trusts (tests/conftest.py).
+        key = SigningKey.load(Path(os.environ["KCACHE_SIGNING_KEY_FILE"]))
+        signature = key.sign(KEY, META).header_value()
+        headers = {"X-KCache-Meta": encoded, "X-KCache-Digest": META.digest}
+        return 200, {**headers, "X-KCache-Signature": signature}, PROMISED
 
     server = Scripted(route)
     try:

@@ -31,8 +31,10 @@ def test_a_blob_cleared_before_its_record_is_written_gets_no_record(tmp_path: Pa
     key, base, meta, data = tier_entry("cleared before")
     write_alias = tier.index.write_alias
 
-    def then_cleared(recipe_key: str, written: ArtifactMeta) -> None:
-        write_alias(recipe_key, written)
+    def then_cleared(
+        recipe_key: str, written: ArtifactMeta, signature: dict[str, str] | None = None
+    ) -> None:
+        write_alias(recipe_key, written, signature)
         assert other.clear().removed == 1  # between the alias and the record
 
     tier.index.write_alias = then_cleared  # type: ignore[method-assign]

@@ -16,6 +16,7 @@ import hashlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import kcache_client._tier as _tier
 import pytest
@@ -83,13 +84,13 @@ def test_a_settled_blob_is_hashed_once_and_a_new_file_again(
     tier = NodeTier(tmp_path, max_bytes=0)
     tier.publish(KEY, BASE, meta, data)
     parsed: list[str] = []
-    parse = tier.index.parse_alias
+    parse = tier.index.parse_signed_alias
 
-    def counted(recipe_key: str, raw: bytes) -> ArtifactMeta | CompileFailure | None:
+    def counted(recipe_key: str, raw: bytes) -> tuple[ArtifactMeta | CompileFailure | None, Any]:
         parsed.append(recipe_key)
         return parse(recipe_key, raw)
 
-    tier.index.parse_alias = counted  # type: ignore[method-assign]
+    tier.index.parse_signed_alias = counted  # type: ignore[method-assign]
     for _ in range(3):
         assert tier.lookup(KEY) == (meta, data)
     assert hashes.count(data) == 1

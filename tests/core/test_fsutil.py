@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kcache.fsutil import TMP_PREFIX, atomic_write, read_file
+from kcache.fsutil import TMP_PREFIX, UnsafeFileError, atomic_write, read_file, regular_files
 
 
 @pytest.mark.parametrize("durable", [True, False])
@@ -44,5 +44,45 @@ def test_read_file_reads_the_whole_file(tmp_path: Path, size: int) -> None:
 def test_read_file_raises_as_open_does(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         read_file(str(tmp_path / "missing"))
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(UnsafeFileError, match="is a directory"):
         read_file(str(tmp_path))
+
+
+def test_only_regular_files_are_read_never_through_a_link_nor_past_the_bound(
+    tmp_path: Path,
+) -> None:
+    """What a directory others can write may hold: each read refuses it at once, unread."""
+    target = tmp_path / "target"
+    target.write_bytes(b"x" * 100)
+    (tmp_path / "link").symlink_to(target)
+    (tmp_path / "zeros").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo")  # no writer: a blocking open would hang forever
+    for name, reason in (
+        ("link", "is a symbolic link"),
+        ("zeros", "is a symbolic link"),
+        ("fifo", "is a FIFO"),
+    ):
+        with pytest.raises(UnsafeFileError, match=reason):
+            read_file(str(tmp_path / name))
+    with pytest.raises(UnsafeFileError, match="holds 100 bytes, more than the 99 expected"):
+        read_file(str(target), max_bytes=99)
+    assert read_file(str(target), max_bytes=100) == b"x" * 100
+    if os.path.exists("/dev/null"):
+        with pytest.raises(UnsafeFileError, match="character device"):
+            read_file("/dev/null")
+
+
+def test_a_walk_lists_regular_files_and_never_descends_through_a_link(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    (outside / "ab").mkdir(parents=True)
+    (outside / "ab" / "secret").write_bytes(b"s")
+    (outside / "file").write_bytes(b"f")
+    tree = tmp_path / "tree"
+    (tree / "cd").mkdir(parents=True)
+    (tree / "cd" / "blob").write_bytes(b"b")
+    (tree / "ab").symlink_to(outside / "ab")  # a linked fan-out directory
+    (tree / "cd" / "linked").symlink_to(outside / "file")
+    os.mkfifo(tree / "cd" / "fifo")
+    assert [e.name for e in regular_files(tree, 1)] == ["blob"]
+    (tmp_path / "linked-tree").symlink_to(tree)
+    assert list(regular_files(tmp_path / "linked-tree", 1)) == []  # the root itself a link

@@ -55,10 +55,10 @@ def test_gc_keeps_referenced_and_young_blobs(tmp_path: Path) -> None:
 
 
 def test_doctor_reports_the_toolchain(tmp_path: Path) -> None:
-    result = _run("doctor", "--data-dir", str(tmp_path))
+    result = _run("doctor", "--json", "--data-dir", str(tmp_path))
     assert result.returncode == 0, result.stdout
-    report = json.loads(result.stdout)
-    assert report["cuda_fp16.h"] is True and "sm_90" in report["toolchain"]["targets"]
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["headers"]["status"] == "ok" and "sm_90" in checks["toolchain"]["data"]["targets"]
 
 
 def test_gc_and_verify_hand_a_server_data_directory_to_the_server(tmp_path: Path) -> None:

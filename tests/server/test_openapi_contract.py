@@ -119,6 +119,7 @@ def _samples(recipe_key: str, digest: str, server: ServerThread) -> list[Sample]
             },
         ),
         Sample("GET", "/v1/recipes/{recipe_key}", f"/v1/recipes/{recipe_key}", 200),
+        Sample("GET", "/v1/keys", "/v1/keys", 200),
         Sample("GET", "/v1/recipes/{recipe_key}", f"/v1/recipes/{missing}", 404),
         Sample("GET", "/v1/recipes/{recipe_key}", "/v1/recipes/not-a-key", 400),
         Sample("GET", "/v1/recipes/{recipe_key}/artifact", f"/v1/recipes/{missing}/artifact", 404),

@@ -87,6 +87,29 @@ def _store_lines(store: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _hit_rate_lines(stats: dict[str, Any]) -> list[str]:
+    """The headline (what the server observed), and the clients' word beside it, by reporter."""
+    if "combined_hit_rate" not in stats:  # a server from before the headline was the server's
+        return [
+            f"hit rate      {_pct(stats['hit_rate'])}  ({stats['hits']} hits; "
+            f"server-observed alone {_pct(stats.get('server_hit_rate'))})"
+        ]
+    lines = [
+        f"hit rate      {_pct(stats['hit_rate'])}  (server-observed; with client reports "
+        f"{_pct(stats['combined_hit_rate'])}, {stats['hits']} hits)"
+    ]
+    reporters = [
+        f"{r['reporter'] or 'unattributed'} {r['lookups']}" for r in stats.get("reported_by", [])
+    ]
+    if reporters:
+        lines.append(f"reported by   {', '.join(reporters)}")
+    return lines
+
+
+def _nameless(stats: dict[str, Any]) -> str:
+    return "(no job id)" if stats.get("group_by") == "job" else "(none)"
+
+
 def format_stats(stats: dict[str, Any], width: int = 100) -> str:
     """The summary a person reads: headline numbers, tiers, groups, missed kernels, divergence."""
     since = stats.get("since")
@@ -102,8 +125,7 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
         f"window        {window}",
         f"lookups       {stats['lookups']}  ({sum(observed.values())} seen by the server, "
         f"{sum(reported.values())} reported by clients)",
-        f"hit rate      {_pct(stats['hit_rate'])}  ({stats['hits']} hits; "
-        f"server-observed alone {_pct(stats.get('server_hit_rate'))})",
+        *_hit_rate_lines(stats),
         f"compile saved {_secs(stats['compile_seconds_saved'])}  "
         f"(+ {_secs(stats.get('reported_compile_seconds_saved', 0.0))} reported by clients)",
         *_store_lines(stats.get("store")),
@@ -126,7 +148,10 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
                 [str(stats["group_by"]), "lookups", "hits", "misses", "hit rate", "saved", "ranks"],
                 [
                     [
-                        _clip(str(g["key"]), width // 3)
+                        # Lookups that named no job (or client, ...): said so, not "None".
+                        _clip(
+                            str(g["key"]) if g["key"] is not None else _nameless(stats), width // 3
+                        )
                         + (" DIVERGED" if g.get("divergent") else ""),
                         g["total"],
                         g["hits"],
@@ -166,7 +191,12 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
                 ["job", "kernel", "target", "ranks -> digest"],
                 [
                     [
-                        d["job_id"] + (" (reported by clients)" if d.get("reported") else ""),
+                        d["job_id"]
+                        + (
+                            f" (reported by {', '.join(d.get('reported_by') or ['clients'])})"
+                            if d.get("reported")
+                            else ""
+                        ),
                         _clip(d["kernel"], width // 4),
                         d["target"],
                         " ".join(f"{r}:{digest[:12]}" for r, digest in d["ranks"].items()),
@@ -245,6 +275,13 @@ def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from kcache.cli import server_url
 
+    if getattr(args, "cache_dir", None):  # a client's node tier: the client's `cache info`
+        from kcache.cli import run_command
+
+        return run_command(
+            ["cache", "info", "--cache-dir", args.cache_dir, *(["--json"] if args.json else [])],
+            needs="the client (pip install ./client: kcache-client), whose cache directory it is",
+        )
     params = _params(args)
     # --data-dir / --db-url read a database directly; otherwise a configured server answers.
     url = None if (args.data_dir or args.db_url) else server_url(args)
@@ -269,6 +306,10 @@ def register(subparsers: Any) -> None:
     where.add_argument("--server", help="ask this kcache server (default $KCACHE_URL)")
     where.add_argument("--data-dir", help="read this server data directory's database instead")
     where.add_argument("--db-url", help="read this database instead")
+    where.add_argument(
+        "--cache-dir",
+        help="show this client cache directory's own numbers instead (no server: `kcache cache info`)",
+    )
     p.add_argument("--token", help="bearer token for --server (default $KCACHE_TOKEN)")
     p.add_argument(
         "--since", default="24h", help="unix seconds, ISO 8601 or a span: 15m, 6h, 7d (default 24h)"

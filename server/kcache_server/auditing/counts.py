@@ -6,8 +6,9 @@ adds them to two narrow tables, so counts and events never disagree:
 
 - ``audit_counts``: per time bucket, dimension and group value, the lookups by outcome
   (``count``) and the compile time they saved. Dimensions are ``all`` (by outcome and
-  tier: totals and the series), ``kernel``, ``target``, ``client``, ``job``, ``rank``
-  and ``job_rank`` (a job's per-rank breakdown); buckets are hours and UTC days, and
+  tier: totals and the series), ``kernel``, ``target``, ``client``, ``job``, ``rank``,
+  ``job_rank`` (a job's per-rank breakdown) and ``reporter`` (the token that posted a
+  client report; counted for reported events only, :data:`SPARSE`); buckets are hours and UTC days, and
   minutes for ``all`` (series steps under an hour). A group value is stored encoded
   (:func:`encode`: ``""`` for NULL, ``"=" + value`` otherwise) so that the primary
   key has no NULL and ``INSERT ... ON CONFLICT DO UPDATE SET count = count +
@@ -49,6 +50,7 @@ from kcache_server.models import (
 __all__ = [
     "DIMENSIONS",
     "LEVELS",
+    "SPARSE",
     "decode",
     "encode",
     "mark_divergences",
@@ -72,7 +74,11 @@ DIMENSIONS: dict[str, tuple[str, str]] = {
     "job": ("job_id", ""),
     "rank": ("rank", ""),
     "job_rank": ("job_id", "rank"),
+    "reporter": ("reporter", ""),
 }
+#: Dimensions counted only for events whose key is not NULL: the server's own events
+#: (the writer's hot path) name no reporter, and would only add rows under "".
+SPARSE = frozenset({"reporter"})
 #: dimension -> bucket widths (seconds) it is counted at, coarsest first.
 LEVELS: dict[str, tuple[int, ...]] = {
     dim: (DAY, HOUR, MINUTE) if dim == "all" else (DAY, HOUR) for dim in DIMENSIONS
@@ -113,6 +119,8 @@ def _count_rows(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         floors = {level: seconds - seconds % level for level in levels}
         outcome = e["outcome"]
         for dim, (first, second) in DIMENSIONS.items():
+            if dim in SPARSE and e.get(first) is None:
+                continue
             key = encode(e.get(first)) if first else ""
             key2 = encode(e.get(second)) if second else ""
             tier = e["tier"] if dim == "all" else ""
@@ -265,12 +273,25 @@ def rebuild(conn: sa.Connection) -> None:
     The same rows :func:`write_events` would have made (see the module docstring for
     the one difference); used by migration 0007 and the B10 bench. Each dimension's
     finest level is read from the events, its coarser ones from that level's rows.
+    Migration 0007 runs it on a database without the ``reporter`` columns (0013): the
+    ``reporter`` dimension is left out there, as no event of that time names one.
     """
     conn.execute(sa.delete(_counts))
     conn.execute(sa.delete(_digests))
     conn.execute(sa.delete(_divergences))
     ev, ru = _events.c, _rollups.c
-    columns = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank")
+    reporters = "reporter" in {c["name"] for c in sa.inspect(conn).get_columns("audit_events")}
+    columns: tuple[str, ...] = (
+        "outcome",
+        "tier",
+        "kernel",
+        "target",
+        "client_id",
+        "job_id",
+        "rank",
+    )
+    columns += ("reporter",) if reporters else ()
+    dimensions = {d: cols for d, cols in DIMENSIONS.items() if reporters or d != "reporter"}
     src = sa.union_all(
         sa.select(
             ev.at.label("at"),
@@ -288,7 +309,7 @@ def rebuild(conn: sa.Connection) -> None:
         ),
     ).subquery("src")
     target = [*_COUNT_KEY, "count", "saved", "world_size"]
-    for dim, (first, second) in DIMENSIONS.items():
+    for dim, (first, second) in dimensions.items():
         finest, *coarser = LEVELS[dim][::-1]
         bucket = _bucket_sql(conn, src.c.at, finest)
         key = _encode_sql(src.c[first]) if first else sa.literal("")
@@ -307,6 +328,7 @@ def rebuild(conn: sa.Connection) -> None:
                     sa.func.sum(src.c.saved),
                     size,
                 )
+                .where(src.c[first].is_not(None) if dim in SPARSE else sa.true())
                 .group_by(*group)
                 # In primary-key order: the index grows at its end instead of at random.
                 .order_by(*group),

@@ -2,11 +2,26 @@
 
 A client's memory and node-tier hits never reach the server, so the client sends
 them afterwards in batches (with a ``report``-scope token). They are the client's
-word: every figure is bounded (``count`` at most :data:`MAX_EVENT_COUNT`), and
-``/v1/stats`` shows them apart from what the server observed itself. A batch is validated as a whole (a bad event names its
-index and field) and inserted with one ``executemany`` in one transaction, so a
-batch is either recorded entirely or not at all, and ingestion costs one round
-trip per batch rather than per event.
+word, so they are bounded and attributed:
+
+- one event stands for at most :data:`MAX_EVENT_COUNT` lookups (``count``): what one
+  process tallies into one event before it opens another (the client's own limit,
+  ``kcache_client._events.MAX_EVENT_COUNT``). A memory hit costs a client about a
+  microsecond, so a process in a tight loop looks up about that many between two of
+  its sends (every 2 s); a lower cap would refuse honest batches, which the client drops;
+- one token reports at most ``audit.max_reported_per_minute`` lookups per minute of
+  arrival, summed over its batches and over every replica (``audit_report_windows``,
+  charged in the batch's own transaction, :func:`ingest_events`). A batch past it is
+  refused whole with 429 and Retry-After (the client keeps it and sends it again); a
+  batch that alone holds more can never be taken and is a 422 (:func:`check_batch`).
+  Arrival, not the events' own times: a client chooses those;
+- every event is stored with its ``reporter`` (``token:<name>``, or
+  ``client:<address>`` on an open server), so ``/v1/stats`` names who reported what
+  (``reported_by``) and keeps it apart from what the server observed itself.
+
+A batch is validated as a whole (a bad event names its index and field) and inserted
+with one ``executemany`` in one transaction, so a batch is either recorded entirely or
+not at all, and ingestion costs one round trip per batch rather than per event.
 """
 
 from __future__ import annotations
@@ -19,11 +34,12 @@ from typing import Annotated, Any, Literal, cast
 
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.dialects import postgresql, sqlite
 
 from kcache.outcomes import CLIENT_OUTCOMES, ClientOutcome
 from kcache_server.auditing.counts import write_events
-from kcache_server.errors import InvalidRequestError
-from kcache_server.models import Artifact
+from kcache_server.errors import InvalidRequestError, ReportLimitError
+from kcache_server.models import Artifact, AuditReportWindow
 from kcache_server.schemas import (
     INTEGRAL,
     SETTING_MARK,
@@ -35,6 +51,7 @@ from kcache_server.schemas import (
 )
 
 __all__ = [
+    "BATCH_DESCRIPTION",
     "CLIENT_OUTCOMES",
     "CLIENT_TIERS",
     "MAX_EVENT_COUNT",
@@ -56,6 +73,7 @@ MAX_EVENT_COUNT = 1_000_000
 #: relative to now is one JSON Schema cannot state.
 MAX_EVENT_TIME = 253_402_300_799.0
 _artifacts = cast(sa.Table, Artifact.__table__)
+_windows = cast(sa.Table, AuditReportWindow.__table__)
 
 
 class ClientEvent(Context):
@@ -88,15 +106,32 @@ class ClientEvent(Context):
     toolchain: Label128 | None = None
     count: Annotated[int, Field(strict=True, ge=1, le=MAX_EVENT_COUNT), INTEGRAL] = Field(
         default=1,
-        description="identical lookups this event stands for",
+        description="identical lookups this event stands for: at most 1000000, what one "
+        "process tallies into one event before it opens another",
     )
     latency_ms: float = Field(default=0.0, ge=0, le=86_400_000, strict=True, allow_inf_nan=False)
+
+
+#: The published description of a batch (``{setting:...}`` filled in by :mod:`kcache_server.openapi`).
+BATCH_DESCRIPTION = (
+    "client-reported lookups, stored with the token that posted them and shown apart from "
+    "what the server observed. One token reports at most x-max-reported-per-minute "
+    "({setting:audit.max_reported_per_minute} on this server) lookups (the sum of count) per "
+    "minute of arrival: a batch past it is refused whole with 429 and Retry-After (the "
+    "seconds left in the minute); a batch holding more on its own is a 422"
+)
 
 
 class EventBatch(BaseModel):
     """Body of ``POST /v1/events``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "description": BATCH_DESCRIPTION,
+            SETTING_MARK: {"x-max-reported-per-minute": "audit.max_reported_per_minute"},
+        },
+    )
 
     events: list[ClientEvent] = Field(
         json_schema_extra={SETTING_MARK: {"maxItems": "audit.max_events_per_batch"}}
@@ -122,8 +157,9 @@ def _compile_seconds(conn: sa.Connection, digests: set[str]) -> dict[str, float]
     return {row.digest: float(row.compile_seconds) for row in rows}
 
 
-def _row(event: ClientEvent, saved: dict[str, float]) -> dict[str, Any]:
+def _row(event: ClientEvent, saved: dict[str, float], reporter: str | None) -> dict[str, Any]:
     return {
+        "reporter": reporter,
         "at": datetime.fromtimestamp(event.time, timezone.utc),
         "outcome": event.outcome,
         "tier": event.tier,
@@ -150,12 +186,26 @@ def _row(event: ClientEvent, saved: dict[str, float]) -> dict[str, Any]:
 
 
 def check_batch(
-    events: Sequence[ClientEvent], *, max_events: int, max_skew_s: float, now: float | None = None
+    events: Sequence[ClientEvent],
+    *,
+    max_events: int,
+    max_skew_s: float,
+    now: float | None = None,
+    max_reported: int | None = None,
 ) -> None:
-    """Refuse a batch over ``max_events``, or with an event time too far in the future."""
+    """Refuse a batch over ``max_events``, with an event time too far in the future, or
+    standing for more lookups than one token may report a minute (``max_reported``)."""
     if len(events) > max_events:
         raise InvalidRequestError(
             "events", f"{len(events)} events in one batch; at most {max_events} are accepted"
+        )
+    lookups = sum(e.count for e in events)
+    if max_reported is not None and lookups > max_reported:
+        raise InvalidRequestError(
+            "events",
+            f"the batch reports {lookups} lookups; one token may report at most {max_reported} "
+            "a minute (audit.max_reported_per_minute), so it can never be taken: send them in "
+            "smaller batches",
         )
     limit = (time.time() if now is None else now) + max_skew_s
     for i, event in enumerate(events):
@@ -166,8 +216,56 @@ def check_batch(
             )
 
 
-def ingest_events(engine: sa.Engine, events: Sequence[ClientEvent]) -> int:
-    """Insert ``events`` in one transaction; returns how many rows were written."""
+def _charge(
+    conn: sa.Connection, reporter: str, lookups: int, n_events: int, limit: int, now: float
+) -> None:
+    """Add a batch to ``reporter``'s minute; :class:`ReportLimitError` past ``limit``.
+
+    In the batch's transaction, first: on PostgreSQL the upsert locks the reporter's row,
+    so its concurrent batches (on any replica) are counted one after the other, and a
+    refused batch's rollback takes its share back with its events.
+    """
+    start = math.floor(now / 60) * 60
+    minute = datetime.fromtimestamp(start, timezone.utc)
+    w = _windows.c
+    conn.execute(sa.delete(_windows).where(w.reporter == reporter, w.minute < minute))
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    stmt = dialect.insert(_windows).values(
+        reporter=reporter, minute=minute, lookups=lookups, events=n_events
+    )
+    total = conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=[w.reporter, w.minute],
+            set_={
+                "lookups": w.lookups + stmt.excluded.lookups,
+                "events": w.events + stmt.excluded.events,
+            },
+        ).returning(w.lookups)
+    ).scalar_one()
+    if total > limit:
+        raise ReportLimitError(
+            reporter,
+            limit=limit,
+            reported=int(total) - lookups,
+            batch=lookups,
+            retry_after=max(1, math.ceil(start + 60 - now)),
+        )
+
+
+def ingest_events(
+    engine: sa.Engine,
+    events: Sequence[ClientEvent],
+    *,
+    reporter: str | None = None,
+    max_per_minute: int | None = None,
+    now: float | None = None,
+) -> int:
+    """Insert ``events`` in one transaction; returns how many rows were written.
+
+    ``reporter`` is stored with each event; with ``max_per_minute`` too, the batch is
+    charged to the reporter's minute of ``now`` (:class:`ReportLimitError` past it,
+    nothing written).
+    """
     if not events:
         return 0
     # Read before the write transaction: on SQLite a transaction that reads first
@@ -175,5 +273,9 @@ def ingest_events(engine: sa.Engine, events: Sequence[ClientEvent]) -> int:
     with engine.connect() as conn:
         saved = _compile_seconds(conn, {e.digest for e in events if e.digest})
     with engine.begin() as conn:  # events and their counts together, as the writer does
-        write_events(conn, [_row(e, saved) for e in events])
+        if reporter is not None and max_per_minute is not None:
+            lookups = sum(e.count for e in events)
+            at = time.time() if now is None else now
+            _charge(conn, reporter, lookups, len(events), max_per_minute, at)
+        write_events(conn, [_row(e, saved, reporter) for e in events])
     return len(events)

@@ -1,7 +1,7 @@
 """Retention: audit events older than the window become hourly counts, not gaps.
 
 One roll-up is one transaction: aggregate the old events per hour and per
-(outcome, tier, kernel, target, client, job, rank) into ``audit_rollups``, then
+(outcome, tier, kernel, target, client, job, rank, reporter) into ``audit_rollups``, then
 delete exactly the events it counted (by id, up to the largest id it read), so an
 event written meanwhile is neither lost nor counted twice. Roll-up rows are only
 inserted, never merged, so two replicas rolling up at once stay correct: their
@@ -39,7 +39,7 @@ _events = cast(sa.Table, AuditEvent.__table__)
 _rollups = cast(sa.Table, AuditRollup.__table__)
 _digests = cast(sa.Table, AuditDigest.__table__)
 _divergences = cast(sa.Table, AuditDivergence.__table__)
-_KEYS = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank")
+_KEYS = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank", "reporter")
 # Events rolled up per transaction: bounds the transaction's size and lock time.
 _CHUNK = 50_000
 

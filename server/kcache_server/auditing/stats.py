@@ -1,11 +1,15 @@
 """``GET /v1/stats``: aggregates over audit events (and the hourly roll-ups of old ones).
 
 What the server observed itself (tier ``server``) and what clients reported through
-``POST /v1/events`` (tiers ``memory`` and ``node``) are kept apart: ``totals``,
-``server_hit_rate`` and ``compile_seconds_saved`` are the server's own figures,
-``reported`` and ``reported_compile_seconds_saved`` the clients' word; ``hit_rate``
-and ``lookups`` add both, as ARCHITECTURE defines the hit rate. A divergence seen
-only in client reports is marked ``reported``.
+``POST /v1/events`` (tiers ``memory`` and ``node``) are kept apart, so that no token can
+move the fleet's headline: ``hit_rate`` (the answer's, and every group's, rank's and
+series bucket's), ``totals`` and ``compile_seconds_saved`` are the server's own
+figures; ``reported``, ``reported_compile_seconds_saved`` and ``reported_by`` (the
+reporting tokens, each with its lookups and its share of all of them) the clients'
+word, beside them; ``combined_hit_rate``, ``lookups`` and ``hits`` add both. Clients
+report only ``local_hit``, which the server never records, so a group's outcomes tell
+the two apart. Rank divergence is a row built from the server's events alone, or a
+row of its own marked ``reported`` that names the tokens whose reports make it.
 
 Counts come from ``audit_counts`` (:mod:`~kcache_server.auditing.counts`), kept by
 every audit write per minute, hour and day and per dimension, so an unfiltered query
@@ -83,6 +87,7 @@ __all__ = [
     "Divergence",
     "GroupStats",
     "MissedKernel",
+    "ReportedBy",
     "SeriesPoint",
     "Stats",
     "StatsQuery",
@@ -148,11 +153,17 @@ class StatsQuery:
 class OutcomeCounts(BaseModel):
     """Counts of one group (or bucket) by outcome, with its hit rate."""
 
-    total: int = 0
-    hits: int = 0
+    total: int = Field(default=0, description="lookups: server-observed plus client-reported")
+    hits: int = Field(default=0, description="hit + local_hit")
     misses: int = 0
+    reported: int = Field(default=0, description="client-reported lookups (local_hit)")
     hit_rate: float | None = Field(
-        default=None, description="(hit + local_hit) / lookups; null with none"
+        default=None,
+        description="hit / server-observed lookups (no client-reported figure in it); null "
+        "with none",
+    )
+    combined_hit_rate: float | None = Field(
+        default=None, description="(hit + local_hit) / all lookups, client reports included"
     )
     outcomes: dict[str, int] = Field(default_factory=dict)
 
@@ -207,8 +218,27 @@ class Divergence(BaseModel):
     ranks: dict[str, str] = Field(description="rank -> the digest it got last")
     reported: bool = Field(
         default=False,
-        description="true when only client-reported events show the ranks disagreeing",
+        description="false: the server's own events show the ranks disagreeing (digests and "
+        "ranks from them alone); true: client reports name digests the server did not see, and "
+        "this row holds their word too",
     )
+    reported_by: list[str] = Field(
+        default_factory=list,
+        description="reported rows: the tokens (token:<name>, client:<address> on an open "
+        "server) that reported the digests the server did not see",
+    )
+
+
+class ReportedBy(BaseModel):
+    """The lookups one reporter (a token) reported in the window."""
+
+    reporter: str | None = Field(
+        description="token:<name>, or client:<address> on an open server; null: reported "
+        "before reporters were recorded"
+    )
+    lookups: int
+    share: float = Field(description="of all lookups in the window, server-observed included")
+    compile_seconds_saved: float = Field(description="by its reported local hits")
 
 
 class SeriesPoint(OutcomeCounts):
@@ -240,10 +270,19 @@ class Stats(BaseModel):
     reported: dict[str, int] = Field(
         description="client-reported (POST /v1/events): outcome -> count"
     )
+    reported_by: list[ReportedBy] = Field(
+        default_factory=list,
+        description="who reported the client-reported lookups, most first (at most limit)",
+    )
     by_tier: dict[str, dict[str, int]] = Field(description="tier -> outcome -> count")
-    hit_rate: float | None = Field(description="(hit + local_hit) / all lookups; null with none")
-    server_hit_rate: float | None = Field(
-        description="hit / server-observed lookups (no client-reported figure in it); null with none"
+    hit_rate: float | None = Field(
+        description="the headline: hit / server-observed lookups (no client-reported figure in "
+        "it, so no token moves it); null with none"
+    )
+    server_hit_rate: float | None = Field(description="the same as hit_rate (kept for old readers)")
+    combined_hit_rate: float | None = Field(
+        default=None,
+        description="(hit + local_hit) / all lookups, client reports included (see reported_by)",
     )
     compile_seconds_saved: float = Field(description="by server-observed hits")
     reported_compile_seconds_saved: float = Field(description="by client-reported local hits")
@@ -290,7 +329,7 @@ def _filters(
     return conds
 
 
-_NAMES = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank")
+_NAMES = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank", "reporter")
 
 
 def _counted(query: StatsQuery) -> bool:
@@ -662,13 +701,21 @@ def _epoch(dialect: str, column: Any) -> sa.ColumnElement[Any]:
 
 
 def _counts(outcomes: Mapping[str, int]) -> dict[str, Any]:
+    """:class:`OutcomeCounts` fields: the hit rate over what the server observed, the rest beside it."""
     total = sum(outcomes.values())
     hits = sum(v for k, v in outcomes.items() if k in HIT_OUTCOMES)
+    reported = sum(v for k, v in outcomes.items() if k in REPORTED_OUTCOMES)
+    observed_hits = sum(
+        v for k, v in outcomes.items() if k in HIT_OUTCOMES and k not in REPORTED_OUTCOMES
+    )
+    observed = total - reported
     return {
         "total": total,
         "hits": hits,
         "misses": sum(v for k, v in outcomes.items() if k in MISS_OUTCOMES),
-        "hit_rate": hits / total if total else None,
+        "reported": reported,
+        "hit_rate": observed_hits / observed if observed else None,
+        "combined_hit_rate": hits / total if total else None,
         "outcomes": dict(outcomes),
     }
 
@@ -708,6 +755,45 @@ def _totals(
         else:
             reported_saved += float(s or 0.0)
     return totals, reported, by_tier, saved, reported_saved
+
+
+def _reported_by(conn: sa.Connection, query: StatsQuery) -> list[tuple[str, int, float]]:
+    """(reporter, lookups, compile seconds saved) of the window's client reports that name one.
+
+    From the counts' ``reporter`` dimension (raw events where counts cannot answer), which
+    holds reported events only; reports from before 0013 name none, and are left for
+    the caller to show as unattributed.
+    """
+    src = _source(query, "reporter" if _counted(query) else None)
+    rows = conn.execute(
+        sa.select(src.c.reporter, sa.func.sum(src.c.n), sa.func.sum(src.c.saved))
+        .where(src.c.tier != SERVER_TIER, src.c.reporter.is_not(None))
+        .group_by(src.c.reporter)
+        # 0: nothing of it in the window, a day's row less its hours (_source)
+        .having(sa.func.sum(src.c.n) != 0)
+    ).all()
+    return [(str(r), int(n), float(saved or 0.0)) for r, n, saved in rows]
+
+
+def _attributed(
+    named: list[tuple[str, int, float]],
+    reported: int,
+    reported_saved: float,
+    lookups: int,
+    limit: int,
+) -> list[ReportedBy]:
+    """``named`` most first, with what no reporter is named for (reports before 0013) as ``None``."""
+    rows: list[tuple[str | None, int, float]] = list(named)
+    attributed = sum(n for _, n, _ in named)
+    if reported > attributed:
+        rows.append((None, reported - attributed, reported_saved - sum(s for *_, s in named)))
+    ranked = sorted(rows, key=lambda r: (-r[1], r[0] is None, r[0] or ""))[:limit]
+    return [
+        ReportedBy(
+            reporter=r, lookups=n, share=n / lookups if lookups else 0.0, compile_seconds_saved=s
+        )
+        for r, n, s in ranked
+    ]
 
 
 def _groups(conn: sa.Connection, query: StatsQuery, present: Present) -> list[GroupStats]:
@@ -866,15 +952,26 @@ def _last_misses(conn: sa.Connection, query: StatsQuery, items: list[MissedKerne
             ev.base_key,
             ev.target,
             ev.miss_reason,
+            ev.latency_ms,
         )
         .where(ev.id.in_(sa.select(picked.c.id)))
         .subquery("latest")
     )
     # Why a compile was needed, from what was seen before it (any window): the same
     # recipe served earlier means it was evicted; a sibling recipe (same base key and
-    # target, other headers) built earlier means the headers changed.
+    # target, other headers) built earlier means the headers changed. A waited miss
+    # joined a compile that was already running (a client interrupted meanwhile leaves
+    # it running): that compile's own row, and hits of what it stored, were written
+    # after the waiter started waiting, so only what came before the wait is history.
     before = sa.alias(_events, "before")
-    earlier = (before.c.at <= latest.c.at, before.c.id < latest.c.id)
+    earlier = (
+        before.c.at <= latest.c.at,
+        before.c.id < latest.c.id,
+        sa.or_(
+            latest.c.outcome != "waited",
+            _ms_between(conn.dialect.name, before.c.at, latest.c.at) > latest.c.latency_ms,
+        ),
+    )
     served = sa.exists().where(
         *earlier,
         before.c.recipe_key == latest.c.recipe_key,
@@ -973,12 +1070,22 @@ def _reason(outcome: str, error: str | None, history: str | None) -> str:
         return _ERROR_REASONS.get(error or "", (error or "error").replace("_", " "))
     if outcome == "miss":
         return "not cached, and the caller did not ask to compile"
-    joined = " (joined another request's compile)" if outcome == "waited" else ""
     if history == "evicted":
-        return f"served before, then evicted or garbage-collected{joined}"
-    if history == "headers":
-        return f"header contents changed since an earlier build{joined}"
-    return f"first build of this recipe{joined}"
+        why = "served before, then evicted or garbage-collected"
+    elif history == "headers":
+        why = "header contents changed since an earlier build"
+    else:
+        why = "first build of this recipe"
+    # A waiter compiled nothing: it joined a compile already running (its starter may
+    # have been interrupted since), which was needed for the reason found before the wait.
+    return f"joined a compile another request had started: {why}" if outcome == "waited" else why
+
+
+def _ms_between(dialect: str, earlier: Any, later: Any) -> sa.ColumnElement[Any]:
+    """Milliseconds from ``earlier`` to ``later`` (two timestamp columns), in SQL."""
+    if dialect == "sqlite":  # ISO text with microseconds: julianday reads the fraction
+        return (sa.func.julianday(later) - sa.func.julianday(earlier)) * 86_400_000.0
+    return sa.extract("epoch", later - earlier) * 1000.0
 
 
 def _same(column: Any, encoded: Any, as_int: bool = False) -> list[sa.ColumnElement[bool]]:
@@ -1010,21 +1117,32 @@ def _probe(
     return sa.func.coalesce(*probes)
 
 
+Recipe = tuple[str, str, str]  # job id, base key, encoded target
+
+
 def _divergence(conn: sa.Connection, query: StatsQuery, present: Present) -> list[Divergence]:
     """Recipes (base key and target) that ranks of one job got different digests for.
 
-    Two statements, whatever the number of events, each a bounded set of index
-    probes:
+    What the server observed and what clients reported are never merged into one row:
+    a recipe the server itself saw two digests of is a row built from the server's
+    events alone (``reported`` false); digests only client reports name make a row of
+    their own (``reported`` true, with every event's word and the reporters named).
+    One recipe can have both.
+
+    A bounded number of statements, whatever the number of events, each a bounded set
+    of index probes:
 
     1. Every digest ``audit_digests`` lists for a recipe of ``audit_divergences``
        (the recipes one job ever got two digests for) whose first and last
        sighting overlaps the window, with two ``EXISTS`` probes on
        ``(job_id, base_key, target, digest, tier, at)``: seen in the window by the
-       server, by a client. A recipe with two digests seen is a divergence; one
-       with a single server-seen digest rests on client reports (``reported``).
-    2. For each divergence (at most ``limit``) and each rank its job has counts
+       server, by a client.
+    2. For each row's recipe (at most ``limit``) and each rank its job has counts
        for: the rank's last digest and its first event naming the kernel, each a
-       ``LIMIT 1`` probe on ``(job_id, base_key, target, rank, at, id)``.
+       ``LIMIT 1`` probe on ``(job_id, base_key, target, rank, at, id)`` (the server's
+       events only, for a server row); once for server rows, once for reported ones.
+    3. For reported rows: who reported the digests the server did not see, from the
+       client events of those recipes (on the same index's prefix).
 
     The answer is what grouping the raw events would give; a query filtered by
     client or kernel applies its filter inside the probes, which then may read
@@ -1064,27 +1182,74 @@ def _divergence(conn: sa.Connection, query: StatsQuery, present: Present) -> lis
         )
         .where(*narrow)
     ).all()
-    seen_digests: dict[tuple[str, str, str], list[str]] = defaultdict(list)
-    observed: dict[tuple[str, str, str], int] = defaultdict(int)
+    by_server: dict[Recipe, set[str]] = defaultdict(set)
+    by_clients: dict[Recipe, set[str]] = defaultdict(set)
     for row in rows:
-        if row.server or row.client:
-            seen_digests[(row.job_id, row.base_key, row.target)].append(row.digest)
-            observed[(row.job_id, row.base_key, row.target)] += int(row.server)
-    recipes = sorted(r for r, found in seen_digests.items() if len(found) > 1)[: query.limit]
-    if not recipes:
+        recipe = (row.job_id, row.base_key, row.target)
+        if row.server:
+            by_server[recipe].add(row.digest)
+        if row.client:
+            by_clients[recipe].add(row.digest)
+    wanted: list[tuple[Recipe, bool]] = []
+    for recipe in sorted({*by_server, *by_clients}):
+        server, hearsay = by_server[recipe], by_clients[recipe] - by_server[recipe]
+        if len(server) > 1:
+            wanted.append((recipe, False))
+        if hearsay and len(server | hearsay) > 1:
+            wanted.append((recipe, True))
+    wanted = wanted[: query.limit]
+    if not wanted:
         return []
-    result = {
-        r: Divergence(
-            job_id=r[0],
-            base_key=r[1],
-            target=None if r[2] == "" else r[2][1:],
-            kernel=None,
-            digests=sorted(seen_digests[r]),
-            ranks={},
-            reported=observed[r] <= 1,
-        )
-        for r in recipes
+    observed = [r for r, reported in wanted if not reported]
+    claimed = [r for r, reported in wanted if reported]
+    probed = {
+        False: _rank_digests(conn, query, present, observed, server_only=True),
+        True: _rank_digests(conn, query, present, claimed, server_only=False),
     }
+    reporters = _reporters(conn, query, {r: by_clients[r] - by_server[r] for r in claimed})
+    out = []
+    for recipe, reported in wanted:
+        ranks, kernel = probed[reported].get(recipe, ({}, None))
+        digests = by_server[recipe] | (by_clients[recipe] if reported else set())
+        out.append(
+            Divergence(
+                job_id=recipe[0],
+                base_key=recipe[1],
+                target=None if recipe[2] == "" else recipe[2][1:],
+                kernel=kernel,
+                digests=sorted(digests),
+                ranks=dict(
+                    sorted(
+                        ranks.items(),
+                        key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0),
+                    )
+                ),
+                reported=reported,
+                reported_by=reporters.get(recipe, []) if reported else [],
+            )
+        )
+    return out
+
+
+def _rank_digests(
+    conn: sa.Connection,
+    query: StatsQuery,
+    present: Present,
+    recipes: list[Recipe],
+    *,
+    server_only: bool,
+) -> dict[Recipe, tuple[dict[str, str], str | None]]:
+    """Each recipe's last digest per rank and the first kernel named, from one statement of probes.
+
+    ``server_only``: from the server's own events (a server row holds nothing of the
+    clients' word); else from every event.
+    """
+    if not recipes:
+        return {}
+    ev, dv = _events.c, _divergences.c
+    scope = [*_filters(query, ev, ev.at), ev.job_id == dv.job_id, ev.base_key == dv.base_key]
+    if server_only:
+        scope.append(ev.tier == SERVER_TIER)
     # The ranks each job has counts for (a superset of those that got these recipes).
     c = _counts_t.c
     ranks = (
@@ -1124,7 +1289,8 @@ def _divergence(conn: sa.Connection, query: StatsQuery, present: Present) -> lis
         .subquery("pairs")
     )
     last_ev, named_ev = sa.alias(_events, "last_ev"), sa.alias(_events, "named_ev")
-    first: dict[tuple[str, str, str], tuple[datetime, int]] = {}
+    result: dict[Recipe, tuple[dict[str, str], str | None]] = {}
+    first: dict[Recipe, tuple[datetime, int]] = {}
     for probed in conn.execute(
         sa.select(
             pairs.c.job_id,
@@ -1141,24 +1307,46 @@ def _divergence(conn: sa.Connection, query: StatsQuery, present: Present) -> lis
             )
         )
     ):
-        item = result[(probed.job_id, probed.base_key, probed.target)]
-        if probed.digest is not None:
-            item.ranks["-" if probed.rank is None else str(probed.rank)] = probed.digest
         recipe = (probed.job_id, probed.base_key, probed.target)
+        ranks_of, kernel = result.get(recipe, ({}, None))
+        if probed.digest is not None:
+            ranks_of["-" if probed.rank is None else str(probed.rank)] = probed.digest
         if probed.kernel is not None and (
             recipe not in first or (probed.at, probed.id) < first[recipe]
         ):
             first[recipe] = (probed.at, probed.id)
-            item.kernel = probed.kernel
-    out = [result[r] for r in recipes]
-    for item in out:
-        item.ranks = dict(
-            sorted(
-                item.ranks.items(),
-                key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0),
-            )
+            kernel = probed.kernel
+        result[recipe] = (ranks_of, kernel)
+    return result
+
+
+def _reporters(
+    conn: sa.Connection, query: StatsQuery, unseen: Mapping[Recipe, set[str]]
+) -> dict[Recipe, list[str]]:
+    """Who reported, in the window, the digests ``unseen`` by the server, per recipe (one statement).
+
+    Reads the client events of those recipes on the prefix of ``(job_id, base_key,
+    target, digest, tier, at)``; events reported before 0013 name no reporter.
+    """
+    if not unseen:
+        return {}
+    ev = _events.c
+    rows = conn.execute(
+        sa.select(ev.job_id, ev.base_key, ev.target, ev.digest, ev.reporter)
+        .where(
+            *_filters(query, ev, ev.at),
+            sa.tuple_(ev.job_id, ev.base_key).in_(sorted({(r[0], r[1]) for r in unseen})),
+            ev.tier.in_(CLIENT_TIERS),
+            ev.reporter.is_not(None),
         )
-    return out
+        .distinct()
+    ).all()
+    found: dict[Recipe, set[str]] = defaultdict(set)
+    for row in rows:
+        recipe = (row.job_id, row.base_key, encode(row.target))
+        if row.digest in unseen.get(recipe, ()):
+            found[recipe].add(row.reporter)
+    return {recipe: sorted(names) for recipe, names in found.items()}
 
 
 def _extent(conn: sa.Connection, query: StatsQuery) -> tuple[float, float] | None:
@@ -1296,6 +1484,7 @@ def compute_stats(engine: sa.Engine, query: StatsQuery, store_cap: int | None = 
         top_read = _beside(engine, lambda lane: _top_missed(lane, query))
         src = _source(query, "all" if _counted(query) else None)
         totals, reported, by_tier, saved, reported_saved = _totals(conn, src)
+        reporters = _reported_by(conn, query) if sum(reported.values()) else []
         divergence = _divergence(conn, query, present)
         step, series = _series(conn, query)
         store = _store(engine, conn, query, store_cap)
@@ -1307,6 +1496,8 @@ def compute_stats(engine: sa.Engine, query: StatsQuery, store_cap: int | None = 
     server_lookups = sum(totals.values())
     lookups = server_lookups + sum(reported.values())
     hits = sum(v for k, v in (*totals.items(), *reported.items()) if k in HIT_OUTCOMES)
+    server_hits = sum(v for k, v in totals.items() if k in HIT_OUTCOMES)
+    server_hit_rate = server_hits / server_lookups if server_lookups else None
     return Stats(
         since=_epoch_of(query.since),
         until=_epoch_of(query.until),
@@ -1314,9 +1505,13 @@ def compute_stats(engine: sa.Engine, query: StatsQuery, store_cap: int | None = 
         hits=hits,
         totals=totals,
         reported=reported,
+        reported_by=_attributed(
+            reporters, sum(reported.values()), reported_saved, lookups, query.limit
+        ),
         by_tier=by_tier,
-        hit_rate=hits / lookups if lookups else None,
-        server_hit_rate=totals["hit"] / server_lookups if server_lookups else None,
+        hit_rate=server_hit_rate,
+        server_hit_rate=server_hit_rate,
+        combined_hit_rate=hits / lookups if lookups else None,
         compile_seconds_saved=saved,
         reported_compile_seconds_saved=reported_saved,
         group_by=query.group_by,

@@ -1,7 +1,10 @@
 """``POST /v1/events``: batched audit events from clients (their memory and node-tier hits).
 
 Posting needs the ``report`` scope: these figures are the client's word, and
-``/v1/stats`` keeps them apart from what the server observed itself.
+``/v1/stats`` keeps them apart from what the server observed itself. Each event is
+stored with the token that posted it (``token:<name>``; on an open server the caller's
+``client:<address>``), and a token reports at most ``audit.max_reported_per_minute``
+lookups per minute of arrival (429 past it; see :mod:`kcache_server.auditing.events`).
 
 Event times ahead of the server's clock: a time up to ``audit.max_clock_skew_s``
 past the server's clock when the batch arrives is recorded as sent (clocks differ a
@@ -30,11 +33,13 @@ from kcache_server.auditing.events import (
     check_batch,
     ingest_events,
 )
+from kcache_server.auth import Principal
 from kcache_server.errors import InvalidRequestError
+from kcache_server.fairness import caller_identity
 from kcache_server.routes._deps import ERRORS, Reporter, State, body_doc, read_body
-from kcache_server.schemas import load_model, parse_json
+from kcache_server.schemas import ErrorBody, load_model, parse_json
 
-__all__ = ["TIME_DESCRIPTION", "clamp_event_times", "router"]
+__all__ = ["TIME_DESCRIPTION", "clamp_event_times", "reporter_of", "router"]
 
 router = APIRouter(prefix="/v1/events", tags=["audit"])
 
@@ -89,8 +94,17 @@ def _request_doc() -> dict[str, Any]:
     return doc
 
 
-@router.post("", response_model=IngestResult, responses=ERRORS, openapi_extra=_request_doc())
-async def post_events(request: Request, _: Reporter, state: State) -> IngestResult:
+#: A token past its reported lookups of the minute (``ReportLimitError``), beside the shared ones.
+_RESPONSES: dict[int | str, dict[str, Any]] = {**ERRORS, 429: {"model": ErrorBody}}
+
+
+def reporter_of(principal: Principal, request: Request) -> str:
+    """Who a batch is attributed to: ``token:<name>``, or ``client:<address>`` on an open server."""
+    return caller_identity(principal.name, request.client.host if request.client else None)
+
+
+@router.post("", response_model=IngestResult, responses=_RESPONSES, openapi_extra=_request_doc())
+async def post_events(request: Request, principal: Reporter, state: State) -> IngestResult:
     """Record a batch of client events in one transaction (all of it, or none on an error)."""
     settings = state.settings.audit
     body = await read_body(request, state, lambda raw: _parse(raw, settings.max_events_per_batch))
@@ -109,8 +123,16 @@ async def post_events(request: Request, _: Reporter, state: State) -> IngestResu
         max_events=settings.max_events_per_batch,
         max_skew_s=settings.max_clock_skew_s,
         now=now,
+        max_reported=settings.max_reported_per_minute,
     )
-    accepted = await state.run(ingest_events, state.backends.db, body.events)
+    accepted = await state.run(
+        ingest_events,
+        state.backends.db,
+        body.events,
+        reporter=reporter_of(principal, request),
+        max_per_minute=settings.max_reported_per_minute,
+        now=now,
+    )
     metrics = state.metrics
     metrics.events_ingested.inc(accepted)
     for event in body.events:

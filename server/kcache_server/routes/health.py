@@ -1,5 +1,9 @@
 """``GET /healthz`` (the process answers) and ``GET /readyz`` (database, bucket, store, workers, sandbox).
 
+``/readyz`` also names the release this replica runs (``version``), so a rolling
+upgrade shows which replicas run which, and sets the ``kcache_ready`` gauges of
+:mod:`kcache_server.metrics` from its answer, for the "replica not ready" alert.
+
 Both answer without a token, so what they say is for anyone who can reach the
 port: a failed check names what failed and what to do, never a driver's error
 text or a path (those go to the log, under the request id the answer gives).
@@ -19,6 +23,7 @@ import os
 import anyio
 from fastapi import APIRouter, Request, Response
 
+from kcache._version import __version__
 from kcache.fsutil import free_bytes
 from kcache_server.readiness import BoundedCheck, Readiness
 from kcache_server.request_ids import current_request_id
@@ -131,5 +136,6 @@ async def readyz(request: Request, state: State, response: Response) -> ReadyBod
         checks["database"] = local.pop("database")
     checks.update(local)
     ready = all(v.startswith("ok") or v.startswith("degraded") for v in checks.values())
+    state.metrics.readiness(ready, {name: not v.startswith("failed") for name, v in checks.items()})
     response.status_code = 200 if ready else 503
-    return ReadyBody(status="ready" if ready else "not_ready", checks=checks)
+    return ReadyBody(status="ready" if ready else "not_ready", version=__version__, checks=checks)

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from kcache.artifact_header import HEADER as META_HEADER
 from kcache.artifact_header import MAX_CHARS, ON_MISS_HEADER, ON_MISS_RESOLVE
 from kcache.errors import ArtifactNotFoundError, CompileError
+from kcache.signing import HEADER as SIGNATURE_HEADER
 from kcache_server.errors import ArtifactSetAsideError
 from kcache_server.http_cache import artifact_headers, etag_matches
 from kcache_server.routes._deps import ERRORS, Reader, State
@@ -22,12 +23,14 @@ router = APIRouter(prefix="/v1/recipes", tags=["recipes"])
 @router.get("/{recipe_key}", response_model=ArtifactBody, responses=ERRORS)
 async def recipe_metadata(
     recipe_key: RecipeKeyPath,
+    response: Response,
     _: Reader,
     state: State,
 ) -> ArtifactBody:
-    """The metadata of the artifact recorded for ``recipe_key``."""
+    """The metadata of the artifact recorded for ``recipe_key``; its signature in ``X-KCache-Signature``."""
     check_key(recipe_key, "recipe_key")
     meta = await state.resolver.artifact(recipe_key)
+    response.headers[SIGNATURE_HEADER] = state.signer.sign(recipe_key, meta).header_value()
     return ArtifactBody.model_validate(meta.to_dict())
 
 
@@ -46,6 +49,14 @@ _FETCH_HEADERS = {
             "dependencies_exact, compile_seconds, created_at). Check the body's sha256 and size "
             f"against it. Absent when it would exceed {MAX_CHARS} characters (read the metadata "
             "route then)."
+        ),
+        "schema": {"type": "string"},
+    },
+    SIGNATURE_HEADER: {
+        "description": (
+            "the server's Ed25519 signature of this recipe key -> the metadata, "
+            "<key_id>.<signature> (base64url); GET /v1/keys publishes the keys. Check it before "
+            "the bytes are used or stored"
         ),
         "schema": {"type": "string"},
     },
@@ -105,6 +116,7 @@ async def recipe_artifact(
     try:
         meta = await resolver.artifact(recipe_key)
         headers = artifact_headers(meta)
+        headers[SIGNATURE_HEADER] = state.signer.sign(recipe_key, meta).header_value()
         if etag_matches(request.headers.get("if-none-match"), meta.digest):
             resolver.record_fetch(recipe_key, meta, started, "hit")
             return Response(status_code=304, headers=headers)

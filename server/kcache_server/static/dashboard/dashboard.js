@@ -155,11 +155,16 @@
   function render(s, withJobs) {
     // Server-observed figures (totals) and client-reported ones (reported) are shown
     // apart: clients post their own counts, the server only vouches for what it saw.
+    // The headline is the server's hit rate; the clients' word is beside it, with the
+    // tokens that reported it named, so no token moves the headline unseen.
     const sum = (o) => Object.values(o || {}).reduce((a, b) => a + b, 0);
     const reported = s.reported || {};
     setValue("kpi-hit-rate", pct(s.hit_rate), s.hit_rate);
-    $("kpi-hits").textContent =
-      `${int(s.hits)} of ${int(s.lookups)} served from cache · server-observed ${pct(s.server_hit_rate)}`;
+    const served = HIT_OUTCOMES.reduce((n, o) => n + ((s.totals || {})[o] || 0), 0);
+    $("kpi-hits").textContent = sum(reported)
+      ? `${int(served)} of ${int(sum(s.totals))} seen by the server · with client reports ${pct(s.combined_hit_rate)}`
+      : `${int(served)} of ${int(sum(s.totals))} seen by the server`;
+    renderReporters(s.reported_by || []);
     setValue("kpi-lookups", int(s.lookups), s.lookups);
     $("kpi-lookups-sub").textContent =
       `${int(sum(s.totals))} seen by the server · ${int(sum(reported))} reported by clients`;
@@ -187,6 +192,16 @@
     drawChart(s);
   }
 
+  // Who reported the client figures: the tokens (client addresses on an open server).
+  function renderReporters(rows) {
+    const shown = rows.slice(0, 3).map((r) => `${r.reporter || "unattributed"} (${int(r.lookups)})`);
+    const more = rows.length > 3 ? ` and ${rows.length - 3} more` : "";
+    const node = $("kpi-reporters");
+    node.textContent = rows.length ? `reported by ${shown.join(", ")}${more}` : "";
+    node.title = rows.map((r) => `${r.reporter || "unattributed"}: ${int(r.lookups)} lookups, ` +
+      `${pct(r.share)} of all`).join("\n");
+  }
+
   function bytes(n) {
     let v = Number(n || 0);
     for (const unit of ["B", "KiB", "MiB", "GiB", "TiB"]) {
@@ -195,27 +210,31 @@
     }
   }
 
-  // The usage bar: pinned bytes, the rest of what is stored, out of the cap (or of the
-  // stored bytes when the store is unbounded).
+  // The usage bar: pinned bytes, the rest of what is stored, out of the cap. Without a
+  // cap there is no whole to fill: the bar stays empty and says so.
   function renderStore(store) {
     const card = $("store-card");
     card.hidden = !store;
     if (!store) return;
     const cap = store.bytes_cap;
-    const whole = cap || store.bytes_used || 1;
     const bar = $("store-bar");
     bar.replaceChildren();
-    bar.hidden = !cap; // a bar needs a whole: without a cap the figures say enough
+    bar.classList.toggle("uncapped", !cap);
     bar.setAttribute("aria-valuenow", String(store.bytes_used));
-    bar.setAttribute("aria-valuemax", String(whole));
-    const parts = [
+    if (!cap) {
+      bar.removeAttribute("aria-valuemax");
+      bar.append(el("span", { class: "label" }, "no cap"));
+    } else {
+      bar.setAttribute("aria-valuemax", String(cap));
+    }
+    const parts = !cap ? [] : [
       ["pinned", store.pinned_bytes, color("waited")],
       ["stored", Math.max(0, store.bytes_used - store.pinned_bytes), color("accent")],
     ];
     for (const [name, n, fill] of parts) {
       if (!n) continue;
       const seg = el("div", { class: "seg", title: `${name}: ${bytes(n)}` });
-      seg.style.width = Math.min(100, (100 * n) / whole) + "%";
+      seg.style.width = Math.min(100, (100 * n) / cap) + "%";
       seg.style.background = fill;
       bar.append(seg);
     }
@@ -285,7 +304,8 @@
       }
       tbody.append(el("tr", { class: d.reported ? "reported-divergence" : "divergent",
                               "data-job": d.job_id, "data-base-key": d.base_key },
-        el("td", {}, d.job_id, el("span", { class: "badge" }, d.reported ? "reported by clients" : "diverged")),
+        el("td", {}, d.job_id, el("span", { class: "badge" }, !d.reported ? "diverged"
+          : "reported by " + ((d.reported_by || []).join(", ") || "clients"))),
         el("td", { class: "kernel" }, d.kernel || "–"),
         el("td", {}, d.target || "–"),
         el("td", { class: "digest", title: d.base_key }, short(d.base_key)),
@@ -377,7 +397,9 @@
       const size = g.world_size ? ` of ${g.world_size}` : "";
       const row = el("tr", { "data-job": g.key, class: g.divergent || divergent.has(g.key) ? "divergent" : "" },
         el("td", {}, String(g.key), g.divergent ? el("span", { class: "badge" }, "diverged") : null),
-        el("td", { class: "num", "data-value": g.total }, int(g.total)),
+        el("td", { class: "num", "data-value": g.total,
+                   title: `${int(g.total - (g.reported || 0))} seen by the server · ${int(g.reported || 0)} reported by clients` },
+          int(g.total)),
         el("td", { class: "num", "data-value": g.hit_rate === null ? "" : g.hit_rate }, pct(g.hit_rate)),
         el("td", { class: "num" }, duration(g.compile_seconds_saved)),
         el("td", {}, ranks, el("span", { class: "muted" }, ` ${(g.ranks || []).length} rank(s)${size}`)));
@@ -411,7 +433,9 @@
     const h = height - pad.top - pad.bottom;
     const pts = s.series || [];
     const n = Math.max(pts.length, 1);
-    const maxTotal = Math.max(1, ...pts.map((p) => p.total));
+    // The line is the server's hit rate, so the bars are the server's lookups it rests on.
+    const seen = (p) => p.total - (p.reported || 0);
+    const maxTotal = Math.max(1, ...pts.map(seen));
     const x = (i) => pad.left + (w * (i + 0.5)) / n;
     const y = (rate) => pad.top + h * (1 - rate);
 
@@ -438,8 +462,8 @@
     const bw = Math.max(1, (w / n) * 0.7);
     ctx.fillStyle = "#22304f";
     pts.forEach((p, i) => {
-      if (!p.total) return;
-      const bh = (h * p.total) / maxTotal;
+      if (!seen(p)) return;
+      const bh = (h * seen(p)) / maxTotal;
       ctx.fillRect(x(i) - bw / 2, pad.top + h - bh, bw, bh);
     });
 
@@ -505,7 +529,8 @@
     const i = Math.floor(((event.clientX - rect.left - pad.left) / w) * n);
     const p = pts[i];
     if (!p) { tip.hidden = true; return; }
-    tip.textContent = `${new Date(p.t * 1000).toLocaleString()} · ${pct(p.hit_rate)} of ${int(p.total)}`;
+    tip.textContent = `${new Date(p.t * 1000).toLocaleString()} · ${pct(p.hit_rate)} of ${int(p.total - (p.reported || 0))}` +
+      (p.reported ? ` · ${int(p.reported)} reported by clients` : "");
     tip.style.left = Math.min(event.clientX - rect.left + 24, rect.width - 200) + "px";
     tip.style.top = "48px";
     tip.hidden = false;

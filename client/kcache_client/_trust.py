@@ -1,0 +1,274 @@
+"""Whose signatures this client accepts: keys it was given, or the keys it pinned per server.
+
+The server signs every recipe key -> artifact it answers with (:mod:`kcache.signing`);
+a client uses or stores an artifact only under a signature that verifies by a key it
+trusts:
+
+- **Given keys** (``ClientSettings.trusted_keys``, ``KCACHE_TRUSTED_KEYS``: public keys,
+  comma- or space-separated, or ``@FILE``): exactly those, for every server and every
+  node-tier entry. What a fleet's images should carry.
+- **Pinned keys** otherwise, trust on first use as ``ssh`` does with host keys: the first
+  time this user's client talks to a URL it asks ``GET /v1/keys`` and records the keys
+  in ``KCACHE_KNOWN_SERVERS`` (default ``~/.config/kcache/known_servers.json``, mode
+  0600). From then on an answer from that URL must be signed by a pinned key; a new
+  key is accepted only when a pinned one endorses it (the server's rotation), else
+  the answer is refused loudly, naming the file entry to remove if the change was
+  intended. Whoever answers for a URL at its first contact is believed: give keys
+  where that is not good enough.
+
+Node-tier entries carry the signature they were fetched with; where the tier is not
+private (:mod:`kcache.standing`) only entries that verify by a given or pinned key
+(any server's) are used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from kcache.artifact import ArtifactMeta
+from kcache.fsutil import atomic_write
+from kcache.signing import Signature, SignatureError, TrustedKeys
+from kcache_client.errors import UntrustedArtifactError
+
+__all__ = ["KnownServers", "Trust", "default_known_servers"]
+
+_log = logging.getLogger("kcache_client")
+
+#: Reread the pin file for an unknown key id at most this often (another process pinned).
+_REREAD_S = 1.0
+
+
+def default_known_servers() -> Path:
+    """``$KCACHE_KNOWN_SERVERS``, else ``$XDG_CONFIG_HOME/kcache/known_servers.json``."""
+    explicit = os.environ.get("KCACHE_KNOWN_SERVERS", "").strip()
+    if explicit:
+        return Path(explicit).expanduser()
+    config = os.environ.get("XDG_CONFIG_HOME", "").strip() or str(Path.home() / ".config")
+    return Path(config) / "kcache" / "known_servers.json"
+
+
+class KnownServers:
+    """The pin file: URL -> the keys it signed with when first contacted (and since endorsed)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        """Every pinned URL; an absent or unreadable file pins nothing (said once)."""
+        try:
+            data = json.loads(self.path.read_bytes())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            _log.warning("kcache: ignoring the unreadable pin file %s (%s)", self.path, exc)
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def keys(self, url: str) -> TrustedKeys | None:
+        """The keys pinned for ``url``, or None when it was never contacted."""
+        entry = self.load().get(url)
+        if not isinstance(entry, dict) or not isinstance(entry.get("keys"), dict):
+            return None
+        try:
+            return TrustedKeys(str(k) for k in entry["keys"].values())
+        except SignatureError:
+            return None
+
+    def every_key(self) -> TrustedKeys:
+        """The keys pinned for any URL (what node-tier entries may be signed by)."""
+        found: list[str] = []
+        for entry in self.load().values():
+            if isinstance(entry, dict) and isinstance(entry.get("keys"), dict):
+                found.extend(str(k) for k in entry["keys"].values())
+        with contextlib.suppress(SignatureError):
+            return TrustedKeys(found)
+        return TrustedKeys()
+
+    def pin(self, url: str, keys: TrustedKeys) -> None:
+        """Add ``keys`` to ``url``'s pins (atomically; the file private to this user)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with filelock.FileLock(f"{self.path}.lock", timeout=30):
+            data = self.load()
+            entry = data.get(url) if isinstance(data.get(url), dict) else None
+            pinned = dict(entry.get("keys", {})) if entry else {}
+            pinned.update(keys.public_keys)
+            data[url] = {
+                "keys": pinned,
+                "pinned_at": entry.get("pinned_at", time.time()) if entry else time.time(),
+            }
+            atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+            os.chmod(self.path, 0o600)
+
+    def forget(self, url: str) -> bool:
+        """Drop ``url``'s pins (its next contact pins afresh); whether there were any."""
+        with filelock.FileLock(f"{self.path}.lock", timeout=30):
+            data = self.load()
+            if data.pop(url, None) is None:
+                return False
+            atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+            return True
+
+
+class Trust:
+    """The keys answers and tier entries are checked against; see the module docstring."""
+
+    def __init__(self, given: TrustedKeys, known: KnownServers) -> None:
+        self.given = given
+        self.known = known
+        self._lock = threading.Lock()
+        self._pinned: dict[str, TrustedKeys] = {}
+        self._every: TrustedKeys | None = None
+        self._every_read = float("-inf")
+
+    @classmethod
+    def from_settings(cls, trusted_keys: str | None, known_servers: Path) -> Trust:
+        """Given keys parsed from a setting (SignatureError names a bad one), and the pin file."""
+        given = TrustedKeys.parse(trusted_keys) if trusted_keys else TrustedKeys()
+        return cls(given, KnownServers(known_servers))
+
+    # ------------------------------------------------------------ server answers
+    def check_answer(
+        self,
+        url: str,
+        recipe_key: str,
+        meta: ArtifactMeta,
+        signature: Signature | None,
+        fetch_keys: Callable[[], Any],
+        where: str,
+    ) -> Signature:
+        """``signature``, if a trusted key made it over ``recipe_key`` -> ``meta``; else
+        :class:`UntrustedArtifactError`.
+
+        ``fetch_keys`` asks the server's ``GET /v1/keys`` (first contact, a rotation).
+        """
+        if signature is None:
+            raise UntrustedArtifactError(
+                where,
+                "it carries no signature (X-KCache-Signature, or the resolve's signature): "
+                "the server predates signed artifacts, or something between strips it",
+            )
+        keys = self.given or self._server_keys(url, fetch_keys)
+        if signature.key_id not in keys and not self.given:
+            keys = self._follow_rotation(url, keys, signature.key_id, fetch_keys, where)
+        try:
+            keys.verify(recipe_key, meta, signature)
+        except SignatureError as exc:
+            how = (
+                "the given keys (KCACHE_TRUSTED_KEYS)"
+                if self.given
+                else f"the keys pinned for {url} in {self.known.path}"
+            )
+            raise UntrustedArtifactError(where, f"{exc}; checked against {how}") from None
+        return signature
+
+    def _server_keys(self, url: str, fetch_keys: Callable[[], Any]) -> TrustedKeys:
+        with self._lock:
+            known = self._pinned.get(url)
+        if known is not None:
+            return known
+        known = self.known.keys(url)
+        if known is None:
+            known = _published(fetch_keys(), url)
+            self.known.pin(url, known)
+            _log.warning(
+                "kcache: pinned the signing key %s of %s in %s (first contact); answers signed by "
+                "another key are refused unless this one endorses it",
+                ", ".join(known.key_ids),
+                url,
+                self.known.path,
+            )
+        with self._lock:
+            self._pinned[url] = known
+        return known
+
+    def _follow_rotation(
+        self,
+        url: str,
+        pinned: TrustedKeys,
+        key_id: str,
+        fetch_keys: Callable[[], Any],
+        where: str,
+    ) -> TrustedKeys:
+        """The pins plus ``key_id``, if the server publishes it endorsed by a pinned key."""
+        body = fetch_keys()
+        for entry in body.get("keys", []) if isinstance(body, dict) else []:
+            if not isinstance(entry, dict) or entry.get("key_id") != key_id:
+                continue
+            public = entry.get("public_key")
+            for endorsement in entry.get("endorsements") or []:
+                try:
+                    pinned.verify_endorsement(str(public), Signature.from_dict(endorsement))
+                    new = TrustedKeys([str(public)])
+                except SignatureError:
+                    continue
+                if key_id not in new:
+                    continue  # a published id that is not its key's
+                self.known.pin(url, new)
+                extended = pinned | new
+                with self._lock:
+                    self._pinned[url] = extended
+                _log.warning(
+                    "kcache: %s now signs with key %s, endorsed by pinned key %s; pinned it too",
+                    url,
+                    key_id,
+                    endorsement.get("key_id"),
+                )
+                return extended
+        raise UntrustedArtifactError(
+            where,
+            f"it is signed by key {key_id}, not by a key pinned for {url} "
+            f"({', '.join(pinned.key_ids)} in {self.known.path}), and no pinned key endorses it. "
+            f"Another server may be answering for {url}. If its key was replaced on purpose, "
+            f"remove the entry for {url} from {self.known.path}, or give the new key in "
+            "KCACHE_TRUSTED_KEYS",
+        )
+
+    # ------------------------------------------------------------ node-tier entries
+    def entry_problem(
+        self, recipe_key: str, meta: ArtifactMeta, signature: Signature | None
+    ) -> str | None:
+        """Why a tier entry may not be used where only signed entries are, or None when it may."""
+        if signature is None:
+            return "it is not signed"
+        keys = self.given or self._every_key(signature.key_id)
+        try:
+            keys.verify(recipe_key, meta, signature)
+        except SignatureError as exc:
+            return str(exc)
+        return None
+
+    def _every_key(self, key_id: str) -> TrustedKeys:
+        with self._lock:
+            every, read = self._every, self._every_read
+        if every is None or (key_id not in every and time.monotonic() - read >= _REREAD_S):
+            every = self.known.every_key()
+            with self._lock:
+                self._every, self._every_read = every, time.monotonic()
+        return every
+
+
+def _published(body: Any, url: str) -> TrustedKeys:
+    """The keys a ``GET /v1/keys`` answer lists (UntrustedArtifactError when malformed)."""
+    keys = body.get("keys") if isinstance(body, dict) else None
+    if not isinstance(keys, list) or not keys:
+        raise UntrustedArtifactError(f"{url}/v1/keys", "the answer lists no keys")
+    try:
+        found = TrustedKeys(str(k.get("public_key")) for k in keys if isinstance(k, dict))
+    except SignatureError as exc:
+        raise UntrustedArtifactError(f"{url}/v1/keys", str(exc)) from None
+    for entry in keys:
+        if isinstance(entry, dict) and entry.get("key_id") not in found:
+            raise UntrustedArtifactError(
+                f"{url}/v1/keys", f"key id {entry.get('key_id')!r} is not the id of its key"
+            )
+    return found

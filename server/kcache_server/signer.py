@@ -1,0 +1,105 @@
+"""The server's signatures: every answer that names an artifact for a recipe key carries one.
+
+A digest proves that bytes match the metadata that names them; only a signature ties
+a *recipe key* to that metadata (:mod:`kcache.signing`). The server signs every
+key -> artifact it answers with: the fetch by key and the metadata route in the
+``X-KCache-Signature`` header, resolves and batch results in their body's
+``signature``. Clients check it against keys they were given, or pinned on first
+contact (``GET /v1/keys``), before they use or store an artifact.
+
+The key is read at start-up from ``signing_key_file``, or made at first start as
+``<data_dir>/signing-key.pem`` (mode 0600). Replicas behind one URL must share one key:
+give them the same secret file. A rotation: start with the new key as
+``signing_key_file`` and the old one as ``signing_previous_key_file``; the old key's
+endorsement of the new one is published with it, so clients that pinned the old key
+follow (they check the endorsement); clients given keys explicitly need the new one
+added first.
+
+Signing costs about 50 us; a signature is memoised per recipe key for the metadata
+it was made from, so a warm fetch or resolve hit pays a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kcache.artifact import ArtifactMeta
+from kcache.lru import LruCache
+from kcache.signing import ALGORITHM, HEADER, Signature, SignatureError, SigningKey
+
+__all__ = ["HEADER", "ArtifactSigner"]
+
+#: Recipe keys whose signature is remembered (the resolver keeps as many keys' metadata).
+_MEMO_KEYS = 100_000
+
+
+class ArtifactSigner:
+    """Signs ``recipe key -> artifact metadata`` with the server's key; see the module docstring."""
+
+    def __init__(self, key: SigningKey, previous: SigningKey | None = None) -> None:
+        self.key = key
+        self.previous = previous
+        self._memo: LruCache[str, tuple[ArtifactMeta, Signature, bytes]] = LruCache(
+            max_entries=_MEMO_KEYS
+        )
+
+    @classmethod
+    def load(cls, path: Path, previous_path: Path | None = None, *, create: bool) -> ArtifactSigner:
+        """The signer of the key in ``key_path`` (made there when ``create`` and absent).
+
+        A key given explicitly (a secret file) is never made: its absence is a
+        configuration error, said with the setting to fix.
+        """
+        try:
+            key = SigningKey.load_or_create(path) if create else SigningKey.load(path)
+        except FileNotFoundError:
+            raise SignatureError(
+                f"KCACHE_SIGNING_KEY_FILE={path} does not exist: give the path of an Ed25519 "
+                "private key (PEM), e.g. made by `openssl genpkey -algorithm ed25519 -out FILE && chmod 600 FILE`, or unset it"
+            ) from None
+        previous = None
+        if previous_path is not None:
+            previous = SigningKey.load(previous_path)
+            if previous.key_id == key.key_id:
+                raise SignatureError(
+                    "KCACHE_SIGNING_PREVIOUS_KEY_FILE holds the current signing key: give the key "
+                    "signed with before the rotation"
+                )
+        return cls(key, previous)
+
+    def sign(self, recipe_key: str, meta: ArtifactMeta) -> Signature:
+        """The signature of ``recipe_key`` -> ``meta`` (memoised)."""
+        return self._signed(recipe_key, meta)[1]
+
+    def header_pair(self, recipe_key: str, meta: ArtifactMeta) -> bytes:
+        """``HEADER: value`` ready for the HTTP protocol's answer (memoised), without CRLF."""
+        return self._signed(recipe_key, meta)[2]
+
+    def _signed(self, recipe_key: str, meta: ArtifactMeta) -> tuple[ArtifactMeta, Signature, bytes]:
+        known = self._memo.get(recipe_key)
+        if known is not None and (known[0] is meta or known[0] == meta):
+            return known
+        signature = self.key.sign(recipe_key, meta)
+        made = (meta, signature, signature.header_value().encode("ascii"))
+        self._memo.put(recipe_key, made)
+        return made
+
+    def published(self) -> dict[str, Any]:
+        """What ``GET /v1/keys`` answers: the signing key, and the one before it (endorsing it)."""
+        current: dict[str, Any] = {
+            "key_id": self.key.key_id,
+            "public_key": self.key.public_key,
+            "endorsements": [],
+        }
+        keys = [current]
+        if self.previous is not None:
+            current["endorsements"].append(self.previous.endorse(self.key.public_key).to_dict())
+            keys.append(
+                {
+                    "key_id": self.previous.key_id,
+                    "public_key": self.previous.public_key,
+                    "endorsements": [],
+                }
+            )
+        return {"algorithm": ALGORITHM, "signing_key_id": self.key.key_id, "keys": keys}

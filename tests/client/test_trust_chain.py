@@ -1,0 +1,455 @@
+"""The trust chain: the server signs key -> artifact, clients check it, the tier checks itself.
+
+Real servers (threads with their own keys) behind a counting proxy whose URL stays
+while the server behind it changes; a real other user (uid 65534, forked as root) for
+the planted entry; FIFOs, links and devices for the tier's own checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from client_harness import Proxy, kernels
+from kcache_client import (
+    ClientSettings,
+    KernelCache,
+    RetryPolicy,
+    UntrustedArtifactError,
+)
+from kcache_client._tier import NodeTier
+from kcache_client._trust import KnownServers
+from kcache_server.settings import Settings
+
+from kcache.artifact import ArtifactMeta
+from kcache.errors import KCacheError
+from kcache.index.file import FileIndex
+from kcache.keys import sha256_hex
+from kcache.signing import SigningKey
+from kcache.store.local import LocalArtifactStore
+from tests.support import ServerThread
+
+FAST = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.05, budget_s=2.0)
+NOBODY = 65534
+
+
+def _server(data: Path, key: Path | None, previous: Path | None = None) -> ServerThread:
+    return ServerThread(
+        Settings(
+            data_dir=data,
+            compile_workers=1,
+            signing_key_file=key,
+            signing_previous_key_file=previous,
+            audit={"flush_s": 0.05},
+        )
+    )
+
+
+def _key(path: Path) -> SigningKey:
+    return SigningKey.load_or_create(path)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    home = tmp_path_factory.mktemp("keys")
+    for name in ("a", "b", "old", "new"):
+        _key(home / f"{name}.pem")
+    return {name: home / f"{name}.pem" for name in ("a", "b", "old", "new")}
+
+
+@pytest.fixture(scope="module")
+def server_a(
+    tmp_path_factory: pytest.TempPathFactory, keys: dict[str, Path]
+) -> Iterator[ServerThread]:
+    server = _server(tmp_path_factory.mktemp("a"), keys["a"])
+    yield server
+    server.stop()
+
+
+def _cache(url: str, tier: Path, *, trusted: str | None, known: Path) -> KernelCache:
+    settings = dataclasses.replace(
+        ClientSettings.from_env(auto_target="sm_80", retry=FAST, send_events=False),
+        trusted_keys=trusted,
+        known_servers=known,
+    )
+    return KernelCache(url, cache_dir=tier, settings=settings)
+
+
+def test_a_key_is_made_at_first_start_private_and_kept(tmp_path: Path) -> None:
+    server = _server(tmp_path / "data", None)
+    try:
+        published = server.client().get("/v1/keys").json()
+    finally:
+        server.stop()
+    made = tmp_path / "data" / "signing-key.pem"
+    assert stat.S_IMODE(made.stat().st_mode) == 0o600
+    assert published["signing_key_id"] == SigningKey.load(made).key_id
+    assert [k["key_id"] for k in published["keys"]] == [published["signing_key_id"]]
+    again = _server(tmp_path / "data", None)
+    try:
+        assert again.client().get("/v1/keys").json() == published  # the same key after a restart
+    finally:
+        again.stop()
+
+
+def test_first_contact_pins_the_key_and_another_server_on_the_url_is_refused(
+    tmp_path: Path, server_a: ServerThread, keys: dict[str, Path]
+) -> None:
+    known = tmp_path / "known.json"
+    proxy = Proxy(server_a.url)
+    server_b = _server(tmp_path / "b", keys["b"])
+    try:
+        first, second, third = kernels(3, "pin", target="sm_80")
+        with _cache(proxy.url, tmp_path / "t1", trusted=None, known=known) as cache:
+            assert cache.get(first).origin == "compiled"
+        assert proxy.count("GET", "/v1/keys") == 1
+        pinned = KnownServers(known).keys(proxy.url)
+        assert pinned is not None and pinned.key_ids == [_key(keys["a"]).key_id]
+        assert stat.S_IMODE(known.stat().st_mode) == 0o600
+        with _cache(proxy.url, tmp_path / "t2", trusted=None, known=known) as cache:
+            assert cache.get(second).origin == "compiled"
+        assert proxy.count("GET", "/v1/keys") == 1  # a later process reads the pin, asks nothing
+
+        proxy.retarget(server_b.url)  # another server (another key) now answers for the URL
+        with _cache(proxy.url, tmp_path / "t3", trusted=None, known=known) as cache:
+            with pytest.raises(UntrustedArtifactError) as refused:
+                cache.get(third)
+            assert cache.tier.lookup(cache.key(third)) is None  # nothing stored
+        message = str(refused.value)
+        assert _key(keys["b"]).key_id in message and str(known) in message
+        assert (
+            "Another server may be answering" in message
+            and f"remove the entry for {proxy.url}" in message
+        )
+    finally:
+        proxy.close()
+        server_b.stop()
+
+
+def test_a_rotation_is_followed_through_the_old_keys_endorsement(
+    tmp_path: Path, keys: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    known = tmp_path / "known.json"
+    old_id, new_id = _key(keys["old"]).key_id, _key(keys["new"]).key_id
+    before = _server(tmp_path / "before", keys["old"])
+    after = _server(tmp_path / "after", keys["new"], previous=keys["old"])
+    unendorsed = _server(tmp_path / "unendorsed", keys["new"])
+    proxy = Proxy(before.url)
+    given = f"{_key(keys['old']).public_key},{_key(keys['new']).public_key}"
+    try:
+        first, second, third, fourth = kernels(4, "rotate", target="sm_80")
+        with _cache(proxy.url, tmp_path / "t1", trusted=None, known=known) as cache:
+            cache.get(first)
+        published = after.client().get("/v1/keys").json()
+        assert published["signing_key_id"] == new_id
+        assert published["keys"][0]["endorsements"][0]["key_id"] == old_id
+
+        proxy.retarget(unendorsed.url)  # the new key without the old one's word: refused
+        with (
+            _cache(proxy.url, tmp_path / "t2", trusted=None, known=known) as cache,
+            pytest.raises(UntrustedArtifactError, match="no pinned key endorses it"),
+        ):
+            cache.get(second)
+
+        proxy.retarget(after.url)
+        with (
+            caplog.at_level(logging.WARNING, "kcache_client"),
+            _cache(proxy.url, tmp_path / "t3", trusted=None, known=known) as cache,
+        ):
+            assert cache.get(third).origin == "compiled"
+        assert f"now signs with key {new_id}, endorsed by pinned key {old_id}" in caplog.text
+        pinned = KnownServers(known).keys(proxy.url)
+        assert pinned is not None and set(pinned.key_ids) == {old_id, new_id}
+
+        # Given keys instead of pins: old and new both trusted for a while, either server served.
+        for server, recipe in ((before, fourth), (after, fourth)):
+            with _cache(
+                server.url, tmp_path / f"g{server.port}", trusted=given, known=known
+            ) as cache:
+                cache.get(recipe)
+    finally:
+        proxy.close()
+        for server in (before, after, unendorsed):
+            server.stop()
+
+
+def _rewrite_signature(change: str) -> object:
+    """A proxy rewrite that strips the fetch's signature, or flips one of its characters."""
+
+    def rewrite(_: object, headers: dict[str, str], body: bytes) -> tuple[dict[str, str], bytes]:
+        headers = dict(headers)
+        value = headers.pop("x-kcache-signature", None)
+        if value is not None and change == "flip":
+            key_id, sig = value.split(".")
+            flipped = "B" if sig[5] != "B" else "C"
+            headers["x-kcache-signature"] = f"{key_id}.{sig[:5]}{flipped}{sig[6:]}"
+        return headers, body
+
+    return rewrite
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ("strip", "carries no signature"),
+        ("flip", "does not verify"),
+        ("foreign", "not trusted here"),
+    ],
+)
+def test_a_stripped_tampered_or_foreign_signature_is_refused_and_nothing_is_stored(
+    tmp_path: Path, server_a: ServerThread, keys: dict[str, Path], change: str, said: str
+) -> None:
+    proxy = Proxy(server_a.url)
+    (recipe,) = kernels(1, f"sig{change}", target="sm_80")
+    trusted = _key(keys["b"] if change == "foreign" else keys["a"]).public_key
+    try:
+        mine = _key(keys["a"]).public_key
+        with _cache(server_a.url, tmp_path / "warm", trusted=mine, known=tmp_path / "k0") as warm:
+            warm.get(recipe)  # compiled and stored on the server: the fetch by key answers next
+        if change != "foreign":
+            proxy.faults.rewrite = _rewrite_signature(change)  # type: ignore[assignment]
+        with _cache(
+            proxy.url, tmp_path / "tier", trusted=trusted, known=tmp_path / "k.json"
+        ) as cache:
+            with pytest.raises(UntrustedArtifactError, match=said):
+                cache.get(recipe)
+            assert cache.tier.lookup(cache.key(recipe)) is None
+            assert list(cache.tier.store.digests()) == []
+    finally:
+        proxy.close()
+
+
+def test_two_replicas_with_one_key_are_both_trusted(
+    tmp_path: Path, server_a: ServerThread, keys: dict[str, Path]
+) -> None:
+    replica = _server(tmp_path / "replica", keys["a"])
+    try:
+        assert replica.client().get("/v1/keys").json() == server_a.client().get("/v1/keys").json()
+        given = _key(keys["a"]).public_key
+        for server in (server_a, replica):
+            (recipe,) = kernels(1, "replica", target="sm_80")
+            with _cache(
+                server.url, tmp_path / f"t{server.port}", trusted=given, known=tmp_path / "k"
+            ) as cache:
+                assert cache.get(recipe).origin == "compiled"
+    finally:
+        replica.stop()
+
+
+def test_an_artifact_altered_after_it_was_found_is_not_loaded(
+    tmp_path: Path, server_a: ServerThread, keys: dict[str, Path]
+) -> None:
+    (recipe,) = kernels(1, "alter", target="sm_80")
+    with _cache(
+        server_a.url, tmp_path / "t", trusted=_key(keys["a"]).public_key, known=tmp_path / "k"
+    ) as cache:
+        art = cache.get(recipe)
+    art.check()
+    renamed = dataclasses.replace(
+        art, metadata=dataclasses.replace(art.metadata, lowered_names={"x": "y"})
+    )
+    with pytest.raises(UntrustedArtifactError, match="does not verify"):
+        renamed.check()
+    with pytest.raises(UntrustedArtifactError, match="does not verify"):
+        renamed.load_module()  # refused before cuda.core is even imported
+
+
+# ------------------------------------------------------------------ the tier's own standing
+def _plant(tier_root: Path, recipe_key: str, data: bytes, signature: dict[str, str] | None) -> None:
+    """As another user: a blob and an alias under the victim's recipe key."""
+    meta = ArtifactMeta(
+        digest=sha256_hex(data), size=len(data), kind="cubin", target="sm_80", toolchain="x"
+    )
+    LocalArtifactStore(tier_root, durable=False, flat=True).put(data)
+    FileIndex(tier_root, durable=False, flat=True).write_alias(recipe_key, meta, signature)
+
+
+def _as_nobody(target: object, *args: object) -> None:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            target(*args)  # type: ignore[operator]
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the other user's process failed"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another uid needs root to fork as (CI runs as root)")
+@pytest.mark.parametrize("signed_by", [None, "attacker"])
+def test_an_entry_another_user_planted_in_a_shared_tier_is_never_used(
+    tmp_path: Path,
+    server_a: ServerThread,
+    keys: dict[str, Path],
+    caplog: pytest.LogCaptureFixture,
+    signed_by: str | None,
+) -> None:
+    # Where the other user can reach it (pytest's own temporary directories are 0700).
+    shared = Path(tempfile.mkdtemp(prefix="kcache-shared-tier-"))
+    try:
+        os.chmod(shared, 0o1777)  # what a team shares
+        given = _key(keys["a"]).public_key
+        (recipe,) = kernels(1, f"plant{signed_by}", target="sm_80")
+        with _cache(server_a.url, shared, trusted=given, known=tmp_path / "k") as victim:
+            assert victim.tier.standing.kind == "shared"
+            key = victim.key(recipe)
+            foreign = b"\x7fELF another kernel entirely" * 10
+            signature = None
+            if signed_by == "attacker":
+                meta = ArtifactMeta(
+                    digest=sha256_hex(foreign),
+                    size=len(foreign),
+                    kind="cubin",
+                    target="sm_80",
+                    toolchain="x",
+                )
+                signature = SigningKey.generate().sign(key, meta).to_dict()
+            _as_nobody(_plant, shared, key, foreign, signature)
+            alias = Path(victim.tier.index.alias_path(key))
+            assert alias.stat().st_uid == NOBODY  # really planted by the other user
+            with caplog.at_level(logging.WARNING, "kcache_client"):
+                art = victim.get(recipe)
+            assert art.data != foreign and art.origin in ("server", "compiled")
+            assert f"not using the entry {alias}" in caplog.text
+            assert ("not signed" if signed_by is None else "not trusted") in caplog.text
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_an_untrusted_tier_is_read_for_signed_entries_only_and_never_written(
+    tmp_path: Path, server_a: ServerThread, keys: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    open_tier = tmp_path / "open"
+    open_tier.mkdir()
+    os.chmod(open_tier, 0o777)  # writable by everyone, no sticky bit
+    (recipe,) = kernels(1, "untrusted", target="sm_80")
+    with (
+        caplog.at_level(logging.WARNING, "kcache_client"),
+        _cache(
+            server_a.url, open_tier, trusted=_key(keys["a"]).public_key, known=tmp_path / "k"
+        ) as cache,
+    ):
+        assert cache.tier.standing.kind == "untrusted"
+        assert cache.get(recipe).origin == "compiled"
+        assert list(cache.tier.store.digests()) == []  # nothing published into it
+        with pytest.raises(KCacheError, match="nothing removed"):
+            cache.tier.clear()
+    assert "writable by others without the sticky bit" in caplog.text
+    assert f"chmod go-w {open_tier}" in caplog.text
+
+
+def _published_tier(root: Path) -> tuple[NodeTier, str, ArtifactMeta]:
+    tier = NodeTier(root, max_bytes=0)
+    data = b"kernel" * 100
+    meta = ArtifactMeta(
+        digest=sha256_hex(data), size=len(data), kind="cubin", target="sm_80", toolchain="x"
+    )
+    key = "ab" * 32
+    tier.publish(key, "cd" * 32, meta, data)
+    return tier, key, meta
+
+
+def _bounded(call: object) -> object:
+    """``call()``, which must return within 10 s (a FIFO opened for reading blocks forever)."""
+    result: list[object] = []
+    worker = threading.Thread(target=lambda: result.append(call()), daemon=True)  # type: ignore[operator]
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "the read hung"
+    return result[0]
+
+
+@pytest.mark.parametrize("what", ["alias", "blob"])
+@pytest.mark.parametrize("planted", ["fifo", "dev-zero", "link-to-file"])
+def test_a_fifo_device_or_link_in_the_tier_costs_a_refused_entry_not_a_hang(
+    tmp_path: Path, what: str, planted: str
+) -> None:
+    tier, key, meta = _published_tier(tmp_path / "tier")
+    path = Path(tier.index.alias_path(key) if what == "alias" else tier.location(meta.digest))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(path.read_bytes())
+    path.unlink()
+    if planted == "fifo":
+        os.mkfifo(path)
+    elif planted == "dev-zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.symlink_to(elsewhere)  # the same bytes, but through a link: still refused
+    fresh = NodeTier(tmp_path / "tier", max_bytes=0)  # another process: nothing remembered
+    assert _bounded(lambda: fresh.lookup(key)) is None
+    assert elsewhere.exists()
+
+
+def test_a_character_device_in_the_tier_is_not_read(tmp_path: Path) -> None:
+    tier, key, meta = _published_tier(tmp_path / "tier")
+    blob = Path(tier.location(meta.digest))
+    blob.unlink()
+    try:
+        os.mknod(blob, 0o644 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero's numbers
+    except PermissionError:
+        pytest.skip("this process may not make device nodes")
+    assert _bounded(lambda: NodeTier(tmp_path / "tier", max_bytes=0).lookup(key)) is None
+
+
+def test_a_linked_blobs_directory_makes_clear_delete_nothing_outside(tmp_path: Path) -> None:
+    tier, _, meta = _published_tier(tmp_path / "tier")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / meta.digest  # a digest-named file of the user's, outside the tier
+    victim.write_bytes(b"precious")
+    blobs = tmp_path / "tier" / "blobs"
+    for entry in blobs.iterdir():
+        entry.unlink()
+    blobs.rmdir()
+    blobs.symlink_to(outside)
+    assert tier.check_standing().kind == "untrusted"
+    with pytest.raises(KCacheError, match="is a symbolic link"):
+        tier.clear()
+    reopened = NodeTier(tmp_path / "tier", max_bytes=0)
+    assert reopened.standing.kind == "untrusted"
+    with pytest.raises(KCacheError, match="nothing removed"):
+        reopened.clear()
+    assert victim.read_bytes() == b"precious"
+
+
+def test_a_linked_recipes_directory_makes_publish_write_nothing_outside(tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    NodeTier(root, max_bytes=0)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    recipes = root / "index" / "recipes"
+    recipes.rmdir()
+    recipes.symlink_to(outside)
+    tier = NodeTier(root, max_bytes=0)
+    assert tier.standing.kind == "untrusted" and "is a symbolic link" in tier.standing.reason
+    data = b"k" * 10
+    meta = ArtifactMeta(
+        digest=sha256_hex(data), size=len(data), kind="cubin", target="sm_80", toolchain="x"
+    )
+    assert tier.publish("ef" * 32, "cd" * 32, meta, data) is None
+    assert list(outside.iterdir()) == []
+
+
+def test_a_private_tier_keeps_using_unsigned_local_entries(tmp_path: Path) -> None:
+    tier, key, meta = _published_tier(tmp_path / "tier")
+    assert tier.standing.kind == "private"
+    found = NodeTier(tmp_path / "tier", max_bytes=0).lookup(key)
+    assert found is not None and found[0] == meta
+    raw = json.loads(Path(tier.index.alias_path(key)).read_bytes())
+    assert "signature" not in raw

@@ -1,0 +1,89 @@
+"""What an operator's Prometheus reads besides the counters: the release, readiness, workers.
+
+- ``/readyz`` names the release (``version``), and ``kcache_build_info{version,toolchain}``
+  says the same with the default toolchain's id;
+- every ``/readyz`` answer sets ``kcache_ready`` and ``kcache_readiness_check{check}``, so a
+  replica that is not ready is seen as such by the ``KcacheReplicaNotReady`` alert;
+- with several uvicorn workers every sample carries ``worker`` (the process id): a scrape
+  reaches one process, and without it two processes' counters would read as one counter
+  that keeps resetting.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kcache._version import __version__
+from tests.support import ServerProcess
+
+
+def _samples(text: str) -> list[Any]:
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    (found,) = [
+        s.value
+        for s in _samples(text)
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    return float(found)
+
+
+def test_readyz_and_build_info_name_the_release_and_toolchain(
+    make_settings: Callable[..., Any], serve: Callable[[Any], Any]
+) -> None:
+    server = serve(make_settings())
+    with server.client() as client:
+        toolchain = client.get("/v1/toolchains").json()["default"]
+        ready = client.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["version"] == __version__
+        text = client.get("/metrics").text
+    assert _value(text, "kcache_build_info", version=__version__, toolchain=toolchain) == 1
+    assert _value(text, "kcache_ready") == 1
+    assert _value(text, "kcache_readiness_check", check="store") == 1
+    assert _value(text, "kcache_readiness_check", check="database") == 1
+    assert not [s for s in _samples(text) if "worker" in s.labels]  # one process: no label
+
+
+def test_a_replica_that_is_not_ready_says_so_in_its_metrics(
+    make_settings: Callable[..., Any], serve: Callable[[Any], Any]
+) -> None:
+    settings = make_settings()
+    server = serve(settings)
+    with server.client() as client:
+        assert client.get("/readyz").status_code == 200
+        shutil.rmtree(server.app.state.kcache.backends.store.blobs)  # the store is gone
+        not_ready = client.get("/readyz")
+        assert not_ready.status_code == 503 and not_ready.json()["version"] == __version__
+        text = client.get("/metrics").text
+    assert _value(text, "kcache_ready") == 0
+    assert _value(text, "kcache_readiness_check", check="store") == 0
+    assert _value(text, "kcache_readiness_check", check="database") == 1
+
+
+def test_each_uvicorn_worker_labels_its_samples(tmp_path: Path) -> None:
+    env = {**os.environ, "KCACHE_COMPILE_WORKERS": "1"}
+    with ServerProcess(tmp_path / "data", workers=2, env=env) as server:
+        seen: dict[str, list[Any]] = {}
+        deadline = time.monotonic() + 60
+        while len(seen) < 2:  # a scrape reaches whichever worker accepts it
+            assert time.monotonic() < deadline, f"only workers {sorted(seen)} answered"
+            with httpx.Client(base_url=server.url, timeout=10) as client:
+                samples = _samples(client.get("/metrics").text)
+            workers = {s.labels.get("worker") for s in samples}
+            assert len(workers) == 1 and None not in workers, workers  # every sample, one worker
+            seen[workers.pop()] = samples
+    assert all(worker.isdigit() for worker in seen)  # process ids
+    for samples in seen.values():
+        assert [s.labels["version"] for s in samples if s.name == "kcache_build_info"] == [
+            __version__
+        ]
