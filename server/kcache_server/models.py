@@ -437,7 +437,7 @@ class VerificationEvent(Base):
     """One artifact the server compiled again to check what it serves, and what it found.
 
     ``result`` is ``same_bytes``, ``same_code`` (equal after normalising NVRTC's random
-    symbol tags) or ``diverged``; ``differences`` lists what differed (code, dependencies,
+    symbol tags), ``diverged``, ``inconclusive`` (LTO-IR differing in bytes only) or ``failed``; ``differences`` lists what differed (code, dependencies,
     lowered names), ``via`` how the artifact had been served (``key`` or ``manifest``).
     """
 

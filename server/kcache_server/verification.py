@@ -5,7 +5,8 @@ output. The :class:`Verifier` checks both continuously, in production:
 
 - **What is checked.** Every artifact served through a manifest match (it rests on
   the dependency list alone) becomes a candidate when it is served; of exact-key hits,
-  a sample (``sample_rate`` of first sightings). Candidates are taken manifest matches
+  a sample (``sample_rate`` of first sightings: the compile, or the first engine hit
+  after a restart; later hits from memory count towards a candidate's priority). Candidates are taken manifest matches
   first, then by how often and how recently they were served; each at most once per
   ``period_s``. At most ``max_candidates`` are remembered (the least served go first).
 - **How.** The recipe is compiled again in a verification worker: a compile pool of
@@ -25,7 +26,11 @@ output. The :class:`Verifier` checks both continuously, in production:
   shown in ``GET /v1/verification`` and on the dashboard.
 
 A recipe that no longer compiles (an include set changed under it, a toolchain
-problem) is recorded as ``failed``, never as a divergence.
+problem) is recorded as ``failed``, never as a divergence. Nor is LTO-IR that differs
+in its bytes alone: its payload is scrambled, so a program whose internal names NVRTC
+tags at random compiles to other bytes every time, and no comparison can tell that from
+other code (:mod:`kcache.equivalence`). Such a check is ``inconclusive``: recorded and
+counted, the artifact kept; differing dependencies or lowered names still diverge.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ log = logging.getLogger(__name__)
 
 _events = cast(sa.Table, VerificationEvent.__table__)
 
-Result = Literal["same_bytes", "same_code", "diverged", "failed"]
+Result = Literal["same_bytes", "same_code", "diverged", "inconclusive", "failed"]
 #: Lines of differences kept per event, and characters per line.
 _MAX_DIFFERENCES = 12
 _MAX_LINE = 300
@@ -177,7 +182,10 @@ class Verifier:
     # ------------------------------------------------------------------ sampling
     def observe(self, resolution: Resolution) -> None:
         """Note a served artifact (an engine observer: called with every resolution)."""
-        if not self.enabled or resolution.status not in ("hit", "waited"):
+        # A compile counts as a first sighting too: a warm server answers later hits from
+        # memory (note_hit), which the engine never sees, so a key first met compiled
+        # would otherwise never be sampled (bench/b13_verification.py found none were).
+        if not self.enabled or resolution.status not in ("hit", "waited", "compiled"):
             return
         key = resolution.recipe_key
         with self._lock:
@@ -185,8 +193,8 @@ class Verifier:
             if known is not None:
                 known.served += 1
                 known.last_served = time.monotonic()
-                if resolution.via == "manifest":
-                    known.via = "manifest"
+                if resolution.via == "manifest" or known.via == "compile":
+                    known.via = resolution.via  # how it is served, once it is
                 known.digest = resolution.artifact.digest
                 return
             if resolution.via != "manifest":
@@ -214,6 +222,8 @@ class Verifier:
             if known is not None:
                 known.served += 1
                 known.last_served = time.monotonic()
+                if known.via == "compile":
+                    known.via = "key"  # a hit from memory is one by exact key
 
     def _make_room(self) -> None:
         if len(self._candidates) < self.max_candidates:
@@ -307,6 +317,8 @@ class Verifier:
                 f"lowered names {sorted(meta.lowered_names.items())[:4]} -> "
                 f"{sorted(fresh.lowered_names.items())[:4]}"
             )
+        if differences == [f"code: {comparison.detail}"] and meta.kind == "ltoir":
+            return "inconclusive", differences  # the module docstring says why
         if differences:
             return "diverged", differences
         return ("same_bytes" if comparison.how == "bytes" else "same_code"), []

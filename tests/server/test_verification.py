@@ -157,6 +157,51 @@ def test_a_right_hit_verifies_as_the_same_bytes(server: ServerThread) -> None:
         assert report["verified_recipes"] >= 1 and report["coverage"] > 0
 
 
+def _results(server: ServerThread, key: str, timeout: float = 60.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with server.state.backends.db.connect() as conn:
+            rows = conn.execute(
+                sa.text("SELECT result FROM verification_events WHERE recipe_key = :k"),
+                {"k": key},
+            ).all()
+        if rows:
+            return [r.result for r in rows]
+        time.sleep(0.2)
+    raise AssertionError(f"{key} was never verified within {timeout}s")
+
+
+def test_a_kernel_met_first_as_a_compile_and_then_served_from_memory_is_sampled(
+    server: ServerThread,
+) -> None:
+    """A warm server answers hits from memory, which the engine never sees: the compile is
+    the first sighting (B13 found no verification at all before), and memory hits count."""
+    with server.client(ADMIN) as client:
+        compiled = _resolve(client, _kernel("compiled-first", 6))
+        assert compiled["status"] == "compiled"
+        for _ in range(3):
+            client.get(f"/v1/recipes/{compiled['recipe_key']}/artifact").raise_for_status()
+    assert _results(server, compiled["recipe_key"]) == ["same_bytes"]
+
+
+def test_ltoir_whose_bytes_differ_by_random_tags_alone_is_inconclusive_not_diverged(
+    server: ServerThread,
+) -> None:
+    """A template kernel draws a random module id; as LTO-IR (scrambled) its bytes differ
+    every compile, which no comparison can tell from other code: never withdrawn."""
+    source = (
+        "// ltoir random tags\ntemplate <int N> __global__ void k(int* o) { o[0] = N; }\n"
+        "template __global__ void k<3>(int*);\n"
+    )
+    recipe = {"source": source, "target": "sm_90", "output": "ltoir"}
+    with server.client(ADMIN) as client:
+        first = _resolve(client, recipe)
+        # The verification worker is another process: another pid in the id, other bytes.
+        assert _results(server, first["recipe_key"]) == ["inconclusive"]
+        again = _resolve(client, recipe, compile=False)
+        assert again["artifact"]["digest"] == first["artifact"]["digest"]  # still served
+
+
 def test_the_report_needs_an_admin_token(server: ServerThread) -> None:
     with httpx.Client(base_url=server.url) as client:
         assert client.get("/v1/verification").status_code in (401, 403)

@@ -31,7 +31,7 @@ class VerificationBody(BaseModel):
 
     enabled: bool
     verified: dict[str, int] = Field(
-        description="verifications by result: same_bytes, same_code, diverged, failed"
+        description="verifications by result: same_bytes, same_code, diverged, inconclusive (LTO-IR whose bytes differ: no comparison can tell), failed"
     )
     served_recipes: int = Field(description="recipes this process saw served (candidates)")
     verified_recipes: int = Field(description="of those, verified by this process")
