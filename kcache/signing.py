@@ -40,6 +40,7 @@ __all__ = [
     "SigningKey",
     "TrustedKeys",
     "key_id_of",
+    "load_backend",
     "signed_message",
 ]
 
@@ -67,6 +68,16 @@ def _unb64(text: str, what: str) -> bytes:
         return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (ValueError, TypeError) as exc:
         raise SignatureError(f"{what} is not base64url") from exc
+
+
+def load_backend() -> None:
+    """Import the Ed25519 implementation now (about 9 ms), so a first check does not pay it.
+
+    ``cryptography`` is imported on first use, so that importing kcache does not; a
+    client calls this when its cache is made, before a rank's first fetch is timed.
+    """
+    import cryptography.exceptions  # noqa: F401
+    from cryptography.hazmat.primitives.asymmetric import ed25519  # noqa: F401
 
 
 def key_id_of(public_raw: bytes) -> str:

@@ -37,7 +37,7 @@ import filelock
 
 from kcache.artifact import ArtifactMeta
 from kcache.fsutil import atomic_write
-from kcache.signing import Signature, SignatureError, TrustedKeys
+from kcache.signing import Signature, SignatureError, TrustedKeys, load_backend
 from kcache_client.errors import UntrustedArtifactError
 
 __all__ = ["KnownServers", "Trust", "default_known_servers"]
@@ -123,6 +123,7 @@ class Trust:
     """The keys answers and tier entries are checked against; see the module docstring."""
 
     def __init__(self, given: TrustedKeys, known: KnownServers) -> None:
+        load_backend()  # while the cache is made, not during a rank's first fetch
         self.given = given
         self.known = known
         self._lock = threading.Lock()
