@@ -25,7 +25,8 @@ as httpx's would.
 What it bounds, for a caller that does not trust the network: an ``until`` (a
 ``time.monotonic()`` instant) bounds the whole exchange, connect, send, status line,
 headers and body, since every socket operation waits at most until then (each read of
-the body included, however slowly its bytes trickle in): past it,
+the body included, however slowly its bytes trickle in), and so does a TLS handshake
+(done without blocking, each wait for the peer bounded by what is left): past it,
 :class:`DeadlineExceeded`. A ``limit`` (decided from the status and headers, before a
 byte of the body is read) bounds the body: a ``Content-Length`` over it, or one byte
 more than it, or a compressed body that decodes to more, is :class:`AnswerRefused`
@@ -120,6 +121,47 @@ def _create_connection(
     host, port = address
     name: str | bytes = host.encode("ascii") if host.isascii() else host
     return socket.create_connection((name, port), timeout, source_address)  # type: ignore[arg-type]
+
+
+class _BoundedHTTPSConnection(http.client.HTTPSConnection):
+    """An ``HTTPSConnection`` whose TLS handshake ends by ``until`` as well.
+
+    ``http.client`` handshakes on a blocking socket, each read waiting the connect
+    timeout anew, so a peer that sends its handshake a byte at a time holds the caller
+    as long as it likes. Here the handshake runs on the non-blocking socket, and every
+    wait for the peer is bounded by the connect timeout and by what is left until
+    ``until``.
+    """
+
+    until: float | None = None
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)  # TCP (TCP_NODELAY), no TLS yet
+        sock = self._context.wrap_socket(  # type: ignore[attr-defined]
+            self.sock, server_hostname=self.host, do_handshake_on_connect=False
+        )
+        self.sock = sock
+        idle = self.timeout if isinstance(self.timeout, (int, float)) else None
+        sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    sock.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    readers, writers = [sock], []
+                except ssl.SSLWantWriteError:
+                    readers, writers = [], [sock]
+                left = None if self.until is None else self.until - time.monotonic()
+                if left is not None and left <= 0:
+                    raise DeadlineExceeded()
+                wait = left if idle is None or (left is not None and left < idle) else idle
+                if not any(select.select(readers, writers, [], wait)):
+                    if wait == left:
+                        raise DeadlineExceeded()
+                    raise TimeoutError("the TLS handshake stalled")
+        finally:
+            sock.settimeout(idle)
 
 
 class LeanHeaders(Mapping[str, str]):
@@ -300,9 +342,10 @@ class LeanClient:
         connect_s = _within(connect_s, until)
         conn: http.client.HTTPConnection
         if self._https:
-            conn = http.client.HTTPSConnection(
+            conn = _BoundedHTTPSConnection(
                 self._host, self._port, timeout=connect_s, context=self._tls()
             )
+            conn.until = until
         else:
             conn = http.client.HTTPConnection(self._host, self._port, timeout=connect_s)
         conn._create_connection = _create_connection  # type: ignore[attr-defined]
@@ -314,6 +357,9 @@ class LeanClient:
         except OSError as exc:  # refused, unreachable, DNS, a TLS handshake refused
             conn.close()
             raise httpx.ConnectError(str(exc)) from exc
+        except BaseException:  # the deadline passed during the TLS handshake
+            conn.close()
+            raise
         with self._lock:
             self.connections_opened += 1
         return conn

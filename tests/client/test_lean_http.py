@@ -15,6 +15,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -617,6 +618,41 @@ def test_https_gets_take_the_lean_path_and_verify_certificates_as_httpx_does(
         transport.close()
     finally:
         server.close()
+
+
+def test_a_tls_handshake_trickled_a_byte_at_a_time_ends_by_the_deadline() -> None:
+    """Each byte arrives well within the connect timeout, so only the deadline can end it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            # A handshake record header promising 16 KiB, then its body a byte at a time.
+            for byte in b"\x16\x03\x03\x40\x00" + b"\x00" * 1000:
+                if stop.wait(0.3):
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+    feeder = threading.Thread(target=trickle, daemon=True)
+    feeder.start()
+    policy = RetryPolicy(attempts=1, deadline_s=2.0, budget_s=0.0)
+    transport = Transport(f"https://127.0.0.1:{port}", retry=policy, timeout=httpx.Timeout(5.0))
+    started = time.monotonic()
+    try:
+        error = _failure(transport, "/v1/toolchains")
+    finally:
+        stop.set()
+        transport.close()
+        listener.close()
+    took = time.monotonic() - started
+    assert isinstance(error, ServerUnavailableError), error
+    assert "DeadlineExceeded" in error.cause, error.cause
+    assert took < 30, f"held {took:.0f}s by a 2 s deadline"  # the trickle would take 300 s
 
 
 def test_the_same_json_body_comes_back_from_either_path() -> None:
