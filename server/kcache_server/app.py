@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from kcache.errors import KCacheError
@@ -116,6 +117,10 @@ class _RequestIds:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:
+            # The client went away before its body was read whole (a load generator ending
+            # its run, a rank killed): nobody is left to answer, and nothing went wrong here.
+            log.debug("request %s: the client disconnected before its body was read", request_id)
         except Exception as exc:
             body = error_body(exc)  # logs the traceback under the request id
             if not started:
