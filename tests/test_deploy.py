@@ -94,6 +94,11 @@ def _compose_replicas() -> list[str]:
     ]
 
 
+def _kcache_containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod's kcache containers (not the nginx beside them, deploy/nginx/)."""
+    return [c for c in pod["containers"] if c["name"] != "nginx"]
+
+
 def _all_commands() -> dict[str, list[str]]:
     compose = _yaml("compose.yaml")["services"]
     k8s = _k8s()["Deployment/kcache"]["spec"]["template"]["spec"]
@@ -248,10 +253,19 @@ def test_compose_replicas_share_no_filesystem_and_reach_the_bucket() -> None:
         assert all(m[0] in compose["volumes"] for m in mounts), name  # named, not a host path
         data_volumes += [m[0] for m in mounts]
     assert len(set(data_volumes)) == len(data_volumes), f"replicas share a volume: {data_volumes}"
-    # Nothing else mounts a replica's volume (the migrate step needs none).
+    # Nothing else mounts a replica's volume (the migrate step needs none) but the nginx in
+    # front of that replica, read-only (deploy/nginx/: it sends the replica's files).
     for name, svc in services.items():
         if name not in replicas:
-            assert not {v.split(":")[0] for v in svc.get("volumes", [])} & set(data_volumes), name
+            shared = [
+                v.split(":") for v in svc.get("volumes", []) if v.split(":")[0] in data_volumes
+            ]
+            if name.startswith("nginx-"):
+                replica = svc["environment"]["KCACHE_REPLICA"].split(":")[0]
+                assert [m[0] for m in shared] == [services[replica]["volumes"][0].split(":")[0]]
+                assert all(m[-1] == "ro" for m in shared), name
+            else:
+                assert not shared, name
 
 
 def test_kubernetes_pods_keep_their_own_data_and_reach_the_bucket() -> None:
@@ -261,7 +275,7 @@ def test_kubernetes_pods_keep_their_own_data_and_reach_the_bucket() -> None:
     assert not [d for d in k8s.values() if d["kind"] == "PersistentVolumeClaim"]
     pod = k8s["Deployment/kcache"]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
-    for container in (*pod["initContainers"], *pod["containers"]):
+    for container in (*pod["initContainers"], *_kcache_containers(pod)):
         env = {e["name"]: e for e in container["env"]}
         assert env["KCACHE_STORE_URL"]["value"].startswith("s3://")
         assert env["AWS_ENDPOINT_URL"]["value"].startswith("http") and env["AWS_REGION"]["value"]
@@ -414,7 +428,7 @@ def test_build_image_tags_the_release_that_kubernetes_and_compose_run(tmp_path: 
     assert refused.returncode != 0 and "--push needs a registry" in refused.stderr
 
     pod = _k8s()["Deployment/kcache"]["spec"]["template"]["spec"]
-    for container in (*pod["initContainers"], *pod["containers"]):
+    for container in (*pod["initContainers"], *_kcache_containers(pod)):
         assert container["image"] == image, container["name"]
         assert container["imagePullPolicy"] == "IfNotPresent", container["name"]
     assert "deploy/build-image --push REGISTRY" in (DEPLOY / "kubernetes.yaml").read_text()

@@ -18,10 +18,18 @@ database must check, an error) goes to that route unchanged, which also fills th
 caches for next time. Both answer with the same headers, the artifact's metadata among
 them (``X-KCache-Meta``, :mod:`kcache.artifact_header`), encoded here once per artifact:
 a client's fetch is one round trip.
+
+Behind the deploy's nginx (``accel_redirect`` set, ``deploy/nginx/kcache.conf``) both
+answer a 200 with those headers, an empty body and ``X-Accel-Redirect`` to the blob's
+file (:func:`accel_path`, built from the validated digest only); nginx sends the bytes.
+The token was checked here first, and the fetch is audited here, as without nginx.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, NamedTuple
@@ -35,7 +43,7 @@ from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.security_headers import NOSNIFF
 from kcache_server.state import ServerState
 
-__all__ = ["ArtifactFastPath", "WarmFetch"]
+__all__ = ["ACCEL_HEADER", "ArtifactFastPath", "WarmFetch", "accel_path"]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -49,6 +57,44 @@ _SUFFIX = "/artifact"
 ROUTE = "/v1/recipes/{recipe_key}/artifact"
 _OCTETS = (b"content-type", b"application/octet-stream")
 SIGNATURE = SIGNATURE_HEADER.lower().encode()
+#: A request header saying "send the bytes yourself": nginx's fallback when its file is gone.
+ACCEL_HEADER = "X-KCache-Accel"
+_ACCEL = ACCEL_HEADER.lower().encode()
+
+
+def accel_path(prefix: str, digest: str) -> str:
+    """nginx's internal URI of ``digest``'s blob under ``prefix``: ``<prefix>ab/cd/<digest>``.
+
+    Only a digest that passed the key check becomes a path (the store's own fan-out,
+    :class:`~kcache.store.local.LocalArtifactStore`); anything else is a ``ValueError``.
+    """
+    if not is_hex_key(digest):
+        raise ValueError(f"not a digest: {digest!r}")
+    return f"{prefix}{digest[:2]}/{digest[2:4]}/{digest}"
+
+
+#: A redirected blob's file gets its mtime refreshed when it is older than this: the local
+#: copies' LRU (eviction, kcache.eviction) goes by mtime, and nginx's reads do not touch it.
+TOUCH_S = 60.0
+
+
+def on_disk(path: str) -> bool:
+    """Whether ``path`` is a file nginx can send; its mtime refreshed once it is :data:`TOUCH_S` old."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return False  # nothing nginx should send (the route's read sets it aside)
+    if time.time() - st.st_mtime > TOUCH_S:
+        with contextlib.suppress(OSError):  # evicted meanwhile: nginx falls back
+            os.utime(path)
+    return True
+
+
+def accel_wanted(prefix: str | None, value: str | None) -> bool:
+    """Whether to answer with ``X-Accel-Redirect``: set up, and not refused by ``X-KCache-Accel``."""
+    return prefix is not None and (value or "").strip().lower() != "off"
 
 
 class ArtifactFastPath:
@@ -63,6 +109,11 @@ class ArtifactFastPath:
         self.tokens = state.tokens
         self.resolver = state.resolver
         self.signer = state.signer
+        #: nginx's internal location of the blobs, when it sends the bytes (``accel_redirect``).
+        self.accel = state.settings.accel_redirect
+        store = state.backends.store
+        #: Where a blob's local file is, never filled from a bucket (the route fills it).
+        self._local_path = getattr(store, "path_local", store.path)
         metrics = state.metrics
         # Counted without locks: this runs on the event loop's thread only.
         requests = metrics.requests
@@ -108,7 +159,7 @@ class ArtifactFastPath:
         data = resolver.cached_blob(meta.digest)
         if data is None:
             return None
-        authorization = if_none_match = None
+        authorization = if_none_match = accel = None
         for name, value in headers:
             if name == b"authorization":
                 if authorization is not None:
@@ -116,16 +167,22 @@ class ArtifactFastPath:
                 authorization = value.decode("latin-1")
             elif name == b"if-none-match":
                 if_none_match = value.decode("latin-1")
+            elif name == _ACCEL:
+                accel = value.decode("latin-1")
         principal = self.tokens.authenticate_cached(authorization)
         if principal is None or not principal.allows("read"):
             return None  # the route produces the precise 401/403
         encoded = self._headers.get(meta.digest)
         if encoded is None or not (encoded.meta is meta or encoded.meta == meta):
-            encoded = EncodedHeaders.of(meta, len(data))
+            local = str(self._local_path(meta.digest)) if self.accel is not None else ""
+            encoded = EncodedHeaders.of(meta, len(data), self.accel, local)
             self._headers.put(meta.digest, encoded)
         fresh = etag_matches(if_none_match, meta.digest)
+        redirect = not fresh and accel_wanted(self.accel, accel)
+        if redirect and not on_disk(encoded.local_path):
+            return None  # the route puts the local copy back (from the bucket), then redirects
         signature = (SIGNATURE, self.signer.header_pair(recipe_key, meta))
-        return WarmFetch(recipe_key, meta, data, encoded, signature, fresh)
+        return WarmFetch(recipe_key, meta, data, encoded, signature, fresh, redirect)
 
     def finish(self, answer: WarmFetch, started: float) -> None:
         """Audit the fetch and count it, as the route does, once its answer was sent."""
@@ -150,17 +207,38 @@ class EncodedHeaders(NamedTuple):
     lines: bytes
     #: ``body_pairs`` as lines.
     body_lines: bytes
+    #: A redirected 200's ``X-Accel-Redirect``, content type and empty length (no prefix: none).
+    accel_pairs: list[tuple[bytes, bytes]]
+    #: ``accel_pairs`` as lines.
+    accel_lines: bytes
+    #: The blob's local file, which nginx sends (with a prefix only).
+    local_path: str
 
     @classmethod
-    def of(cls, meta: ArtifactMeta, size: int) -> EncodedHeaders:
-        """The headers of ``meta``'s artifact of ``size`` bytes."""
+    def of(
+        cls, meta: ArtifactMeta, size: int, accel: str | None = None, local_path: str = ""
+    ) -> EncodedHeaders:
+        """The headers of ``meta``'s artifact of ``size`` bytes (redirected under ``accel``)."""
         pairs = [
             (name.lower().encode(), value.encode())
             for name, value in artifact_headers(meta).items()
         ]
         pairs.append(NOSNIFF)  # as the app's answers carry it (kcache_server.security_headers)
         body_pairs = [_OCTETS, (b"content-length", str(size).encode())]
-        return cls(meta, pairs, body_pairs, header_lines(pairs), header_lines(body_pairs))
+        accel_pairs = []
+        if accel is not None:
+            redirect = accel_path(accel, meta.digest).encode()
+            accel_pairs = [(b"x-accel-redirect", redirect), _OCTETS, (b"content-length", b"0")]
+        return cls(
+            meta,
+            pairs,
+            body_pairs,
+            header_lines(pairs),
+            header_lines(body_pairs),
+            accel_pairs,
+            header_lines(accel_pairs),
+            local_path,
+        )
 
 
 def header_lines(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:
@@ -182,12 +260,20 @@ class WarmFetch(NamedTuple):
     #: The server's signature of this key -> artifact (``X-KCache-Signature``), per key.
     signature: tuple[bytes, bytes]
     not_modified: bool
+    #: Answer with ``X-Accel-Redirect`` and no body: nginx sends the bytes.
+    redirect: bool = False
 
     def response(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """Status, headers (a new request id among them) and body."""
         request_id = (HEADER, new_request_id().encode())
         if self.not_modified:
             return 304, [*self.headers.pairs, self.signature, request_id], b""
+        if self.redirect:
+            return (
+                200,
+                [*self.headers.pairs, self.signature, request_id, *self.headers.accel_pairs],
+                b"",
+            )
         pairs = [*self.headers.pairs, self.signature, request_id, *self.headers.body_pairs]
         return 200, pairs, self.data
 
@@ -197,4 +283,6 @@ class WarmFetch(NamedTuple):
         request_id = header_lines((self.signature, (HEADER, new_request_id().encode())))
         if self.not_modified:
             return 304, headers.lines + request_id, b""
+        if self.redirect:
+            return 200, b"".join((headers.lines, request_id, headers.accel_lines)), b""
         return 200, b"".join((headers.lines, request_id, headers.body_lines)), self.data

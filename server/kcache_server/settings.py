@@ -232,6 +232,15 @@ class Settings(BaseSettings):
     max_batch: int = Field(default=1024, ge=1, description="recipes per /v1/resolve/batch")
     blob_cache_bytes: int = Field(default=256 << 20, ge=0, description="hot blobs kept in memory")
     auth_cache_s: float = Field(default=2.0, ge=0, description="how long token checks are cached")
+    accel_redirect: str | None = Field(
+        default=None,
+        pattern=r"^/[A-Za-z0-9_/-]*/$",
+        description="behind the deploy's nginx (deploy/nginx/kcache.conf): a fetch by key or by "
+        "digest is answered with its headers and X-Accel-Redirect to this internal location plus "
+        "ab/cd/<digest>, and nginx sends the bytes from the data directory's blobs/; a request "
+        "carrying X-KCache-Accel: off (nginx's fallback) gets the bytes. Unset: the bytes are sent "
+        "here. Set it only where every client comes through that nginx",
+    )
     db_pool_size: int = Field(default=16, ge=1, description="PostgreSQL connections kept open")
     db_max_overflow: int = Field(
         default=64, ge=0, description="further PostgreSQL connections under load"

@@ -1,18 +1,31 @@
-"""``GET``/``HEAD /v1/blobs/{digest}``: content-addressed bytes, immutable."""
+"""``GET``/``HEAD /v1/blobs/{digest}``: content-addressed bytes, immutable.
+
+Behind the deploy's nginx (``accel_redirect`` set) a ``GET`` whose bytes this process
+has verified is answered with the headers and ``X-Accel-Redirect`` instead of the bytes
+(:func:`bytes_answer`, used by the fetch by key too): the token is checked here, nginx
+sends the file. ``HEAD`` carries no bytes and is answered here in any case.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kcache.errors import ArtifactNotFoundError
+from kcache.store.local import LocalArtifactStore
+from kcache_server.fastpath import ACCEL_HEADER, accel_path, accel_wanted, on_disk
 from kcache_server.http_cache import blob_headers, etag_matches
 from kcache_server.routes._deps import ERRORS, Reader, State
 from kcache_server.schemas import DigestPath, check_key
+from kcache_server.state import ServerState
 
 router = APIRouter(prefix="/v1/blobs", tags=["blobs"])
+
+__all__ = ["bytes_answer", "router"]
 
 _BYTES = "application/octet-stream"
 _RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -45,4 +58,32 @@ async def get_blob(digest: DigestPath, request: Request, _: Reader, state: State
             status_code=304, headers=blob_headers(digest, store.path(digest).stat().st_size)
         )
     data = await state.resolver.blob(digest)
-    return Response(data, media_type=_BYTES, headers=blob_headers(digest, len(data)))
+    return await bytes_answer(request, state, digest, data, blob_headers(digest, len(data)))
+
+
+def _local_copy(store: LocalArtifactStore, digest: str) -> bool:
+    """Whether the blob's local file is there for nginx, put back from the bucket if it was not."""
+    return on_disk(os.fspath(store.path(digest)))  # a bucket's store fills its local copy
+
+
+async def bytes_answer(
+    request: Request, state: ServerState, digest: str, data: bytes, headers: dict[str, str]
+) -> Response:
+    """A 200 of ``data``, or, behind nginx, of no body and ``X-Accel-Redirect`` to its file.
+
+    The redirect is asked for by ``accel_redirect``; nginx's fallback (its copy of the
+    file gone) says ``X-KCache-Accel: off`` and gets the bytes, which this process has
+    read and verified either way. A local copy evicted meanwhile is put back from the
+    bucket first; where there is none, the bytes go from here.
+    """
+    prefix = state.settings.accel_redirect
+    if (
+        prefix is not None
+        and accel_wanted(prefix, request.headers.get(ACCEL_HEADER))
+        and await anyio.to_thread.run_sync(
+            _local_copy, state.backends.store, digest, limiter=state.limiter
+        )
+    ):
+        redirect = {**headers, "X-Accel-Redirect": accel_path(prefix, digest)}
+        return Response(b"", media_type=_BYTES, headers=redirect)
+    return Response(data, media_type=_BYTES, headers=headers)

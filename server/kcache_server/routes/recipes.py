@@ -15,6 +15,7 @@ from kcache.signing import HEADER as SIGNATURE_HEADER
 from kcache_server.errors import ArtifactSetAsideError
 from kcache_server.http_cache import artifact_headers, etag_matches
 from kcache_server.routes._deps import ERRORS, Reader, State
+from kcache_server.routes.blobs import bytes_answer
 from kcache_server.schemas import ArtifactBody, RecipeKeyPath, check_key
 
 router = APIRouter(prefix="/v1/recipes", tags=["recipes"])
@@ -134,4 +135,6 @@ async def recipe_artifact(
         resolver.record_fetch(recipe_key, None, started, "error")
         raise
     resolver.record_fetch(recipe_key, meta, started, "hit")
-    return Response(data, media_type="application/octet-stream", headers=headers)
+    return await bytes_answer(
+        request, state, meta.digest, data, headers
+    )  # behind nginx: a redirect

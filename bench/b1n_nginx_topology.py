@@ -1,0 +1,174 @@
+"""B1n: fetch by key through the deploy's nginx to one replica, warm, 32 connections, 5 s.
+
+Ours: ``GET /v1/recipes/{key}/artifact`` sent to nginx running
+``deploy/nginx/kcache.conf.template`` as it is, in front of one ``kcache serve`` with
+``KCACHE_ACCEL_REDIRECT``: the replica checks, audits and answers the headers, nginx sends
+the file. Anchor, in the same run: nginx (1 worker, as the deploy's) serving the same
+file directly (B1's anchor). Goal: >= 0.9 x.
+
+Also, interleaved in the same rounds (issue 35 item 2), B1 both ways: ``kcache serve`` alone
+with its own HTTP protocol (``kcache_server.http_protocol``, a subclass of uvicorn's
+private httptools protocol), and the same app under uvicorn's stock httptools protocol
+(public interfaces only: ``uvicorn.run`` with ``http="httptools"``). Goal: >= 0.6 x nginx.
+All servers share one data directory; rounds alternate (``BENCH_ROUNDS``, 3), each figure
+is the median round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness, b1_fetch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+from _harness import KCACHE, emit, kcache_server, wrk
+from b1_fetch import median_round, nginx_serving
+
+from tests.support import VECTOR_ADD, ServerProcess, answers_200, free_port, wait_until
+
+SECONDS = int(os.environ.get("BENCH_SECONDS", "5"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "kcache.conf.template"
+
+
+@contextlib.contextmanager
+def deploy_nginx(root: Path, replica: str, blobs: Path) -> Iterator[str]:
+    """nginx with 1 worker running the deploy's file in front of ``replica``; its URL."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    conf = TEMPLATE.read_text()
+    values = {"KCACHE_LISTEN": f"127.0.0.1:{port}", "KCACHE_REPLICA": replica}
+    for name, value in {**values, "KCACHE_BLOBS": str(blobs)}.items():
+        conf = conf.replace("${" + name + "}", value)
+    (root / "kcache.conf").write_text(conf)
+    user = "user root;" if os.geteuid() == 0 else ""
+    temps = " ".join(
+        f"{k}_temp_path {root};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    (root / "nginx.conf").write_text(
+        f"{user} daemon off; worker_processes 1; pid {root}/nginx.pid; error_log {root}/error.log;\n"
+        f"events {{ worker_connections 1024; }}\n"
+        f"http {{ access_log off; {temps} include {root}/kcache.conf; }}\n"
+    )
+    argv = ["nginx", "-p", str(root), "-e", str(root / "error.log"), "-c", str(root / "nginx.conf")]
+    proc = subprocess.Popen(argv)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: answers_200(url + "/healthz"), "the deploy's nginx", timeout=15)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def stock_uvicorn(data_dir: Path, workers: int) -> Iterator[str]:
+    """The same app under uvicorn's own httptools protocol (no private API); its URL."""
+    port = free_port()
+    code = (
+        "import uvicorn; uvicorn.run('kcache_server.app:create_app_from_env', factory=True, "
+        f"host='127.0.0.1', port={port}, workers={workers}, http='httptools', "
+        "access_log=False, log_level='warning')"
+    )
+    env = {**os.environ, "KCACHE_DATA_DIR": str(data_dir)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: answers_200(url + "/healthz"), "uvicorn's own protocol", timeout=60)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    workers = int(os.environ.get("BENCH_WORKERS", str(os.cpu_count() or 1)))
+    rounds: dict[str, list[dict[str, float]]] = {
+        "b1n": [],
+        "nginx": [],
+        "serve": [],
+        "stock": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="kcache-b1n-") as tmp:
+        root = Path(tmp)
+        data_dir = root / "data"
+        data_dir.mkdir()
+        with kcache_server(workers=workers, data_dir=data_dir) as serve_url:
+            body = {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
+            resolved = httpx.post(serve_url + "/v1/resolve", json=body, timeout=120)
+            path = f"/v1/recipes/{resolved.raise_for_status().json()['recipe_key']}/artifact"
+            data = httpx.get(serve_url + path).raise_for_status().content
+            www = root / "www"
+            www.mkdir()
+            (root / "tmp").mkdir()
+            (www / "blob").write_bytes(data)
+            env = {**os.environ, "KCACHE_DATA_DIR": str(data_dir)}
+            subprocess.run([*KCACHE, "db", "upgrade"], env=env, check=True, capture_output=True)
+            accel_env = {**env, "KCACHE_ACCEL_REDIRECT": "/_kcache_blobs/"}
+            replica = ServerProcess(data_dir, workers=workers, env=accel_env, log=root / "r.log")
+            with (
+                replica,
+                deploy_nginx(
+                    root / "deploy", replica.url.removeprefix("http://"), data_dir / "blobs"
+                ) as b1n_url,
+                nginx_serving(www) as nginx_url,
+                stock_uvicorn(data_dir, workers) as stock_url,
+            ):
+                urls = {
+                    "b1n": b1n_url + path,
+                    "nginx": nginx_url,
+                    "serve": serve_url + path,
+                    "stock": stock_url + path,
+                }
+                for url in urls.values():  # warm every process's caches, and check the bytes
+                    for _ in range(4 * workers):
+                        assert httpx.get(url).content == data, url
+                for _ in range(ROUNDS):
+                    for side, url in urls.items():
+                        rounds[side].append(wrk(url, seconds=SECONDS))
+                        time.sleep(0.5)
+    med = {side: median_round(r) for side, r in rounds.items()}
+    anchor = med["nginx"]["rps"]
+    each = {f"rounds_{side}": [round(r["rps"]) for r in rs] for side, rs in rounds.items()}
+    emit(
+        "B1n.fetch_by_key_through_deploy_nginx.rps",
+        med["b1n"]["rps"],
+        anchor,
+        "req/s",
+        goal=">= 0.9",
+        met=med["b1n"]["rps"] >= 0.9 * anchor,
+        bytes=len(data),
+        replica_workers=workers,
+        non_2xx=sum(r["non_2xx"] for r in rounds["b1n"]),
+        p99_ms=med["b1n"]["p99_ms"],
+        **each,
+    )
+    emit(
+        "B1.fetch_by_key.kcache_serve_own_protocol.rps",
+        med["serve"]["rps"],
+        anchor,
+        "req/s",
+        goal=">= 0.6",
+        met=med["serve"]["rps"] >= 0.6 * anchor,
+    )
+    emit(
+        "B1.fetch_by_key.stock_uvicorn_protocol.rps",
+        med["stock"]["rps"],
+        anchor,
+        "req/s",
+        goal=">= 0.6",
+        met=med["stock"]["rps"] >= 0.6 * anchor,
+        own_vs_stock=round(med["serve"]["rps"] / med["stock"]["rps"], 3),
+    )
+
+
+if __name__ == "__main__":
+    main()
