@@ -46,6 +46,7 @@ REQUEST_LIMITS = (
     "max_batch",
     "audit.max_events_per_batch",
     "audit.max_clock_skew_s",
+    "audit.max_reported_per_minute",
 )
 
 
