@@ -17,8 +17,10 @@ from kcache.lazy import lazy_exports
 from kcache_client.errors import (
     ArchitectureMismatchError,
     AuthenticationError,
+    BypassRefusedError,
     ClientError,
     DigestMismatchError,
+    LateCompileError,
     MetadataError,
     NoDeviceError,
     RecipeRefusedError,
@@ -36,6 +38,7 @@ from kcache_client.errors import (
 )
 
 if TYPE_CHECKING:
+    from kcache.job_manifest import JobManifest
     from kcache_client._artifact import Artifact, ArtifactOrigin
     from kcache_client._cache import KernelCache
     from kcache_client._collective import Collective, StoreCollective, TorchCollective
@@ -55,6 +58,7 @@ _LAZY = {
     "ArtifactOrigin": "kcache_client._artifact",
     "CacheStats": "kcache_client._stats",
     "KernelCache": "kcache_client._cache",
+    "JobManifest": "kcache.job_manifest",
     "WarmupResult": "kcache_client._warmup",
     "Collective": "kcache_client._collective",
     "StoreCollective": "kcache_client._collective",
@@ -72,13 +76,16 @@ __all__ = [
     "Artifact",
     "ArtifactOrigin",
     "AuthenticationError",
+    "BypassRefusedError",
     "CacheStats",
     "ClientError",
     "ClientSettings",
     "Collective",
     "DigestMismatchError",
     "EventSink",
+    "JobManifest",
     "KernelCache",
+    "LateCompileError",
     "MetadataError",
     "NoDeviceError",
     "NodeTier",

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import sys
 import threading
+from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -41,11 +45,30 @@ def cuda_core() -> Any:
 
 
 def default_cache() -> KernelCache:
-    """One ``KernelCache()`` per process for adapters given no ``cache=`` (settings from the environment)."""
+    """One ``KernelCache()`` per process for adapters given no ``cache=`` (settings from the environment).
+
+    Where CuPy is imported, its include directory is one of the cache's include sets
+    (:mod:`kcache_client._cupy_headers`), as CuPy puts it on every compile's path.
+    """
     global _default
     with _default_lock:
         if _default is None:
             from kcache_client._cache import KernelCache
+            from kcache_client._settings import ClientSettings
 
-            _default = KernelCache()
+            settings = ClientSettings.from_env()
+            cupy_set = _cupy_include_set()
+            if cupy_set is not None and cupy_set[0] not in settings.include_sets:
+                sets = {**settings.include_sets, cupy_set[0]: cupy_set[1]}
+                settings = dataclasses.replace(settings, include_sets=MappingProxyType(sets))
+            _default = KernelCache(settings=settings)
         return _default
+
+
+def _cupy_include_set() -> tuple[str, Path] | None:
+    # Only a process that imported CuPy pays for hashing its headers (once).
+    if "cupy" not in sys.modules:
+        return None
+    from kcache_client._cupy_headers import installed_include_set
+
+    return installed_include_set()

@@ -44,11 +44,14 @@ from tqdm import tqdm
 from kcache.artifact import ArtifactMeta
 from kcache.artifact_header import ON_MISS_HEADER, ON_MISS_RESOLVE
 from kcache.errors import CompileError, KCacheError, ToolchainError
+from kcache.job_manifest import JobManifest, ManifestKernel
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
 from kcache.signing import Signature
 from kcache_client._artifact import Artifact, ArtifactOrigin
+from kcache_client._bundle import PrefetchResult, open_layers, prefetch
 from kcache_client._events import EventSink, tally_key
+from kcache_client._freeze import FreezeMode, Freezer, after_warmup_mode, parse_mode
 from kcache_client._http import Transport
 from kcache_client._local import LocalCompiler
 from kcache_client._remote import Remote, Resolution
@@ -188,6 +191,16 @@ class KernelCache:
             else None
         )
         self._memory: LruCache[str, Artifact] = LruCache(max_entries=settings.memory_entries)
+        #: Read-only layers under the node tier, looked up after it in order (kcache_client._bundle).
+        self.layers = open_layers(
+            settings.layers,
+            settings.cache_dir,
+            self.trust,
+            max_entry_bytes=settings.max_artifact_bytes,
+        )
+        # What this process was served, by recipe key: its manifest (KernelCache.manifest).
+        self._used: dict[str, ManifestKernel] = {}
+        self._freezer = Freezer(self.stats, self._events, self.context)
         self._toolchain_default: str | None = None
         self._toolchain_lock = threading.Lock()
         self.host = settings.hostname
@@ -316,7 +329,8 @@ class KernelCache:
         Raises RemoteCompileError (a CompileError) when the recipe does not compile,
         RemoteNotFoundError when absent and ``compile`` is false, ServerUnavailableError
         (naming the URL and cause) when only the unreachable server could have answered,
-        MetadataError or DigestMismatchError when the server's answer cannot be trusted.
+        MetadataError or DigestMismatchError when the server's answer cannot be trusted,
+        LateCompileError when the cache is frozen with ``error`` and its tiers lack the kernel.
         """
         started = time.perf_counter()
         concrete = self.prepare(recipe)
@@ -325,6 +339,9 @@ class KernelCache:
             found = self._local_hit(key, concrete, started)
             if found is not None:
                 return found
+            late = self._freezer.late(key, concrete)  # frozen: reported, or refused here
+            if late is not None:
+                raise late
         offline: ServerUnavailableError
         # The per-key lock makes the node download once however many ranks ask; it
         # guards no correctness (publishing is atomic), so a lock timeout only costs time.
@@ -367,7 +384,8 @@ class KernelCache:
         ``progress`` bar on stderr) and downloaded into the tier, verified. A recipe's
         own failure is its result: RemoteCompileError (a CompileError),
         RemoteNotFoundError (absent, ``compile`` false), RecipeRefusedError (any other
-        code), or the core's CompileError from a local compile. The call itself raises
+        code), LateCompileError (frozen with ``error``: :meth:`freeze`), or the core's
+        CompileError from a local compile. The call itself raises
         when it cannot proceed: no server and no local compiles, authentication, a
         recipe that cannot be keyed here. When the server cannot be reached and local
         compiles are on, the rest are compiled here, one by one. ``context`` overrides
@@ -381,8 +399,11 @@ class KernelCache:
         for key, recipe in zip(keys, concrete, strict=True):
             if key not in results and key not in todo:
                 found = self._local_hit(key, recipe, started)
+                late = None if found is not None else self._freezer.late(key, recipe)
                 if found is not None:
                     results[key] = found
+                elif late is not None:
+                    results[key] = late
                 else:
                     todo[key] = recipe
         asked = {**self.context(), **(context or {})}
@@ -425,6 +446,8 @@ class KernelCache:
         timeout: float = 1800.0,
         compile: bool = True,
         progress: bool | None = None,
+        manifest: JobManifest | None = None,
+        then: str | None = None,
     ) -> WarmupResult:
         """Resolve every rank's recipes once per job (or node), then load them from the tier.
 
@@ -444,16 +467,76 @@ class KernelCache:
         A warmup may run any number of times in a job, on any group; under
         torch.distributed it creates no process group (see ``_collective``), so there
         is nothing to tear down.
+
+        ``manifest`` (a :class:`~kcache.job_manifest.JobManifest`, e.g. a previous run's) is
+        prefetched first (:meth:`prefetch`: one bundle request per node, none when the
+        node holds it); ``recipes`` may then be empty, and the warmup is the barrier.
+        ``then``: what the cache does after the barrier with a kernel its tiers lack
+        (:mod:`~kcache_client._freeze`): ``"freeze"`` (the mode KCACHE_AFTER_WARMUP names,
+        else ``warn``), ``"warn"``, ``"error"``, ``"allow"``, or None (KCACHE_AFTER_WARMUP's
+        word, else nothing changes). A warmup thaws the cache for its own lookups.
         """
-        return warmup(
-            self,
-            recipes,
-            group,
-            per_node=per_node,
-            timeout=timeout,
-            compile=compile,
-            progress=progress,
+        mode = after_warmup_mode(then, self.settings.after_warmup)
+        before = self._freezer.mode
+        self._freezer.set("allow")
+        try:
+            if manifest is not None:
+                self.prefetch(manifest)
+            result = warmup(
+                self,
+                recipes,
+                group,
+                per_node=per_node,
+                timeout=timeout,
+                compile=compile,
+                progress=progress,
+            )
+        finally:
+            self._freezer.set(before)  # a failed warmup leaves the cache as it was
+        if mode is not None:
+            self._freezer.set(mode)
+        return result
+
+    # ------------------------------------------------------------------ jobs
+    def freeze(self, mode: FreezeMode | str = "error") -> None:
+        """From now on, a kernel neither memory nor the node's tiers hold is late
+        (:mod:`~kcache_client._freeze`): ``warn`` reports it and goes on, ``error`` refuses it
+        with :class:`~kcache_client.errors.LateCompileError` (both audit an outcome ``late``);
+        ``allow`` thaws."""
+        self._freezer.set(parse_mode(mode))
+
+    @property
+    def frozen(self) -> FreezeMode:
+        """The freeze mode now (``allow``: not frozen)."""
+        return self._freezer.mode
+
+    def manifest(self, job_id: str | None = None) -> JobManifest:
+        """What this process was served so far (every ``get``, ``get_many`` and warmup), as a
+        :class:`~kcache.job_manifest.JobManifest` of ``job_id`` (default the settings' job)."""
+        return JobManifest.of(list(self._used.values()), job_id or self.settings.job_id)
+
+    def job_manifest(self, job_id: str | None = None) -> JobManifest:
+        """The server's manifest of ``job_id`` (default this cache's job): every kernel its
+        audit events name (``GET /v1/jobs/{job}/manifest``)."""
+        job = job_id or self.settings.job_id
+        if not job:
+            raise KCacheError("no job id: pass one, or set KCACHE_JOB_ID")
+        from urllib.parse import quote
+
+        body = self._require_server().transport.request_json(
+            "GET", f"/v1/jobs/{quote(job, safe='')}/manifest"
         )
+        return JobManifest.from_dict(body)
+
+    def prefetch(self, manifest: JobManifest) -> PrefetchResult:
+        """Every artifact of ``manifest`` this node's tiers lack, in one streamed request.
+
+        Design: Bundles (:mod:`~kcache_client._bundle`). Each entry is checked (digest and
+        the server's signature) before it is published into the node tier; a tier whose
+        completeness marker names the manifest makes no request at all. Keys the server
+        has no artifact for are the result's ``missing`` (they are looked up as usual later).
+        """
+        return prefetch(self, manifest)
 
     # ------------------------------------------------------------------ tiers
     def forget_memory(self) -> None:
@@ -475,12 +558,18 @@ class KernelCache:
     def _from_tier(self, key: str, concrete: Recipe) -> Artifact | None:
         # Verifies the digest (a corrupt blob reads as absent) and, where the tier's
         # standing asks for it, the signature (an entry that fails reads as absent).
-        found = self.tier.lookup_signed(key)
+        tier = self.tier
+        found = tier.lookup_signed(key)
         if found is None:
-            return None
+            for tier in self.layers:  # read-only, below the writable tier, in order
+                found = tier.lookup_signed(key)
+                if found is not None:
+                    break
+            else:
+                return None
         self.stats.add("node_hits")
         meta, data, signature = found
-        return self._remember(self._artifact(key, concrete, meta, data, "node", signature))
+        return self._remember(self._artifact(key, concrete, meta, data, "node", signature, tier))
 
     def _artifact(
         self,
@@ -506,8 +595,19 @@ class KernelCache:
         )
 
     def _remember(self, art: Artifact) -> Artifact:
-        """Keep ``art`` in memory, where later calls find it (as from ``memory``)."""
+        """Keep ``art`` in memory, where later calls find it (as from ``memory``), and in the
+        process's manifest."""
         self._memory.put(art.recipe_key, art.found_in("memory"))
+        meta = art.metadata
+        self._used[art.recipe_key] = ManifestKernel(
+            art.recipe_key,
+            meta.digest,
+            meta.kernel,
+            meta.target,
+            meta.toolchain,
+            meta.kind,
+            meta.size,
+        )
         return art
 
     def _publish(

@@ -346,7 +346,9 @@ def register(subparsers: Any) -> None:
     from kcache_client._cache_cli import register as register_cache_commands
     from kcache_client._config_cli import register as register_config
     from kcache_client._explain_cli import register as register_explain
+    from kcache_client._job_cli import register as register_jobs
 
     register_cache_commands(subparsers)  # kcache cache info|ls|rm|clear, kcache pin|unpin
     register_explain(subparsers)  # kcache explain RECIPE|KEY
     register_config(subparsers)  # kcache config
+    register_jobs(subparsers)  # kcache manifest|prefetch|bundle|layers

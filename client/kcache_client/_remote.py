@@ -24,10 +24,13 @@ with the artifact, for the node tier to store beside it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+
+import httpx
 
 from kcache.artifact import ArtifactMeta
 from kcache.artifact_header import HEADER as META_HEADER
@@ -36,7 +39,7 @@ from kcache.outcomes import ResolveStatus
 from kcache.recipe import Recipe
 from kcache.signing import HEADER as SIGNATURE_HEADER
 from kcache.signing import Signature, SignatureError
-from kcache_client._http import Limit, Transport, batch_item_error
+from kcache_client._http import MAX_JSON_BYTES, Limit, Transport, _error, batch_item_error
 from kcache_client._settings import max_artifact_bytes_from_env
 from kcache_client._stats import CacheStats
 from kcache_client._trust import Trust, default_known_servers
@@ -46,6 +49,7 @@ from kcache_client.errors import (
     MetadataError,
     RemoteNotFoundError,
     ResponseRefusedError,
+    ServerUnavailableError,
     UntrustedArtifactError,
 )
 
@@ -226,6 +230,45 @@ class Remote:
             raise MetadataError(where, f"its size is {meta.size}, its bytes are {len(data)}")
         return data
 
+    @contextlib.contextmanager
+    def bundle(
+        self, keys: Sequence[str], *, context: Mapping[str, Any]
+    ) -> Iterator[Iterator[bytes]]:
+        """``POST /v1/bundle`` of ``keys``: the answer's bytes as they arrive (one request).
+
+        Not retried: a prefetch cut short keeps what it verified and published, and its
+        next call asks for the rest. Error statuses raise the transport's typed errors
+        (the JSON body read within the transport's cap); a connection that fails raises
+        ServerUnavailableError. The caller parses and checks the stream
+        (:class:`kcache.bundle_format.BundleReader`, :meth:`check_entry`).
+        """
+        transport = self.transport
+        url = f"{self.url}/v1/bundle"
+        with transport._count_lock:  # the transport's own counter of requests sent
+            transport.requests += 1
+        client = transport._httpx()
+        body = {"recipe_keys": list(keys), "context": dict(context)}
+        try:
+            with client.stream(
+                "POST", url, json=body, headers=transport._headers, follow_redirects=False
+            ) as response:
+                if response.status_code != 200:
+                    text = b"".join(_bounded(response.iter_bytes(), MAX_JSON_BYTES)).decode(
+                        "utf-8", "replace"
+                    )
+                    raise _error(response.status_code, url, text, response.headers, self.url)
+                yield response.iter_bytes()
+        except httpx.TransportError as exc:
+            raise ServerUnavailableError(self.url, f"{type(exc).__name__}: {exc}") from None
+
+    def check_entry(
+        self, key: str, meta: ArtifactMeta, signature: Signature, where: str
+    ) -> Signature:
+        """A bundle entry's signature, by a key trusted for this server (UntrustedArtifactError),
+        and its size within ``max_artifact_bytes`` (ResponseRefusedError)."""
+        self._check_size(meta, where)
+        return self._check_signature(key, meta, signature, where)
+
     # ------------------------------------------------------------------ internals
     def _metadata(self, key: str) -> tuple[ArtifactMeta, Signature | None]:
         path = f"/v1/recipes/{key}"
@@ -304,3 +347,13 @@ def _check_fits(meta: ArtifactMeta, concrete: Recipe, where: str) -> None:
         got = getattr(meta, name)
         if got != wanted:
             raise MetadataError(where, f"its {name} is {got!r}, the recipe asks for {wanted!r}")
+
+
+def _bounded(chunks: Iterator[bytes], limit: int) -> Iterator[bytes]:
+    """``chunks`` up to ``limit`` bytes in all (an error body is read no further)."""
+    left = limit
+    for chunk in chunks:
+        if left <= 0:
+            return
+        yield chunk[:left]
+        left -= len(chunk)

@@ -24,11 +24,11 @@ import math
 import os
 import random
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -103,6 +103,7 @@ ENVIRONMENT: Mapping[str, str] = MappingProxyType(
         "auto_target": "KCACHE_AUTO_TARGET",
         "device": "KCACHE_DEVICE",
         "send_events": "KCACHE_SEND_EVENTS",
+        "bypass": "KCACHE_BYPASS",
         "memory_entries": "KCACHE_MEMORY_ENTRIES",
         "lock_timeout_s": "KCACHE_CLIENT_LOCK_TIMEOUT_S",
         "retry.attempts": "KCACHE_RETRY_ATTEMPTS",
@@ -117,6 +118,8 @@ ENVIRONMENT: Mapping[str, str] = MappingProxyType(
         "max_artifact_bytes": "KCACHE_CLIENT_MAX_ARTIFACT_BYTES",
         "trusted_keys": "KCACHE_TRUSTED_KEYS",
         "known_servers": "KCACHE_KNOWN_SERVERS",
+        "after_warmup": "KCACHE_AFTER_WARMUP",
+        "layers": "KCACHE_CACHE_LAYERS",
     }
 )
 
@@ -291,6 +294,16 @@ def _env_include_sets() -> dict[str, str]:
     return value
 
 
+def _bypass(value: str | None) -> Literal["allow", "error"]:
+    """``KCACHE_BYPASS``: ``allow`` (the default) or ``error``."""
+    text = (value or "allow").strip().lower()
+    if text == "allow":
+        return "allow"
+    if text == "error":
+        return "error"
+    raise KCacheError(f"KCACHE_BYPASS={value!r}: give allow (the default) or error")
+
+
 def _url(value: str | None) -> str | None:
     return (value or "").strip() or None
 
@@ -316,7 +329,10 @@ class ClientSettings:
     the audit, ``send_events`` (report node-local hits to the server). Local compiles:
     ``local_compile`` (``KCACHE_LOCAL_COMPILE``; None: on exactly when there is no
     server, see :attr:`compiles_locally`) and ``include_sets`` (name -> directory they
-    may read for the include sets a recipe names; a server has its own).
+    may read for the include sets a recipe names; a server has its own). Adapters:
+    ``bypass`` (``KCACHE_BYPASS``): ``allow`` lets the CuPy and cuda.core adapters hand
+    a compile kcache cannot key to the library itself (warned once, audited as
+    ``bypass``), ``error`` raises :class:`~kcache_client.errors.BypassRefusedError` instead.
     """
 
     url: str | None = None
@@ -331,6 +347,7 @@ class ClientSettings:
     auto_target: str | None = None
     device: int | None = None
     send_events: bool = True
+    bypass: Literal["allow", "error"] = "allow"
     memory_entries: int = 4096
     lock_timeout_s: float = 900.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -341,8 +358,18 @@ class ClientSettings:
     trusted_keys: str | None = None
     #: The pin file (``KCACHE_KNOWN_SERVERS``, default ``~/.config/kcache/known_servers.json``).
     known_servers: Path = field(default_factory=lambda: _known_servers(None))
+    #: What a warmup leaves the cache in (``KCACHE_AFTER_WARMUP``: warn, error, allow;
+    #: None: what the code asks; kcache_client._freeze).
+    after_warmup: str | None = None
+    #: Read-only layers under the node tier, looked up in order (``KCACHE_CACHE_LAYERS``,
+    #: paths separated by ``os.pathsep``): tier directories or ``.kcb`` bundle files.
+    layers: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.after_warmup not in (None, "warn", "error", "allow"):
+            raise KCacheError(
+                f"KCACHE_AFTER_WARMUP={self.after_warmup!r}: give warn, error or allow"
+            )
         if self.max_artifact_bytes < 1:
             raise KCacheError(
                 f"max_artifact_bytes must be at least 1 byte, not {self.max_artifact_bytes}"
@@ -380,6 +407,7 @@ class ClientSettings:
         auto_target: str | None = None,
         device: int | None = None,
         send_events: bool | None = None,
+        bypass: str | None = None,
         memory_entries: int | None = None,
         lock_timeout_s: float | None = None,
         retry: RetryPolicy | None = None,
@@ -387,6 +415,8 @@ class ClientSettings:
         max_artifact_bytes: int | str | None = None,
         trusted_keys: str | None = None,
         known_servers: str | os.PathLike[str] | None = None,
+        after_warmup: str | None = None,
+        layers: Sequence[str | os.PathLike[str]] | None = None,
     ) -> ClientSettings:
         """Arguments first, then the environment, then the defaults.
 
@@ -412,6 +442,7 @@ class ClientSettings:
             or None,
             device=device if device is not None else _env_device(),
             send_events=send_events if send_events is not None else _env_send_events(),
+            bypass=_bypass(bypass or os.environ.get(ENVIRONMENT["bypass"])),
             memory_entries=memory_entries or _env_int(ENVIRONMENT["memory_entries"], 4096, 1),
             lock_timeout_s=lock_timeout_s or _env_seconds(ENVIRONMENT["lock_timeout_s"], 900.0),
             retry=retry or RetryPolicy.from_env(),
@@ -419,6 +450,18 @@ class ClientSettings:
             max_artifact_bytes=_artifact_cap(max_artifact_bytes),
             trusted_keys=trusted_keys or os.environ.get("KCACHE_TRUSTED_KEYS", "").strip() or None,
             known_servers=_known_servers(known_servers),
+            after_warmup=after_warmup
+            or os.environ.get(ENVIRONMENT["after_warmup"], "").strip().lower()
+            or None,
+            layers=tuple(
+                Path(p).expanduser()
+                for p in (
+                    layers
+                    if layers is not None
+                    else os.environ.get(ENVIRONMENT["layers"], "").split(os.pathsep)
+                )
+                if str(p).strip()
+            ),
         )
 
     def located(

@@ -21,6 +21,11 @@ class CacheStats:
     server_fetches: int = 0
     local_compiles: int = 0
     digest_mismatches: int = 0
+    #: Lookups a frozen cache missed its tiers for (``KernelCache.freeze``): warned or refused.
+    late_lookups: int = 0
+    #: ``POST /v1/bundle`` requests a prefetch sent, and the entries they published.
+    bundle_requests: int = 0
+    bundle_entries: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, n: int = 1) -> None:

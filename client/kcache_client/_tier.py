@@ -100,7 +100,7 @@ from kcache.fsutil import (
     read_file_identified,
 )
 from kcache.index.file import MAX_ENTRY_BYTES, FileIndex
-from kcache.keys import sha256_hex
+from kcache.keys import require_hex_key, sha256_hex
 from kcache.locks import FileKeyLock, SingleFlight, try_file_lock
 from kcache.lru import LruCache
 from kcache.signing import Signature, SignatureError
@@ -114,7 +114,15 @@ T = TypeVar("T")
 
 _log = logging.getLogger("kcache_client")
 #: The tier's own directories, whose standing is checked (kcache.standing).
-_DIRS = ("blobs", "index", "index/recipes", "index/artifacts", "index/manifests", "locks")
+_DIRS = (
+    "blobs",
+    "index",
+    "index/recipes",
+    "index/artifacts",
+    "index/manifests",
+    "index/complete",
+    "locks",
+)
 #: Entries refused here are warned about once each, up to this many per process.
 _WARNED_MAX = 10_000
 
@@ -189,9 +197,17 @@ class NodeTier:
         lock_timeout: float = 900.0,
         max_bytes: int | None = None,
         trust: Trust | None = None,
+        read_only: bool = False,
     ) -> None:
         self.root = Path(root)
-        mark_cache_dir(self.root)
+        #: A read-only layer (under a writable tier): only read, for signed entries; never
+        #: written, touched or evicted, whoever owns it.
+        self.read_only = read_only
+        if read_only:
+            if not self.root.is_dir():
+                raise KCacheError(f"the read-only cache layer {self.root} is not a directory")
+        else:
+            mark_cache_dir(self.root)
         #: Whose signatures entries are checked against where only signed ones are used.
         self.trust = trust
         # No fsync on publish: the tier is a cache, not a source of truth. An fsync per
@@ -217,17 +233,18 @@ class NodeTier:
         )
         self._size_lock = threading.Lock()
         # (base key, metadata, size) of publishes whose record is not written yet (flush).
-        self._pending: list[tuple[str, ArtifactMeta, int]] = []
+        self._pending: list[tuple[str | None, ArtifactMeta, int]] = []
         self._pending_lock = threading.Lock()
         self._scanned_bytes: int | None = None  # the tier's size at this process's last scan
         self._since_scan = 0  # bytes this process published since
         self._scanned_at = float("-inf")
         self._rescan_s = _RESCAN_MIN_S
         self._warned: LruCache[str, bool] = LruCache(max_entries=_WARNED_MAX)
-        self._share_dirs()
+        if not read_only:
+            self._share_dirs()
         #: Who else could have written the tier (module docstring), as found at open.
         self.standing = self.check_standing()
-        if self.standing.kind != "private":
+        if self.standing.kind != "private" and not read_only:
             _log.warning(
                 "kcache: the node tier %s is %s (%s): only entries signed by a trusted key are "
                 "used%s",
@@ -238,8 +255,12 @@ class NodeTier:
             )
 
     def check_standing(self) -> Standing:
-        """The tier's standing now (:func:`kcache.standing.directory_standing`)."""
-        return directory_standing(self.root, _DIRS)
+        """The tier's standing now (:func:`kcache.standing.directory_standing`); a read-only
+        layer's is untrusted whatever its directories say (signed entries only, no writes)."""
+        found = directory_standing(self.root, _DIRS)
+        if self.read_only and found.kind != "untrusted":
+            return Standing("untrusted", f"{self.root} is a read-only layer")
+        return found
 
     def _share_dirs(self) -> None:
         """In a shared tier (root sticky, writable by others), give the tier's directories this
@@ -384,7 +405,7 @@ class NodeTier:
     def publish(
         self,
         recipe_key: str,
-        base_key: str,
+        base_key: str | None,
         meta: ArtifactMeta,
         data: bytes,
         signature: Signature | None = None,
@@ -407,6 +428,10 @@ class NodeTier:
         Nothing is published (None) into a tier that is not writable here, nor an
         unsigned entry into one where only signed entries are used, nor where another
         user's file stands in the way in a shared tier.
+
+        ``base_key`` None (an entry of a bundle, whose base key no signature covers): the
+        entry is found by its recipe key only, and not offered to a local engine's
+        manifest match under a base key it could not check.
         """
         if not self.standing.writable or (signature is None and self.standing.signed_only):
             self.lock.let_go(recipe_key)
@@ -440,7 +465,7 @@ class NodeTier:
         for base_key, meta, size in pending:
             self._record(base_key, meta, size)
 
-    def _record(self, base_key: str, meta: ArtifactMeta, size: int) -> None:
+    def _record(self, base_key: str | None, meta: ArtifactMeta, size: int) -> None:
         """A published entry's record and manifest entry; may evict.
 
         The blob may be gone by now (evicted by another process, which saw no record
@@ -451,7 +476,10 @@ class NodeTier:
         blob = self.location(meta.digest)
         if not os.path.isfile(blob):
             return
-        self.index.record_metadata(base_key, meta)
+        if base_key is not None:
+            self.index.record_metadata(base_key, meta)
+        elif self.index.artifact(meta.digest) is None:  # the record alone (publish)
+            self.index._write("artifacts", meta.digest, meta.to_dict())  # the index's own layout
         if not os.path.isfile(blob):
             with contextlib.suppress(OSError):
                 os.unlink(self._record_path(meta.digest))
@@ -464,6 +492,8 @@ class NodeTier:
 
     def _touch(self, digest: str) -> None:
         """Mark ``digest`` used now: the access stamp LRU reads (cheap, and not on every hit)."""
+        if self.read_only:
+            return  # a layer's recency is not this tier's to keep (and never evicted)
         now = time.monotonic()
         last = self._touched.get(digest)
         if last is not None and now - last < _TOUCH_EVERY_S:
@@ -706,6 +736,58 @@ class NodeTier:
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
+
+    # ---------------------------------------------------------------- manifests held
+    def held_digest(self, recipe_key: str) -> str | None:
+        """The digest of the entry this tier may use for ``recipe_key`` when its blob is here.
+
+        The alias is parsed and its signature checked (once per alias file, as for a
+        lookup); the blob is only ``stat``-ed: a lookup verifies its bytes when it reads them.
+        """
+        found = self._entry(recipe_key)
+        if found is None or not os.path.isfile(self.location(found[0].digest)):
+            return None
+        return found[0].digest
+
+    def present(self, recipe_key: str, digest: str) -> bool:
+        """Whether the alias of ``recipe_key`` and the blob ``digest`` exist (two ``stat`` s;
+        nothing is parsed, hashed or checked: for entries verified before)."""
+        return os.path.isfile(self.index.alias_path(recipe_key)) and os.path.isfile(
+            self.location(digest)
+        )
+
+    def _complete_path(self, manifest_digest: str) -> Path:
+        name = require_hex_key(manifest_digest, "manifest digest")
+        return self.root / "index" / "complete" / f"{name}.json"
+
+    def mark_complete(self, manifest_digest: str, entries: Iterable[tuple[str, str]]) -> None:
+        """Note that the tiers held every recipe key of manifest ``manifest_digest``, as the
+        (recipe key, digest) ``entries``, each verified (digest and signature)."""
+        if not self.standing.writable or self.read_only:
+            return
+        body = {"manifest": manifest_digest, "at": time.time(), "kernels": sorted(entries)}
+        atomic_write(self._complete_path(manifest_digest), json.dumps(body).encode(), durable=False)
+
+    def marked(self, manifest_digest: str) -> list[tuple[str, str]] | None:
+        """The entries :meth:`mark_complete` noted for the manifest, or None (no readable marker)."""
+        try:
+            raw, _ = read_file_identified(
+                str(self._complete_path(manifest_digest)), MAX_ENTRY_BYTES * 16
+            )
+            body = json.loads(raw)
+        except (OSError, UnsafeFileError, ValueError):
+            return None
+        kernels = body.get("kernels") if isinstance(body, dict) else None
+        if not isinstance(kernels, list):
+            return None
+        out = []
+        for item in kernels:
+            if not (
+                isinstance(item, list) and len(item) == 2 and all(isinstance(v, str) for v in item)
+            ):
+                return None
+            out.append((item[0], item[1]))
+        return out
 
 
 def _settled(file: FileIdentity, nbytes: int) -> bool:

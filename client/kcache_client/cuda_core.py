@@ -21,22 +21,37 @@ symbol mapping, so ``get_kernel(name_expression)`` works on every hit (cuda.core
 1.x) whose entries live in kcache's node tier, under its size cap and LRU eviction
 and ``kcache cache ls|rm|clear``, shared by every process of the node.
 
+What kcache cannot key safely (PTX and NVVM input, a PCH or trace option, an option
+recipes do not carry, ``compile(cache=...)``) is compiled by cuda.core's own
+``Program``, exactly as without kcache (a *bypass*: warned once per reason, audited,
+an error under ``KCACHE_BYPASS=error``; see :mod:`kcache_client._adapter_plans`). A
+compile error raises cuda.core's ``NVRTCError`` (chained from kcache's error);
+``options`` may be a ``ProgramOptions``, a dict of its fields or a list of NVRTC
+options; ``handle`` and ``pch_status`` answer as cuda.core's.
+
 cuda.core is imported only when used (``cuda.core``, or ``cuda.core.experimental``
 in releases before 0.4).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kcache.artifact import ArtifactMeta
+from kcache.errors import CompileError
 from kcache.keys import sha256_hex
 from kcache.recipe import Recipe
+from kcache_client import _bypass
+from kcache_client._adapter_plans import cuda_core_plan, refuse_extras
 from kcache_client._adapters import cuda_core, default_cache, require
+from kcache_client._bypass import Bypass
+from kcache_client.errors import RecipeRefusedError, RequestRejectedError
 
 if TYPE_CHECKING:
     from kcache_client._artifact import Artifact
@@ -55,6 +70,26 @@ def _device_target(core: Any) -> str:
     return f"sm_{major}{minor}"
 
 
+def nvrtc_error(exc: CompileError) -> Exception:
+    """cuda.core's ``NVRTCError`` for a kcache compile error, worded as cuda.core words it."""
+    log = getattr(exc, "log", "") or str(exc)
+    message = f"6: NVRTC_ERROR_COMPILATION, compilation log:\n\n{log}"
+    for module in ("cuda.core._utils.cuda_utils", "cuda.core.experimental._utils.cuda_utils"):
+        try:
+            error_class = importlib.import_module(module).NVRTCError
+        except (ImportError, AttributeError):
+            continue
+        return error_class(message)  # type: ignore[no-any-return]
+    return RuntimeError(message)
+
+
+def _options(options: Any) -> Any:
+    """``options`` as cuda.core's Program takes them: a dict is ``ProgramOptions(**options)``."""
+    if isinstance(options, Mapping):
+        return cuda_core().ProgramOptions(**options)
+    return options
+
+
 def object_code(artifact: Artifact, name: str) -> Any:
     """cuda.core's ``ObjectCode`` over an artifact's bytes, with its lowered names as symbol mapping."""
     core = cuda_core()
@@ -71,7 +106,8 @@ class Program:
     ``ProgramOptions``, or a list of NVRTC options); ``cache`` is the
     :class:`~kcache_client.KernelCache` (else one per process from the environment),
     ``headers`` in-memory headers, ``include_sets`` registered include sets. Only
-    ``code_type="c++"`` goes through kcache: PTX and NVVM input is not NVRTC's.
+    ``code_type="c++"`` goes through kcache: PTX and NVVM input is cuda.core's own
+    Program's (a bypass), and so is an unknown ``code_type`` (cuda.core raises for it).
     """
 
     def __init__(
@@ -84,24 +120,54 @@ class Program:
         headers: Mapping[str, str] | None = None,
         include_sets: Sequence[str] = (),
     ) -> None:
-        if str(code_type).lower() != "c++":
-            raise ValueError(
-                f"code_type {code_type!r}: kcache compiles CUDA C++ with NVRTC; use cuda.core's "
-                "own Program for PTX and NVVM input"
-            )
-        if not isinstance(code, str):
-            raise TypeError(f"code must be a str for code_type 'c++', not {type(code).__name__}")
         self.code = code
-        self.code_type = "c++"
-        self.options = options
+        self.code_type = str(code_type).lower()
+        self.options = _options(options)
         self._cache = cache
         self._headers = dict(headers or {})
         self._include_sets = tuple(include_sets)
         self._closed = False
+        self._native: Any = None
+        self._pch_status: str | None = None
+        #: Why cuda.core compiles this program itself (None: kcache decides per compile).
+        self.bypass: Bypass | None = None
+        #: Why the latest compile was cuda.core's own (None: it went through kcache).
+        self.last_bypass: Bypass | None = None
+        if self.code_type not in ("c++", "ptx", "nvvm"):
+            # Not an input anyone compiles: cuda.core's own error (a RuntimeError).
+            self._native = cuda_core().Program(code, code_type, self.options)
+        if self.code_type != "c++" or not isinstance(code, str):
+            what = self.code_type if self.code_type != "c++" else type(code).__name__
+            self.bypass = Bypass(
+                "cuda.core",
+                f"code_type={what}",
+                "kcache compiles CUDA C++ source with NVRTC; cuda.core compiles this input itself",
+            )
+            refuse_extras(self.bypass, headers=self._headers, include_sets=self._include_sets)
+            _bypass.check(self.bypass, self._cache or default_cache())
+            self._native_program()  # cuda.core's own checks of the code and options raise here
+
+    def _native_program(self) -> Any:
+        """cuda.core's own Program of the same code and options (made once, when needed)."""
+        if self._native is None:
+            self._native = cuda_core().Program(self.code, self.code_type, self.options)
+        return self._native
 
     @property
-    def backend(self) -> str:
-        """``NVRTC``, as cuda.core's Program says for C++ code."""
+    def handle(self) -> Any:
+        """cuda.core's handle: of the NVRTC program of this code and options (made on first use)."""
+        return self._native_program().handle
+
+    @property
+    def pch_status(self) -> str | None:
+        """As cuda.core's: kcache never compiles with PCH, so None unless cuda.core compiled it."""
+        return self._pch_status
+
+    @property
+    def backend(self) -> Any:
+        """``NVRTC`` for C++ code, as cuda.core's Program says; cuda.core's own for other input."""
+        if self.code_type != "c++" and self._native is not None:
+            return self._native.backend
         return "NVRTC"
 
     @property
@@ -110,8 +176,10 @@ class Program:
         return self._closed
 
     def close(self) -> None:
-        """Nothing to release: the compile ran in kcache. Later compiles are refused."""
+        """Close cuda.core's program if one was made; later compiles are refused."""
         self._closed = True
+        if self._native is not None:
+            self._native.close()
 
     def recipe(self, target_type: str = "cubin", name_expressions: Sequence[str] = ()) -> Recipe:
         """The kcache recipe of ``compile(target_type, name_expressions)`` (``auto`` unresolved)."""
@@ -137,23 +205,69 @@ class Program:
         """cuda.core's ``ObjectCode`` for ``target_type`` (``cubin``, ``ptx`` or ``ltoir``).
 
         ``logs`` (an object with ``write``) receives the compile log kcache stored with
-        the artifact. ``cache=`` (cuda.core's program cache) is refused: kcache is the cache.
+        the artifact. With ``cache=`` (a cuda.core ``ProgramCacheResource``, such as
+        :func:`program_cache`), cuda.core's own Program compiles through that cache.
         """
         if self._closed:
             raise RuntimeError("this Program is closed")
+        kcache = self._cache or default_cache()
         if cache is not None:
-            raise TypeError(
-                "kcache_client.cuda_core.Program caches through kcache: drop cache= (or use "
-                "cuda.core's own Program with kcache_client.cuda_core.program_cache())"
+            bypass = Bypass(
+                "cuda.core",
+                "compile(cache=)",
+                "a cuda.core ProgramCacheResource was given, so cuda.core's own protocol runs",
             )
-        recipe = self.recipe(target_type, name_expressions)
+            return self._compile_bypassed(bypass, target_type, name_expressions, logs, cache=cache)
+        if self.bypass is not None:
+            return self._compile_bypassed(self.bypass, target_type, name_expressions, logs)
+        plan = cuda_core_plan(
+            self.code,
+            self.options,
+            target_type,
+            tuple(name_expressions),
+            headers=self._headers,
+            include_sets=self._include_sets,
+            registered_include_sets=kcache.settings.include_sets,
+        )
+        if isinstance(plan, Bypass):
+            _bypass.check(plan, kcache)
+            return self._compile_bypassed(plan, target_type, name_expressions, logs)
+        recipe = plan
         if recipe.target == "auto":
             recipe = recipe.with_defaults(target=_device_target(cuda_core()))
-        artifact = (self._cache or default_cache()).get(recipe)
+        try:
+            artifact = kcache.get(recipe)
+        except CompileError as exc:
+            raise nvrtc_error(exc) from exc
+        except (RequestRejectedError, RecipeRefusedError) as exc:
+            # The server refused the recipe's input: cuda.core compiles it, as without kcache.
+            bypass = Bypass(
+                "cuda.core", f"server={getattr(exc, 'code', '') or 'refused'}", str(exc)
+            )
+            _bypass.check(bypass, kcache)
+            return self._compile_bypassed(bypass, target_type, name_expressions, logs)
         if logs is not None and artifact.metadata.log:
             logs.write(artifact.metadata.log)
         name = getattr(self.options, "name", None) or "default_program"
         return object_code(artifact, name)
+
+    def _compile_bypassed(
+        self,
+        bypass: Bypass,
+        target_type: str,
+        name_expressions: Sequence[str],
+        logs: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """cuda.core's own compile of this program, reported as a bypass."""
+        started = time.perf_counter()
+        self.last_bypass = bypass
+        native = self._native_program()
+        compiled = native.compile(target_type, name_expressions, logs, **kwargs)
+        self._pch_status = getattr(native, "pch_status", None)
+        kernel = next(iter(name_expressions), None)
+        _bypass.record(bypass, self._cache or default_cache(), kernel=kernel, started=started)
+        return compiled
 
 
 # --------------------------------------------------------------------------- program cache

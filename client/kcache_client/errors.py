@@ -17,8 +17,10 @@ Hierarchy (every class is also a :class:`kcache.errors.KCacheError`)::
         ├── UntrustedArtifactError (SignatureError)    no signature by a trusted or pinned key covers an artifact
         ├── ResponseRefusedError                       an answer broke the protocol: a redirect, headers or a body
         │                                              over their bound, a body that is not the JSON asked for
+        ├── BypassRefusedError (RecipeError)           KCACHE_BYPASS=error, and an adapter would hand a compile to its library
         ├── NoDeviceError (RuntimeError)               target "auto" without a usable CUDA device
         ├── ArchitectureMismatchError (RuntimeError)   an artifact built for another GPU or a newer driver
+        ├── LateCompileError                           a frozen cache missed its tiers after the warmup
         └── WarmupError                                a warmup failed; raised identically on every rank
             ├── WarmupCompileError (CompileError)      ... because a recipe does not compile
             └── WarmupTimeoutError (TimeoutError)      ... because a rank did not arrive, or the leader ran out of time
@@ -32,14 +34,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError
+from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError, RecipeError
 from kcache.signing import SignatureError
 
 __all__ = [
     "ArchitectureMismatchError",
     "AuthenticationError",
+    "BypassRefusedError",
     "ClientError",
     "DigestMismatchError",
+    "LateCompileError",
     "MetadataError",
     "NoDeviceError",
     "RecipeRefusedError",
@@ -109,6 +113,19 @@ class RemoteCompileError(CompileError, ClientError):
     def __init__(self, recipe_key: str | None, log: str, *, detail: str = "") -> None:
         super().__init__(recipe_key, log or detail)
         self.detail = detail
+
+
+class BypassRefusedError(ClientError, RecipeError):
+    """An adapter would have compiled this with its library, uncached, and ``KCACHE_BYPASS=error``.
+
+    ``library`` is ``cupy`` or ``cuda.core``, ``reason`` the short code the audit records
+    (``backend=nvcc``, ``option=--time``, ...), ``detail`` the sentence saying why.
+    """
+
+    def __init__(self, library: str, reason: str, detail: str) -> None:
+        RecipeError.__init__(self, reason, f"{library} compile bypasses kcache: {detail}")
+        self.library = library
+        self.reason = reason
 
 
 class DigestMismatchError(ClientError):
@@ -286,3 +303,23 @@ class WarmupCompileError(WarmupError, CompileError):
 class WarmupTimeoutError(WarmupError, TimeoutError):
     """A warmup did not finish within its timeout: a rank did not arrive (``missing_ranks``),
     the leader was slow, lost or died, or the job's key-value store stopped answering."""
+
+
+class LateCompileError(ClientError):
+    """A frozen cache (``KernelCache.freeze("error")``, or after a warmup with
+    ``KCACHE_AFTER_WARMUP=error``) was asked for a kernel its memory and node tiers do not
+    hold: the warmup did not cover it, and nothing is fetched or compiled after the barrier.
+
+    ``recipe_key``, ``kernel`` and ``target`` name the recipe asked for.
+    """
+
+    def __init__(self, recipe_key: str, kernel: str, target: str) -> None:
+        super().__init__(
+            f"late compile refused: kernel {kernel or '(unnamed)'} for {target} (recipe "
+            f"{recipe_key}) is not in this node's tiers, and the cache is frozen since its "
+            "warmup (KernelCache.freeze('error') or KCACHE_AFTER_WARMUP=error): add the recipe "
+            "to the warmup or its manifest, or freeze with 'warn' to let it compile"
+        )
+        self.recipe_key = recipe_key
+        self.kernel = kernel
+        self.target = target

@@ -48,6 +48,7 @@ __all__ = [
     "HEX_KEY_PATTERN",
     "INT32_MAX",
     "INTEGRAL",
+    "MAX_BUNDLE_KEYS",
     "PRINTABLE_PATTERN",
     "RECIPE_MARK",
     "SETTING_MARK",
@@ -56,6 +57,7 @@ __all__ = [
     "BatchRequest",
     "BatchResponse",
     "BatchResult",
+    "BundleRequest",
     "Context",
     "DependencyBody",
     "DigestPath",
@@ -64,10 +66,13 @@ __all__ = [
     "ExplanationBody",
     "HealthBody",
     "HexKey",
+    "JobManifestBody",
     "Label32",
+    "Label64",
     "Label128",
     "Label256",
     "Label1024",
+    "ManifestKernelBody",
     "ReadyBody",
     "RecipeKeyPath",
     "ResolveRequest",
@@ -140,6 +145,7 @@ _Printable = AfterValidator(check_label)
 _PrintableDoc = SchemaPattern(PRINTABLE_PATTERN)
 #: Printable strings sized like the ``String(n)`` columns they are stored in.
 Label32 = Annotated[str, StringConstraints(max_length=32), _Printable, _PrintableDoc]
+Label64 = Annotated[str, StringConstraints(max_length=64), _Printable, _PrintableDoc]
 Label128 = Annotated[str, StringConstraints(max_length=128), _Printable, _PrintableDoc]
 Label256 = Annotated[str, StringConstraints(max_length=256), _Printable, _PrintableDoc]
 Label1024 = Annotated[str, StringConstraints(max_length=1024), _Printable, _PrintableDoc]
@@ -463,3 +469,39 @@ class ReadyBody(BaseModel):
     status: Literal["ready", "not_ready"]
     version: str  # kcache's release on this replica (a rollout shows which replicas run which)
     checks: dict[str, str]
+
+
+class ManifestKernelBody(BaseModel):
+    """One kernel of a job manifest: its recipe key and the artifact that served it."""
+
+    recipe_key: str
+    digest: str
+    kernel: str
+    target: str
+    toolchain: str
+    kind: str = Field(description="the artifact's kind; empty when it is no longer stored")
+    size: int = Field(description="the artifact's bytes; 0 when it is no longer stored")
+
+
+class JobManifestBody(BaseModel):
+    """Body of ``GET /v1/jobs/{job_id}/manifest`` (:mod:`kcache.job_manifest`)."""
+
+    format: Literal["kcache-manifest"]
+    version: int = Field(description="the manifest format's version (readers refuse others)")
+    job_id: str | None
+    created_at: float
+    digest: str = Field(description="sha256 over the version and each recipe key and digest")
+    kernels: list[ManifestKernelBody]
+
+
+#: Recipe keys one ``POST /v1/bundle`` may name.
+MAX_BUNDLE_KEYS = 10_000
+
+
+class BundleRequest(_Strict):
+    """Body of ``POST /v1/bundle``: the recipe keys whose artifacts to stream, and who asks."""
+
+    recipe_keys: list[HexKey] = Field(
+        min_length=1, max_length=MAX_BUNDLE_KEYS, description="recipe keys (a manifest's)"
+    )
+    context: Context = Field(default_factory=Context)

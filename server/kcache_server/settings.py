@@ -8,6 +8,7 @@ and the ``kcache serve`` flags inject every value, the auditing ones included:
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -15,6 +16,10 @@ from pydantic import ByteSize, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["AuditSettings", "Settings", "VerificationSettings", "is_loopback"]
+
+
+#: What ``accel_redirect`` may be: a path nginx's internal location is named by.
+_LOCATION = re.compile(r"/(?:[A-Za-z0-9_-]+/)*")
 
 
 def is_loopback(host: str) -> bool:
@@ -234,7 +239,6 @@ class Settings(BaseSettings):
     auth_cache_s: float = Field(default=2.0, ge=0, description="how long token checks are cached")
     accel_redirect: str | None = Field(
         default=None,
-        pattern=r"^/[A-Za-z0-9_/-]*/$",
         description="behind the deploy's nginx (deploy/nginx/kcache.conf): a fetch by key or by "
         "digest is answered with its headers and X-Accel-Redirect to this internal location plus "
         "ab/cd/<digest>, and nginx sends the bytes from the data directory's blobs/; a request "
@@ -314,6 +318,17 @@ class Settings(BaseSettings):
                 "postgresql+psycopg://USER:PASSWORD@HOST:5432/DB"
             )
         return value
+
+    @field_validator("accel_redirect")
+    @classmethod
+    def _internal_location(cls, value: str | None) -> str | None:
+        """An nginx location path: ``/`` + letters, digits, ``_``, ``-`` and ``/``, ending in ``/``."""
+        if value is None or _LOCATION.fullmatch(value):
+            return value
+        raise ValueError(
+            f"{value!r} is not an nginx location path like /_kcache_blobs/ (letters, digits, "
+            "_, - and /, starting and ending with /)"
+        )
 
     @field_validator("store_url")
     @classmethod

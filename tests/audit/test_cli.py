@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+from kcache.outcomes import OUTCOMES
 from tests.audit.workload import Workload
 from tests.support import KCACHE
 
@@ -27,10 +28,13 @@ def test_stats_from_a_server_prints_the_summary(workload: Workload) -> None:
         for line in out.splitlines()
         if line.split()[:1] in (["server"], ["node"], ["memory"], ["all"])
     }
-    #           hit local_hit compiled waited miss error total
-    assert tiers["server"] == ["2", "0", "3", "0", "1", "2", "8"]
-    assert tiers["node"] == ["0", "2", "0", "0", "0", "0", "2"]
-    assert tiers["all"] == ["2", "3", "3", "0", "1", "2", "11"]
+
+    def row(**counts: int) -> list[str]:  # a column per outcome (kcache.outcomes), then total
+        return [str(counts.get(o, 0)) for o in OUTCOMES] + [str(sum(counts.values()))]
+
+    assert tiers["server"] == row(hit=2, compiled=3, miss=1, error=2)
+    assert tiers["node"] == row(local_hit=2)
+    assert tiers["all"] == row(hit=2, local_hit=3, compiled=3, miss=1, error=2)
     assert "job-b DIVERGED" in out
     assert "DIVERGENCE: ranks of one job" in out
     assert f"0:{workload.divergent['0'][:12]} 1:{workload.divergent['1'][:12]}" in out

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from kcache.outcomes import CLIENT_OUTCOMES
 from tests.audit.workload import Workload
 
 
@@ -23,10 +24,11 @@ def test_totals_and_tiers_equal_the_workload(workload: Workload) -> None:
         o: workload.totals.get(o, 0) for o in ("hit", "compiled", "waited", "miss", "error")
     }
     assert stats["totals"] == observed
-    assert stats["reported"] == {"local_hit": workload.totals["local_hit"]}
+    reported = {o: 0 for o in CLIENT_OUTCOMES} | {"local_hit": workload.totals["local_hit"]}
+    assert stats["reported"] == reported  # every client outcome, those not reported at 0
     # 2 hits, 3 local hits, 3 compiles, 1 miss, 2 errors: the script says so independently.
     assert observed == {"hit": 2, "compiled": 3, "waited": 0, "miss": 1, "error": 2}
-    assert stats["reported"] == {"local_hit": 3}
+    assert {o: n for o, n in stats["reported"].items() if n} == {"local_hit": 3}
     assert {t: {o: n for o, n in c.items() if n} for t, c in stats["by_tier"].items()} == {
         t: dict(c) for t, c in workload.by_tier.items()
     }

@@ -99,7 +99,7 @@ SPELLINGS: list[tuple[list[tuple[str, ...]], str]] = [
     ([("-split-compile=4",), ("--split-compile=4",)], "-split-compile=4"),
     ([("-fdevice-syntax-only",), ("--fdevice-syntax-only",)], "-fdevice-syntax-only"),
     ([("-minimal",), ("--minimal",)], "-minimal"),
-    ([("-Ofast-compile=min",), ("--Ofast-compile=min",)], "-Ofast-compile=min"),
+    ([("-Ofast-compile=min",), ("--Ofast-compile=min",)], "--Ofast-compile=min"),
     (
         [("-modify-stack-limit=false",), ("--modify-stack-limit=false",)],
         "-modify-stack-limit=false",
@@ -202,7 +202,6 @@ REFUSED: list[tuple[tuple[str, ...], str]] = [
     (("--ptxas-options=-v",), "ptxas options"),
     (("--gen-opt-lto",), "nvJitLink"),
     (("-gen-opt-lto",), "nvJitLink"),
-    (("--no-cache",), "caches every result"),
     (("-opt-info=inline",), "allow-list"),
     (("--optimization-info=inline",), "allow-list"),
     (("--brief-diagnostics=true",), "allow-list"),
@@ -320,11 +319,11 @@ FIELDS: dict[str, tuple[Any, Any]] = {
     "split_compile": (4, "-split-compile=4"),
     "fdevice_syntax_only": (True, "-fdevice-syntax-only"),
     "minimal": (True, "-minimal"),
-    "no_cache": (True, RecipeError),
+    "no_cache": (True, ("flags", ())),
     "fdevice_time_trace": ("t", RecipeError),
     "device_float128": (True, RecipeError),
     "frandom_seed": ("3", RecipeError),
-    "ofast_compile": ("min", "-Ofast-compile=min"),
+    "ofast_compile": ("min", "--Ofast-compile=min"),
     "pch": (True, RecipeError),
     "create_pch": ("a.pch", RecipeError),
     "use_pch": ("a.pch", RecipeError),
@@ -482,6 +481,7 @@ def test_translated_recipes_compile_with_nvrtc_and_keep_lowered_names(
     kernel = RawKernel(
         SCALE, "scale<int, 5>", cache=cache, target="sm_90"
     )  # beyond CuPy: an expression
+    assert kernel.recipe is not None and kernel.bypass is None
     assert cache.get(kernel.recipe).lowered_names == {"scale<int, 5>": "_Z5scaleIiLi5EEvPT_i"}
     ptx = cache.get(
         Program(SCALE, "c++", ["-arch=sm_90"], cache=cache).recipe("ptx", ["scale<float, 3>"])
@@ -514,11 +514,7 @@ __global__ void block_sum(const int* x, int* out) {
 def test_cuda_core_program_refuses_what_it_cannot_serve(cache: KernelCache) -> None:
     from kcache_client.cuda_core import Program
 
-    with pytest.raises(ValueError, match="code_type 'ptx'"):
-        Program(".version 8.0", "ptx", cache=cache)
     program = Program(SCALE, "c++", ["-arch=sm_90"], cache=cache)
-    with pytest.raises(TypeError, match="drop cache="):
-        program.compile("cubin", cache=object())
     program.close()
     with pytest.raises(RuntimeError, match="closed"):
         program.compile("cubin")

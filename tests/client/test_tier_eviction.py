@@ -185,6 +185,6 @@ def test_cache_commands_on_a_node_tier(tmp_path: Path, kserver: KcacheServer) ->
     rm = run("rm", arts[0].recipe_key)
     assert rm.returncode == 0 and "removed 1" in rm.stdout
     assert run("rm", arts[0].recipe_key).returncode == 1  # gone already: reported, not silent
-    cleared = run("clear")
+    cleared = run("clear", "--yes")
     assert cleared.returncode == 0 and "removed 1" in cleared.stdout
     assert json.loads(run("info", "--json").stdout)["entries"] == 0

@@ -134,6 +134,8 @@ def _samples(recipe_key: str, digest: str, server: ServerThread) -> list[Sample]
         Sample("POST", "/v1/events", "/v1/events", 200, {"events": [event]}),
         Sample("POST", "/v1/events", "/v1/events", 422, {"events": [{**event, "outcome": "hit"}]}),
         Sample("GET", "/v1/stats", "/v1/stats", 200, params={"since": "1h"}),
+        Sample("GET", "/v1/jobs/{job_id}/manifest", "/v1/jobs/contract-job/manifest", 200),
+        Sample("POST", "/v1/bundle", "/v1/bundle", 422, {"recipe_keys": []}),
         Sample(
             "GET",
             "/v1/stats",

@@ -89,6 +89,7 @@ def test_every_route_answers_with_nosniff_and_html_with_a_csp(served: Served) ->
         "recipe_key": served.recipe_key,
         "digest": served.digest,
         "name": "dashboard.js",
+        "job_id": "security-headers-job",
     }
     routes = _routes(served.server.app)
     assert len(routes) >= 20, routes

@@ -46,6 +46,7 @@ from kcache_server.schemas import (
     Context,
     HexKey,
     Label32,
+    Label64,
     Label128,
     Label1024,
 )
@@ -61,8 +62,9 @@ __all__ = [
     "ingest_events",
 ]
 
-#: The client's tiers: its in-process memory and the node-local directory.
-CLIENT_TIERS = ("memory", "node")
+#: The client's tiers: its in-process memory and the node-local directory, and
+#: ``library`` for a ``bypass`` (the adapter's library compiled it, outside kcache).
+CLIENT_TIERS = ("memory", "node", "library")
 
 #: The most lookups one event may stand for (a client tallies more into several events).
 MAX_EVENT_COUNT = 1_000_000
@@ -96,8 +98,14 @@ class ClientEvent(Context):
             SETTING_MARK: {"x-max-clock-skew-s": "audit.max_clock_skew_s"},
         },
     )
-    outcome: ClientOutcome = Field(description="only local_hit: the server records the rest")
-    tier: Literal["memory", "node"]
+    outcome: ClientOutcome = Field(
+        description="local_hit, bypass (an adapter's library compiled it, uncached) or late "
+        "(a frozen client missed its tiers after its warmup): the server records the rest"
+    )
+    tier: Literal["memory", "node", "library"]
+    reason: Label64 | None = Field(
+        default=None, description="why a bypass bypassed kcache (backend=nvcc, code_type=ptx, ...)"
+    )
     recipe_key: HexKey | None = None
     base_key: HexKey | None = None
     digest: HexKey | None = None
@@ -170,7 +178,7 @@ def _row(event: ClientEvent, saved: dict[str, float], reporter: str | None) -> d
         "kernel": event.kernel,
         "target": event.target,
         "toolchain": event.toolchain,
-        "error": None,
+        "error": event.reason,  # a bypass's reason; the column a server error's code goes in
         "client_id": event.client_id,
         "host": event.host,
         "pid": event.pid,

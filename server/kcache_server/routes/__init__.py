@@ -2,11 +2,13 @@
 
 from kcache_server.routes import (
     blobs,
+    bundle,
     cache,
     dashboard,
     events,
     explain,
     health,
+    jobs,
     keys,
     metrics,
     pins,
@@ -33,6 +35,8 @@ ROUTERS = [
     pins.router,
     cache.router,
     verification.router,
+    jobs.router,
+    bundle.router,
 ]
 
 __all__ = ["ROUTERS"]

@@ -1,0 +1,313 @@
+"""Bundles on the client: a manifest's artifacts in one request per node, as files, as layers.
+
+- :func:`prefetch` (``KernelCache.prefetch``, ``warmup(manifest=...)``, ``kcache
+  prefetch``): every artifact of a manifest the node's tiers lack, in one ``POST
+  /v1/bundle`` whose answer is streamed into the node tier as it arrives, each entry
+  checked before it is published (framing, size and digest by
+  :class:`~kcache.bundle_format.BundleReader`; the server's signature by a trusted key,
+  as every answer is: :meth:`~kcache_client._remote.Remote.check_entry`). The processes
+  of a node take the manifest's lock (its digest, the tier's per-key lock), so one of
+  them asks; the others find its completeness marker when they get the lock. A tier
+  whose marker names the manifest and still has each entry's files makes no request.
+- :func:`write_bundle_file` (``kcache bundle create``): one ``.kcb`` file of a manifest's
+  artifacts, in the same format, from the tiers (prefetched first).
+- :func:`load_bundle_file` (``kcache bundle unpack``, and a file layer): a bundle file
+  into a tier. Every entry is checked first (framing, digest, a signature by a key this
+  client trusts: ``KCACHE_TRUSTED_KEYS`` or a pinned server's), and nothing is written
+  unless all pass: a file truncated, tampered with or signed by an unknown key leaves
+  the tier as it was.
+- :func:`open_layers`: the read-only layers under a cache's writable node tier
+  (``ClientSettings.layers``, ``KCACHE_CACHE_LAYERS``): tier directories, used as they
+  are (read only, signed entries only, never touched or evicted), and bundle files,
+  unpacked once (checked as above) into ``<cache_dir>/layers/<id>/`` and used from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from kcache.bundle_format import (
+    BundleEntry,
+    BundleError,
+    BundleMissing,
+    BundleReader,
+    end_line,
+    entry_head,
+    header_line,
+    read_chunks,
+)
+from kcache.errors import KCacheError
+from kcache.fsutil import atomic_write
+from kcache.job_manifest import JobManifest
+from kcache_client._remote import Remote
+from kcache_client._settings import ClientSettings
+from kcache_client._stats import CacheStats
+from kcache_client._tier import NodeTier
+from kcache_client._trust import Trust
+from kcache_client.errors import ResponseRefusedError
+
+__all__ = [
+    "BundleCache",
+    "PrefetchResult",
+    "load_bundle_file",
+    "open_layers",
+    "prefetch",
+    "write_bundle_file",
+]
+
+#: Where bundle-file layers are unpacked, under the writable tier's root.
+_LAYERS_DIR = "layers"
+_UNPACKED = ".unpacked"
+
+
+class BundleCache(Protocol):
+    """What bundles need of a ``KernelCache``."""
+
+    tier: NodeTier
+    layers: list[NodeTier]
+    stats: CacheStats
+    settings: ClientSettings
+
+    def _require_server(self) -> Remote:
+        """The server, or ServerUnavailableError without one."""
+        ...
+
+    def context(self) -> dict[str, Any]:
+        """Who is asking, for the server's audit."""
+        ...
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """What a prefetch did: ``requests`` is 0 (the tiers held the manifest) or 1."""
+
+    manifest_digest: str
+    kernels: int
+    held: int
+    fetched: int
+    missing: tuple[str, ...]
+    requests: int
+    seconds: float
+
+    @property
+    def complete(self) -> bool:
+        """Whether the node's tiers hold every kernel of the manifest now."""
+        return not self.missing
+
+
+def _tiers(cache: BundleCache) -> list[NodeTier]:
+    return [cache.tier, *cache.layers]
+
+
+def _held(tiers: Sequence[NodeTier], key: str) -> str | None:
+    for tier in tiers:
+        digest = tier.held_digest(key)
+        if digest is not None:
+            return digest
+    return None
+
+
+def _marked_complete(tiers: Sequence[NodeTier], manifest: JobManifest) -> bool:
+    """The tier's marker names every key of the manifest, and their files are all still here."""
+    marked = tiers[0].marked(manifest.digest)
+    if marked is None or sorted(k for k, _ in marked) != manifest.recipe_keys:
+        return False
+    return all(any(t.present(k, d) for t in tiers) for k, d in marked)
+
+
+def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
+    """``KernelCache.prefetch``: see the module docstring."""
+    started = time.monotonic()
+    tiers = _tiers(cache)
+    tier = cache.tier
+
+    def result(held: int, fetched: int, missing: Sequence[str], requests: int) -> PrefetchResult:
+        return PrefetchResult(
+            manifest.digest,
+            len(manifest),
+            held,
+            fetched,
+            tuple(missing),
+            requests,
+            time.monotonic() - started,
+        )
+
+    if _marked_complete(tiers, manifest):
+        return result(len(manifest), 0, (), 0)
+    # One process per node asks (the lock guards no correctness: publishing is atomic,
+    # so without it the worst is a second request); the others find its marker.
+    with tier.hold(manifest.digest):
+        tier.flush()
+        if _marked_complete(tiers, manifest):
+            return result(len(manifest), 0, (), 0)
+        held: dict[str, str] = {}
+        lacking: list[str] = []
+        for key in manifest.recipe_keys:
+            digest = _held(tiers, key)
+            if digest is None:
+                lacking.append(key)
+            else:
+                held[key] = digest
+        fetched, missing = (0, []) if not lacking else _fetch(cache, lacking, held)
+        if not missing:
+            tier.flush()  # the records of what was published, before the marker names them
+            tier.mark_complete(manifest.digest, held.items())
+        return result(len(manifest) - len(lacking), fetched, missing, 1 if lacking else 0)
+
+
+def _fetch(cache: BundleCache, keys: list[str], held: dict[str, str]) -> tuple[int, list[str]]:
+    """One bundle request for ``keys``: each entry checked, then published; (published, missing)."""
+    remote = cache._require_server()
+    where = f"{remote.url}/v1/bundle"
+    asked = set(keys)
+    fetched = 0
+    missing: list[str] = []
+    cache.stats.add("bundle_requests")
+    with remote.bundle(keys, context=cache.context()) as chunks:
+        reader = BundleReader(chunks, max_entry_bytes=remote.max_artifact_bytes, where=where)
+        for item in reader:
+            if isinstance(item, BundleMissing):
+                missing.append(item.recipe_key)
+                continue
+            key = item.recipe_key
+            if key not in asked or key in held:
+                raise ResponseRefusedError(where, f"an entry for recipe {key}, not asked for")
+            signature = remote.check_entry(key, item.meta, item.signature, where)
+            cache.tier.publish(key, None, item.meta, item.data, signature)
+            held[key] = item.meta.digest
+            fetched += 1
+            cache.stats.add("bundle_entries")
+    unanswered = asked - held.keys() - set(missing)
+    if unanswered:  # a well-framed answer that skipped keys: told, not guessed at
+        missing.extend(sorted(unanswered))
+    return fetched, missing
+
+
+# ---------------------------------------------------------------------- files
+def _entries_of(cache: BundleCache, manifest: JobManifest) -> Iterator[BundleEntry]:
+    tiers = _tiers(cache)
+    for kernel in manifest.kernels:
+        for tier in tiers:
+            found = tier.lookup_signed(kernel.recipe_key)
+            if found is not None:
+                break
+        else:
+            raise KCacheError(
+                f"recipe {kernel.recipe_key} ({kernel.label}) is not in this node's tiers and the "
+                "server did not have it: the bundle would be incomplete"
+            )
+        meta, data, signature = found
+        if signature is None:
+            raise KCacheError(
+                f"recipe {kernel.recipe_key} ({kernel.label}) is held unsigned (a local compile): "
+                "a bundle carries signed artifacts only; compile it on the server"
+            )
+        yield BundleEntry(kernel.recipe_key, meta, signature, data)
+
+
+def write_bundle_file(
+    cache: BundleCache, manifest: JobManifest, path: str | os.PathLike[str]
+) -> int:
+    """Write the manifest's artifacts (prefetched into the node tier first) as one bundle file.
+
+    Returns how many entries it holds. The file appears whole or not at all (written
+    beside it and renamed).
+    """
+    if not _marked_complete(_tiers(cache), manifest):
+        done = prefetch(cache, manifest)
+        if done.missing:
+            raise KCacheError(
+                f"the server has no artifact for {len(done.missing)} recipes of the manifest "
+                f"(first {done.missing[0]}): resolve them first (kcache warmup), then bundle"
+            )
+    target = Path(path)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    count = 0
+    try:
+        with open(partial, "wb") as out:
+            out.write(header_line())
+            for entry in _entries_of(cache, manifest):
+                out.write(entry_head(entry.recipe_key, entry.meta, entry.signature))
+                out.write(entry.data)
+                out.write(b"\n")
+                count += 1
+            out.write(end_line(count, 0))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return count
+
+
+def _checked_entries(path: Path, trust: Trust, max_entry_bytes: int) -> Iterator[BundleEntry]:
+    """The file's entries, each checked (framing, digest, a trusted signature); BundleError else."""
+    with open(path, "rb") as handle:
+        reader = BundleReader(read_chunks(handle), max_entry_bytes=max_entry_bytes, where=str(path))
+        for item in reader:
+            if isinstance(item, BundleMissing):
+                continue
+            problem = trust.entry_problem(item.recipe_key, item.meta, item.signature)
+            if problem is not None:
+                raise BundleError(
+                    f"{path}: the entry of recipe {item.recipe_key} is refused: {problem}"
+                )
+            yield item
+
+
+def load_bundle_file(
+    tier: NodeTier, path: str | os.PathLike[str], trust: Trust, *, max_entry_bytes: int
+) -> int:
+    """Publish every entry of a bundle file into ``tier``, after all of them are checked.
+
+    Raises :class:`~kcache.bundle_format.BundleError` (nothing written) for a file that
+    is truncated, damaged, tampered with or signed by a key ``trust`` does not accept.
+    The file is read twice (checked whole, then published, each entry checked again),
+    so it is never held in memory.
+    """
+    source = Path(path)
+    count = sum(1 for _ in _checked_entries(source, trust, max_entry_bytes))
+    published = 0
+    for entry in _checked_entries(source, trust, max_entry_bytes):
+        tier.publish(entry.recipe_key, None, entry.meta, entry.data, entry.signature)
+        published += 1
+    tier.flush()
+    if published != count:
+        raise BundleError(f"{source} changed while it was read ({count} entries, then {published})")
+    return published
+
+
+def _file_layer(root: Path, path: Path, trust: Trust, max_entry_bytes: int) -> Path:
+    """The directory a bundle file is unpacked into (once per file identity), checked whole."""
+    st = os.stat(path)
+    ident = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
+    target = root / _LAYERS_DIR / hashlib.sha256(ident.encode()).hexdigest()[:32]
+    if (target / _UNPACKED).is_file():
+        return target
+    unpacking = NodeTier(target, max_bytes=0, trust=trust)
+    try:
+        load_bundle_file(unpacking, path, trust, max_entry_bytes=max_entry_bytes)
+    except BundleError as exc:
+        raise KCacheError(
+            f"the cache layer {path} is refused: {exc}. Remove it from KCACHE_CACHE_LAYERS, or "
+            "give the key that signed it in KCACHE_TRUSTED_KEYS if it is a trusted server's"
+        ) from None
+    atomic_write(target / _UNPACKED, str(path).encode(), durable=False)
+    return target
+
+
+def open_layers(
+    paths: Sequence[Path], root: Path, trust: Trust, *, max_entry_bytes: int
+) -> list[NodeTier]:
+    """The read-only layers of ``paths`` (module docstring), in order."""
+    layers = []
+    for path in paths:
+        directory = _file_layer(root, path, trust, max_entry_bytes) if path.is_file() else path
+        layers.append(NodeTier(directory, max_bytes=0, trust=trust, read_only=True))
+    return layers

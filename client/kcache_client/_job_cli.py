@@ -1,0 +1,245 @@
+"""``kcache manifest save|diff``, ``kcache prefetch``, ``kcache bundle create|unpack``, ``kcache layers``.
+
+Jobs, not kernels: a job's manifest (the kernels it was served, from the server's audit)
+is saved as a file, compared with another, replayed onto a node in one request
+(``prefetch``), or written as one bundle file to ship with an image and stack under
+a node tier as a read-only layer (``KCACHE_CACHE_LAYERS``). See design.md, "Jobs".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from kcache.cli import (
+    UsageError,
+    add_cache_dir_argument,
+    add_server_arguments,
+    refuse_server_dir,
+    server_url,
+)
+from kcache.dirs import cache_dir
+
+if TYPE_CHECKING:  # imported when a command runs: `kcache --help` stays instant
+    from kcache.job_manifest import JobManifest
+    from kcache_client._cache import KernelCache
+
+__all__ = ["register"]
+
+
+def _load(path: str, option: str) -> JobManifest:
+    from kcache.job_manifest import JobManifest, ManifestError
+
+    try:
+        return JobManifest.load(path)
+    except FileNotFoundError:
+        raise UsageError(f"{option} {path}: no such file") from None
+    except ManifestError as exc:
+        raise UsageError(f"{option}: {exc}") from None
+
+
+def _open_cache(args: argparse.Namespace, url: str | None) -> KernelCache:
+    from kcache_client._cache import KernelCache
+    from kcache_client._command_settings import command_settings
+
+    explicit = getattr(args, "cache_dir", None)
+    refuse_server_dir(cache_dir(explicit), "--cache-dir" if explicit else "$KCACHE_CACHE_DIR")
+    return KernelCache(settings=command_settings(args, url))
+
+
+@contextmanager
+def _session(args: argparse.Namespace, url: str | None) -> Iterator[KernelCache]:
+    """A cache for one command; a server that fails it told as the command's error."""
+    from kcache_client.errors import AuthenticationError, ServerUnavailableError
+
+    cache = _open_cache(args, url)
+    try:
+        yield cache
+    except AuthenticationError as exc:
+        raise UsageError(f"{exc}\npass a token with --token or $KCACHE_TOKEN") from exc
+    except ServerUnavailableError as exc:
+        raise UsageError(f"{exc}\npass --server URL or set KCACHE_URL to a running server") from exc
+    finally:
+        cache.close()
+
+
+def _print(value: dict[str, Any]) -> None:
+    print(json.dumps(value, sort_keys=True))
+
+
+def _cmd_manifest_save(args: argparse.Namespace) -> int:
+    url = server_url(args)
+    if url is None:
+        raise UsageError("a job's manifest comes from the server: pass --server or set KCACHE_URL")
+    with _session(args, url) as cache:
+        manifest = cache.job_manifest(args.job)
+    if not manifest.kernels:
+        print(
+            f"kcache: the server's audit names no kernels served to job {args.job!r} (a typo, a "
+            "job past the audit's retention, or one whose lookups carried no job id)",
+            file=sys.stderr,
+        )
+        return 1
+    manifest.save(args.o)
+    _print(
+        {
+            "job_id": manifest.job_id,
+            "kernels": len(manifest),
+            "digest": manifest.digest,
+            "path": args.o,
+        }
+    )
+    return 0
+
+
+def _cmd_manifest_diff(args: argparse.Namespace) -> int:
+    from kcache.job_manifest import diff_manifests
+
+    a, b = _load(args.a, "A"), _load(args.b, "B")
+    diff = diff_manifests(a, b)
+    if args.json:
+        _print(diff.to_dict())
+    else:
+        for kernel in diff.added:
+            print(f"+ {kernel.label}  {kernel.recipe_key}")
+        for kernel in diff.removed:
+            print(f"- {kernel.label}  {kernel.recipe_key}")
+        for old, new in diff.changed:
+            why = "artifact" if old.recipe_key == new.recipe_key else "recipe"
+            print(f"~ {new.label}  {old.recipe_key[:16]} -> {new.recipe_key[:16]} ({why} changed)")
+        print(
+            f"{len(diff.added)} added, {len(diff.removed)} removed, {len(diff.changed)} changed",
+            file=sys.stderr,
+        )
+    return 0 if diff.same else 1
+
+
+def _cmd_prefetch(args: argparse.Namespace) -> int:
+    manifest = _load(args.manifest, "--manifest")
+    with _session(args, server_url(args)) as cache:
+        done = cache.prefetch(manifest)
+    _print(
+        {
+            "manifest": done.manifest_digest,
+            "kernels": done.kernels,
+            "held": done.held,
+            "fetched": done.fetched,
+            "missing": list(done.missing),
+            "requests": done.requests,
+        }
+    )
+    return 0 if done.complete else 1
+
+
+def _cmd_bundle_create(args: argparse.Namespace) -> int:
+    from kcache_client._bundle import write_bundle_file
+
+    manifest = _load(args.manifest, "--manifest")
+    with _session(args, server_url(args)) as cache:
+        count = write_bundle_file(cache, manifest, args.o)
+    _print({"manifest": manifest.digest, "entries": count, "path": args.o})
+    return 0
+
+
+def _cmd_bundle_unpack(args: argparse.Namespace) -> int:
+    from kcache.bundle_format import BundleError
+    from kcache_client._bundle import load_bundle_file
+
+    cache = _open_cache(args, None)
+    try:
+        count = load_bundle_file(
+            cache.tier, args.file, cache.trust, max_entry_bytes=cache.settings.max_artifact_bytes
+        )
+    except BundleError as exc:
+        print(f"kcache: {exc}; nothing was written", file=sys.stderr)
+        return 1
+    finally:
+        cache.close()
+    _print({"entries": count, "cache_dir": str(cache.tier.root)})
+    return 0
+
+
+def _cmd_layers(args: argparse.Namespace) -> int:
+    cache = _open_cache(args, None)
+    try:
+        rows = [("writable", cache.tier)] + [("read-only", layer) for layer in cache.layers]
+        for kind, tier in rows:
+            usage = tier.usage()
+            _print(
+                {
+                    "layer": kind,
+                    "path": str(tier.root),
+                    "entries": usage.entries,
+                    "bytes": usage.bytes_used,
+                    "evicted": kind == "writable" and usage.marks.bounded,
+                }
+            )
+    finally:
+        cache.close()
+    return 0
+
+
+def _client_args(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser)
+    add_cache_dir_argument(parser)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``kcache manifest``, ``kcache prefetch``, ``kcache bundle`` and ``kcache layers``."""
+    manifest = subparsers.add_parser(
+        "manifest", help="a job's kernels as a file: save one from the server, diff two"
+    )
+    actions = manifest.add_subparsers(dest="manifest_command", required=True)
+    save = actions.add_parser(
+        "save", help="save the manifest the server recorded for a job (GET /v1/jobs/JOB/manifest)"
+    )
+    save.add_argument("--job", required=True, help="the job id (KCACHE_JOB_ID of its ranks)")
+    save.add_argument("-o", required=True, metavar="FILE", help="where to write it")
+    _client_args(save)
+    save.set_defaults(func=_cmd_manifest_save)
+    diff = actions.add_parser(
+        "diff", help="kernels added, removed and changed from manifest A to B (exit 1 if any)"
+    )
+    diff.add_argument("a", metavar="A")
+    diff.add_argument("b", metavar="B")
+    diff.add_argument("--json", action="store_true", help="one JSON object")
+    diff.set_defaults(func=_cmd_manifest_diff)
+
+    pre = subparsers.add_parser(
+        "prefetch",
+        help="fetch every kernel of a manifest this node lacks, in one request",
+        description="One POST /v1/bundle for what the cache directory (and its layers) lack; "
+        "nothing when it holds the manifest already. Prints what it did; exit 1 when the "
+        "server lacked some of the kernels.",
+    )
+    pre.add_argument("--manifest", required=True, metavar="FILE")
+    _client_args(pre)
+    pre.set_defaults(func=_cmd_prefetch)
+
+    bundle = subparsers.add_parser("bundle", help="a manifest's kernels as one signed file")
+    bactions = bundle.add_subparsers(dest="bundle_command", required=True)
+    create = bactions.add_parser("create", help="write a manifest's kernels into one .kcb file")
+    create.add_argument("--manifest", required=True, metavar="FILE")
+    create.add_argument("-o", required=True, metavar="FILE", help="the bundle file to write")
+    _client_args(create)
+    create.set_defaults(func=_cmd_bundle_create)
+    unpack = bactions.add_parser(
+        "unpack",
+        help="check a bundle file whole, then publish it into a cache directory",
+        description="Every entry's digest and signature (KCACHE_TRUSTED_KEYS, or a pinned "
+        "server's key) is checked before anything is written; a refused file writes nothing. "
+        "The directory can then serve as a read-only layer (KCACHE_CACHE_LAYERS).",
+    )
+    unpack.add_argument("file")
+    add_cache_dir_argument(unpack)
+    unpack.set_defaults(func=_cmd_bundle_unpack)
+
+    layers = subparsers.add_parser(
+        "layers", help="the cache directory and the read-only layers under it (KCACHE_CACHE_LAYERS)"
+    )
+    add_cache_dir_argument(layers)
+    layers.set_defaults(func=_cmd_layers)

@@ -1,0 +1,352 @@
+"""Jobs, not kernels (issue 34): manifests from a job, bundles in one request, bundle files, layers.
+
+One real server (a thread, real NVRTC and SQLite) behind a counting proxy; a job
+compiles three kernels through ``get_many`` (its batch resolves name the job), and the
+tests replay that job onto fresh node tiers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from client_harness import Proxy, kernels
+from kcache_client import ClientSettings, KernelCache, RetryPolicy
+from kcache_client._bundle import load_bundle_file, write_bundle_file
+from kcache_client._tier import NodeTier
+from kcache_client._trust import Trust
+from kcache_server.settings import Settings
+
+from kcache import Recipe
+from kcache.bundle_format import BundleError, BundleReader
+from kcache.errors import KCacheError
+from kcache.job_manifest import JobManifest, ManifestError, diff_manifests
+from kcache.signing import SigningKey
+from tests.cli_harness import kcache, user_env
+from tests.support import ServerThread
+
+FAST = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.05, budget_s=2.0)
+JOB = "job-34"
+
+
+@dataclasses.dataclass
+class Job:
+    server: ServerThread
+    known: Path
+    recipes: list[Recipe]  # concrete: target and toolchain named, so no toolchain request
+    keys: list[str]
+    digests: list[str]
+    public_key: str
+
+
+def _cache(url: str | None, tier: Path, known: Path, **kw: Any) -> KernelCache:
+    settings = dataclasses.replace(
+        ClientSettings.from_env(
+            auto_target="sm_80", retry=FAST, send_events=False, job_id=kw.pop("job_id", None)
+        ),
+        known_servers=known,
+        **kw,
+    )
+    return KernelCache(url, cache_dir=tier, settings=settings)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
+    home = tmp_path_factory.mktemp("job")
+    server = ServerThread(
+        Settings(data_dir=home / "data", compile_workers=2, audit={"flush_s": 0.05})
+    )
+    known = home / "known.json"
+    try:
+        with _cache(server.url, home / "tier", known, job_id=JOB) as cache:
+            recipes = [cache.prepare(r) for r in kernels(3, "job", target="sm_80")]
+            arts = cache.get_many(recipes)
+        assert all(not isinstance(a, Exception) for a in arts), arts
+        public = server.client().get("/v1/keys").json()["keys"][0]["public_key"]
+        yield Job(
+            server,
+            known,
+            recipes,
+            [a.recipe_key for a in arts],  # type: ignore[union-attr]
+            [a.digest for a in arts],  # type: ignore[union-attr]
+            public,
+        )
+    finally:
+        server.stop()
+
+
+def run_kcache(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``kcache ARGS`` as a user with no settings but ``env``."""
+    return kcache(*args, env=user_env(Path(tempfile.mkdtemp()), **(env or {})))
+
+
+@pytest.fixture(scope="module")
+def manifest(job: Job, tmp_path_factory: pytest.TempPathFactory) -> JobManifest:
+    with _cache(job.server.url, tmp_path_factory.mktemp("m"), job.known) as cache:
+        return cache.job_manifest(JOB)
+
+
+def test_the_server_records_a_jobs_manifest_and_it_saves_and_diffs(
+    job: Job, manifest: JobManifest, tmp_path: Path
+) -> None:
+    assert manifest.job_id == JOB and manifest.version == 1
+    assert manifest.recipe_keys == sorted(job.keys)
+    by_key = {k.recipe_key: k for k in manifest.kernels}
+    assert [by_key[k].digest for k in job.keys] == job.digests
+    assert all(k.target == "sm_80" and k.kind == "cubin" and k.size > 0 for k in manifest.kernels)
+    assert all(k.kernel.startswith("kjob_") for k in manifest.kernels)
+    # Saved and read back: the same manifest, the same digest; a later version is refused.
+    saved = manifest.save(tmp_path / "m.json")
+    again = JobManifest.load(saved)
+    assert again.digest == manifest.digest and again.kernels == manifest.kernels
+    body = json.loads(saved.read_text())
+    with pytest.raises(ManifestError, match="version 2"):
+        JobManifest.from_dict({**body, "version": 2})
+    with pytest.raises(ManifestError, match="edited by hand"):
+        JobManifest.from_dict({**body, "kernels": body["kernels"][1:]})
+    # Diff: one kernel dropped, one recompiled to other bytes, one new recipe of a kernel.
+    first, second, third = manifest.kernels
+    b = JobManifest.of(
+        [
+            dataclasses.replace(second, digest="0" * 64),
+            dataclasses.replace(third, recipe_key="f" * 64),
+        ]
+    )
+    diff = diff_manifests(manifest, b)
+    assert [k.recipe_key for k in diff.removed] == [first.recipe_key]
+    assert diff.added == ()
+    assert {(a.recipe_key, b.recipe_key) for a, b in diff.changed} == {
+        (second.recipe_key, second.recipe_key),
+        (third.recipe_key, "f" * 64),
+    }
+    assert diff_manifests(manifest, again).same
+    # The CLI says the same (exit 1: they differ).
+    b.save(tmp_path / "b.json")
+    out = run_kcache("manifest", "diff", str(saved), str(tmp_path / "b.json"), "--json")
+    assert out.returncode == 1, out.stderr
+    assert {c["why"] for c in json.loads(out.stdout)["changed"]} == {"artifact", "recipe"}
+
+
+def test_a_client_records_what_it_was_served(job: Job, tmp_path: Path) -> None:
+    with _cache(job.server.url, tmp_path / "tier", job.known) as cache:
+        for recipe in job.recipes[:2]:
+            cache.get(recipe)
+        mine = cache.manifest()
+    assert mine.recipe_keys == sorted(job.keys[:2])
+
+
+def test_a_bundle_fills_an_empty_tier_in_one_request_and_a_complete_tier_makes_none(
+    job: Job, manifest: JobManifest, tmp_path: Path
+) -> None:
+    proxy = Proxy(job.server.url)
+    try:
+        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:
+            done = cache.prefetch(manifest)
+            assert (done.requests, done.fetched, done.held, done.missing) == (1, 3, 0, ())
+            assert proxy.count() == 1 and proxy.count("POST", "/v1/bundle") == 1
+            arts = [cache.get(r, compile=False) for r in job.recipes]
+            assert [a.origin for a in arts] == ["node"] * 3
+            assert [a.digest for a in arts] == job.digests
+            assert all(a.signature is not None for a in arts)
+            assert proxy.count() == 1  # served from the tier: no request more
+        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:  # another process
+            again = cache.prefetch(manifest)
+        assert (again.requests, again.held, again.fetched) == (0, 3, 0)
+        assert proxy.count() == 1
+        # An entry evicted since: the marker no longer stands, and only that one is asked for.
+        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:
+            cache.tier.remove([job.keys[0]])
+            third = cache.prefetch(manifest)
+        assert (third.requests, third.held, third.fetched) == (1, 2, 1)
+        assert proxy.paths("POST", "/v1/bundle") and proxy.count("POST", "/v1/bundle") == 2
+        asked = [s.json()["recipe_keys"] for s in proxy.seen if s.path == "/v1/bundle"]
+        assert asked[-1] == [job.keys[0]]
+    finally:
+        proxy.close()
+
+
+def test_a_tampered_bundle_answer_is_refused_and_the_entry_not_published(
+    job: Job, manifest: JobManifest, tmp_path: Path
+) -> None:
+    proxy = Proxy(job.server.url)
+
+    def flip(seen: Any, headers: dict[str, str], body: bytes) -> tuple[dict[str, str], bytes]:
+        if seen.path != "/v1/bundle":
+            return headers, body
+        lines = body.split(b"\n", 2)  # header, first entry's head, its bytes and the rest
+        rest = bytearray(lines[2])
+        rest[10] ^= 0xFF
+        return headers, b"\n".join([lines[0], lines[1], bytes(rest)])
+
+    proxy.faults.rewrite = flip
+    try:
+        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:
+            with pytest.raises(BundleError, match="do not hash"):
+                cache.prefetch(manifest)
+            assert cache.tier.entries() == []
+    finally:
+        proxy.close()
+
+
+def _bundle_file(job: Job, manifest: JobManifest, tmp_path: Path) -> Path:
+    with _cache(job.server.url, tmp_path / "src", job.known) as cache:
+        path = tmp_path / "kernels.kcb"
+        assert write_bundle_file(cache, manifest, path) == 3
+    return path
+
+
+def _trusting(job: Job, *, given: bool = True) -> Trust:
+    other = SigningKey.generate().public_key
+    return Trust.from_settings(job.public_key if given else other, Path("/nonexistent/known"))
+
+
+def _flip_in_first_entry(whole: bytes) -> bytes:
+    """One byte of the first entry's artifact flipped."""
+    header, head, rest = whole.split(b"\n", 2)
+    data = bytearray(rest)
+    data[10] ^= 0xFF
+    return b"\n".join([header, head, bytes(data)])
+
+
+def _blobs(root: Path) -> list[Path]:
+    return [p for p in (root / "blobs").rglob("*") if p.is_file()] if root.exists() else []
+
+
+def test_bundle_files_that_are_truncated_tampered_or_of_an_unknown_key_write_nothing(
+    job: Job, manifest: JobManifest, tmp_path: Path
+) -> None:
+    path = _bundle_file(job, manifest, tmp_path)
+    whole = path.read_bytes()
+    entries = list(BundleReader([whole], max_entry_bytes=1 << 20, where="x"))
+    assert [e.recipe_key for e in entries] == manifest.recipe_keys  # type: ignore[union-attr]
+    cases = {
+        "truncated": (whole[: len(whole) - 40], _trusting(job), "truncated|trailer"),
+        "cut in the last entry": (whole[: len(whole) // 2 + 7], _trusting(job), "truncated"),
+        "tampered bytes": (_flip_in_first_entry(whole), _trusting(job), "do not hash"),
+        "tampered metadata": (
+            whole.replace(b'"target":"sm_80"', b'"target":"sm_90"', 1),
+            _trusting(job),
+            "refused.*does not verify",
+        ),
+        "unknown key": (whole, _trusting(job, given=False), "refused"),
+    }
+    for name, (data, trust, match) in cases.items():
+        bad = tmp_path / f"{name}.kcb"
+        bad.write_bytes(data)
+        tier = NodeTier(tmp_path / f"tier-{name}", trust=trust)
+        with pytest.raises(BundleError, match=match):
+            load_bundle_file(tier, bad, trust, max_entry_bytes=1 << 20)
+            pytest.fail(f"{name}: accepted")
+        assert _blobs(tier.root) == [] and tier.entries() == [], name
+    good = NodeTier(tmp_path / "tier-good", trust=_trusting(job))
+    assert load_bundle_file(good, path, _trusting(job), max_entry_bytes=1 << 20) == 3
+    assert len(good.entries()) == 3
+    # As a layer, a refused file stops the cache at start, saying how to fix it.
+    with pytest.raises(KCacheError, match="KCACHE_TRUSTED_KEYS"):
+        _cache(
+            None,
+            tmp_path / "w",
+            job.known,
+            layers=(path,),
+            trusted_keys=SigningKey.generate().public_key,
+        )
+    assert not (tmp_path / "w" / "layers").exists() or _no_blobs_under(tmp_path / "w" / "layers")
+
+
+def test_a_read_only_layer_under_a_writable_tier(
+    job: Job, manifest: JobManifest, tmp_path: Path
+) -> None:
+    path = _bundle_file(job, manifest, tmp_path)
+    layer_dir = tmp_path / "layer"
+    load_bundle_file(NodeTier(layer_dir), path, _trusting(job), max_entry_bytes=1 << 20)
+    before = {p: p.stat().st_mtime_ns for p in layer_dir.rglob("*") if p.is_file()}
+    proxy = Proxy(job.server.url)
+    try:
+        with _cache(
+            proxy.url,
+            tmp_path / "writable",
+            job.known,
+            layers=(layer_dir, path),
+            trusted_keys=job.public_key,
+            cache_max_bytes=1,  # every publish evicts the writable tier down to nothing
+        ) as cache:
+            assert [t.read_only for t in cache.layers] == [True, True]
+            arts = [cache.get(r, compile=False) for r in job.recipes]
+            assert [a.origin for a in arts] == ["node"] * 3 and proxy.count() == 0
+            assert all(str(layer_dir) in a.path.as_posix() for a in arts)
+            # A new kernel goes to the writable tier (and its eviction), never to a layer.
+            new = cache.prepare(kernels(1, "layer", target="sm_80")[0])
+            assert cache.get(new).origin == "compiled"
+            cache.tier.evict()
+            assert cache.layers[0].lookup(cache.key(new)) is None
+            assert cache.tier.entries() == []  # evicted down to nothing
+            assert [cache.get(r, compile=False).origin for r in job.recipes] == ["memory"] * 3
+            cache.forget_memory()
+            assert [cache.get(r, compile=False).origin for r in job.recipes] == ["node"] * 3
+            done = cache.prefetch(manifest)  # the layers hold it: no request
+            assert done.requests == 0
+        after = {p: p.stat().st_mtime_ns for p in layer_dir.rglob("*") if p.is_file()}
+        assert after == before  # nothing written, touched or removed in the layer
+        out = run_kcache(
+            "layers",
+            "--cache-dir",
+            str(tmp_path / "writable"),
+            env={"KCACHE_CACHE_LAYERS": str(layer_dir), "KCACHE_TRUSTED_KEYS": job.public_key},
+        )
+        assert out.returncode == 0, out.stderr
+        rows = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [(r["layer"], r["entries"]) for r in rows] == [("writable", 0), ("read-only", 3)]
+    finally:
+        proxy.close()
+
+
+def test_the_cli_saves_a_jobs_manifest_prefetches_it_and_bundles_it(
+    job: Job, tmp_path: Path
+) -> None:
+    env = {"KCACHE_KNOWN_SERVERS": str(job.known), "KCACHE_CACHE_DIR": str(tmp_path / "tier")}
+    url = job.server.url
+    saved = run_kcache(
+        "manifest", "save", "--job", JOB, "-o", str(tmp_path / "m.json"), "--server", url, env=env
+    )
+    assert saved.returncode == 0, saved.stderr
+    assert json.loads(saved.stdout)["kernels"] == 3
+    pre = run_kcache("prefetch", "--manifest", str(tmp_path / "m.json"), "--server", url, env=env)
+    assert pre.returncode == 0, pre.stderr
+    assert json.loads(pre.stdout)["requests"] == 1
+    again = run_kcache("prefetch", "--manifest", str(tmp_path / "m.json"), "--server", url, env=env)
+    assert json.loads(again.stdout)["requests"] == 0
+    made = run_kcache(
+        "bundle",
+        "create",
+        "--manifest",
+        str(tmp_path / "m.json"),
+        "-o",
+        str(tmp_path / "k.kcb"),
+        "--server",
+        url,
+        env=env,
+    )
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["entries"] == 3
+    unknown = run_kcache(
+        "manifest",
+        "save",
+        "--job",
+        "no-such-job",
+        "-o",
+        str(tmp_path / "x"),
+        "--server",
+        url,
+        env=env,
+    )
+    assert unknown.returncode == 1 and not (tmp_path / "x").exists()
+
+
+def _no_blobs_under(root: Path) -> bool:
+    return all(_blobs(d) == [] for d in root.iterdir())
