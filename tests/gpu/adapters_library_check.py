@@ -138,10 +138,14 @@ def main(workdir: Path) -> int:
 
     def via(module: Any) -> str:
         """How the kcache object compiled: "kcache", "bypass:<reason>" or "library"."""
-        bypass = getattr(module, "bypass", None) or getattr(module, "last_bypass", None)
+        try:  # the adapters decide their plan when asked; a broken kernel raises there
+            bypass = getattr(module, "bypass", None) or getattr(module, "last_bypass", None)
+        except Exception:
+            return "kcache (its compile raised)"
         if bypass is not None:
             return f"bypass:{bypass.reason}"
-        return "kcache" if hasattr(module, "bypass") else "library"
+        ours = hasattr(type(module), "bypass") or "bypass" in getattr(module, "__dict__", {})
+        return "kcache" if ours else "library"
 
     def same(
         case: str,
@@ -281,7 +285,7 @@ def main(workdir: Path) -> int:
     core_same(
         "cuda_core_dict_options",
         lambda lib: lib.Program(SCALE, "c++", options={"arch": target, "name": "scale.cu"}),
-        lambda p: (scale3(p), p.compile("cubin", name_expressions=("scale<float, 3>",)).name),
+        scale3,  # one compile: a cuda.core Program compiles once (a second one raises)
     )
     core_same(
         "cuda_core_ofast_compile",
