@@ -140,9 +140,16 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
 
     if _marked_complete(tiers, manifest):
         return result(len(manifest), 0, (), 0)
+
     # One process per node asks (the lock guards no correctness: publishing is atomic,
-    # so without it the worst is a second request); the others find its marker.
-    with tier.hold(manifest.digest):
+    # so without it the worst is a second request); the others find its marker as soon
+    # as it appears, without queueing for the lock one after another (a convoy: B12).
+    def marker() -> bool | None:
+        return True if _marked_complete(tiers, manifest) else None
+
+    with tier.hold_unless(manifest.digest, marker, watch=tier.complete_dir()) as found:
+        if found:
+            return result(len(manifest), 0, (), 0)
         tier.flush()
         if _marked_complete(tiers, manifest):
             return result(len(manifest), 0, (), 0)

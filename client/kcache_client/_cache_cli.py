@@ -276,7 +276,58 @@ def _tier(args: argparse.Namespace) -> NodeTier:
     return NodeTier(settings.cache_dir, max_bytes=settings.cache_max_bytes)
 
 
-def _tier_info(tier: NodeTier, args: argparse.Namespace) -> int:
+def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each read-only layer of ``KCACHE_CACHE_LAYERS``, opened as a cache opens it.
+
+    A bundle file is unpacked (once, as the cache would at start) and checked whole; one
+    that is refused, or a directory that is gone, is shown with the reason rather than
+    stopping the listing, since ``cache info`` is where one looks to find it.
+    """
+    from kcache.errors import KCacheError
+    from kcache_client._bundle import open_layers
+    from kcache_client._settings import ClientSettings
+    from kcache_client._trust import Trust
+
+    settings = ClientSettings.from_env(cache_dir=args.cache_dir)
+    if not settings.layers:
+        return []
+    trust = Trust.from_settings(settings.trusted_keys, settings.known_servers)
+    rows: list[dict[str, Any]] = []
+    for path in settings.layers:
+        row: dict[str, Any] = {"source": str(path), "location": None, "entries": 0, "bytes_used": 0}
+        try:
+            (layer,) = open_layers(
+                [path], settings.cache_dir, trust, max_entry_bytes=settings.max_artifact_bytes
+            )
+        except KCacheError as exc:
+            rows.append({**row, "error": str(exc)})
+            continue
+        usage = layer.usage()
+        rows.append(
+            {
+                **row,
+                "location": str(layer.root),
+                "entries": usage.entries,
+                "bytes_used": usage.bytes_used,
+                "error": None,
+            }
+        )
+    return rows
+
+
+def _layer_text(i: int, row: dict[str, Any]) -> str:
+    head = f"layer {i}".ljust(15)
+    if row["error"]:
+        return f"{head}{_show(row['source'])}: refused: {_show(row['error'])}"
+    where = _show(row["source"])
+    if row["location"] != row["source"]:
+        where += f" (unpacked in {_show(row['location'])})"
+    return f"{head}{where}: {row['entries']} entries, {format_size(row['bytes_used'])}, read-only"
+
+
+def _tier_info(
+    tier: NodeTier, args: argparse.Namespace, layers: Sequence[dict[str, Any]] = ()
+) -> int:
     usage = tier.usage()
     cap = usage.marks.cap
     share = f" ({usage.bytes_used / cap * 100:.1f}%)" if cap else ""
@@ -290,10 +341,11 @@ def _tier_info(tier: NodeTier, args: argparse.Namespace) -> int:
         "pinned": 0,
         "oldest_use": usage.oldest_use,
         "newest_use": usage.newest_use,
+        "layers": list(layers),
     }
     text = "\n".join(
         [
-            f"location       {_show(usage.root)}",
+            f"location       {_show(usage.root)} (writable)",
             f"size           {format_size(usage.bytes_used)} of "
             f"{format_size(cap) if cap else 'no cap'}{share}",
             f"entries        {usage.entries}",
@@ -301,6 +353,7 @@ def _tier_info(tier: NodeTier, args: argparse.Namespace) -> int:
             f"oldest use     {_when(usage.oldest_use)}",
             f"newest use     {_when(usage.newest_use)}",
         ]
+        + [_layer_text(i, row) for i, row in enumerate(layers, 1)]
     )
     return _emit(args, data, text)
 
@@ -340,7 +393,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if server is not None:
         with _closing(server):
             return _server_info(server, args)
-    return _tier_info(_tier(args), args)
+    return _tier_info(_tier(args), args, _layers(args))
 
 
 def _cmd_tier_stats(args: argparse.Namespace) -> int:

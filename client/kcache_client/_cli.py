@@ -263,14 +263,28 @@ def _cmd_get(args: argparse.Namespace) -> int:
 
 
 def _cmd_warmup(args: argparse.Namespace) -> int:
+    from kcache_client._job_cli import load_manifest, prefetch_summary
     from kcache_client.errors import WarmupError
 
+    if args.file is None and args.manifest is None:
+        raise UsageError("give a recipes FILE, a --manifest FILE, or both")
+    manifest = load_manifest(args.manifest, "--manifest") if args.manifest else None
     try:
-        recipes = load_recipes(args.file)
+        recipes = load_recipes(args.file) if args.file else []
     except RecipeError as exc:
         raise UsageError(f"{args.file}: {exc}") from exc
     url = server_url(args)
+    complete = True
     with _session(args, url, "the recipes missing from it") as cache:
+        if manifest is not None:  # the same prefetch as `kcache prefetch --manifest`
+            done = run_long(
+                lambda: cache.prefetch(manifest),
+                f"prefetching the {len(manifest)} kernels of manifest {manifest.digest[:16]}",
+            )
+            print(json.dumps(prefetch_summary(done), sort_keys=True))
+            complete = done.complete
+        if not recipes:
+            return 0 if complete else 1
         try:
             result = run_long(
                 lambda: cache.warmup(recipes, compile=args.compile, progress=not args.quiet),
@@ -289,7 +303,7 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
                 f"kcache: server unreachable at {url}; {cache.stats.local_compiles} recipes compiled here",
                 file=sys.stderr,
             )
-    return 0
+    return 0 if complete else 1
 
 
 def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
@@ -329,9 +343,18 @@ def register(subparsers: Any) -> None:
         "warmup",
         help="resolve a list of recipes into the server and your cache directory",
         description="Resolve every recipe once (through /v1/resolve/batch where a server is "
-        "configured) and fill your cache directory; prints one JSON line per recipe.",
+        "configured) and fill your cache directory; prints one JSON line per recipe. With "
+        "--manifest, first fetches what the directory lacks of a job's manifest in one request "
+        "(as kcache prefetch does) and prints its line; exit 1 when the server lacked some.",
     )
-    warm.add_argument("file", help='a JSON list of recipes, {"recipes": [...]}, or JSON lines')
+    warm.add_argument(
+        "file", nargs="?", help='a JSON list of recipes, {"recipes": [...]}, or JSON lines'
+    )
+    warm.add_argument(
+        "--manifest",
+        metavar="FILE",
+        help="a job's manifest (kcache manifest save) to prefetch first, in one request per node",
+    )
     _add_client_arguments(warm)
     warm.add_argument(
         "--include-set",

@@ -26,9 +26,27 @@ from kcache.dirs import cache_dir
 
 if TYPE_CHECKING:  # imported when a command runs: `kcache --help` stays instant
     from kcache.job_manifest import JobManifest
+    from kcache_client._bundle import PrefetchResult
     from kcache_client._cache import KernelCache
 
-__all__ = ["register"]
+__all__ = ["load_manifest", "prefetch_summary", "register"]
+
+
+def load_manifest(path: str, option: str) -> JobManifest:
+    """The manifest file ``path``; a missing or refused file is told as ``option``'s error."""
+    return _load(path, option)
+
+
+def prefetch_summary(done: PrefetchResult) -> dict[str, Any]:
+    """The JSON line ``kcache prefetch`` and ``kcache warmup --manifest`` print."""
+    return {
+        "manifest": done.manifest_digest,
+        "kernels": done.kernels,
+        "held": done.held,
+        "fetched": done.fetched,
+        "missing": list(done.missing),
+        "requests": done.requests,
+    }
 
 
 def _load(path: str, option: str) -> JobManifest:
@@ -122,16 +140,7 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
     manifest = _load(args.manifest, "--manifest")
     with _session(args, server_url(args)) as cache:
         done = cache.prefetch(manifest)
-    _print(
-        {
-            "manifest": done.manifest_digest,
-            "kernels": done.kernels,
-            "held": done.held,
-            "fetched": done.fetched,
-            "missing": list(done.missing),
-            "requests": done.requests,
-        }
-    )
+    _print(prefetch_summary(done))
     return 0 if done.complete else 1
 
 

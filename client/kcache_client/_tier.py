@@ -694,16 +694,20 @@ class NodeTier:
             yield waited
 
     @contextlib.contextmanager
-    def hold_unless(self, recipe_key: str, published: Callable[[], T | None]) -> Iterator[T | None]:
+    def hold_unless(
+        self, recipe_key: str, published: Callable[[], T | None], *, watch: str | None = None
+    ) -> Iterator[T | None]:
         """The per-key download lock, unless another process publishes the key meanwhile.
 
         Yields None with the lock held, or what ``published()`` (a look in this tier)
         found while waiting, without ever taking the lock: reading the tier needs no
         lock (entries appear by atomic rename, blobs are verified), and ranks that
         each took the lock in turn only to read the entry made a convoy (B8).
+        ``watch`` is the directory the holder's result appears in (default: the key's
+        alias directory; a prefetch's completeness marker has its own).
         """
         # The holder renames the entry's alias into this directory, then lets go.
-        aliases = os.path.dirname(self.index.alias_path(recipe_key))
+        aliases = watch or os.path.dirname(self.index.alias_path(recipe_key))
 
         def looked() -> T | None:
             # Asked first when this process is about to wait for another's fetch: the
@@ -755,6 +759,14 @@ class NodeTier:
         return os.path.isfile(self.index.alias_path(recipe_key)) and os.path.isfile(
             self.location(digest)
         )
+
+    def complete_dir(self) -> str:
+        """Where completeness markers appear (what a prefetch's waiters watch; made if absent)."""
+        path = self.root / "index" / "complete"
+        if self.standing.writable:
+            with contextlib.suppress(OSError):  # a watch of a missing directory is a plain wait
+                path.mkdir(exist_ok=True)
+        return str(path)
 
     def _complete_path(self, manifest_digest: str) -> Path:
         name = require_hex_key(manifest_digest, "manifest digest")

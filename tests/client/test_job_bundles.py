@@ -302,6 +302,27 @@ def test_a_read_only_layer_under_a_writable_tier(
         assert out.returncode == 0, out.stderr
         rows = [json.loads(line) for line in out.stdout.splitlines()]
         assert [(r["layer"], r["entries"]) for r in rows] == [("writable", 0), ("read-only", 3)]
+        # `cache info` shows each layer beside the writable tier, a gone one with its reason.
+        layers_env = {
+            "KCACHE_CACHE_LAYERS": f"{layer_dir}:{path}:{tmp_path / 'gone'}",
+            "KCACHE_TRUSTED_KEYS": job.public_key,
+        }
+        info_args = ("cache", "info", "--cache-dir", str(tmp_path / "writable"))
+        info = run_kcache(*info_args, "--json", env=layers_env)
+        assert info.returncode == 0, info.stderr
+        shown = json.loads(info.stdout)
+        assert shown["entries"] == 0 and shown["location"] == str(tmp_path / "writable")
+        assert [(r["source"], r["entries"]) for r in shown["layers"]] == [
+            (str(layer_dir), 3),
+            (str(path), 3),
+            (str(tmp_path / "gone"), 0),
+        ]
+        assert shown["layers"][0]["location"] == str(layer_dir)
+        assert str(tmp_path / "writable" / "layers") in shown["layers"][1]["location"]
+        assert [r["error"] is None for r in shown["layers"]] == [True, True, False]
+        assert shown["layers"][0]["bytes_used"] == sum(k.size for k in manifest.kernels)
+        text = run_kcache(*info_args, env=layers_env).stdout
+        assert "(writable)" in text and "layer 2" in text and "refused" in text
     finally:
         proxy.close()
 
@@ -346,6 +367,51 @@ def test_the_cli_saves_a_jobs_manifest_prefetches_it_and_bundles_it(
         env=env,
     )
     assert unknown.returncode == 1 and not (tmp_path / "x").exists()
+
+
+def test_warmup_with_a_manifest_prefetches_it_in_one_request_then_warms_the_recipes(
+    job: Job, manifest: JobManifest, tmp_path: Path
+) -> None:
+    manifest.save(tmp_path / "m.json")
+    (tmp_path / "r.json").write_text(json.dumps([r.to_dict() for r in job.recipes]))
+    env = {"KCACHE_KNOWN_SERVERS": str(job.known), "KCACHE_CACHE_DIR": str(tmp_path / "tier")}
+    proxy = Proxy(job.server.url)
+    try:
+        first = run_kcache(
+            "warmup", "--manifest", str(tmp_path / "m.json"), "-q", "--server", proxy.url, env=env
+        )
+        assert first.returncode == 0, first.stderr
+        assert json.loads(first.stdout) == {
+            "manifest": manifest.digest,
+            "kernels": 3,
+            "held": 0,
+            "fetched": 3,
+            "missing": [],
+            "requests": 1,
+        }
+        assert proxy.count("POST", "/v1/bundle") == 1
+        # Recipes beside the manifest: the prefetch line, then one line per recipe, all
+        # answered from the tier the prefetch filled (no bundle request: the tier is complete).
+        both = run_kcache(
+            "warmup",
+            str(tmp_path / "r.json"),
+            "--manifest",
+            str(tmp_path / "m.json"),
+            "-q",
+            "--no-compile",
+            "--server",
+            proxy.url,
+            env=env,
+        )
+        assert both.returncode == 0, both.stderr
+        lines = [json.loads(line) for line in both.stdout.splitlines()]
+        assert lines[0]["requests"] == 0 and lines[0]["held"] == 3
+        assert sorted(line["recipe_key"] for line in lines[1:]) == sorted(job.keys)
+        assert proxy.count("POST", "/v1/bundle") == 1
+    finally:
+        proxy.close()
+    neither = run_kcache("warmup", "--server", job.server.url, env=env)
+    assert neither.returncode == 2 and "--manifest" in neither.stderr
 
 
 def _no_blobs_under(root: Path) -> bool:
