@@ -371,7 +371,10 @@ def _send_unauthenticated(port: int, size: int, chunked: bool, start: threading.
             sending = sent < size
             readable, writable, _ = select.select([sock], [sock] if sending else [], [], 30)
             if readable:
-                data = sock.recv(65536)
+                try:
+                    data = sock.recv(65536)
+                except ConnectionResetError:  # the server answered, closed, and reset our rest
+                    break
                 if not data:
                     break
                 answer += data
@@ -404,13 +407,15 @@ def test_row3_unauthenticated_bodies_are_refused_before_they_are_read(sqlite: Ha
     start = threading.Barrier(clients)
     with ThreadPoolExecutor(clients + 1) as pool:
         sampler = pool.submit(sample)
-        statuses = list(
-            pool.map(
-                lambda i: _send_unauthenticated(sqlite.server.port, size, i % 5 == 0, start),
-                range(clients),
+        try:
+            statuses = list(
+                pool.map(
+                    lambda i: _send_unauthenticated(sqlite.server.port, size, i % 5 == 0, start),
+                    range(clients),
+                )
             )
-        )
-        sampling.set()
+        finally:  # a client that raised must not leave the sampler running (a hung test)
+            sampling.set()
         sampler.result()
     growth_mb = (peak - baseline) / 1024
     print(
