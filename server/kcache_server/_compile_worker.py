@@ -136,7 +136,12 @@ def _child(fd: int) -> None:
         config = conn.recv()
     except (EOFError, OSError):  # the server went away before the configuration
         return
-    main(conn, config)
+    try:
+        main(conn, config)
+    except (BrokenPipeError, ConnectionResetError):
+        # The server went away (killed) while this worker started or answered: its
+        # "ready" or its reply has nobody to read it. Exit quietly, as on a closed pipe.
+        return
 
 
 def _warm_up(toolchain: object) -> None:
