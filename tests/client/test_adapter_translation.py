@@ -57,10 +57,13 @@ def _nvrtc_accepts(flags: list[str]) -> tuple[bool, str]:
     options = [b"-arch=sm_90", *(f.encode() for f in flags)]
     (result,) = nvrtc.nvrtcCompileProgram(program, len(options), options)[:1]
     _, size = nvrtc.nvrtcGetProgramLogSize(program)
-    log = b" " * size
+    # A bytearray: NVRTC writes into the buffer, and ``b" " * 1`` is the interpreter's one
+    # shared b" " (an empty log is one NUL byte): writing it made every b" " in the process
+    # a NUL, and far-away tests failed to split HTTP status lines.
+    log = bytearray(size)
     nvrtc.nvrtcGetProgramLog(program, log)
     nvrtc.nvrtcDestroyProgram(program)
-    return result == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+    return result == nvrtc.nvrtcResult.NVRTC_SUCCESS, bytes(log).decode(errors="replace")
 
 
 # ----------------------------------------------------------------------------- cuda.core
@@ -176,7 +179,7 @@ def test_no_cache_is_dropped_because_it_changes_no_output_byte() -> None:
         _, program = nvrtc.nvrtcCreateProgram(PLAIN.encode(), b"k.cu", 0, [], [])
         nvrtc.nvrtcCompileProgram(program, len(flags), flags)
         _, size = nvrtc.nvrtcGetCUBINSize(program)
-        out = b" " * size
+        out = bytearray(size)  # written in place: never a shared bytes object (see above)
         nvrtc.nvrtcGetCUBIN(program, out)
         nvrtc.nvrtcDestroyProgram(program)
         return bytes(out)
