@@ -124,6 +124,7 @@ async def add_pins(request: Request, principal: Admin, state: State) -> PinResul
     def pin() -> PinResult:
         keys = list(body.recipe_keys)
         if body.job_id is not None:
+            state.audit.flush()  # read-your-writes: the job's last lookups may still be queued
             keys += store.keys_of_job(body.job_id)
         return PinResult(
             requested=len(set(keys)), pinned=store.add(keys, body.group, principal.name)
