@@ -49,7 +49,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness, b1_fetch, b8
 from _harness import emit, kcache_server
 from b1_fetch import nginx_serving
-from b8_rank_fetch import server_requests
+from b8_rank_fetch import run_ranks
 
 NODES = int(os.environ.get("B12_NODES", "2"))
 RANKS = int(os.environ.get("B12_RANKS", "8"))
@@ -110,42 +110,12 @@ def rank_main(config_path: str) -> None:
 # ---------------------------------------------------------------------------- the benchmark
 def job(url: str, work: Path, cfg: dict[str, Any], tiers: list[Path]) -> dict[str, Any]:
     """One cold start: RANKS processes on each tier; wall ms from "go", server requests."""
-    procs = []
+    configs = []
     for n, tier in enumerate(tiers):
         config = work / f"{tier.name}-{n}.json"
         config.write_text(json.dumps({**cfg, "url": url, "tier": str(tier)}))
-        procs += [
-            subprocess.Popen(
-                [sys.executable, __file__, "rank", str(config)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for _ in range(RANKS)
-        ]
-    for proc in procs:
-        assert proc.stdout is not None
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError("a rank did not start")
-    before = server_requests(url)
-    go = time.monotonic()
-    for proc in procs:
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.close()
-    reports = []
-    for proc in procs:
-        assert proc.stdout is not None
-        out = proc.stdout.read()  # not communicate(): it would flush the stdin closed above
-        if proc.wait(timeout=600) != 0:
-            raise RuntimeError(f"a rank exited {proc.returncode}")
-        reports.append(json.loads(out.strip().splitlines()[-1]))
-    return {
-        "wall_ms": (max(r["end"] for r in reports) - go) * 1000.0,
-        "cpu_ms": sum(r["cpu_ms"] for r in reports),
-        "server": server_requests(url) - before,
-        "reports": reports,
-    }
+        configs += [config] * RANKS
+    return run_ranks(__file__, configs, url, timeout=600)
 
 
 def curls(tar_url: str, work: Path, tag: str) -> float:

@@ -120,22 +120,22 @@ def server_requests(url: str) -> int:
     return int(total)
 
 
-def ours(
-    url: str, work: Path, recipes: list[dict[str, Any]], ranks: int, tag: str
-) -> dict[str, Any]:
-    """One round of ``ranks`` ranks on an empty tier: wall ms, server-side requests, their reports."""
-    config = work / f"ours-{tag}.json"
-    config.write_text(
-        json.dumps({"url": url, "tier": str(work / f"tier-{tag}"), "recipes": recipes})
-    )
+def run_ranks(script: str, configs: list[Path], url: str, timeout: float) -> dict[str, Any]:
+    """One ``script rank CONFIG`` process per config, released together at "go".
+
+    Each is started and waited for until it says "ready" (imports done, cache built), so
+    the wall time runs from "go" to the last rank's end; also the ranks' CPU, the server's
+    requests meanwhile and each rank's report (its last line of JSON). B12 runs its ranks
+    the same way.
+    """
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "rank", str(config)],
+            [sys.executable, script, "rank", str(config)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
-        for _ in range(ranks)
+        for config in configs
     ]
     for proc in procs:
         assert proc.stdout is not None
@@ -151,16 +151,26 @@ def ours(
     for proc in procs:
         assert proc.stdout is not None
         out = proc.stdout.read()  # not communicate(): it would flush the stdin closed above
-        if proc.wait(timeout=300) != 0:
+        if proc.wait(timeout=timeout) != 0:
             raise RuntimeError(f"a rank exited {proc.returncode}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
-    wall_ms = (max(r["end"] for r in reports) - go) * 1000.0
     return {
-        "wall_ms": wall_ms,
+        "wall_ms": (max(r["end"] for r in reports) - go) * 1000.0,
         "cpu_ms": sum(r["cpu_ms"] for r in reports),
         "server": server_requests(url) - before,
         "reports": reports,
     }
+
+
+def ours(
+    url: str, work: Path, recipes: list[dict[str, Any]], ranks: int, tag: str
+) -> dict[str, Any]:
+    """One round of ``ranks`` ranks on an empty tier: wall ms, server-side requests, their reports."""
+    config = work / f"ours-{tag}.json"
+    config.write_text(
+        json.dumps({"url": url, "tier": str(work / f"tier-{tag}"), "recipes": recipes})
+    )
+    return run_ranks(__file__, [config] * ranks, url, timeout=300)
 
 
 def curls(urls: list[str], work: Path, ranks: int, tag: str) -> float:
