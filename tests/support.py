@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -330,6 +331,52 @@ def _allowing(
 
 
 # ------------------------------------------------------------------------------ servers
+#: The nginx the tests start (Debian's, installed by scripts/ensure-services).
+NGINX = os.environ.get("KCACHE_TEST_NGINX") or shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+class NginxProcess:
+    """nginx in the foreground on a free loopback port, with ``root/nginx.conf``.
+
+    A subclass writes its configuration (listening on :attr:`port`, answering
+    ``/healthz``), then calls :meth:`start`, which returns once nginx answers.
+    """
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = root / "nginx.conf"
+
+    def start(self) -> None:
+        """Run nginx on :attr:`config`; RuntimeError with its stderr if it exits instead."""
+        # -e: the compiled-in error log (/var/log/nginx) is opened before the config is read.
+        argv = [
+            NGINX,
+            "-p",
+            str(self.root),
+            "-e",
+            str(self.root / "error.log"),
+            "-c",
+            str(self.config),
+        ]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_until(
+            lambda: self.proc.poll() is not None or answers_200(f"{self.url}/healthz"),
+            "nginx to answer",
+            timeout=30,
+        )
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"nginx exited: {self.proc.communicate()[1].decode()}")
+
+    def stop(self) -> None:
+        """Stop nginx (it was started)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(15)
+
+
 class ServerThread:
     """``create_app(settings)`` served by a real uvicorn on an ephemeral loopback port, in a thread.
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -37,18 +35,16 @@ from kcache.recipe import Recipe
 from kcache.store.s3 import S3ArtifactStore
 from tests.s3_server import S3Server, s3_server
 from tests.support import (
+    NGINX,
+    NginxProcess,
     ServerProcess,
-    answers_200,
-    free_port,
     pg_database,
     unique,
     upgrade,
-    wait_until,
 )
 
 pytestmark = pytest.mark.postgres
 
-NGINX = os.environ.get("KCACHE_TEST_NGINX") or shutil.which("nginx") or "/usr/sbin/nginx"
 
 _CONFIG = """\
 daemon off;
@@ -90,35 +86,17 @@ http {{
 """
 
 
-class Nginx:
+class Nginx(NginxProcess):
     """nginx in the foreground with a generated config, balancing over ``upstreams``."""
 
     def __init__(self, root: Path, upstreams: list[str]) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = root
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(root)
         servers = "\n".join(
             f"        server {u.removeprefix('http://')} max_fails=1 fail_timeout=2s;"
             for u in upstreams
         )
-        self.config = root / "nginx.conf"
         self.config.write_text(_CONFIG.format(root=root, servers=servers, port=self.port))
-        # -e: the compiled-in error log (/var/log/nginx) is opened before the config is read.
-        argv = [NGINX, "-p", str(root), "-e", str(root / "error.log"), "-c", str(self.config)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        wait_until(
-            lambda: self.proc.poll() is not None or answers_200(f"{self.url}/healthz"),
-            "nginx to answer",
-            timeout=30,
-        )
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"nginx exited: {self.proc.communicate()[1].decode()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(15)
+        self.start()
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,15 +27,13 @@ from kcache.recipe import Recipe
 from kcache.store.s3 import S3ArtifactStore
 from tests.s3_server import s3_server
 from tests.support import (
+    NGINX,
     VECTOR_ADD,
+    NginxProcess,
     ServerProcess,
-    answers_200,
-    free_port,
     unique,
-    wait_until,
 )
 
-NGINX = os.environ.get("KCACHE_TEST_NGINX") or shutil.which("nginx") or "/usr/sbin/nginx"
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "kcache.conf.template"
 PREFIX = "/_kcache_blobs/"
 #: The headers a client relies on, which nginx must send as the replica does.
@@ -51,14 +48,11 @@ def render(template: str, values: dict[str, str]) -> str:
     return template
 
 
-class Nginx:
+class Nginx(NginxProcess):
     """nginx in the foreground: a minimal nginx.conf that includes the deploy's file."""
 
     def __init__(self, root: Path, replica: str, blobs: Path) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = root
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(root)
         values = {
             "KCACHE_LISTEN": f"127.0.0.1:{self.port}",
             "KCACHE_REPLICA": replica,
@@ -70,34 +64,13 @@ class Nginx:
         temp = " ".join(
             f"{kind}_temp_path {root}/tmp;" for kind in ("client_body", "proxy", "fastcgi")
         )
-        (root / "nginx.conf").write_text(
+        self.config.write_text(
             f"{user}daemon off;\nworker_processes 1;\npid {root}/nginx.pid;\n"
             f"error_log {root}/error.log warn;\nevents {{ worker_connections 256; }}\n"
             f"http {{ access_log off; {temp} uwsgi_temp_path {root}/tmp; "
             f"scgi_temp_path {root}/tmp; include {root}/kcache.conf; }}\n"
         )
-        argv = [
-            NGINX,
-            "-p",
-            str(root),
-            "-e",
-            str(root / "error.log"),
-            "-c",
-            str(root / "nginx.conf"),
-        ]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        wait_until(
-            lambda: self.proc.poll() is not None or answers_200(f"{self.url}/healthz"),
-            "nginx to answer",
-            timeout=30,
-        )
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"nginx exited: {self.proc.communicate()[1].decode()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(15)
+        self.start()
 
 
 @dataclass
