@@ -9,6 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
+from kcache_server import migrate
+from kcache_server.db import open_database
 
 from tests.audit.workload import Workload, run_workload
 from tests.support import ROOT, ServerThread
@@ -26,6 +29,20 @@ def workload(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workload]:
         yield run_workload(server)
     finally:
         server.stop()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sa.Engine]:
+    """A database of each kind at the head revision (a module may define its own)."""
+    url = (
+        f"sqlite:///{tmp_path / 'audit.db'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("pg_url")
+    )
+    migrate.upgrade(url)
+    db = open_database(url)
+    yield db
+    db.dispose()
 
 
 @pytest.fixture(scope="session")

@@ -12,34 +12,15 @@ read from what happened before the waiter started.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
-import pytest
 import sqlalchemy as sa
-from kcache_server import migrate
 from kcache_server.auditing.counts import write_events
 from kcache_server.auditing.stats import StatsQuery, compute_stats
-from kcache_server.db import open_database
 
 NOW = datetime.now(timezone.utc).replace(microsecond=0)
 JOINED = "joined a compile another request had started"
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sa.Engine]:
-    """A database of each kind at the head revision."""
-    url = (
-        f"sqlite:///{tmp_path / 'reasons.db'}"
-        if request.param == "sqlite"
-        else request.getfixturevalue("pg_url")
-    )
-    migrate.upgrade(url)
-    db = open_database(url)
-    yield db
-    db.dispose()
 
 
 def _row(

@@ -6,17 +6,12 @@ DELETE ... RETURNING differ between them).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
-import pytest
 import sqlalchemy as sa
-from kcache_server import migrate
 from kcache_server.auditing import StatsQuery, compute_stats, roll_up
 from kcache_server.auditing.retention import RetentionWorker
 from kcache_server.auditing.writer import AuditLog, AuditRecord
-from kcache_server.db import open_database
 
 from tests.support import wait_until
 
@@ -25,20 +20,6 @@ NOW = datetime.now(timezone.utc).replace(microsecond=0)
 OLD = (NOW - timedelta(days=3)).replace(minute=0, second=0)
 D1, D2 = "1" * 64, "2" * 64
 BASE = "b" * 64
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sa.Engine]:
-    """A migrated database of each kind."""
-    url = (
-        f"sqlite:///{tmp_path / 'audit.db'}"
-        if request.param == "sqlite"
-        else request.getfixturevalue("pg_url")
-    )
-    migrate.upgrade(url)
-    db = open_database(url)
-    yield db
-    db.dispose()
 
 
 def _seed(db: sa.Engine) -> None:
