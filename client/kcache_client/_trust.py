@@ -100,7 +100,7 @@ class KnownServers:
         with filelock.FileLock(f"{self.path}.lock", timeout=30):
             data = self.load()
             entry = data.get(url) if isinstance(data.get(url), dict) else None
-            pinned = dict(entry.get("keys", {})) if entry else {}
+            pinned = _valid_keys(entry.get("keys") if entry else None)
             pinned.update(keys.public_keys)
             data[url] = {
                 "keys": pinned,
@@ -256,6 +256,15 @@ class Trust:
             with self._lock:
                 self._every, self._every_read = every, time.monotonic()
         return every
+
+
+def _valid_keys(found: Any) -> dict[str, str]:
+    """The well-formed keys of a pin entry, by id (a damaged one is dropped, not kept)."""
+    valid: dict[str, str] = {}
+    for text in found.values() if isinstance(found, dict) else ():
+        with contextlib.suppress(SignatureError, AttributeError):
+            valid.update(TrustedKeys([str(text)]).public_keys)
+    return valid
 
 
 def _published(body: Any, url: str) -> TrustedKeys:

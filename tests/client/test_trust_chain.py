@@ -453,3 +453,33 @@ def test_a_private_tier_keeps_using_unsigned_local_entries(tmp_path: Path) -> No
     assert found is not None and found[0] == meta
     raw = json.loads(Path(tier.index.alias_path(key)).read_bytes())
     assert "signature" not in raw
+
+
+def test_a_hostile_keys_answer_or_pin_file_pins_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What GET /v1/keys answers and what the pin file holds are input like any other."""
+    from kcache_client._trust import _published
+
+    good = SigningKey.generate()
+    for body, said in (
+        ([], "lists no keys"),
+        ({"keys": []}, "lists no keys"),
+        ({"keys": [{"key_id": "0" * 16, "public_key": "not base64!"}]}, "base64url"),
+        ({"keys": [{"key_id": "0" * 16, "public_key": "AAAA"}]}, "32 bytes"),
+        ({"keys": [{"key_id": "0" * 16, "public_key": good.public_key}]}, "not the id of its key"),
+    ):
+        with pytest.raises(UntrustedArtifactError, match=said):
+            _published(body, "http://x")
+    known = KnownServers(tmp_path / "known.json")
+    for garbage in (b"\x00\xff not json", b"[1, 2]", b'{"http://x": {"keys": {"a": "short"}}}'):
+        known.path.write_bytes(garbage)
+        with caplog.at_level(logging.WARNING, "kcache_client"):
+            assert known.keys("http://x") is None  # as never contacted: pinned afresh
+        assert known.every_key().key_ids == []
+    known.pin(
+        "http://x",
+        _published({"keys": [{"key_id": good.key_id, "public_key": good.public_key}]}, "http://x"),
+    )
+    pinned = known.keys("http://x")
+    assert pinned is not None and pinned.key_ids == [good.key_id]
