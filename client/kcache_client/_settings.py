@@ -448,7 +448,9 @@ class ClientSettings:
             retry=retry or RetryPolicy.from_env(),
             timeout=timeout or timeout_from_env(),
             max_artifact_bytes=_artifact_cap(max_artifact_bytes),
-            trusted_keys=trusted_keys or os.environ.get("KCACHE_TRUSTED_KEYS", "").strip() or None,
+            trusted_keys=trusted_keys
+            or os.environ.get(ENVIRONMENT["trusted_keys"], "").strip()
+            or None,
             known_servers=_known_servers(known_servers),
             after_warmup=after_warmup
             or os.environ.get(ENVIRONMENT["after_warmup"], "").strip().lower()
