@@ -7,7 +7,7 @@ the file. Anchor, in the same run: nginx (1 worker, as the deploy's) serving the
 file directly (B1's anchor). Goal: >= 0.9 x.
 
 Also, interleaved in the same rounds (issue 35 item 2), B1 both ways: ``kcache serve`` alone
-with its own HTTP protocol (``kcache_server.http_protocol``, a subclass of uvicorn's
+with its own HTTP protocol (``kcache_server.serving.http_protocol``, a subclass of uvicorn's
 private httptools protocol), and the same app under uvicorn's stock httptools protocol
 (public interfaces only: ``uvicorn.run`` with ``http="httptools"``). Goal: >= 0.6 x nginx.
 All servers share one data directory; rounds alternate (``BENCH_ROUNDS``, 3), each figure
@@ -74,7 +74,7 @@ def stock_uvicorn(data_dir: Path, workers: int) -> Iterator[str]:
     """The same app under uvicorn's own httptools protocol (no private API); its URL."""
     port = free_port()
     code = (
-        "import uvicorn; uvicorn.run('kcache_server.app:create_app_from_env', factory=True, "
+        "import uvicorn; uvicorn.run('kcache_server.serving.app:create_app_from_env', factory=True, "
         f"host='127.0.0.1', port={port}, workers={workers}, http='httptools', "
         "access_log=False, log_level='warning')"
     )

@@ -387,8 +387,8 @@ class ServerThread:
     def __init__(self, settings: Any) -> None:
         import uvicorn
         from kcache_server import create_app
-        from kcache_server.app import serving_app
-        from kcache_server.http_protocol import CoalescingHttpToolsProtocol
+        from kcache_server.serving.app import serving_app
+        from kcache_server.serving.http_protocol import CoalescingHttpToolsProtocol
 
         self.settings = settings
         self.app = create_app(settings)

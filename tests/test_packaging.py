@@ -90,13 +90,19 @@ class Build:
     dists: dict[str, Built]
 
 
+def _walk(root: Path) -> list[Path]:
+    """Every file under ``root``, linked directories followed (the server's migrations/ is one)."""
+    return [Path(d) / f for d, _, files in os.walk(root, followlinks=True) for f in files]
+
+
 def _copy_sources(dest: Path) -> None:
     for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
         shutil.copy2(ROOT / name, dest / name)
     skip = shutil.ignore_patterns("__pycache__", "build", "dist", "*.egg-info", ".kcache")
-    for name in ("kcache", "client", "server"):
-        # symlinks=True: the client's and server's _version.py and LICENSE are links, and
-        # the sdists must turn them into files.
+    for name in ("kcache", "client", "server", "migrations"):
+        # symlinks=True: the client's and server's _version.py and LICENSE are links, as is
+        # the server's migrations/ (to the top-level tree), and the sdists must turn them
+        # into files.
         shutil.copytree(ROOT / name, dest / name, symlinks=True, ignore=skip)
 
 
@@ -255,8 +261,8 @@ def test_wheels_hold_every_module_and_data_file(build: Build) -> None:
         wheel = build.dists[project].wheel_files()
         expected_py = {
             f"{prefix}/{p.relative_to(source).as_posix()}"
-            for p in source.rglob("*.py")
-            if "__pycache__" not in p.parts
+            for p in _walk(source)
+            if p.suffix == ".py" and "__pycache__" not in p.parts
         }
         assert {n for n in wheel if n.endswith(".py")} == expected_py, project
         assert f"{prefix}/py.typed" in wheel, project
@@ -268,8 +274,8 @@ def test_wheels_hold_every_module_and_data_file(build: Build) -> None:
     data = {
         f"kcache_server/{p.relative_to(server_source).as_posix()}"
         for p in [
-            *(server_source / "static").rglob("*"),
-            *(server_source / "migrations").rglob("*"),
+            *_walk(server_source / "static"),
+            *_walk(server_source / "migrations"),
         ]
         if p.is_file() and "__pycache__" not in p.parts
     }

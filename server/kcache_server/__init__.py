@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from kcache.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from kcache_server.app import create_app
+    from kcache_server.serving.app import create_app
     from kcache_server.compile_pool import ProcessPoolCompiler
     from kcache_server.index import SqlIndex
     from kcache_server.locks import PgAdvisoryKeyLock
@@ -19,7 +19,7 @@ __all__ = ["PgAdvisoryKeyLock", "ProcessPoolCompiler", "Settings", "SqlIndex", "
 # Imported on first use: the `kcache` command loads this package's subcommands for every
 # run (`kcache --help`, `kcache key`), and they must not pay for FastAPI and SQLAlchemy.
 _LAZY = {
-    "create_app": "kcache_server.app",
+    "create_app": "kcache_server.serving.app",
     "ProcessPoolCompiler": "kcache_server.compile_pool",
     "SqlIndex": "kcache_server.index",
     "PgAdvisoryKeyLock": "kcache_server.locks",

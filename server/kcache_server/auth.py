@@ -34,11 +34,11 @@ import sqlalchemy as sa
 
 from kcache.lru import LruCache
 from kcache_server.errors import (
-    AuthenticationError,
     BadRequestError,
     InvalidRequestError,
     PermissionDeniedError,
     ServerError,
+    UnauthenticatedError,
     error_body,
     error_info,
 )
@@ -237,17 +237,17 @@ class TokenStore:
         return cached[1]
 
     def authenticate(self, authorization: str | None) -> Principal:
-        """The principal for an ``Authorization`` header, or AuthenticationError."""
+        """The principal for an ``Authorization`` header, or UnauthenticatedError."""
         if not self.any_active():
             return OPEN
         if not authorization:
-            raise AuthenticationError(
+            raise UnauthenticatedError(
                 "this server needs a bearer token: send 'Authorization: Bearer <token>' "
                 "(an admin creates one with `kcache token create NAME --scope read`)"
             )
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise AuthenticationError("the Authorization header must be 'Bearer <token>'")
+            raise UnauthenticatedError("the Authorization header must be 'Bearer <token>'")
         digest = hash_token(token.strip())
         now = time.monotonic()
         with self._lock:
@@ -258,7 +258,7 @@ class TokenStore:
             principal = self._check(digest)
             self._cache.put(digest, (now, principal))
         if principal is None:
-            raise AuthenticationError("the bearer token is unknown or revoked")
+            raise UnauthenticatedError("the bearer token is unknown or revoked")
         return principal
 
     def _check(self, digest: str) -> Principal | None:
@@ -289,7 +289,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: Where the gate leaves the request's :class:`Principal` in the ASGI scope.
 PRINCIPAL_KEY = "kcache.principal"
 # Probes, the dashboard page (it asks for a token itself), / (a redirect to it) and the API
-# contract need none. (No /docs page is served: see kcache_server.app.)
+# contract need none. (No /docs page is served: see kcache_server.serving.app.)
 _PUBLIC = frozenset({"/", "/healthz", "/readyz", "/dashboard", "/openapi.json"})
 _PUBLIC_PREFIXES = ("/dashboard/",)
 
@@ -348,7 +348,7 @@ class AuthGate:
                 if principal is None:  # the database must answer: off the event loop
                     principal = await anyio.to_thread.run_sync(self.tokens.authenticate, header)
                 scope[PRINCIPAL_KEY] = principal
-        except (AuthenticationError, BadRequestError) as exc:
+        except (UnauthenticatedError, BadRequestError) as exc:
             await _answer(exc, scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -7,7 +7,7 @@ Hierarchy (the core's errors are in :mod:`kcache.errors`)::
         ├── BadRequestError (ValueError)            400: malformed JSON, a bad key in a path
         ├── ArtifactSetAsideError (ArtifactNotFoundError)  404: the stored blob failed its check
         ├── InvalidRequestError (ValueError)        422: a request field is wrong (names it)
-        ├── AuthenticationError                     401: no token, or an unknown one
+        ├── UnauthenticatedError                    401: no token, or an unknown one
         ├── PermissionDeniedError                   403: the token lacks the scope
         ├── PayloadTooLargeError                    413: body over max_request_bytes or max_request_values
         ├── ReportLimitError                        429 + Retry-After: a token's reported lookups this minute
@@ -50,7 +50,6 @@ from kcache_server.request_ids import current_request_id
 __all__ = [
     "ERROR_TABLE",
     "ArtifactSetAsideError",
-    "AuthenticationError",
     "BadRequestError",
     "CompileWorkerCrashedError",
     "CompilerUnavailableError",
@@ -66,6 +65,7 @@ __all__ = [
     "ReportLimitError",
     "SchemaOutOfDateError",
     "ServerError",
+    "UnauthenticatedError",
     "error_body",
     "error_info",
 ]
@@ -112,7 +112,7 @@ class InvalidRequestError(ServerError, ValueError):
         self.detail = detail
 
 
-class AuthenticationError(ServerError):
+class UnauthenticatedError(ServerError):
     """No bearer token, or one that is unknown or revoked."""
 
 
@@ -220,7 +220,7 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     CompileTimeoutError: ErrorInfo(422, "compile_timeout"),
     ArtifactTooLargeError: ErrorInfo(422, "artifact_too_large"),
     CompileError: ErrorInfo(422, "compile_error"),
-    AuthenticationError: ErrorInfo(401, "unauthorized"),
+    UnauthenticatedError: ErrorInfo(401, "unauthorized"),
     PermissionDeniedError: ErrorInfo(403, "forbidden"),
     # A blob that failed its check answers as an evicted one does: a miss, with the reason.
     ArtifactSetAsideError: ErrorInfo(404, "not_found"),

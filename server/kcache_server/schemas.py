@@ -194,7 +194,7 @@ _Size = Annotated[int, Field(strict=True, ge=1, le=INT32_MAX), INTEGRAL]
 
 #: Marks a schema node whose bounds are settings of this server: ``{keyword: setting}``
 #: (``{"maxItems": "max_batch"}``; a dotted name reaches into ``audit``).
-#: :mod:`kcache_server.openapi` writes the configured values in its place.
+#: :mod:`kcache_server.serving.openapi` writes the configured values in its place.
 SETTING_MARK = "x-kcache-setting"
 #: Marks where the server's recipe schema goes: it names this server's toolchain,
 #: targets and include sets, so it is built with the app (:mod:`kcache_server.recipe_schema`).

@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from kcache_server.fastpath import ROUTE, ArtifactFastPath
+from kcache_server.serving.artifact_fastpath import ROUTE, ArtifactFastPath
 
 from tests.support import audit_rows, requests_counted, unique, vector_add
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import uvicorn
-from kcache_server.http_protocol import CoalescingHttpToolsProtocol, CoalescingTransport
+from kcache_server.serving.http_protocol import CoalescingHttpToolsProtocol, CoalescingTransport
 
 from tests.support import VECTOR_ADD, ServerProcess, ServerThread, upgrade, wait_until
 

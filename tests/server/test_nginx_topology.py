@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from kcache_client import ClientSettings, KernelCache
-from kcache_server.fastpath import accel_path
+from kcache_server.accel_redirect import accel_path
 from kcache_server.settings import Settings
 
 from kcache.recipe import Recipe

@@ -292,7 +292,7 @@ def test_the_servers_own_toolchain_targets_and_include_sets_are_published(
 
 
 def test_every_request_limit_setting_is_published(published_app: Published) -> None:
-    from kcache_server.openapi import REQUEST_LIMITS, setting_value
+    from kcache_server.serving.openapi import REQUEST_LIMITS, setting_value
 
     document, settings = published_app.document, published_app.settings
     assert document["info"]["x-limits"] == {n: setting_value(settings, n) for n in REQUEST_LIMITS}

@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
-from kcache_server.http_protocol import _in_chain
-from kcache_server.resolve_fastpath import ROUTE, ResolveFastPath
+from kcache_server.serving.http_protocol import _in_chain
+from kcache_server.serving.resolve_fastpath import ROUTE, ResolveFastPath
 from kcache_server.routes._deps import INLINE_BODY_BYTES
 
 from tests.support import ServerThread, audit_rows, requests_counted, unique, vector_add
@@ -39,7 +39,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    import kcache_server.app
+    import kcache_server.serving.app
     from kcache_server import Settings
 
     root = tmp_path_factory.mktemp("resolve-fastpath")
@@ -58,7 +58,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     compiler = fast.state.tokens.create("compiler", ["compile"])
     reader = fast.state.tokens.create("reader", ["read"])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kcache_server.app, "serving_app", lambda app: app)  # the bare app
+        patch.setattr(kcache_server.serving.app, "serving_app", lambda app: app)  # the bare app
         route = ServerThread(settings)
     try:
         yield Pair(fast, route, compiler, reader, library)

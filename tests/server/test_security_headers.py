@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-from kcache_server.fastpath import ArtifactFastPath
-from kcache_server.resolve_fastpath import ResolveFastPath
+from kcache_server.serving.artifact_fastpath import ArtifactFastPath
+from kcache_server.serving.resolve_fastpath import ResolveFastPath
 
 from tests.support import ServerThread, unique, vector_add
 

@@ -120,7 +120,7 @@ class ClientEvent(Context):
     latency_ms: float = Field(default=0.0, ge=0, le=86_400_000, strict=True, allow_inf_nan=False)
 
 
-#: The published description of a batch (``{setting:...}`` filled in by :mod:`kcache_server.openapi`).
+#: The published description of a batch (``{setting:...}`` filled in by :mod:`kcache_server.serving.openapi`).
 BATCH_DESCRIPTION = (
     "client-reported lookups, stored with the token that posted them and shown apart from "
     "what the server observed. One token reports at most x-max-reported-per-minute "

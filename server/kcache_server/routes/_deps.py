@@ -52,7 +52,7 @@ __all__ = [
 INLINE_BODY_BYTES = 64 << 10
 
 #: What every JSON request body is bounded by, as the published document says it
-#: (``{setting:...}`` is filled in with this server's values by :mod:`kcache_server.openapi`).
+#: (``{setting:...}`` is filled in with this server's values by :mod:`kcache_server.serving.openapi`).
 BODY_LIMITS_DOC = (
     "JSON, at most {setting:max_request_bytes} bytes (max_request_bytes) holding at most "
     "{setting:max_request_values} values (max_request_values: every member's value and array "

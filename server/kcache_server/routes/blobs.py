@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from kcache.errors import ArtifactNotFoundError
 from kcache.store.local import LocalArtifactStore
-from kcache_server.fastpath import ACCEL_HEADER, accel_path, accel_wanted, on_disk
+from kcache_server.accel_redirect import ACCEL_HEADER, accel_path, accel_wanted, on_disk
 from kcache_server.http_cache import blob_headers, etag_matches
 from kcache_server.routes._deps import ERRORS, Reader, State
 from kcache_server.schemas import DigestPath, check_key

@@ -46,7 +46,7 @@ router = APIRouter(prefix="/v1/events", tags=["audit"])
 log = logging.getLogger(__name__)
 
 #: The published description of an event's ``time`` (``{setting:...}`` is filled in with
-#: this server's value by :mod:`kcache_server.openapi`).
+#: this server's value by :mod:`kcache_server.serving.openapi`).
 TIME_DESCRIPTION = (
     "when, in unix seconds. A time up to x-max-clock-skew-s "
     "({setting:audit.max_clock_skew_s} s on this server) past the server's clock when the "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -10,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kcache_server.auth import Principal
 from kcache_server.errors import InvalidRequestError
-from kcache_server.pins import MAX_KEYS, PinStore, check_group
+from kcache_server.pins import MAX_KEYS, PinInfo, PinStore, check_group
 from kcache_server.routes._deps import ERRORS, State, body_doc, caller, read_body
 from kcache_server.schemas import HEX_KEY_PATTERN, SchemaPattern, load_model, parse_json
 
@@ -64,21 +63,11 @@ class PinRequest(BaseModel):
     )
 
 
-class PinBody(BaseModel):
-    """One pin and the artifact its key resolves to now (null before it is compiled)."""
-
-    recipe_key: str
-    group: str | None
-    created_at: datetime
-    created_by: str | None
-    digest: str | None
-    size: int | None
-
-
 class PinsResponse(BaseModel):
     """Body of ``GET /v1/pins``."""
 
-    pins: list[PinBody]
+    #: Each pin as the pin store gives it (its dataclass is the schema: one list of fields).
+    pins: list[PinInfo]
 
 
 class PinResult(BaseModel):
@@ -109,7 +98,7 @@ async def list_pins(
 ) -> PinsResponse:
     """Pins, newest first (of one group if given)."""
     pins = await state.run(PinStore(state.backends.db).list, group, limit)
-    return PinsResponse(pins=[PinBody(**vars(p)) for p in pins])
+    return PinsResponse(pins=pins)
 
 
 @router.post("", response_model=PinResult, responses=ERRORS, openapi_extra=body_doc(PinRequest))

@@ -102,7 +102,7 @@ async def recipe_artifact(
 
     The body is the bytes, cacheable forever; ``X-KCache-Meta`` carries the metadata a
     client needs to trust and use them (see the 200 response's headers). Warm keys are
-    answered before this route by :mod:`kcache_server.fastpath`; this one serves the
+    answered before this route by :mod:`kcache_server.serving.artifact_fastpath`; this one serves the
     rest (and fills the memory caches the fast path reads). A blob that fails its
     check on the read is a 404 ``not_found`` saying so, as for an evicted artifact
     (:class:`~kcache_server.errors.ArtifactSetAsideError`); the fast path serves only

@@ -48,14 +48,14 @@ from kcache_server.errors import (
     error_info,
 )
 from kcache_server.eviction import install_eviction
-from kcache_server.fastpath import ArtifactFastPath
 from kcache_server.metrics import MetricsMiddleware, ServerMetrics, pool_sampler, store_sampler
-from kcache_server.openapi import install_openapi
 from kcache_server.request_ids import HEADER, new_request_id, request_id_var
-from kcache_server.resolve_fastpath import ResolveFastPath
 from kcache_server.routes import ROUTERS
 from kcache_server.schemas import invalid_request
 from kcache_server.security_headers import secure
+from kcache_server.serving.artifact_fastpath import ArtifactFastPath
+from kcache_server.serving.openapi import install_openapi
+from kcache_server.serving.resolve_fastpath import ResolveFastPath
 from kcache_server.settings import Settings
 from kcache_server.state import ServerState
 from kcache_server.verification import install_verification

@@ -67,8 +67,8 @@ def _dashboard_line(host: str, port: int) -> str:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kcache_server.app import SETTINGS_ENV, create_app, serving_app
-    from kcache_server.http_protocol import CoalescingHttpToolsProtocol as http
+    from kcache_server.serving.app import SETTINGS_ENV, create_app, serving_app
+    from kcache_server.serving.http_protocol import CoalescingHttpToolsProtocol as http
 
     cap = {"max_store_bytes": args.max_store_bytes} if args.max_store_bytes is not None else {}
     settings = _settings(args, **cap)
@@ -78,7 +78,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         os.environ[SETTINGS_ENV] = settings.model_dump_json()
         print(_dashboard_line(settings.host, settings.port), file=sys.stderr, flush=True)
         uvicorn.run(
-            "kcache_server.app:create_app_from_env",
+            "kcache_server.serving.app:create_app_from_env",
             factory=True,
             host=settings.host,
             port=settings.port,
@@ -268,7 +268,7 @@ def _tokens(args: argparse.Namespace) -> Any:
 def _cmd_token_create(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kcache.cli import UsageError
+    from kcache.cli_toolkit import UsageError
 
     given = None
     if args.token_file:

@@ -18,21 +18,21 @@ transport; ``kcache serve`` passes it as uvicorn's ``http`` protocol.
 
 The protocol also answers the warm fetch itself. uvicorn turns every request into an
 ASGI task with its own request cycle, scope and messages; for a fetch the
-:class:`~kcache_server.fastpath.ArtifactFastPath` answers from memory that machinery
+:class:`~kcache_server.serving.artifact_fastpath.ArtifactFastPath` answers from memory that machinery
 costs more than the answer (a bare ASGI app returning the same bytes reached 0.43 x
 nginx here). When the app it serves has that fast path, a ``GET`` whose headers are
 complete, with no request of the connection still in flight, is offered to the fast
-path's :meth:`~kcache_server.fastpath.ArtifactFastPath.prepare` right in the parser's
+path's :meth:`~kcache_server.serving.artifact_fastpath.ArtifactFastPath.prepare` right in the parser's
 callback; an answer is written at once (the same status, headers and bytes the ASGI
 path sends, with uvicorn's ``server`` and ``date`` headers) and recorded by
-:meth:`~kcache_server.fastpath.ArtifactFastPath.finish`.
+:meth:`~kcache_server.serving.artifact_fastpath.ArtifactFastPath.finish`.
 
 A ``POST /v1/resolve`` is offered likewise to the
-:class:`~kcache_server.resolve_fastpath.ResolveFastPath`: when its headers may be a hit
-(:meth:`~kcache_server.resolve_fastpath.ResolveFastPath.admit`: a token the cache
+:class:`~kcache_server.serving.resolve_fastpath.ResolveFastPath`: when its headers may be a hit
+(:meth:`~kcache_server.serving.resolve_fastpath.ResolveFastPath.admit`: a token the cache
 allows, a JSON body of a declared length within the inline limit, no
 ``Expect: 100-continue``) the protocol reads the body itself and asks
-:meth:`~kcache_server.resolve_fastpath.ResolveFastPath.answer`; a hit is audited and
+:meth:`~kcache_server.serving.resolve_fastpath.ResolveFastPath.answer`; a hit is audited and
 written here, anything else is handed to uvicorn's path whole (the same scope, cycle
 and body bytes, as if it had never stopped here), marked so it is not offered twice.
 
@@ -57,9 +57,9 @@ from typing import Any, TypeVar
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from kcache_server.auth import Principal
-from kcache_server.fastpath import ArtifactFastPath, header_lines
-from kcache_server.resolve_fastpath import DECLINED, ResolveFastPath
-from kcache_server.resolve_fastpath import ROUTE as RESOLVE_ROUTE
+from kcache_server.serving.artifact_fastpath import ArtifactFastPath, header_lines
+from kcache_server.serving.resolve_fastpath import DECLINED, ResolveFastPath
+from kcache_server.serving.resolve_fastpath import ROUTE as RESOLVE_ROUTE
 
 T = TypeVar("T")
 _RESOLVE_URL = RESOLVE_ROUTE.encode()

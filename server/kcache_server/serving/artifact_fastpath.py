@@ -10,7 +10,7 @@ caller's token is decided by the token cache, this ASGI middleware answers with 
 ``send`` calls: no routing, dependency injection, thread hop or response object.
 Deciding (:meth:`ArtifactFastPath.prepare`) and recording (:meth:`ArtifactFastPath.finish`)
 are apart from sending, so ``kcache serve``'s HTTP protocol
-(:mod:`~kcache_server.http_protocol`) answers the same fetch from its parser callback,
+(:mod:`~kcache_server.serving.http_protocol`) answers the same fetch from its parser callback,
 before uvicorn builds an ASGI request at all.
 It still audits the fetch and counts it in the request metrics, exactly as the
 FastAPI route (``routes/recipes.py``) does; anything else (a cold key, a token the
@@ -19,17 +19,14 @@ caches for next time. Both answer with the same headers, the artifact's metadata
 them (``X-KCache-Meta``, :mod:`kcache.artifact_header`), encoded here once per artifact:
 a client's fetch is one round trip.
 
-Behind the deploy's nginx (``accel_redirect`` set, ``deploy/nginx/kcache.conf``) both
+Behind the deploy's nginx (``accel_redirect`` set, ``deploy/nginx/kcache.conf.template``) both
 answer a 200 with those headers, an empty body and ``X-Accel-Redirect`` to the blob's
-file (:func:`accel_path`, built from the validated digest only); nginx sends the bytes.
+file (:func:`~kcache_server.accel_redirect.accel_path`, built from the validated digest only); nginx sends the bytes.
 The token was checked here first, and the fetch is audited here, as without nginx.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, NamedTuple
@@ -38,12 +35,13 @@ from kcache.artifact import ArtifactMeta
 from kcache.keys import is_hex_key
 from kcache.lru import LruCache
 from kcache.signing import HEADER as SIGNATURE_HEADER
+from kcache_server.accel_redirect import ACCEL_HEADER, accel_path, accel_wanted, on_disk
 from kcache_server.http_cache import artifact_headers, etag_matches
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.security_headers import NOSNIFF
 from kcache_server.state import ServerState
 
-__all__ = ["ACCEL_HEADER", "ArtifactFastPath", "WarmFetch", "accel_path"]
+__all__ = ["ArtifactFastPath", "WarmFetch"]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -57,44 +55,7 @@ _SUFFIX = "/artifact"
 ROUTE = "/v1/recipes/{recipe_key}/artifact"
 _OCTETS = (b"content-type", b"application/octet-stream")
 SIGNATURE = SIGNATURE_HEADER.lower().encode()
-#: A request header saying "send the bytes yourself": nginx's fallback when its file is gone.
-ACCEL_HEADER = "X-KCache-Accel"
 _ACCEL = ACCEL_HEADER.lower().encode()
-
-
-def accel_path(prefix: str, digest: str) -> str:
-    """nginx's internal URI of ``digest``'s blob under ``prefix``: ``<prefix>ab/cd/<digest>``.
-
-    Only a digest that passed the key check becomes a path (the store's own fan-out,
-    :class:`~kcache.store.local.LocalArtifactStore`); anything else is a ``ValueError``.
-    """
-    if not is_hex_key(digest):
-        raise ValueError(f"not a digest: {digest!r}")
-    return f"{prefix}{digest[:2]}/{digest[2:4]}/{digest}"
-
-
-#: A redirected blob's file gets its mtime refreshed when it is older than this: the local
-#: copies' LRU (eviction, kcache.eviction) goes by mtime, and nginx's reads do not touch it.
-TOUCH_S = 60.0
-
-
-def on_disk(path: str) -> bool:
-    """Whether ``path`` is a file nginx can send; its mtime refreshed once it is :data:`TOUCH_S` old."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    if not stat.S_ISREG(st.st_mode):
-        return False  # nothing nginx should send (the route's read sets it aside)
-    if time.time() - st.st_mtime > TOUCH_S:
-        with contextlib.suppress(OSError):  # evicted meanwhile: nginx falls back
-            os.utime(path)
-    return True
-
-
-def accel_wanted(prefix: str | None, value: str | None) -> bool:
-    """Whether to answer with ``X-Accel-Redirect``: set up, and not refused by ``X-KCache-Accel``."""
-    return prefix is not None and (value or "").strip().lower() != "off"
 
 
 class ArtifactFastPath:
@@ -195,7 +156,7 @@ class EncodedHeaders(NamedTuple):
     """An artifact's response headers, as ASGI header pairs and as HTTP/1.1 lines.
 
     ``meta`` is what they were made from; the lines are what the HTTP protocol writes
-    (:mod:`~kcache_server.http_protocol`), around the request id, in the pairs' order.
+    (:mod:`~kcache_server.serving.http_protocol`), around the request id, in the pairs' order.
     """
 
     meta: ArtifactMeta

@@ -1,7 +1,7 @@
 """``POST /v1/resolve`` hits, answered below the framework when they can be.
 
 A rank resolving a recipe the server already holds is the second hot path after the
-fetch by key (:mod:`~kcache_server.fastpath`). Through FastAPI a hit paid for routing,
+fetch by key (:mod:`~kcache_server.serving.artifact_fastpath`). Through FastAPI a hit paid for routing,
 dependency solving, a ``Request``, response validation and serialisation on every
 call: several times what the answer itself costs. This ASGI middleware answers such a
 hit itself:
