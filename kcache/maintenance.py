@@ -1,8 +1,12 @@
 """Maintenance of a store: verify its blobs, collect garbage.
 
-The store is a local directory (:class:`~kcache.store.local.LocalArtifactStore`) or a
-server's bucket (:class:`~kcache.store.s3.S3ArtifactStore`: the truth behind every
-replica's local copies, so a server's ``kcache db verify|gc`` work on it directly).
+The store is any :class:`~kcache.store.base.ArtifactStore`: a local directory
+(:class:`~kcache.store.local.LocalArtifactStore`) or a server's bucket
+(:class:`~kcache.store.s3.S3ArtifactStore`: the truth behind every replica's local
+copies, so a server's ``kcache db verify|gc`` work on it directly). What differs
+between them (set-aside renames, staging files, an object's age) is the store's own
+:meth:`~kcache.store.base.ArtifactStore.collect_many` and
+:meth:`~kcache.store.base.ArtifactStore.sweep_leftovers`.
 
 Both are safe while writers run: verification only reads (and quarantines blobs
 whose bytes no longer match their name), and garbage collection removes only
@@ -12,8 +16,8 @@ before its index record, so a young unreferenced blob may be about to be named;
 a writer that reuses an old orphan refreshes its mtime, or the object's
 ``Last-Modified``). Each deletion re-checks the index and the blob's age just before:
 a local blob is set aside first, so a blob named by a row at the moment of deletion
-is never removed (:meth:`LocalArtifactStore.collect`); a bucket has no rename, see
-:meth:`S3ArtifactStore.collect` for what that leaves.
+is never removed (:meth:`LocalArtifactStore.collect_many`); a bucket has no rename, see
+:meth:`S3ArtifactStore.collect_many` for what that leaves.
 
 Verification is full (every blob of the store re-hashed, every digest the index
 names looked for) or a sample (:func:`verify_sample`: that many of the index's
@@ -24,10 +28,9 @@ digests, each fetched and hashed, for a bucket too large to read whole every tim
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +38,6 @@ from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, KCacheErr
 from kcache.index.file import FileIndex
 from kcache.store.base import ArtifactStore
 from kcache.store.local import LocalArtifactStore
-from kcache.store.s3 import S3ArtifactStore
 
 __all__ = [
     "MIN_SAFE_GRACE_S",
@@ -194,28 +196,8 @@ def file_index_references(index: FileIndex) -> set[str]:
     return referenced
 
 
-def _unnamed_and_old(
-    store: LocalArtifactStore | S3ArtifactStore,
-    digest: str,
-    older_than: float,
-    still_referenced: Callable[[str], bool],
-) -> int | None:
-    """What ``store.collect`` would free, deleting nothing (a dry run): the size, or None."""
-    if isinstance(store, S3ArtifactStore):
-        info = store.blob_info(digest)
-    else:
-        try:
-            st = os.stat(store.path(digest))
-        except FileNotFoundError:
-            return None
-        info = (st.st_size, st.st_mtime)
-    if info is None or info[1] >= older_than or still_referenced(digest):
-        return None
-    return info[0]
-
-
 def collect_garbage(
-    store: LocalArtifactStore | S3ArtifactStore,
+    store: ArtifactStore,
     referenced: set[str],
     *,
     grace_seconds: float = 3600.0,
@@ -231,28 +213,18 @@ def collect_garbage(
     blob is one PUT). ``dry_run`` counts what would go and changes nothing.
     """
     report = GcReport(dry_run=dry_run)
-    if isinstance(store, LocalArtifactStore):
-        if not dry_run:
-            store.restore_set_aside()  # an earlier collector was killed between set-aside and delete
-        for path in store.stale_temp_files(grace_seconds):
-            try:
-                size = path.stat().st_size
-                if not dry_run:
-                    path.unlink()
-            except FileNotFoundError:
-                continue
-            report.bytes_freed += size
-            report.temp_files += 1
     cutoff = time.time() - grace_seconds
+    # First: an earlier collector killed between set-aside and delete left blobs to put back.
+    leftovers = store.sweep_leftovers(cutoff, dry_run=dry_run)
+    report.temp_files = leftovers.temp_files
+    report.bytes_freed = leftovers.temp_bytes
     recheck = still_referenced or (lambda _digest: False)
-    for digest in list(store.digests()):
-        if digest in referenced:
-            continue
-        if dry_run:
-            freed = _unnamed_and_old(store, digest, cutoff, recheck)
-        else:
-            freed = store.collect(digest, cutoff, recheck)
-        if freed is not None:
-            report.blobs += 1
-            report.bytes_freed += freed
+
+    def named(digests: Sequence[str]) -> set[str]:
+        return {digest for digest in digests if recheck(digest)}
+
+    unreferenced = [digest for digest in store.digests() if digest not in referenced]
+    collected = store.collect_many(unreferenced, cutoff, named, dry_run=dry_run)
+    report.blobs = len(collected.freed)
+    report.bytes_freed += collected.bytes_freed
     return report

@@ -15,17 +15,24 @@ used local copies (by mtime, refreshed on every local read) are removed down to 
 low-water mark. Removing a local copy never loses a blob: the bucket still holds it.
 
 It subclasses :class:`LocalArtifactStore`, so everything the server does with files
-(serving by path, free-space checks, the set-aside protocol of its collector) works
-on the local copies unchanged; :meth:`path` fills the local copy first.
+(serving by path, free-space checks) works on the local copies unchanged;
+:meth:`path` fills the local copy first, :meth:`local_file` never does.
+
+Collection (:meth:`CachedArtifactStore.collect_many`) deletes from the remote store
+too, and counts a blob's age from the first call that asked about it: a bucket cannot
+show that a blob was stored again (its conditional PUT leaves an object it already
+holds untouched), so the collector's grace runs from when the rows went.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
@@ -33,7 +40,7 @@ from kcache.eviction import LruCandidate, WaterMarks, least_recently_used
 from kcache.fsutil import TMP_PREFIX, atomic_write
 from kcache.keys import is_hex_key, require_hex_key
 from kcache.lru import LruCache
-from kcache.store.base import ArtifactStore
+from kcache.store.base import COLLECT_BATCH, ArtifactStore, BlobInfo, Collected, Leftovers, NamedNow
 from kcache.store.local import LocalArtifactStore
 
 __all__ = ["CachedArtifactStore"]
@@ -43,6 +50,8 @@ _log = logging.getLogger(__name__)
 
 class CachedArtifactStore(LocalArtifactStore):
     """An :class:`~kcache.store.base.ArtifactStore`: ``remote`` behind a bounded local directory."""
+
+    remote: ArtifactStore
 
     def __init__(
         self,
@@ -61,6 +70,10 @@ class CachedArtifactStore(LocalArtifactStore):
         # the bucket once, not on every request. Only delete() removes remote blobs here.
         self._remote_has: LruCache[str, bool] = LruCache(max_entries=100_000)
         self._used = sum(size for _, size, _ in self._local_blobs())
+        # Blobs a collector asked about -> when it first did (collect_many): their grace
+        # counts from then. Emptied as they go or turn out named; one entry per evicted blob.
+        self._unnamed_since: dict[str, float] = {}
+        self._unnamed_lock = threading.Lock()
 
     @property
     def local_bytes(self) -> int:
@@ -136,6 +149,74 @@ class CachedArtifactStore(LocalArtifactStore):
         if not self._local(digest):
             return None  # never fill a copy from the bucket just to collect it
         return super().collect(digest, older_than, still_referenced)
+
+    def blob_info(self, digest: str) -> BlobInfo | None:
+        """The remote store's answer: the blob there is the truth (a local copy is younger)."""
+        return self.remote.blob_info(digest)
+
+    def collect_many(
+        self,
+        digests: Sequence[str],
+        older_than: float,
+        named: NamedNow,
+        *,
+        dry_run: bool = False,
+    ) -> Collected:
+        """Delete blobs from the remote store and this directory once they were unnamed since ``older_than``.
+
+        A blob this store was not asked about before is kept and reported young as of
+        now; a later call whose ``older_than`` is past that moment deletes it (the local
+        copy, then the remote store's blob, whatever its age there) unless ``named``
+        names it then. With ``older_than`` one grace before now, that is the grace
+        counted from the first call: a compile that stored the same bytes before then
+        has committed its row by the second, and the index says so. (One that commits
+        between that question and the delete leaves a row without its blob; the engine
+        finds the blob missing and compiles the recipe again.)
+        """
+        done = Collected()
+        now = time.time()
+        for start in range(0, len(digests), COLLECT_BATCH):
+            due: list[str] = []
+            with self._unnamed_lock:
+                for digest in digests[start : start + COLLECT_BATCH]:
+                    require_hex_key(digest, "digest")
+                    since = self._unnamed_since.get(digest)
+                    if since is None:
+                        since = now
+                        if not dry_run:
+                            self._unnamed_since[digest] = now
+                    if since > older_than:  # (at the moment itself: its grace is over)
+                        done.young[digest] = since
+                    else:
+                        due.append(digest)
+            if not due:
+                continue
+            still = named(due)
+            unnamed = [digest for digest in due if digest not in still]
+            # Asked and answered: the age here no longer counts. Gone, or named again (a
+            # later eviction of it starts over).
+            if not dry_run:
+                with self._unnamed_lock:
+                    for digest in due:
+                        self._unnamed_since.pop(digest, None)
+                for digest in unnamed:
+                    self._remote_has.discard(digest)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._path_str(digest))
+            # The remote store deletes with its own protocol; the age was decided here.
+            gone = self.remote.collect_many(unnamed, math.inf, lambda _: (), dry_run=dry_run)
+            done.freed.update(gone.freed)
+        return done
+
+    def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
+        """The local directory's leftovers (:meth:`LocalArtifactStore.sweep_leftovers`), then the remote store's."""
+        local = super().sweep_leftovers(older_than, dry_run=dry_run)
+        remote = self.remote.sweep_leftovers(older_than, dry_run=dry_run)
+        return Leftovers(
+            local.restored + remote.restored,
+            local.temp_files + remote.temp_files,
+            local.temp_bytes + remote.temp_bytes,
+        )
 
     def digests(self) -> Iterator[str]:
         """The remote store's digests (every local copy is also there)."""

@@ -11,19 +11,23 @@ Garbage collection and reuse meet safely without a lock either: publishing bytes
 that are already stored refreshes the blob's mtime (so the collector's grace period
 covers a blob that was an orphan until now), and the collector sets a blob aside
 by rename before deleting it, keeping it when it turns out to be young or named
-after all (:meth:`LocalArtifactStore.collect`).
+after all (:meth:`LocalArtifactStore.collect_many`, batched: one question to the
+index per thousand blobs). A collector killed between the rename and the delete
+leaves ``.gc-`` files that :meth:`LocalArtifactStore.sweep_leftovers` puts back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
+import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from kcache.errors import ArtifactNotFoundError, CorruptArtifactError
+from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, StoreUnavailableError
 from kcache.fsutil import (
     TMP_PREFIX,
     UnsafeFileError,
@@ -33,6 +37,7 @@ from kcache.fsutil import (
     regular_files,
 )
 from kcache.keys import is_hex_key, require_hex_key
+from kcache.store.base import COLLECT_BATCH, ArtifactStore, BlobInfo, Collected, Leftovers, NamedNow
 
 __all__ = ["SET_ASIDE_PREFIX", "LocalArtifactStore"]
 
@@ -42,6 +47,9 @@ SET_ASIDE_PREFIX = ".gc-"
 
 class LocalArtifactStore:
     """An :class:`~kcache.store.base.ArtifactStore` over a directory."""
+
+    #: A directory is the truth for its blobs: it keeps copies of no other store.
+    remote: ArtifactStore | None = None
 
     def __init__(
         self, root: str | os.PathLike[str], *, durable: bool = True, flat: bool = False
@@ -75,6 +83,10 @@ class LocalArtifactStore:
     def path(self, digest: str) -> Path:
         """``blobs/ab/cd/<digest>`` (flat: ``blobs/<digest>``); the digest is validated, never a client path."""
         return Path(self._path_str(digest))
+
+    def local_file(self, digest: str) -> str | None:
+        """The blob's file, as :meth:`path` names it, as a string (the digest validated)."""
+        return self._path_str(digest)
 
     def has(self, digest: str) -> bool:
         """True when the blob file exists."""
@@ -140,38 +152,100 @@ class LocalArtifactStore:
             return False
         return True
 
+    def blob_info(self, digest: str) -> BlobInfo | None:
+        """The file's size and mtime (a link or anything irregular counts as absent)."""
+        try:
+            st = os.lstat(self._path_str(digest))
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return BlobInfo(st.st_size, st.st_mtime)
+
     def collect(
         self, digest: str, older_than: float, still_referenced: Callable[[str], bool]
     ) -> int | None:
-        """Delete an unreferenced blob unless it is young or named after all; the bytes freed, or None.
+        """:meth:`collect_many` of one blob, asking ``still_referenced(digest)``; the bytes freed, or None."""
+        done = self._collect_files(
+            [digest],
+            older_than,
+            lambda digests: [d for d in digests if still_referenced(d)],
+            dry_run=False,
+        )
+        return done.freed.get(digest)
 
-        Safe against a writer reusing the blob at the same moment: the blob is renamed
-        aside first (a writer that comes later finds no blob and publishes a fresh
-        copy), then its mtime is read again (a writer that came earlier refreshed it)
-        and ``still_referenced(digest)`` asks the index once more (a row committed
-        since the caller's snapshot). If either says keep, it is renamed back.
+    def collect_many(
+        self,
+        digests: Sequence[str],
+        older_than: float,
+        named: NamedNow,
+        *,
+        dry_run: bool = False,
+    ) -> Collected:
+        """Delete the unnamed blobs among ``digests`` whose mtime is before ``older_than``.
+
+        Safe against a writer reusing a blob at the same moment: each blob of a batch is
+        renamed aside first (a writer that comes later finds no blob and publishes a
+        fresh copy), then ``named`` is asked once for the whole batch (a row committed
+        since the caller's snapshot) and each set-aside file's mtime is read again (a
+        writer that came earlier refreshed it). A blob either says to keep is renamed
+        back; the rest are unlinked. Young blobs are reported with their mtime.
         """
-        path = self.path(digest)
-        try:
-            if os.lstat(path).st_mtime >= older_than:
-                return None
-            aside = path.with_name(
-                f"{SET_ASIDE_PREFIX}{digest}-{os.getpid()}-{secrets.token_hex(4)}"
-            )
-            os.rename(path, aside)
-        except FileNotFoundError:
-            return None
-        try:
-            st = os.lstat(aside)
-            keep = st.st_mtime >= older_than or still_referenced(digest)
-        except BaseException:
-            os.replace(aside, path)
-            raise
-        if keep:
-            os.replace(aside, path)  # a fresh copy published meanwhile has the same bytes
-            return None
-        aside.unlink()
-        return st.st_size
+        return self._collect_files(digests, older_than, named, dry_run=dry_run)
+
+    def _collect_files(
+        self,
+        digests: Sequence[str],
+        older_than: float,
+        named: NamedNow,
+        *,
+        dry_run: bool,
+    ) -> Collected:
+        """:meth:`collect_many` on this directory's files (a cached store's local copies too)."""
+        done = Collected()
+        # Unique to this call, as set-aside names must be; strings: pathlib costs per blob here.
+        suffix = f"{os.getpid()}-{secrets.token_hex(4)}"
+        for start in range(0, len(digests), COLLECT_BATCH):
+            aside: list[tuple[str, str, str]] = []  # (digest, its path, where it was set aside)
+            for digest in digests[start : start + COLLECT_BATCH]:
+                path = self._path_str(digest)
+                try:
+                    st = os.lstat(path)
+                    if st.st_mtime >= older_than:
+                        done.young[digest] = st.st_mtime
+                        continue
+                    moved = path if dry_run else self._set_aside_name(path, digest, suffix)
+                    if not dry_run:
+                        os.rename(path, moved)
+                except FileNotFoundError:
+                    continue
+                aside.append((digest, path, moved))
+            if not aside:
+                continue
+            try:
+                still = named([digest for digest, _, _ in aside])
+                for digest, path, moved in aside:
+                    st = os.lstat(moved)
+                    young = st.st_mtime >= older_than  # stored again just before the rename
+                    if young and digest not in still:
+                        done.young[digest] = st.st_mtime
+                    if young or digest in still:
+                        if not dry_run:  # a fresh copy published meanwhile has the same bytes
+                            os.replace(moved, path)
+                        continue
+                    if not dry_run:
+                        os.unlink(moved)
+                    done.freed[digest] = st.st_size
+            except BaseException:
+                if not dry_run:
+                    for _, path, moved in aside:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.replace(moved, path)
+                raise
+        return done
+
+    def _set_aside_name(self, path: str, digest: str, suffix: str) -> str:
+        return f"{os.path.dirname(path)}/{SET_ASIDE_PREFIX}{digest}-{suffix}"
 
     def restore_set_aside(self) -> int:
         """Put back blobs a collector set aside and never finished with (it was killed); how many."""
@@ -190,18 +264,32 @@ class LocalArtifactStore:
             restored += 1
         return restored
 
+    def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
+        """:meth:`restore_set_aside`, then remove staging files (``.tmp-*``) last written before ``older_than``."""
+        restored = 0 if dry_run else self.restore_set_aside()
+        files = size = 0
+        for entry in regular_files(self.blobs, self._depth):
+            if not entry.name.startswith(TMP_PREFIX):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if st.st_mtime >= older_than:
+                    continue
+                if not dry_run:
+                    os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
+            files += 1
+            size += st.st_size
+        return Leftovers(restored, files, size)
+
+    def probe(self) -> None:
+        """Raise StoreUnavailableError unless ``blobs/`` is a directory this process may write."""
+        if not (self.blobs.is_dir() and os.access(self.blobs, os.W_OK)):
+            raise StoreUnavailableError(str(self.blobs), "the blob directory is not writable")
+
     def digests(self) -> Iterator[str]:
         """Published digests; staging files (``.tmp-*``), links and anything irregular are skipped."""
         for entry in regular_files(self.blobs, self._depth):
             if is_hex_key(entry.name):
                 yield entry.name
-
-    def stale_temp_files(self, older_than_s: float = 3600.0) -> list[Path]:
-        """Staging files left by killed writers (never visible as blobs; ``gc`` removes them)."""
-        cutoff = time.time() - older_than_s
-        return [
-            Path(entry.path)
-            for entry in regular_files(self.blobs, self._depth)
-            if entry.name.startswith(TMP_PREFIX)
-            and entry.stat(follow_symlinks=False).st_mtime < cutoff
-        ]

@@ -18,12 +18,12 @@ The contract is the local store's:
   :data:`REFRESH_AFTER_S` is written again, which renews its ``Last-Modified`` (a
   local store touches the file's mtime), because it may be an old orphan that a row is
   about to name and the collector's grace period is measured from that time.
-- **Collected like the local store's blobs.** :meth:`S3ArtifactStore.collect` deletes
-  an unnamed object only when it is older than the grace period, asking the index
-  again just before (the object store offers no rename to set a blob aside first, so
-  a reuse in the milliseconds between that last look and the delete is not caught;
-  such a row's blob is then missing, which a resolve answers as a miss and compiles
-  afresh).
+- **Collected like the local store's blobs.** :meth:`S3ArtifactStore.collect_many`
+  deletes an unnamed object only when it is older than the grace period, asking the
+  index again just before (once per batch; the object store offers no rename to set a
+  blob aside first, so a reuse in the milliseconds between that last look and the
+  delete is not caught; such a row's blob is then missing, which a resolve answers as
+  a miss and compiles afresh).
 - **Verified on read.** A GET whose bytes do not hash to the name is moved to
   ``quarantine/`` (copy, then delete) and reported as
   :class:`~kcache.errors.CorruptArtifactError`, so the next ``put`` republishes it.
@@ -50,13 +50,14 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, StoreUnavailableError
 from kcache.keys import is_hex_key, require_hex_key
+from kcache.store.base import COLLECT_BATCH, ArtifactStore, BlobInfo, Collected, Leftovers, NamedNow
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
@@ -134,6 +135,9 @@ class S3ArtifactStore:
     Build it with :meth:`from_url`. Thread-safe: the obstore client is shared and
     holds its own connection pool.
     """
+
+    #: A bucket is the truth for its blobs: it keeps copies of no other store.
+    remote: ArtifactStore | None = None
 
     def __init__(self, store: S3Store, url: str, *, probe_store: S3Store | None = None) -> None:
         """``store`` serves the blobs; ``probe_store`` (default ``store``) answers :meth:`probe`."""
@@ -243,6 +247,11 @@ class S3ArtifactStore:
             "kcache.store.CachedArtifactStore in front of the bucket to serve files"
         )
 
+    def local_file(self, digest: str) -> str | None:
+        """None: a bucket keeps no file on this machine (the digest is still validated)."""
+        require_hex_key(digest, "digest")
+        return None
+
     # ------------------------------------------------------------------ the contract
     def put(self, data: bytes) -> str:
         """Publish ``data`` under its sha256 with one conditional PUT; idempotent."""
@@ -311,7 +320,7 @@ class S3ArtifactStore:
             except ArtifactNotFoundError:
                 return
 
-    def blob_info(self, digest: str) -> tuple[int, float] | None:
+    def blob_info(self, digest: str) -> BlobInfo | None:
         """``(size, Last-Modified as unix seconds)`` of the object, None when it is absent."""
         import obstore
 
@@ -322,33 +331,52 @@ class S3ArtifactStore:
                 self._raise(exc, digest, "look up")
             except ArtifactNotFoundError:
                 return None
-        return int(meta["size"]), meta["last_modified"].timestamp()
+        return BlobInfo(int(meta["size"]), meta["last_modified"].timestamp())
 
-    def collect(
-        self, digest: str, older_than: float, still_referenced: Callable[[str], bool]
-    ) -> int | None:
-        """Delete the object if it was last written before ``older_than`` and no row names it.
+    def collect_many(
+        self,
+        digests: Sequence[str],
+        older_than: float,
+        named: NamedNow,
+        *,
+        dry_run: bool = False,
+    ) -> Collected:
+        """Delete the objects no row names that were last written before ``older_than``.
 
-        ``still_referenced(digest)`` is asked first (a row committed since the caller's
-        snapshot keeps it), then the object's age is read once more (a writer that
-        reused it since renewed it), then it is deleted; the bytes freed, or None when
-        kept. See the module docstring for the one window this leaves.
+        ``named`` is asked first, once per batch (a row committed since the caller's
+        snapshot keeps its blob), then each object's age is read once more (a writer
+        that reused it since renewed it), then it is deleted. See the module docstring
+        for the one window this leaves.
         """
         import obstore
 
-        if still_referenced(digest):
-            return None
-        info = self.blob_info(digest)
-        if info is None or info[1] >= older_than:
-            return None
-        try:
-            obstore.delete(self._store, self.key(digest))
-        except Exception as exc:
-            try:
-                self._raise(exc, digest, "delete")
-            except ArtifactNotFoundError:
-                return None
-        return info[0]
+        done = Collected()
+        for start in range(0, len(digests), COLLECT_BATCH):
+            batch = [require_hex_key(d, "digest") for d in digests[start : start + COLLECT_BATCH]]
+            still = named(batch)
+            for digest in batch:
+                if digest in still:
+                    continue
+                info = self.blob_info(digest)
+                if info is None:
+                    continue
+                if info.written_at >= older_than:
+                    done.young[digest] = info.written_at
+                    continue
+                if not dry_run:
+                    try:
+                        obstore.delete(self._store, self.key(digest))
+                    except Exception as exc:
+                        try:
+                            self._raise(exc, digest, "delete")
+                        except ArtifactNotFoundError:
+                            continue
+                done.freed[digest] = info.size
+        return done
+
+    def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
+        """Nothing to sweep: a blob is one PUT, which leaves no staging object behind."""
+        return Leftovers()
 
     def size(self, digest: str) -> int:
         """The object's size in bytes; ArtifactNotFoundError when absent."""

@@ -1,16 +1,22 @@
 """The one place where the server picks its backends from settings.
 
 store     LocalArtifactStore(data_dir)              (a shared POSIX dir for several replicas)
-          CachedArtifactStore(data_dir, S3ArtifactStore(store_url))
-                                                     with store_url: blobs in a bucket, a
-                                                     bounded local copy on each replica;
-                                                     every bucket request bounded in time
-                                                     (store_timeout_s, store_retries)
+          CachedArtifactStore(data_dir, <store_url's store>)
+                                                     with store_url: blobs in the store it
+                                                     names (s3://: a bucket), a bounded local
+                                                     copy on each replica; every request to it
+                                                     bounded in time (store_timeout_s,
+                                                     store_retries). Which backend a URL names
+                                                     is kcache.store.urls.STORE_URL_SCHEMES
 index     SqlIndex(SQLite | PostgreSQL)
 lock      SingleFlight(PgAdvisoryKeyLock)            on PostgreSQL: across replicas
           SingleFlight(FileKeyLock(data_dir))        on SQLite: across processes on one host
 compiler  ProcessPoolCompiler                        NVRTC in worker processes with limits
           QuotaCompiler around it, for the engine     charges each compile to its caller (quotas)
+
+The rest of the server sees the store through the ``ArtifactStore`` seam only
+(:mod:`kcache.store.base`): serving, readiness, eviction and maintenance never ask
+which backend it is.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from kcache.engine import Engine
 from kcache.eviction import default_tier_cap
 from kcache.include_sets import IncludeSets
 from kcache.locks import FileKeyLock, KeyLock, SingleFlight
+from kcache.store.base import ArtifactStore
 from kcache.store.cached import CachedArtifactStore
 from kcache.store.local import LocalArtifactStore
-from kcache.store.s3 import S3ArtifactStore
+from kcache.store.urls import open_store_url
 from kcache.toolchain import Toolchain, load_toolchain
 from kcache_server.compile_pool import ProcessPoolCompiler
 from kcache_server.db import DatabaseFile, is_postgres, open_database, sqlite_path
@@ -34,7 +41,7 @@ from kcache_server.locks import PgAdvisoryKeyLock
 from kcache_server.quotas import QuotaCompiler
 from kcache_server.settings import Settings
 
-__all__ = ["Backends", "open_backends", "open_settings_database"]
+__all__ = ["Backends", "maintained_store", "open_backends", "open_settings_database"]
 
 
 @dataclass
@@ -42,7 +49,7 @@ class Backends:
     """The engine and the parts it runs over."""
 
     db: sa.Engine
-    store: LocalArtifactStore
+    store: ArtifactStore
     index: SqlIndex
     lock: KeyLock
     compiler: ProcessPoolCompiler
@@ -68,21 +75,35 @@ def _key_lock(settings: Settings, db: sa.Engine) -> KeyLock:
     return SingleFlight(FileKeyLock(settings.data_dir))
 
 
-def _artifact_store(settings: Settings) -> LocalArtifactStore:
+def _url_store(settings: Settings, url: str) -> ArtifactStore:
+    """The store ``url`` names, every request bounded by the settings."""
+    return open_store_url(
+        url,
+        timeout_s=settings.store_timeout_s,
+        connect_timeout_s=settings.store_connect_timeout_s,
+        retries=settings.store_retries,
+        probe_timeout_s=settings.readiness_timeout_s,
+    )
+
+
+def _artifact_store(settings: Settings) -> ArtifactStore:
+    """The store this replica serves from: its data directory, or bounded copies of ``store_url``'s."""
     if not settings.store_url:
         return LocalArtifactStore(settings.data_dir)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     return CachedArtifactStore(
         settings.data_dir,
-        S3ArtifactStore.from_url(
-            settings.store_url,
-            timeout_s=settings.store_timeout_s,
-            connect_timeout_s=settings.store_connect_timeout_s,
-            retries=settings.store_retries,
-            probe_timeout_s=settings.readiness_timeout_s,
-        ),
+        _url_store(settings, settings.store_url),
         max_bytes=int(settings.store_cache_bytes or default_tier_cap(settings.data_dir)),
     )
+
+
+def maintained_store(settings: Settings) -> ArtifactStore:
+    """The store a server's blobs live in, for ``kcache db verify|gc``: the one ``store_url``
+    names (the truth behind every replica's local copies), else the data directory."""
+    if settings.store_url:
+        return _url_store(settings, settings.store_url)
+    return LocalArtifactStore(settings.data_dir)
 
 
 def open_backends(settings: Settings, db: sa.Engine) -> Backends:

@@ -25,13 +25,14 @@ from kcache.artifact import ArtifactMeta, CompileFailure, ManifestEntry
 from kcache.deps import Dependency
 from kcache.elf import EM_CUDA, cubin_sm
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, InvalidArtifactError
+from kcache.eviction import LruCandidate, least_recently_used
 from kcache.index.base import MANIFEST_LIMIT
 from kcache.keys import canonical_json, require_hex_key, sha256_hex
 from kcache.store.local import LocalArtifactStore
 from kcache_server.models import (
     Artifact,
     CompileCharge,
-    Eviction,
+    EvictionLogEntry,
     ManifestRow,
     NegativeEntry,
     Pin,
@@ -39,14 +40,14 @@ from kcache_server.models import (
     utcnow,
 )
 
-__all__ = ["Evicted", "SqlIndex", "StoreUsage", "pinned"]
+__all__ = ["RemovedArtifact", "SqlIndex", "StoreUsage", "pinned"]
 
 _artifacts = cast(sa.Table, Artifact.__table__)
 _aliases = cast(sa.Table, RecipeAlias.__table__)
 _manifests = cast(sa.Table, ManifestRow.__table__)
 _negatives = cast(sa.Table, NegativeEntry.__table__)
 _pins = cast(sa.Table, Pin.__table__)
-_evictions = cast(sa.Table, Eviction.__table__)
+_evictions = cast(sa.Table, EvictionLogEntry.__table__)
 _charges = cast(sa.Table, CompileCharge.__table__)
 # When an artifact was last served (batched from the hit path), else when it was made.
 _last_use = sa.func.coalesce(_artifacts.c.last_used_at, _artifacts.c.created_at)
@@ -79,7 +80,7 @@ class StoreUsage:
 
 
 @dataclass(frozen=True)
-class Evicted:
+class RemovedArtifact:
     """One artifact whose rows an eviction removed: its blob's digest, size and former recipe keys."""
 
     digest: str
@@ -431,29 +432,31 @@ class SqlIndex:
         )
 
     def least_recently_used(self, to_free: int) -> list[str]:
-        """Digests of unpinned artifacts, least recently used first, whose sizes add up to ``to_free``.
+        """Digests of unpinned artifacts that the LRU policy chooses to free ``to_free`` bytes.
 
-        Fewer when the unpinned artifacts together are smaller. Rows are streamed in
-        use order and reading stops once enough are chosen.
+        The choice is :func:`kcache.eviction.least_recently_used`'s; the query only
+        fetches its candidates, streamed in the policy's order (last use, then digest),
+        and reading stops once the policy has chosen enough. Fewer when the unpinned
+        artifacts together are smaller.
         """
         query = (
             sa.select(_artifacts.c.digest, _artifacts.c.size)
             .where(~pinned(_artifacts.c.digest))
             .order_by(_last_use, _artifacts.c.digest)
         )
-        chosen: list[str] = []
-        freed = 0
         with self.engine.connect() as conn:
-            for digest, size in conn.execution_options(yield_per=2000).execute(query):
-                if freed >= to_free:
-                    break
-                chosen.append(digest)
-                freed += int(size)
-        return chosen
+            rows = conn.execution_options(yield_per=2000).execute(query)
+            # A row's rank in that order is its recency stamp (comparable, as the policy
+            # asks): reading and parsing every row's timestamp would cost more than the query.
+            candidates = (
+                LruCandidate(digest, int(size), float(rank))
+                for rank, (digest, size) in enumerate(rows)
+            )
+            return [c.name for c in least_recently_used(candidates, to_free, in_order=True)]
 
     def evict(
         self, digests: Iterable[str], reason: str, *, unused_since: datetime | None = None
-    ) -> list[Evicted]:
+    ) -> list[RemovedArtifact]:
         """Remove the rows of these artifacts: aliases, manifest entries, charges, the artifact.
 
         Skipped: pinned artifacts, and with ``unused_since`` those used (or made) after
@@ -462,7 +465,7 @@ class SqlIndex:
         delete afterwards, and only where no row names them again.
         """
         wanted = [_check(d) for d in digests]
-        evicted: list[Evicted] = []
+        evicted: list[RemovedArtifact] = []
         for start in range(0, len(wanted), _EVICT_BATCH):
             evicted += self._evict_batch(wanted[start : start + _EVICT_BATCH], reason, unused_since)
         return evicted
@@ -482,7 +485,7 @@ class SqlIndex:
 
     def _evict_batch(
         self, digests: list[str], reason: str, unused_since: datetime | None
-    ) -> list[Evicted]:
+    ) -> list[RemovedArtifact]:
         conds: list[sa.ColumnElement[bool]] = [
             self._among(_artifacts.c.digest, digests),
             ~pinned(_artifacts.c.digest),
@@ -517,7 +520,7 @@ class SqlIndex:
             for key, digest in keys:
                 by_digest.setdefault(digest, []).append(key)
             evicted = [
-                Evicted(digest, int(size), tuple(sorted(by_digest.get(digest, ()))))
+                RemovedArtifact(digest, int(size), tuple(sorted(by_digest.get(digest, ()))))
                 for digest, size in gone
             ]
             names = [e.digest for e in evicted]

@@ -46,7 +46,7 @@ __all__ = [
     "AuditReportWindow",
     "Base",
     "CompileCharge",
-    "Eviction",
+    "EvictionLogEntry",
     "ManifestRow",
     "NegativeEntry",
     "Pin",
@@ -369,8 +369,8 @@ class Pin(Base):
     created_by: Mapped[str | None] = mapped_column(String(300))
 
 
-class Eviction(Base):
-    """One artifact removed from the store: by the least-recently-used evictor or by an admin.
+class EvictionLogEntry(Base):
+    """One artifact removed from the store (by the least-recently-used evictor or by an admin), logged.
 
     The log feeds ``/v1/stats`` (evictions, bytes freed) and tells every replica which
     recipe keys to drop from its in-memory caches (rows are read in ``id`` order; all

@@ -1,7 +1,7 @@
 """Readiness checks of the backends a server depends on, each bounded in time.
 
 ``/readyz`` (:mod:`kcache_server.routes.health`) asks the database and, with a
-``store_url``, the bucket. A backend that is down can answer at once (connection
+``store_url``, the bucket (the store the server's store keeps copies of). A backend that is down can answer at once (connection
 refused) or never (a stopped process, a black-holed network: the connection opens
 and no answer comes), so each check is a :class:`BoundedCheck`:
 
@@ -12,8 +12,8 @@ and no answer comes), so each check is a :class:`BoundedCheck`:
 - a result is kept for ``ttl_s``: load balancers probe every replica every few
   seconds, and the bucket is asked at most once per ``ttl_s`` whatever they do.
 
-The bucket's check is :meth:`kcache.store.s3.S3ArtifactStore.probe` (one HEAD, never
-retried, with its own timeout); the database's is ``SELECT 1``. What a check says is
+The bucket's check is its store's :meth:`~kcache.store.base.ArtifactStore.probe` (for
+S3, one HEAD, never retried, with its own timeout); the database's is ``SELECT 1``. What a check says is
 for anyone who can reach the port: it names what failed and what to do, never a
 driver's or the bucket's error text (those go to the server log).
 """
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from kcache.errors import StoreUnavailableError
-from kcache.store.s3 import S3ArtifactStore
+from kcache.store.base import ArtifactStore
 from kcache_server.backends import Backends
 from kcache_server.request_ids import current_request_id
 
@@ -126,7 +126,7 @@ def _database(db: sa.Engine) -> str:
     return "ok"
 
 
-def _bucket(bucket: S3ArtifactStore) -> str:
+def _bucket(bucket: ArtifactStore) -> str:
     try:
         bucket.probe()  # logs the bucket's error itself
     except StoreUnavailableError:
@@ -145,9 +145,9 @@ class Readiness:
         self.database = BoundedCheck(
             "database", lambda: _database(backends.db), timeout_s=timeout_s
         )
-        remote = getattr(backends.store, "remote", None)
+        remote = backends.store.remote
         self.bucket = (
             BoundedCheck("bucket", lambda: _bucket(remote), timeout_s=timeout_s, ttl_s=BUCKET_TTL_S)
-            if isinstance(remote, S3ArtifactStore)
+            if remote is not None
             else None
         )

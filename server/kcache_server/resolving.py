@@ -454,10 +454,13 @@ class Resolver:
 
     def _stamp(self, digest: str) -> _Stamp | None:
         """The blob file's identity now (a bucket store's local copy), or None without one."""
+        # The store's own file, without a pathlib object (every memory hit asks); never
+        # path(), which fills a bucket store's local copy first.
+        path = self.backends.store.local_file(digest)
+        if path is None:
+            return None
         try:
-            # The store's own path join, without a pathlib object (every memory hit asks);
-            # never LocalArtifactStore.path, which fills a bucket store's local copy first.
-            st = os.stat(self.backends.store._path_str(digest))
+            st = os.stat(path)
         except OSError:
             return None
         return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

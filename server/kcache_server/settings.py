@@ -332,13 +332,13 @@ class Settings(BaseSettings):
 
     @field_validator("store_url")
     @classmethod
-    def _s3_store_url(cls, value: str | None) -> str | None:
-        """Refuse a store URL that is not ``s3://BUCKET[/PREFIX]``, saying which part is wrong."""
+    def _known_store_url(cls, value: str | None) -> str | None:
+        """Refuse a store URL no backend reads (``s3://BUCKET[/PREFIX]``), saying which part is wrong."""
         if not value:
             return None
-        from kcache.store.s3 import parse_s3_url
+        from kcache.store.urls import check_store_url
 
-        parse_s3_url(value)  # its ValueError names the bad part
+        check_store_url(value)  # its ValueError names the bad part
         return value
 
     @property

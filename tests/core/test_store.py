@@ -2,7 +2,10 @@
 
 Backends: ``LocalArtifactStore`` (a directory), ``S3ArtifactStore`` (a bucket on a real
 S3 HTTP server on loopback, :mod:`tests.s3_server`) and ``CachedArtifactStore`` (a
-bounded local directory in front of that bucket, as each server replica keeps).
+bounded local directory in front of that bucket, as each server replica keeps); and
+a backend the tests add, ``MemoryArtifactStore`` (:mod:`tests.memory_store`), bare
+and behind a ``CachedArtifactStore``: what a new backend must do is what this file
+asks of it, nothing more.
 """
 
 from __future__ import annotations
@@ -15,16 +18,26 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, StoreUnavailableError
-from kcache.store import ArtifactStore, CachedArtifactStore, LocalArtifactStore, S3ArtifactStore
+from kcache.store import (
+    STORE_URL_SCHEMES,
+    ArtifactStore,
+    CachedArtifactStore,
+    LocalArtifactStore,
+    S3ArtifactStore,
+    check_store_url,
+    open_store_url,
+)
+from kcache.store.local import SET_ASIDE_PREFIX
+from tests.memory_store import MEMORY_BACKEND, MemoryArtifactStore
 from tests.s3_server import CREDENTIALS, S3Server, s3_server
 
-BACKENDS = ["local", "s3", "cached"]
+BACKENDS = ["local", "s3", "cached", "memory", "cached-memory"]
 
 
 def _s3(server: S3Server, bucket: str, prefix: str = "kc", **kwargs: object) -> S3ArtifactStore:
@@ -62,6 +75,23 @@ def store(
     if request.param == "local":
         local = LocalArtifactStore(tmp_path)
         yield local, lambda digest, data: local.path(digest).write_bytes(data)
+        return
+    if request.param in ("memory", "cached-memory"):
+        memory = MemoryArtifactStore(f"t-{os.urandom(6).hex()}")
+
+        def plant(digest: str, data: bytes) -> None:
+            memory.objects[digest] = (data, time.time())
+
+        if request.param == "memory":
+            yield memory, plant
+            return
+        in_front = CachedArtifactStore(tmp_path, memory, max_bytes=1 << 30)
+
+        def corrupt_behind(digest: str, data: bytes) -> None:
+            plant(digest, data)
+            in_front.path_local(digest).unlink(missing_ok=True)
+
+        yield in_front, corrupt_behind
         return
     server, name = request.getfixturevalue("bucket")
     remote = _s3(server, name, prefix=f"t-{os.urandom(6).hex()}")
@@ -149,6 +179,87 @@ def test_contract_concurrent_identical_puts_agree(
         thread.join()
     assert set(results) == {hashlib.sha256(data).hexdigest()} and len(results) == 8
     assert list(backend.digests()) == results[:1] and backend.get(results[0]) == data
+
+
+def _collect_all(backend: ArtifactStore, digests: list[str], named: set[str]) -> dict[str, int]:
+    """``collect_many`` with a cutoff in the future (every blob old enough); the bytes freed."""
+    asked: list[list[str]] = []
+
+    def still_named(batch: Sequence[str]) -> set[str]:
+        asked.append(list(batch))
+        return named & set(batch)
+
+    done = backend.collect_many(digests, time.time() + 60, still_named)
+    assert done.young == {}
+    assert len(asked) == 1  # one question to the index for the whole batch ...
+    assert set(done.freed) <= set(asked[0])  # ... about every blob it deleted
+    return done.freed
+
+
+def test_contract_collect_many_deletes_the_unnamed_and_keeps_the_named(
+    store: tuple[ArtifactStore, Callable[[str, bytes], None]],
+) -> None:
+    backend, _ = store
+    blobs = {backend.put(os.urandom(n)): n for n in (100, 2000, 30_000)}
+    kept, *gone = list(blobs)
+    never = hashlib.sha256(b"never stored").hexdigest()
+    dry = backend.collect_many([*blobs, never], time.time() + 60, lambda b: {kept}, dry_run=True)
+    assert dry.freed == {d: blobs[d] for d in gone} and all(backend.has(d) for d in blobs)
+    freed = _collect_all(backend, [*blobs, never], {kept})
+    assert freed == {d: blobs[d] for d in gone}  # the absent one is neither freed nor young
+    assert backend.has(kept) and backend.get(kept)
+    assert not any(backend.has(d) for d in gone)
+    assert sorted(backend.digests()) == [kept]
+
+
+def test_contract_a_blob_stored_since_the_cutoff_is_young_not_collected(
+    store: tuple[ArtifactStore, Callable[[str, bytes], None]],
+) -> None:
+    """A compile publishes its blob before it commits the row: a fresh unnamed blob stays."""
+    backend, _ = store
+    digest = backend.put(os.urandom(500))
+    before = time.time()
+    done = backend.collect_many([digest], before - 3600, lambda b: set())
+    assert done.freed == {} and backend.has(digest)
+    assert set(done.young) == {digest} and abs(done.young[digest] - before) < 60
+    # Asked again once the grace is over, it goes (a bucket counts it from the first ask).
+    assert _collect_all(backend, [digest], set()) == {digest: 500}
+    assert not backend.has(digest)
+
+
+def test_contract_blob_info_leftovers_probe_and_local_files(
+    store: tuple[ArtifactStore, Callable[[str, bytes], None]],
+) -> None:
+    backend, _ = store
+    digest = backend.put(b"x" * 321)
+    info = backend.blob_info(digest)
+    assert info is not None and info.size == 321 and abs(info.written_at - time.time()) < 60
+    assert backend.blob_info(hashlib.sha256(b"absent").hexdigest()) is None
+    assert backend.sweep_leftovers(time.time() - 3600).restored == 0
+    backend.probe()  # reachable: no error
+    local = backend.local_file(digest)
+    if local is None:  # no files on this machine: nothing to serve by path either
+        assert backend.remote is None
+        with pytest.raises(TypeError):
+            backend.path(digest)
+    else:
+        assert os.path.isfile(local) and local == os.fspath(backend.path(digest))
+    if backend.remote is not None:  # local copies in front of the truth
+        assert backend.remote.has(digest)
+
+
+def test_store_urls_open_the_backend_their_scheme_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One line in STORE_URL_SCHEMES is all a backend needs to be named by a store URL."""
+    with pytest.raises(ValueError, match="is not one kcache opens"):
+        check_store_url("mem://box")
+    monkeypatch.setitem(STORE_URL_SCHEMES, "mem", MEMORY_BACKEND)
+    check_store_url("mem://box")
+    with pytest.raises(ValueError, match="is not mem://NAME"):
+        check_store_url("mem://Not Valid")
+    opened = open_store_url("mem://box", timeout_s=1, connect_timeout_s=1, retries=0)
+    assert isinstance(opened, MemoryArtifactStore) and opened.url == "mem://box"
+    with pytest.raises(ValueError, match="store URL"):
+        check_store_url("s3://B/p")  # the bucket's own check still speaks
 
 
 # ---------------------------------------------------------------------- the bucket
@@ -300,3 +411,91 @@ def test_killed_writers_never_leave_a_visible_partial_blob(tmp_path: Path) -> No
         if path.is_file() and not path.name.startswith(".tmp-"):
             # Anything not a staging file is a whole blob under its own digest.
             assert hashlib.sha256(path.read_bytes()).hexdigest() == path.name
+
+
+# ---------------------------------------------------------------------- collection on a directory
+_KILLED_COLLECTOR = """
+import os, signal, sys
+from kcache.store.local import LocalArtifactStore
+store = LocalArtifactStore(sys.argv[1])
+digests = sys.argv[2:]
+
+def named(batch):
+    os.kill(os.getpid(), signal.SIGKILL)  # killed with the whole batch set aside
+
+store.collect_many(digests, 1e12, named)
+"""
+
+
+def _old_blobs(store: LocalArtifactStore, count: int) -> dict[str, bytes]:
+    blobs = {}
+    for _ in range(count):
+        data = os.urandom(1000)
+        digest = store.put(data)
+        os.utime(store.path(digest), (1000.0, 1000.0))
+        blobs[digest] = data
+    return blobs
+
+
+def test_a_collector_killed_mid_batch_leaves_blobs_the_sweep_puts_back(tmp_path: Path) -> None:
+    store = LocalArtifactStore(tmp_path)
+    blobs = _old_blobs(store, 5)
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_COLLECTOR, str(tmp_path), *blobs], timeout=60
+    )
+    assert killed.returncode == -signal.SIGKILL
+    aside = [p for p in (tmp_path / "blobs").rglob(f"{SET_ASIDE_PREFIX}*")]
+    assert len(aside) == 5 and list(store.digests()) == []  # set aside: listed by nobody
+    leftovers = store.sweep_leftovers(time.time() - 3600)
+    assert leftovers.restored == 5
+    assert sorted(store.digests()) == sorted(blobs)
+    assert all(store.get(d) == data for d, data in blobs.items())
+
+
+def test_a_failing_index_question_puts_the_whole_batch_back(tmp_path: Path) -> None:
+    store = LocalArtifactStore(tmp_path)
+    blobs = _old_blobs(store, 3)
+
+    def unreachable(batch: Sequence[str]) -> set[str]:
+        assert not any(store.has(d) for d in batch)  # all set aside while it is asked
+        raise ConnectionError("the database is down")
+
+    with pytest.raises(ConnectionError):
+        store.collect_many(list(blobs), time.time(), unreachable)
+    assert sorted(store.digests()) == sorted(blobs)
+    assert not list((tmp_path / "blobs").rglob(f"{SET_ASIDE_PREFIX}*"))
+
+
+def test_a_blob_reused_while_set_aside_survives_its_collection(tmp_path: Path) -> None:
+    """A writer after the rename publishes a fresh copy; one just before it renewed the mtime."""
+    store = LocalArtifactStore(tmp_path)
+    blobs = _old_blobs(store, 3)
+    republished, touched, gone = list(blobs)
+
+    def meanwhile(batch: Sequence[str]) -> set[str]:
+        store.put(blobs[republished])  # finds no blob (set aside): a fresh copy
+        (moved,) = (tmp_path / "blobs").rglob(f"{SET_ASIDE_PREFIX}{touched}-*")
+        os.utime(moved)  # as a put that came just before the rename
+        return set()
+
+    done = store.collect_many(list(blobs), time.time() - 60, meanwhile)
+    assert set(done.freed) == {republished, gone}  # the set-aside copies went ...
+    assert set(done.young) == {touched}  # ... except the renewed one, put back
+    assert store.get(republished) == blobs[republished] and store.get(touched) == blobs[touched]
+    assert not store.has(gone)
+    assert not list((tmp_path / "blobs").rglob(f"{SET_ASIDE_PREFIX}*"))
+
+
+def test_the_sweep_removes_only_old_staging_files(tmp_path: Path) -> None:
+    store = LocalArtifactStore(tmp_path)
+    digest = store.put(b"a blob")
+    fan = store.path(digest).parent
+    old, young = fan / ".tmp-old", fan / ".tmp-young"
+    old.write_bytes(b"12345")
+    young.write_bytes(b"1")
+    os.utime(old, (1000.0, 1000.0))
+    assert store.sweep_leftovers(time.time() - 3600, dry_run=True).temp_files == 1
+    assert old.exists()
+    swept = store.sweep_leftovers(time.time() - 3600)
+    assert (swept.temp_files, swept.temp_bytes) == (1, 5)
+    assert not old.exists() and young.exists() and store.has(digest)

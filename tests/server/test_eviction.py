@@ -1,7 +1,9 @@
 """Bounded server storage (issue 12): the byte cap with LRU eviction, pins, quotas, on real servers.
 
 Kernels are vector adds carrying a 48 KiB string, so each cubin is about 53 KB and
-about 60 of them overflow a 2 MiB cap; NVRTC compiles one in a few tens of ms.
+about 60 of them overflow a 2 MiB cap; NVRTC compiles one in a few tens of ms. Blobs
+live in the data directory, in an S3 bucket, or in a backend only these tests know
+(:mod:`tests.memory_store`), which the server evicts through all the same.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +26,19 @@ import pytest
 import sqlalchemy as sa
 from kcache_server.index import SqlIndex
 
-from tests.support import KCACHE, ServerThread, free_port, unique, upgrade
+from tests.support import KCACHE, ServerProcess, ServerThread, unique, upgrade, wait_until
 
 CAP = 2 << 20
 HIGH, LOW = 0.9, 0.7
 PAD = 48 << 10
+#: The settings of a capped server, over the test servers' own (``make_settings``).
+CAPPED: dict[str, Any] = {
+    "max_store_bytes": CAP,
+    "store_high_water": HIGH,
+    "store_low_water": LOW,
+    "eviction_interval_s": 1.0,
+    "eviction_blob_grace_s": 0.5,
+}
 
 
 def padded(tag: str) -> dict[str, Any]:
@@ -46,24 +56,6 @@ def padded(tag: str) -> dict[str, Any]:
         ),
         "target": "sm_80",
     }
-
-
-def _settings(data_dir: Path, **extra: Any) -> Any:
-    from kcache_server import Settings
-
-    values: dict[str, Any] = {
-        "data_dir": data_dir,
-        "compile_workers": 1,
-        "audit": {"flush_s": 0.05},
-        "auth_cache_s": 0.0,
-        "max_store_bytes": CAP,
-        "store_high_water": HIGH,
-        "store_low_water": LOW,
-        "eviction_interval_s": 1.0,
-        "eviction_blob_grace_s": 0.5,
-    }
-    values.update(extra)
-    return Settings(**values)
 
 
 def verify(data_dir: Path, db_url: str) -> dict[str, Any]:
@@ -86,21 +78,10 @@ def metric(text: str, name: str) -> float:
     return float(found.group(1))
 
 
-def wait_until(check: Any, what: str, timeout: float = 10.0) -> None:
-    """Poll ``check`` until true (a liveness bound, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.01)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    """One capped server on SQLite for the module (open: loopback, no tokens yet)."""
-    running = ServerThread(_settings(tmp_path_factory.mktemp("evict") / "data"))
-    yield running
-    running.stop()
+@pytest.fixture
+def server(make_settings: Callable[..., Any], serve: Callable[[Any], ServerThread]) -> ServerThread:
+    """A capped server on SQLite (open: loopback, no tokens yet)."""
+    return serve(make_settings(**CAPPED))
 
 
 def _info(client: httpx.Client) -> dict[str, Any]:
@@ -291,9 +272,11 @@ def test_cli_pins_and_server_cache(server: ServerThread) -> None:
     assert bad.returncode != 0 and "not a recipe key" in bad.stderr
 
 
-def test_admin_scope_and_per_token_quota(tmp_path: Path) -> None:
+def test_admin_scope_and_per_token_quota(
+    make_settings: Callable[..., Any], serve: Callable[[Any], ServerThread]
+) -> None:
     """Pins and store maintenance need admin; a token's compiles stop at its quota (507)."""
-    settings = _settings(tmp_path / "data", token_quota_bytes=120_000)
+    settings = make_settings(**CAPPED, token_quota_bytes=120_000)
     subprocess.run(
         [KCACHE, "db", "upgrade", "--data-dir", str(settings.data_dir)],
         check=True,
@@ -319,44 +302,39 @@ def test_admin_scope_and_per_token_quota(tmp_path: Path) -> None:
         return made.stdout.strip()
 
     admin, ci, other = token("ops", "admin"), token("ci", "compile"), token("dev", "compile")
-    server = ServerThread(settings)
-    try:
-        with server.client(ci) as client:
-            assert client.get("/v1/pins").status_code == 403
-            assert client.get("/v1/cache").status_code == 403
-            assert client.post("/v1/cache/clear").status_code == 403
-            first = client.post("/v1/resolve", json={"recipe": padded(unique("q1"))}).json()
-            assert (
-                client.post("/v1/resolve", json={"recipe": padded(unique("q2"))}).status_code == 200
-            )
-            # 2 x 53 KB stored; a third would take "ci" past 120 KB: refused, nothing stored.
-            refused = client.post("/v1/resolve", json={"recipe": padded(unique("q3"))})
-            assert refused.status_code == 507 and refused.json()["error"] == "quota_exceeded"
-            assert (
-                "token ci" in refused.json()["detail"]
-                and "token_quota_bytes" in refused.json()["detail"]
-            )
-            # Over it now, so the next is refused before compiling; hits are still served.
-            assert (
-                client.post("/v1/resolve", json={"recipe": padded(unique("q4"))}).status_code == 507
-            )
-            assert client.get(f"/v1/recipes/{first['recipe_key']}/artifact").status_code == 200
-        with server.client(other) as client:  # another token has its own quota
-            assert (
-                client.post("/v1/resolve", json={"recipe": padded(unique("q5"))}).status_code == 200
-            )
-        with server.client(admin) as client:
-            assert _info(client)["artifacts"] == 3
-            cleared = client.post("/v1/cache/clear").json()
-            assert cleared["evicted"] == 3
-        with server.client(ci) as client:  # evicted bytes no longer count against the quota
-            again = client.post("/v1/resolve", json={"recipe": padded(unique("q6"))})
-            assert again.status_code == 200 and again.json()["status"] == "compiled"
-    finally:
-        server.stop()
+    server = serve(settings)
+    with server.client(ci) as client:
+        assert client.get("/v1/pins").status_code == 403
+        assert client.get("/v1/cache").status_code == 403
+        assert client.post("/v1/cache/clear").status_code == 403
+        first = client.post("/v1/resolve", json={"recipe": padded(unique("q1"))}).json()
+        assert client.post("/v1/resolve", json={"recipe": padded(unique("q2"))}).status_code == 200
+        # 2 x 53 KB stored; a third would take "ci" past 120 KB: refused, nothing stored.
+        refused = client.post("/v1/resolve", json={"recipe": padded(unique("q3"))})
+        assert refused.status_code == 507 and refused.json()["error"] == "quota_exceeded"
+        assert (
+            "token ci" in refused.json()["detail"]
+            and "token_quota_bytes" in refused.json()["detail"]
+        )
+        # Over it now, so the next is refused before compiling; hits are still served.
+        assert client.post("/v1/resolve", json={"recipe": padded(unique("q4"))}).status_code == 507
+        assert client.get(f"/v1/recipes/{first['recipe_key']}/artifact").status_code == 200
+    with server.client(other) as client:  # another token has its own quota
+        assert client.post("/v1/resolve", json={"recipe": padded(unique("q5"))}).status_code == 200
+    with server.client(admin) as client:
+        assert _info(client)["artifacts"] == 3
+        cleared = client.post("/v1/cache/clear").json()
+        assert cleared["evicted"] == 3
+    with server.client(ci) as client:  # evicted bytes no longer count against the quota
+        again = client.post("/v1/resolve", json={"recipe": padded(unique("q6"))})
+        assert again.status_code == 200 and again.json()["status"] == "compiled"
 
 
-def test_evicted_blob_leaves_the_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evicted_blob_leaves_the_bucket(
+    make_settings: Callable[..., Any],
+    serve: Callable[[Any], ServerThread],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With blobs in an S3 bucket, an evicted artifact's object is deleted after the grace."""
     from kcache.store.s3 import S3ArtifactStore
     from tests.s3_server import s3_server
@@ -366,25 +344,86 @@ def test_evicted_blob_leaves_the_bucket(tmp_path: Path, monkeypatch: pytest.Monk
         monkeypatch.setenv(name, value)
     store_url = f"s3://{bucket_server.new_bucket()}/blobs"
     bucket = S3ArtifactStore.from_url(store_url)
-    server = ServerThread(_settings(tmp_path / "data", store_url=store_url))
-    try:
-        with server.client() as client:
-            kept = client.post("/v1/resolve", json={"recipe": padded(unique("s3k"))}).json()
-            gone = client.post("/v1/resolve", json={"recipe": padded(unique("s3g"))}).json()
-            assert bucket.has(gone["artifact"]["digest"]) and bucket.has(kept["artifact"]["digest"])
-            removed = client.post("/v1/cache/remove", json={"keys": [gone["recipe_key"]]}).json()
-            assert removed["evicted"] == 1
-            wait_until(lambda: not bucket.has(gone["artifact"]["digest"]), "the object deleted")
-            assert bucket.has(kept["artifact"]["digest"])
-            assert client.get(f"/v1/recipes/{gone['recipe_key']}/artifact").status_code == 404
-            again = client.post("/v1/resolve", json={"recipe": padded(unique("s3k"))})
-            assert again.status_code == 200
-    finally:
-        server.stop()
+    server = serve(make_settings(**CAPPED, store_url=store_url))
+    with server.client() as client:
+        kept = client.post("/v1/resolve", json={"recipe": padded(unique("s3k"))}).json()
+        gone = client.post("/v1/resolve", json={"recipe": padded(unique("s3g"))}).json()
+        assert bucket.has(gone["artifact"]["digest"]) and bucket.has(kept["artifact"]["digest"])
+        removed = client.post("/v1/cache/remove", json={"keys": [gone["recipe_key"]]}).json()
+        assert removed["evicted"] == 1
+        wait_until(lambda: not bucket.has(gone["artifact"]["digest"]), "the object deleted")
+        assert bucket.has(kept["artifact"]["digest"])
+        assert client.get(f"/v1/recipes/{gone['recipe_key']}/artifact").status_code == 404
+        again = client.post("/v1/resolve", json={"recipe": padded(unique("s3k"))})
+        assert again.status_code == 200
+
+
+def test_a_new_blob_backend_is_one_line_and_the_server_evicts_through_it(
+    make_settings: Callable[..., Any],
+    serve: Callable[[Any], ServerThread],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backend no server module names (tests/memory_store.py), plugged in with one line.
+
+    The server serves from it, asks it whether it is ready, and evicts through it: rows
+    first, then the objects once the grace is over, every row still naming a blob.
+    """
+    from kcache.store import STORE_URL_SCHEMES
+    from tests.memory_store import MEMORY_BACKEND, MemoryArtifactStore
+
+    monkeypatch.setitem(STORE_URL_SCHEMES, "mem", MEMORY_BACKEND)  # the one line
+    name = unique("evict")
+    bucket = MemoryArtifactStore(name)
+    server = serve(make_settings(**CAPPED, store_url=f"mem://{name}"))
+    index = server.state.backends.index
+    tag = unique("mem")
+    recipes = [padded(f"{tag}-{i}") for i in range(45)]
+    keys: dict[int, str] = {}
+    digests: dict[int, str] = {}
+    with server.client() as client:
+        ready = client.get("/readyz")
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["checks"]["bucket"] == "ok"
+        for i, recipe in enumerate(recipes):
+            body = client.post("/v1/resolve", json={"recipe": recipe}).json()
+            keys[i], digests[i] = body["recipe_key"], body["artifact"]["digest"]
+            assert digests[i] in bucket.objects  # published to the backend first
+        wait_until(lambda: _info(client)["bytes_used"] <= int(CAP * HIGH), "a pass")
+        info = _info(client)
+        assert info["evictions"] > 0 and info["bytes_used"] >= int(CAP * LOW) - 60_000
+        # Evicted objects leave the backend once their grace is over; named ones stay.
+        wait_until(
+            lambda: set(bucket.digests()) == index.digests(),
+            "the backend to hold exactly the blobs rows name",
+        )
+        evicted = [i for i in keys if digests[i] not in bucket.objects]
+        assert evicted == list(range(len(evicted)))  # the least recently used went
+        # The most recent is served (from the replica's local copy, verified).
+        fetched = client.get(f"/v1/recipes/{keys[44]}/artifact")
+        assert fetched.status_code == 200
+        assert hashlib.sha256(fetched.content).hexdigest() == digests[44]
+        # An evicted recipe is a miss, compiled again into the backend.
+        assert client.get(f"/v1/recipes/{keys[evicted[0]]}/artifact").status_code == 404
+        again = client.post("/v1/resolve", json={"recipe": recipes[evicted[0]]}).json()
+        assert again["status"] == "compiled" and digests[evicted[0]] in bucket.objects
+        # An admin removal goes through the same blob protocol.
+        removed = client.post("/v1/cache/remove", json={"keys": [keys[44]]}).json()
+        assert removed["evicted"] == 1
+        wait_until(lambda: digests[44] not in bucket.objects, "the removed object deleted")
+        # The backend's own probe is the readiness check of the store behind the replica.
+        bucket.set_down(True)
+        try:
+            wait_until(
+                lambda: client.get("/readyz").json()["checks"]["bucket"].startswith("failed"),
+                "readiness to see the backend down",
+            )
+        finally:
+            bucket.set_down(False)
 
 
 # ---------------------------------------------------------------------- two replicas
-def _start_replica(port: int, data_dir: Path, db_url: str) -> subprocess.Popen[bytes]:
+def _replica(data_dir: Path, db_url: str) -> ServerProcess:
+    """``kcache serve`` capped at 2 MiB on the shared data directory and database."""
     env = {
         **os.environ,
         "KCACHE_COMPILE_WORKERS": "1",
@@ -394,48 +433,15 @@ def _start_replica(port: int, data_dir: Path, db_url: str) -> subprocess.Popen[b
         "KCACHE_EVICTION_INTERVAL_S": "1",
         "KCACHE_EVICTION_BLOB_GRACE_S": "0.5",
     }
-    return subprocess.Popen(
-        [
-            KCACHE,
-            "serve",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data_dir),
-            "--db-url",
-            db_url,
-            "--max-store-bytes",
-            "2MiB",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-
-
-def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(
-                process.stderr.read().decode() if process.stderr else "server exited"
-            )
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not become ready")
+    return ServerProcess(data_dir, db_url=db_url, env=env, args=["--max-store-bytes", "2MiB"])
 
 
 @pytest.mark.postgres
 def test_two_replicas_on_postgres_evict_while_fetches_run(tmp_path: Path, pg_url: str) -> None:
     upgrade(pg_url)
     data_dir = tmp_path / "shared"
-    ports = [free_port(), free_port()]
-    processes = [_start_replica(port, data_dir, pg_url) for port in ports]
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    replicas = [_replica(data_dir, pg_url) for _ in range(2)]
+    urls = [replica.url for replica in replicas]
     tag = unique("rep")
     recipes = [padded(f"{tag}-{i}") for i in range(50)]
     known: dict[str, tuple[int, str]] = {}  # recipe key -> (recipe index, digest)
@@ -444,8 +450,10 @@ def test_two_replicas_on_postgres_evict_while_fetches_run(tmp_path: Path, pg_url
     fetches = Counter[str]()
     done = threading.Event()
     try:
-        for url, process in zip(urls, processes, strict=True):
-            _wait_ready(url, process)
+        for replica in replicas:
+            replica.launch()
+        for replica in replicas:
+            replica.wait_ready(ready="/readyz")
         clients = [httpx.Client(base_url=url, timeout=120) for url in urls]
 
         def resolve(i: int, replica: int) -> None:
@@ -515,10 +523,8 @@ def test_two_replicas_on_postgres_evict_while_fetches_run(tmp_path: Path, pg_url
         finally:
             engine.dispose()
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=30)
+        for replica in replicas:
+            replica.stop()
     assert failures == []
     # Thousands of fetches, some of them of artifacts evicted a moment before (compiled again).
     assert fetches["ok"] > 200 and fetches["miss"] > 0 and evicted > 0

@@ -99,3 +99,50 @@ def test_a_new_artifact_reads_back_as_made(index: Index) -> None:
     for i, m in enumerate(fresh):
         index.record_artifact(h(f"key{i}"), h("base"), m)
     assert [index.lookup(h(f"key{i}")) for i in range(50)] == fresh
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def test_the_lru_choice_is_the_policys_over_every_unpinned_row(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The query only fetches candidates (in order, streamed); kcache.eviction chooses."""
+    import dataclasses
+    from datetime import datetime, timedelta, timezone
+
+    import sqlalchemy as sa
+    from kcache_server.db import open_database
+    from kcache_server.index import SqlIndex
+    from kcache_server.pins import PinStore
+
+    from kcache.eviction import LruCandidate, least_recently_used
+
+    url = (
+        f"sqlite:///{tmp_path / 'i.db'}"
+        if backend == "sqlite"
+        else request.getfixturevalue("pg_url")
+    )
+    upgrade(url)
+    engine = open_database(url)
+    index = SqlIndex(engine)
+    base = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    candidates: list[LruCandidate] = []
+    for i in range(40):
+        made = dataclasses.replace(meta(f"lru {i}"), size=1000 + i)
+        index.record_artifact(h(f"recipe {i}"), h(f"base {i}"), made)
+        used = base + timedelta(minutes=(i * 7) % 40)  # recency unrelated to insertion order
+        # A third were never served: their creation is their last use.
+        column = "created_at" if i % 3 == 0 else "last_used_at"
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(f"UPDATE artifacts SET {column} = :t WHERE digest = :d"),
+                {"t": used, "d": made.digest},
+            )
+        if i != 5:
+            candidates.append(LruCandidate(made.digest, made.size, used.timestamp()))
+    PinStore(engine).add([h("recipe 5")], "g", "test")  # never chosen, whatever its age
+    for to_free in (0, 1, 5_000, 20_000, 10**9):
+        expected = [c.name for c in least_recently_used(candidates, to_free)]
+        assert index.least_recently_used(to_free) == expected, to_free
+    engine.dispose()

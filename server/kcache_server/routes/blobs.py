@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kcache.errors import ArtifactNotFoundError
-from kcache.store.local import LocalArtifactStore
+from kcache.store.base import ArtifactStore
 from kcache_server.accel_redirect import ACCEL_HEADER, accel_path, accel_wanted, on_disk
 from kcache_server.http_cache import blob_headers, etag_matches
 from kcache_server.routes._deps import ERRORS, Reader, State
@@ -61,7 +61,7 @@ async def get_blob(digest: DigestPath, request: Request, _: Reader, state: State
     return await bytes_answer(request, state, digest, data, blob_headers(digest, len(data)))
 
 
-def _local_copy(store: LocalArtifactStore, digest: str) -> bool:
+def _local_copy(store: ArtifactStore, digest: str) -> bool:
     """Whether the blob's local file is there for nginx, put back from the bucket if it was not."""
     return on_disk(os.fspath(store.path(digest)))  # a bucket's store fills its local copy
 

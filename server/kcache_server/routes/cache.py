@@ -9,14 +9,20 @@ evictor: rows first, blobs last, every replica told through the eviction log.
 
 from __future__ import annotations
 
-from datetime import datetime
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from kcache_server.errors import OverloadedError
-from kcache_server.eviction import Evictor, list_entries
+from kcache_server.eviction import (
+    RemovalReport,
+    StoreEntry,
+    StoreEvictor,
+    StoreInfo,
+    list_entries,
+)
 from kcache_server.pins import MAX_KEYS
 from kcache_server.routes._deps import ERRORS, State, body_doc, read_body
 from kcache_server.routes.pins import Admin
@@ -27,36 +33,21 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1/cache", tags=["storage"])
 
 
-class CacheInfo(BaseModel):
+# The answers are the evictor's dataclasses under the API's names: their fields (and each
+# field's description) are written once, there; pydantic reads dataclasses as schemas.
+@dataclass(frozen=True)
+class CacheInfo(StoreInfo):
     """Body of ``GET /v1/cache``."""
 
-    location: str = Field(description="the server's data directory")
-    bytes_used: int = Field(description="bytes of stored artifacts, pinned ones included")
-    bytes_cap: int | None = Field(description="max_store_bytes; null when unbounded")
-    high_water_bytes: int | None = Field(description="eviction starts above this")
-    low_water_bytes: int | None = Field(description="and stops at or below this")
-    artifacts: int
-    pinned_artifacts: int
-    pinned_bytes: int
-    pins: int = Field(description="pins, including those whose key has no artifact yet")
-    oldest_use: datetime | None
-    newest_use: datetime | None
-    evictions: int = Field(description="artifacts evicted or removed (as far back as the log goes)")
-    bytes_freed: int
 
-
-class CacheEntry(BaseModel):
+@dataclass(frozen=True)
+class CacheEntry(StoreEntry):
     """One stored artifact."""
 
-    digest: str
-    recipe_keys: list[str]
-    kernel: str
-    target: str
-    kind: str
-    size: int
-    created_at: datetime
-    last_used_at: datetime | None
-    pinned: bool
+
+@dataclass(frozen=True)
+class RemoveResult(RemovalReport):
+    """What a removal did; pinned and unknown keys are left alone and listed."""
 
 
 class CacheEntries(BaseModel):
@@ -77,18 +68,9 @@ class RemoveRequest(BaseModel):
     )
 
 
-class RemoveResult(BaseModel):
-    """What a removal did; pinned and unknown keys are left alone and listed."""
-
-    evicted: int
-    bytes_freed: int
-    pinned: list[str] = Field(description="keys whose artifact is pinned (unpin it first)")
-    unknown: list[str] = Field(description="keys that name no stored artifact")
-
-
-def evictor_of(request: Request) -> Evictor:
+def evictor_of(request: Request) -> StoreEvictor:
     """The app's evictor."""
-    evictor: Evictor = request.app.state.evictor
+    evictor: StoreEvictor = request.app.state.evictor
     return evictor
 
 
@@ -102,23 +84,8 @@ def _parse_remove(raw: bytes) -> RemoveRequest:
 @router.get("", response_model=CacheInfo, responses=ERRORS)
 async def cache_info(request: Request, _: Admin, state: State) -> CacheInfo:
     """How full the store is, and what eviction has done."""
-    info = await state.run(evictor_of(request).info)
-    marks, usage = info.marks, info.usage
-    return CacheInfo(
-        location=info.location,
-        bytes_used=usage.bytes,
-        bytes_cap=marks.cap or None,
-        high_water_bytes=marks.high_bytes if marks.bounded else None,
-        low_water_bytes=marks.low_bytes if marks.bounded else None,
-        artifacts=usage.artifacts,
-        pinned_artifacts=usage.pinned_artifacts,
-        pinned_bytes=usage.pinned_bytes,
-        pins=usage.pins,
-        oldest_use=usage.oldest_use,
-        newest_use=usage.newest_use,
-        evictions=info.evictions,
-        bytes_freed=info.bytes_freed,
-    )
+    info: StoreInfo = await state.run(evictor_of(request).info)
+    return CacheInfo(**vars(info))
 
 
 @router.get("/entries", response_model=CacheEntries, responses=ERRORS)
@@ -126,21 +93,16 @@ async def cache_entries(
     _: Admin, state: State, limit: Annotated[int, Query(ge=1, le=MAX_KEYS)] = 100
 ) -> CacheEntries:
     """The most recently used artifacts first."""
-    entries = await state.run(list_entries, state.backends.db, limit)
+    entries: list[StoreEntry] = await state.run(list_entries, state.backends.db, limit)
     return CacheEntries(entries=[CacheEntry(**vars(e)) for e in entries])
 
 
 async def _removal(state: State, run: object) -> RemoveResult:
     try:
-        report = await state.run(run)
+        report: RemovalReport = await state.run(run)
     except TimeoutError as exc:
         raise OverloadedError(str(exc)) from exc
-    return RemoveResult(
-        evicted=report.evicted,
-        bytes_freed=report.bytes_freed,
-        pinned=report.pinned,
-        unknown=report.unknown,
-    )
+    return RemoveResult(**vars(report))
 
 
 @router.post(

@@ -18,12 +18,12 @@ about that long whatever a backend does.
 from __future__ import annotations
 
 import logging
-import os
 
 import anyio
 from fastapi import APIRouter, Request, Response
 
 from kcache._version import __version__
+from kcache.errors import StoreUnavailableError
 from kcache.fsutil import free_bytes
 from kcache_server.readiness import BoundedCheck, Readiness
 from kcache_server.request_ids import current_request_id
@@ -74,11 +74,11 @@ def _checks(state: ServerState) -> dict[str, str]:
     if vanished is not None:
         checks["database"] = f"failed: {vanished}"
     checks["disk"] = _disk(state)
-    blobs = state.backends.store.blobs
-    if blobs.is_dir() and os.access(blobs, os.W_OK):
+    try:
+        state.backends.store.probe()  # its own medium: a bucket behind it is the bounded check's
         checks["store"] = "ok"
-    else:
-        log.warning("readyz %s: the blob store %s is not writable", current_request_id(), blobs)
+    except StoreUnavailableError as exc:
+        log.warning("readyz %s: the blob store failed its probe: %s", current_request_id(), exc)
         checks["store"] = (
             "failed: the blob store is not writable (the server log names its directory)"
         )

@@ -74,7 +74,7 @@ class ArtifactFastPath:
         self.accel = state.settings.accel_redirect
         store = state.backends.store
         #: Where a blob's local file is, never filled from a bucket (the route fills it).
-        self._local_path = getattr(store, "path_local", store.path)
+        self._local_path = store.local_file
         metrics = state.metrics
         # Counted without locks: this runs on the event loop's thread only.
         requests = metrics.requests
@@ -135,7 +135,7 @@ class ArtifactFastPath:
             return None  # the route produces the precise 401/403
         encoded = self._headers.get(meta.digest)
         if encoded is None or not (encoded.meta is meta or encoded.meta == meta):
-            local = str(self._local_path(meta.digest)) if self.accel is not None else ""
+            local = (self._local_path(meta.digest) or "") if self.accel is not None else ""
             encoded = EncodedHeaders.of(meta, len(data), self.accel, local)
             self._headers.put(meta.digest, encoded)
         fresh = etag_matches(if_none_match, meta.digest)
