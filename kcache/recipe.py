@@ -12,13 +12,20 @@ from json.encoder import encode_basestring_ascii
 from types import MappingProxyType
 from typing import Any, Literal
 
+from kcache import keys
 from kcache.errors import InvalidKeyError, RecipeError, UnresolvedRecipeError
-from kcache.keys import KEY_SCHEMA, canonical_json, require_hex_key, sha256_hex
+from kcache.keys import (
+    RECIPE_FIELDS,
+    encode_base_key,
+    encode_recipe_key,
+    require_hex_key,
+    sha256_hex,
+)
 from kcache.lru import LruCache
 from kcache.specialization import SpecValue, normalize_specialization, render_macros
 from kcache.targets import Target, parse_target
 
-__all__ = ["LIMITS", "LinkInput", "Output", "Recipe"]
+__all__ = ["ALLOWED_FLAGS", "CONTROL_CHARACTERS", "LIMITS", "LinkInput", "Output", "Recipe"]
 
 Output = Literal["cubin", "ptx", "ltoir"]
 _OUTPUTS = ("cubin", "ptx", "ltoir")
@@ -41,20 +48,8 @@ class _Limits:
 
 LIMITS = _Limits()
 
-_FIELDS = {
-    "source",
-    "name",
-    "headers",
-    "flags",
-    "target",
-    "output",
-    "name_expressions",
-    "specialization",
-    "link",
-    "lto",
-    "toolchain",
-    "include_sets",
-}
+# The fields a recipe's JSON form may hold: the key's own table (kcache.keys.KEY_FIELDS).
+_FIELDS = frozenset(RECIPE_FIELDS)
 # Every pattern here is applied with fullmatch ("$" would accept a trailing newline),
 # with ASCII classes (a Unicode "\d" accepts "٩٠" as 90).
 _INCLUDE_NAME_RE = re.compile(r"[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*")
@@ -68,8 +63,11 @@ _ONE_HEADER_NAME = rf"(?=[^\n]{{1,{LIMITS.name_chars}}}(?:\n|\Z)){_GOOD_INCLUDE_
 _GOOD_HEADER_NAMES_RE = re.compile(rf"{_ONE_HEADER_NAME}(?:\n{_ONE_HEADER_NAME})*")
 _SET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
 _TOOLCHAIN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]{0,127}")
-# Flags and name expressions are single lines of printable text.
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+#: What a single line of recipe text (a flag, a name expression) never holds: the C0
+#: and C1 control characters, as the inside of a regex class that Python's ``re`` and
+#: ECMA-262 read alike (the server's published patterns use it too).
+CONTROL_CHARACTERS = "\\x00-\\x1f\\x7f-\\x9f"
+_CONTROL_RE = re.compile(f"[{CONTROL_CHARACTERS}]")
 
 # sha256 of header texts seen lately, by text: every new set of headers is hashed
 # header by header, and sets differ in a few headers (a kernel's own next to a
@@ -186,10 +184,11 @@ def _header_set(headers: object) -> _HeaderSet:
 _SEQUENCE = (tuple, list, Sequence)
 _MAPPING = (dict, Mapping)
 
-# NVRTC options a recipe may carry. Everything else is refused: options that read or
-# write files (-I, PCH, traces, output), options that the recipe's own fields own
-# (-arch is `target`, -dlto is `output`/`lto`), and anything unknown.
-_ALLOWED_FLAGS = re.compile(
+#: The NVRTC options a recipe may carry, each matched whole (``fullmatch``). Everything
+#: else is refused: options that read or write files (-I, PCH, traces, output), options
+#: that the recipe's own fields own (-arch is `target`, -dlto is `output`/`lto`), and
+#: anything unknown. (The server publishes it as a JSON Schema pattern.)
+ALLOWED_FLAGS = re.compile(
     r"(?:"
     r"-D\S.*|--define-macro=.+|-U\S+|--undefine-macro=\S+"
     r"|-std=c\+\+(?:03|11|14|17|20)|--std=c\+\+(?:03|11|14|17|20)"
@@ -434,92 +433,15 @@ class Recipe:
         return [f"-D{macro}={value}" for macro, value in render_macros(self.specialization)]
 
     def key_material(self, *, with_header_contents: bool = True) -> dict[str, Any]:
-        """The canonical object hashed into the keys."""
+        """The canonical object hashed into the keys (:func:`kcache.keys.key_material`)."""
         self._require_resolved()
-        return self._material(with_header_contents)
-
-    def _material(self, with_header_contents: bool) -> dict[str, Any]:
-        """:meth:`key_material` of any recipe, resolved or not (its identity is hashed from it)."""
-        material = self.to_dict()  # every field, so a new field cannot be left out of the keys
-        material.update(
-            schema=KEY_SCHEMA,
-            headers=self.header_hashes() if with_header_contents else sorted(self.headers),
-            # Nested recipes enter with their full key: manifests match outer headers only.
-            link=[
-                {"recipe_key": item.recipe._identity()}
-                if item.recipe is not None
-                else {"digest": item.digest}
-                for item in self.link
-            ],
-            toolchain=self.toolchain,
-            kind="recipe" if with_header_contents else "base",
-        )
-        return material
-
-    def _canonical(self, with_header_contents: bool) -> bytes:
-        """``canonical_json(self._material(with_header_contents))``, written out field by field.
-
-        Every new recipe object pays for its key, and the generic encoder (a new
-        encoder per call, each object's keys sorted) was most of keying's cost. Here
-        the fields come in sorted order and every string goes through json's own ASCII
-        escaper, so the bytes are the same: tests/core/test_keys.py compares them with
-        :func:`canonical_json` of :meth:`_material` over many recipes, every field set,
-        and fails when a field is added to one and not the other.
-        """
-        esc = encode_basestring_ascii
-        headers = self._header_set
-        headers_json = headers.hashes_json() if with_header_contents else headers.names_json()
-        links = ",".join(
-            f'{{"recipe_key":"{item.recipe._identity()}"}}'
-            if item.recipe is not None
-            else f'{{"digest":"{item.digest}"}}'  # validated hex
-            for item in self.link
-        )
-        spec = self.specialization
-        spec_json = (
-            canonical_json(
-                {k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()}
-            ).decode()
-            if spec
-            else "{}"
-        )
-        return "".join(
-            [
-                '{"flags":[',
-                ",".join(map(esc, self.flags)),
-                '],"headers":',
-                headers_json,
-                ',"include_sets":[',
-                ",".join(map(esc, self.include_sets)),
-                '],"kind":',
-                '"recipe"' if with_header_contents else '"base"',
-                ',"link":[',
-                links,
-                '],"lto":',
-                "true" if self.lto else "false",
-                ',"name":',
-                esc(self.name),
-                ',"name_expressions":[',
-                ",".join(map(esc, self.name_expressions)),
-                '],"output":',
-                esc(self.output),
-                f',"schema":{KEY_SCHEMA},"source":',
-                esc(self.source),
-                ',"specialization":',
-                spec_json,
-                ',"target":',
-                esc(self.target),
-                ',"toolchain":',
-                "null" if self.toolchain is None else esc(self.toolchain),
-                "}",
-            ]
-        ).encode()
+        return keys.key_material(self, with_header_contents=with_header_contents)
 
     def _identity(self) -> str:
         """sha256 of the canonical form: :meth:`key` once resolved; equality and hash use it."""
         identity: str | None = self._memo.get("identity")
         if identity is None:
-            identity = self._memo["identity"] = sha256_hex(self._canonical(True))
+            identity = self._memo["identity"] = sha256_hex(encode_recipe_key(self))
         return identity
 
     def key(self) -> str:
@@ -532,7 +454,7 @@ class Recipe:
         key: str | None = self._memo.get("base_key")
         if key is None:
             self._require_resolved()
-            key = self._memo["base_key"] = sha256_hex(self._canonical(False))
+            key = self._memo["base_key"] = sha256_hex(encode_base_key(self))
         return key
 
     def _require_resolved(self) -> None:
@@ -673,7 +595,7 @@ def _validate(recipe: Recipe) -> _HeaderSet:
         raise RecipeError("flags", f"at most {LIMITS.flag_count} flags")
     for i, flag in enumerate(recipe.flags):
         _check_line(f"flags[{i}]", flag, LIMITS.flag_chars)
-        if not _ALLOWED_FLAGS.fullmatch(flag):
+        if not ALLOWED_FLAGS.fullmatch(flag):
             # Only a refusal pays for the reason: kcache.options knows every NVRTC option.
             from kcache.options import recipe_flag_refusal
 

@@ -15,9 +15,12 @@ from kcache.errors import RecipeError
 
 __all__ = [
     "DTYPES",
+    "DTYPE_ALIASES",
+    "KEY_RE",
     "MAX_KEYS",
     "MAX_LIST",
     "MAX_RENDERED_BYTES",
+    "STRING_VALUE_RE",
     "SpecValue",
     "canonical_dtype",
     "normalize_specialization",
@@ -42,7 +45,8 @@ DTYPES: dict[str, str] = {
     "uint64": "uint64_t",
     "bool": "bool",
 }
-_DTYPE_ALIASES = {
+#: Other spellings of a dtype, and the name each stands for.
+DTYPE_ALIASES = {
     "float": "float32",
     "half": "float16",
     "fp16": "float16",
@@ -51,9 +55,10 @@ _DTYPE_ALIASES = {
     "fp32": "float32",
     "fp64": "float64",
 }
+#: A specialization key, and a string value (the server's JSON Schema publishes both).
 # Applied with fullmatch: "$" would accept a trailing newline, i.e. a line break in a -D flag.
-_KEY_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
-_STRING_VALUE_RE = re.compile(r"[A-Za-z0-9_ :<>,.*+\-()]{0,256}")
+KEY_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+STRING_VALUE_RE = re.compile(r"[A-Za-z0-9_ :<>,.*+\-()]{0,256}")
 
 # The limits that keep one recipe's specialization cheap to check, key and compile.
 # Values are scalars or flat lists of scalars: nothing nests deeper than one list.
@@ -70,7 +75,7 @@ def canonical_dtype(value: object) -> str:
     if not isinstance(value, str):
         raise RecipeError("specialization.dtype", f"must be a string, got {type(value).__name__}")
     name = value.removeprefix("torch.").removeprefix("numpy.").lower()
-    name = _DTYPE_ALIASES.get(name, name)
+    name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
         raise RecipeError(
             "specialization.dtype", f"unknown dtype {value!r}; known: {', '.join(sorted(DTYPES))}"
@@ -86,7 +91,7 @@ def _check_scalar(field: str, value: object) -> SpecScalar:
             raise RecipeError(field, "must be a finite number")
         return value
     if isinstance(value, str):
-        if not _STRING_VALUE_RE.fullmatch(value):
+        if not STRING_VALUE_RE.fullmatch(value):
             raise RecipeError(
                 field,
                 "strings may hold letters, digits, spaces and _:<>,.*+-() (at most 256 characters)",
@@ -110,7 +115,7 @@ def normalize_specialization(spec: Mapping[str, object]) -> dict[str, SpecValue]
         raise RecipeError("specialization", f"at most {MAX_KEYS} keys, got {len(spec)}")
     out: dict[str, SpecValue] = {}
     for key, value in spec.items():
-        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        if not isinstance(key, str) or not KEY_RE.fullmatch(key):
             # Named in the field when it reads as a name; a long or unprintable key is
             # named in the detail, escaped.
             plain = isinstance(key, str) and len(key) <= 64 and key.isprintable()

@@ -3,15 +3,49 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kcache.errors import RecipeError
 
-__all__ = ["Target", "parse_target"]
+__all__ = ["TARGET_FAMILIES", "Target", "parse_target", "target_regex"]
 
-# fullmatch, ASCII digits, no leading zero: "sm_90\n", "sm_٩٠" or "sm_090" must not name
-# sm_90 under another key.
-_TARGET_RE = re.compile(r"(sm|compute)_([1-9][0-9]{1,2})([af]?)")
+#: The families a target names: ``sm`` (a cubin for that SM) and ``compute`` (PTX).
+TARGET_FAMILIES = ("sm", "compute")
+# The SM number: two or three ASCII digits, no leading zero ("sm_٩٠" or "sm_090" must
+# not name sm_90 under another key). Then "a" or "f" or nothing.
+_SM_NUMBER = "[1-9][0-9]{1,2}"
+_SUFFIX = "[af]?"
+# Matches no string, in both dialects: an SM list none of whose numbers is one.
+_NOTHING = "[^\\s\\S]"
+
+
+def target_regex(
+    sms: Iterable[int] | None = None, *, families: Sequence[str] = TARGET_FAMILIES
+) -> str:
+    """The one grammar of a target, as regex text that Python's ``re`` and ECMA-262 read alike.
+
+    Unanchored, and written so that both engines accept exactly the same strings:
+    only explicit ASCII classes (no ``\\d``, ``\\w``, ``.``), no flags, no
+    lookaround. :func:`parse_target` matches it with ``fullmatch`` (``$`` would
+    also take a trailing newline); a JSON Schema ``pattern`` anchors it as
+    ``^(?:...)$`` (ECMA's ``$`` ends the input). Three groups: family, number, suffix.
+
+    ``sms`` narrows the number to these SMs (the ones a toolchain compiles for;
+    numbers the grammar refuses are left out), ``families`` the families.
+    """
+    if sms is None:
+        number = _SM_NUMBER
+    else:
+        allowed = re.compile(_SM_NUMBER)
+        listed = sorted({str(int(sm)) for sm in sms if allowed.fullmatch(str(int(sm)))}, key=int)
+        number = "|".join(listed) or _NOTHING
+    if not families or any(family not in TARGET_FAMILIES for family in families):
+        raise ValueError(f"families must be some of {TARGET_FAMILIES}, got {families!r}")
+    return f"({'|'.join(families)})_({number})({_SUFFIX})"
+
+
+_TARGET_RE = re.compile(target_regex())
 
 
 @dataclass(frozen=True)

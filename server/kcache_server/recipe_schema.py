@@ -3,12 +3,14 @@
 A recipe is validated by the core (:meth:`kcache.recipe.Recipe.from_dict`, then
 :meth:`kcache_server.recipe_checks.RecipeChecks.prepare`), with its own messages. This
 module states the same rules for the published OpenAPI document, built from the
-core's own limits and patterns (:data:`kcache.recipe.LIMITS`,
-:mod:`kcache.specialization`) and from what this server runs: its toolchain id,
-the targets its NVRTC compiles for, and its registered include sets. So the
-schema allows exactly what the server takes, with these exceptions that JSON
-Schema cannot state (each is said in the field's description, and refused with a
-422 naming the field):
+core's own table of a recipe's fields (:data:`kcache.keys.RECIPE_FIELDS`: what the
+keys hash, so exactly the properties published), limits and patterns
+(:data:`kcache.recipe.LIMITS`, :data:`kcache.recipe.ALLOWED_FLAGS`, the target
+grammar :func:`kcache.targets.target_regex`, :mod:`kcache.specialization`) and
+from what this server runs: its toolchain id, the targets its NVRTC compiles for,
+and its registered include sets. So the schema allows exactly what the server
+takes, with these exceptions that JSON Schema cannot state (each is said in the
+field's description, and refused with a 422 naming the field):
 
 - sizes in bytes of UTF-8: ``maxLength`` counts characters, so it is the bound for
   ASCII text and a looser one otherwise; the headers' total size;
@@ -34,13 +36,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kcache import specialization
-from kcache.recipe import _ALLOWED_FLAGS, LIMITS
-from kcache_server.schemas import HEX_KEY_PATTERN, PRINTABLE_PATTERN
+from kcache.keys import RECIPE_FIELDS
+from kcache.recipe import ALLOWED_FLAGS, CONTROL_CHARACTERS, LIMITS
+from kcache.targets import TARGET_FAMILIES, target_regex
+from kcache_server.schemas import HEX_KEY_PATTERN
 
 __all__ = [
     "DTYPE_PATTERN",
     "FLAG_PATTERN",
     "INCLUDE_NAME_PATTERN",
+    "LINE_PATTERN",
     "NO_NUL_PATTERN",
     "SPEC_KEY_PATTERN",
     "SPEC_STRING_PATTERN",
@@ -58,9 +63,12 @@ INCLUDE_NAME_PATTERN = f"^{_NAME_FIRST}{_NAME_CHAR}*(?:/{_NAME_PART})*$"
 #: Text without a NUL (``source``, header texts).
 NO_NUL_PATTERN = "^[^\\x00]*$"
 # A character of a single line (kcache.recipe._check_line): no C0 or C1 control.
-_LINE_CHAR = "[^\\x00-\\x1f\\x7f-\\x9f]"
-# ... and not whitespace either: Python's ASCII \S within a line.
-_LINE_NON_SPACE = "[^\\x00-\\x20\\x7f-\\x9f]"
+_LINE_CHAR = f"[^{CONTROL_CHARACTERS}]"
+#: A single line of recipe text (a name expression): no control character.
+LINE_PATTERN = f"^{_LINE_CHAR}*$"
+# ... and not whitespace either: Python's ASCII \S within a line (the space, and the
+# tab, newline, vertical tab, form feed and carriage return that are controls already).
+_LINE_NON_SPACE = f"[^{CONTROL_CHARACTERS} ]"
 
 
 def _portable_flags(pattern: str) -> str:
@@ -89,12 +97,12 @@ def _portable_flags(pattern: str) -> str:
     return "".join(out)
 
 
-#: A flag the core allows (``kcache.recipe._ALLOWED_FLAGS``), on one line.
-FLAG_PATTERN = f"^{_portable_flags(_ALLOWED_FLAGS.pattern)}$"
+#: A flag the core allows (:data:`kcache.recipe.ALLOWED_FLAGS`), on one line.
+FLAG_PATTERN = f"^{_portable_flags(ALLOWED_FLAGS.pattern)}$"
 #: A specialization key (``kcache.specialization``).
-SPEC_KEY_PATTERN = f"^(?:{specialization._KEY_RE.pattern})$"
+SPEC_KEY_PATTERN = f"^(?:{specialization.KEY_RE.pattern})$"
 #: A string value of a specialization.
-SPEC_STRING_PATTERN = f"^(?:{specialization._STRING_VALUE_RE.pattern})$"
+SPEC_STRING_PATTERN = f"^(?:{specialization.STRING_VALUE_RE.pattern})$"
 
 
 def _any_case(word: str) -> str:
@@ -106,21 +114,20 @@ def _any_case(word: str) -> str:
 
 
 # canonical_dtype: "torch." then "numpy." stripped (as written), then any case.
-_DTYPE_NAMES = sorted({*specialization.DTYPES, *specialization._DTYPE_ALIASES})
+_DTYPE_NAMES = sorted({*specialization.DTYPES, *specialization.DTYPE_ALIASES})
 #: A ``specialization.dtype`` that :func:`kcache.specialization.canonical_dtype` accepts.
 DTYPE_PATTERN = (
     "^(?:torch\\.)?(?:numpy\\.)?(?:" + "|".join(_any_case(n) for n in _DTYPE_NAMES) + ")$"
 )
 
 
-def target_pattern(sms: Iterable[int], *, families: Sequence[str] = ("sm", "compute")) -> str:
+def target_pattern(sms: Iterable[int], *, families: Sequence[str] = TARGET_FAMILIES) -> str:
     """Targets naming one of ``sms``: ``sm_XX``, ``sm_XXa``, ``sm_XXf`` (and ``compute_XX...``).
 
-    :func:`kcache.targets.parse_target` reads the number without a leading zero
-    (``sm_080`` is refused: it would name SM 80 under another recipe key).
+    The core's own grammar (:func:`kcache.targets.target_regex`, which
+    :func:`~kcache.targets.parse_target` matches), narrowed to ``sms``, anchored.
     """
-    numbers = "|".join(str(sm) for sm in sorted(set(sms)))
-    return f"^(?:{'|'.join(families)})_(?:{numbers})[af]?$"
+    return f"^(?:{target_regex(sms, families=families)})$"
 
 
 def _text(limit: int, pattern: str, what: str) -> dict[str, Any]:
@@ -213,7 +220,7 @@ def _shared_fields(
             "type": "array",
             "maxItems": LIMITS.name_expressions,
             "items": _text(
-                LIMITS.name_expression_bytes, PRINTABLE_PATTERN, "e.g. add<float, 256>; one line"
+                LIMITS.name_expression_bytes, LINE_PATTERN, "e.g. add<float, 256>; one line"
             ),
         },
         "RecipeSpecialization": _specialization_schema(),
@@ -267,7 +274,7 @@ def _fields(level: int, target: str) -> dict[str, Any]:
     target_schema: dict[str, Any] = _ref(target)
     if level > 0:  # "auto" (or nothing) in a linked recipe takes the outer recipe's target
         target_schema = {"anyOf": [target_schema, {"const": "auto"}]}
-    return {
+    fields = {
         "source": _ref("RecipeSource"),
         "name": _ref("RecipeName"),
         "headers": _ref("RecipeHeaders"),
@@ -289,6 +296,24 @@ def _fields(level: int, target: str) -> dict[str, Any]:
         "toolchain": _ref("RecipeToolchain"),
         "include_sets": _ref("RecipeIncludeSets"),
     }
+    return _in_key_order(fields)
+
+
+def _in_key_order(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` in the order of the core's one table of a recipe's fields (:data:`kcache.keys.RECIPE_FIELDS`).
+
+    That table decides what a recipe holds (and its keys hash): a field it gains
+    that this schema does not state, or one it loses that this schema still
+    states, fails here, when the app is built.
+    """
+    missing = [name for name in RECIPE_FIELDS if name not in fields]
+    unknown = sorted(set(fields) - set(RECIPE_FIELDS))
+    if missing or unknown:
+        raise RuntimeError(
+            f"the recipe schema is out of step with kcache.keys.KEY_FIELDS: "
+            f"no schema for {missing}, schemas for fields a recipe has not {unknown}"
+        )
+    return {name: fields[name] for name in RECIPE_FIELDS}
 
 
 def _variant(

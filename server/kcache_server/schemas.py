@@ -40,7 +40,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError
 
 from kcache.errors import InvalidKeyError
-from kcache.keys import require_hex_key
+from kcache.keys import HEX_KEY_REGEX, require_hex_key
 from kcache.outcomes import ResolveStatus
 from kcache_server.errors import BadRequestError, InvalidRequestError
 
@@ -91,13 +91,17 @@ __all__ = [
 INT32_MAX = 2**31 - 1
 
 #: What :func:`kcache.keys.require_hex_key` accepts (a recipe key, base key or digest),
-#: as the published schema states it. ECMA-262 ``$`` ends the string (a trailing
-#: newline does not match), so the pattern is as full-string as the check.
-HEX_KEY_PATTERN = "^[0-9a-f]{64}$"
+#: as the published schema states it: the core's own regex, anchored. ECMA-262 ``$``
+#: ends the string (a trailing newline does not match), so the pattern is as
+#: full-string as the check's ``fullmatch``.
+HEX_KEY_PATTERN = f"^(?:{HEX_KEY_REGEX})$"
+# C0 and C1 control characters (NUL included), as the inside of a regex class that
+# Python's re and ECMA-262 read alike: the label check and its published pattern.
+_CONTROL = "\\x00-\\x1f\\x7f-\\x9f"
 #: What :func:`check_label` accepts: no C0 or C1 control character. (A lone
 #: surrogate is refused too; JSON Schema patterns cannot name one, nor can JSON
 #: text that a schema-driven client sends carry one.)
-PRINTABLE_PATTERN = "^[^\\x00-\\x1f\\x7f-\\x9f]*$"
+PRINTABLE_PATTERN = f"^[^{_CONTROL}]*$"
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ class SchemaPattern:
 
 # C0 and C1 control characters (NUL included) and UTF-16 surrogates: none of them
 # belongs in a name, and PostgreSQL refuses NUL outright.
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+_UNPRINTABLE = re.compile(f"[{_CONTROL}\\ud800-\\udfff]")
 
 
 def check_label(value: str) -> str:

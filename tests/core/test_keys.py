@@ -13,7 +13,16 @@ from typing import Any
 import pytest
 
 from kcache.errors import InvalidKeyError, RecipeError, UnresolvedRecipeError
-from kcache.keys import is_hex_key, require_hex_key, sha256_hex
+from kcache.keys import (
+    KEY_FIELDS,
+    RECIPE_FIELDS,
+    KeyField,
+    encode_base_key,
+    encode_recipe_key,
+    is_hex_key,
+    require_hex_key,
+    sha256_hex,
+)
 from kcache.recipe import LinkInput, Recipe
 from kcache.specialization import render_macros
 from tests.support import VECTOR_ADD
@@ -223,7 +232,9 @@ def test_require_hex_key_passes_keys_and_digests_through() -> None:
 
 # ---------------------------------------------------------------- the fast paths
 # Keying and validation have a fast path each (issue 13, B3); these pin them to the
-# definitions: canonical_json of the key material, and the per-header checks.
+# definitions: the one key encoder (compiled from kcache.keys.KEY_FIELDS, issue 32)
+# writes json.dumps's canonical bytes, every recipe field among them; and the
+# per-header checks.
 
 _EVERY_FIELD: dict[str, object] = {
     "source": 'extern "C" __global__ void k() {}\n// é 中 "quoted" \\ back\tslash\x01',
@@ -260,27 +271,80 @@ _EVERY_FIELD: dict[str, object] = {
         {"source": "x"},  # unresolved: its identity still hashes the canonical form
     ],
 )
-def test_the_canonical_bytes_are_canonical_json_of_the_material(fields: dict[str, object]) -> None:
+def test_the_encoded_keys_are_canonical_json_and_the_material_is_what_they_say(
+    fields: dict[str, object],
+) -> None:
+    """The one encoder writes json.dumps's bytes (sorted, compact, ASCII) for what it writes."""
     recipe = Recipe.from_dict(fields)
-    for with_contents in (True, False):
-        expected = json.dumps(
-            recipe._material(with_contents), sort_keys=True, separators=(",", ":")
-        ).encode()
-        assert recipe._canonical(with_contents) == expected
+    for encode in (encode_recipe_key, encode_base_key):
+        data = encode(recipe)
+        value = json.loads(data)
+        assert json.dumps(value, sort_keys=True, separators=(",", ":")).encode() == data
+        assert list(value) == [f.name for f in KEY_FIELDS]
+    assert recipe._identity() == sha256_hex(encode_recipe_key(recipe))
     if recipe.target != "auto" and recipe.toolchain is not None:
-        assert recipe.key() == sha256_hex(
-            json.dumps(recipe.key_material(), sort_keys=True, separators=(",", ":"))
-        )
+        assert recipe.key() == sha256_hex(canonical(recipe.key_material()))
         material = recipe.key_material(with_header_contents=False)
-        assert recipe.base_key() == sha256_hex(
-            json.dumps(material, sort_keys=True, separators=(",", ":"))
-        )
+        assert recipe.base_key() == sha256_hex(canonical(material))
+        assert material["headers"] == sorted(recipe.headers)
+        assert recipe.key_material()["headers"] == recipe.header_hashes()
 
 
-def test_the_material_has_no_field_the_canonical_bytes_leave_out() -> None:
-    """A field added to the recipe (and so to to_dict) must be added to _canonical too."""
+def canonical(value: object) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+# One change per recipe field, from _EVERY_FIELD (or the base named): each changes both
+# keys. A field added to the recipe must be named here, and so shown to enter the keys.
+_NO_LINK = {**_EVERY_FIELD, "link": []}
+_FIELD_CHANGES: dict[str, tuple[dict[str, object], dict[str, object]]] = {
+    "source": (_EVERY_FIELD, {"source": "other"}),
+    "name": (_EVERY_FIELD, {"name": "other.cu"}),
+    "headers": (_EVERY_FIELD, {"headers": {"a.h": "1\n"}}),
+    "flags": (_EVERY_FIELD, {"flags": ["-O3", "-lineinfo", '-DNAME="a b"']}),
+    "target": (_EVERY_FIELD, {"target": "sm_90"}),
+    "output": ({**_NO_LINK, "lto": False}, {"output": "ptx"}),
+    "name_expressions": (_EVERY_FIELD, {"name_expressions": ["k<float, 256>"]}),
+    "specialization": (_EVERY_FIELD, {"specialization": {"block": 256}}),
+    "link": (_EVERY_FIELD, {"link": [{"digest": "cd" * 32}]}),
+    "lto": (_NO_LINK, {"lto": False}),
+    "toolchain": (_EVERY_FIELD, {"toolchain": "nvrtc-13.6"}),
+    "include_sets": (_EVERY_FIELD, {"include_sets": ["cub"]}),
+}
+
+
+def test_every_field_of_a_recipe_is_a_member_of_its_keys() -> None:
+    """The one table (kcache.keys.KEY_FIELDS) holds every field: the class's, the JSON form's."""
+    assert {f.name for f in dataclasses.fields(Recipe) if f.init} == set(RECIPE_FIELDS)
+    assert set(Recipe.from_dict(_EVERY_FIELD).to_dict()) == set(RECIPE_FIELDS)
+    assert [f.name for f in KEY_FIELDS if not f.recipe_field] == ["kind", "schema"]
+    with pytest.raises(RecipeError) as caught:
+        Recipe.from_dict({"source": "x", "kind": "base"})  # a member the key adds itself
+    assert caught.value.field == "kind"
+    assert set(_FIELD_CHANGES) == set(RECIPE_FIELDS), "name a change of the new field here"
+    for name, (base, change) in _FIELD_CHANGES.items():
+        before, after = Recipe.from_dict(base), Recipe.from_dict({**base, **change})
+        assert after.key() != before.key(), name
+        assert after.base_key() != before.base_key(), name
+
+
+def test_the_encoder_is_compiled_from_the_table_alone() -> None:
+    """A member added to the table is written, in its place; a table out of order is refused."""
+    from kcache import keys
+
     recipe = Recipe.from_dict(_EVERY_FIELD)
-    assert set(json.loads(recipe._canonical(True))) == set(recipe._material(True))
+    object.__setattr__(recipe, "zzz", "added")  # a field the table would read
+    table = (
+        *KEY_FIELDS,
+        KeyField("zzz", keys._string),
+        KeyField("zzzz", "[1]", recipe_field=False),
+    )
+    data = keys._compile(table, base=False)(recipe)
+    assert data == encode_recipe_key(recipe)[:-1] + b',"zzz":"added","zzzz":[1]}'
+    with pytest.raises(ValueError, match="sorted order"):
+        keys._compile((KEY_FIELDS[1], KEY_FIELDS[0]), base=False)
+    with pytest.raises(ValueError, match="not an attribute name"):
+        keys._compile((KeyField("a", keys._string, reads="a); import os; (b"),), base=False)
 
 
 def test_a_copy_with_defaults_keeps_the_header_hashes_and_keys_alike() -> None:
@@ -497,13 +561,157 @@ def test_keys_of_a_recipe_built_every_way_are_the_reference_canonical_jsons_sha2
     for way, recipe in _every_way(_REFERENCE).items():
         assert recipe.key() == key, way
         assert recipe.base_key() == base_key, way
-        assert recipe._canonical(True) == _reference_canonical(_REFERENCE), way
+        assert encode_recipe_key(recipe) == _reference_canonical(_REFERENCE), way
         assert hash(recipe) == hash(Recipe.from_dict(_REFERENCE)), way
     # One header text changed: another key, computed from that text (not a remembered one).
     edited = {**_REFERENCE, "headers": {**_REFERENCE["headers"], "h03/x.cuh": "#define H3 4\n"}}
     for way, recipe in _every_way(edited).items():
         assert recipe.key() == sha256_hex(_reference_canonical(edited)) != key, way
         assert recipe.base_key() == base_key, way  # same names
+
+
+# ---------------------------------------------------------------- golden keys
+# Keys of recipes of every shape, as kcache computed them before the one key encoder
+# (kcache.keys.KEY_FIELDS, issue 32): recipe_key, base_key and the identity that
+# equality and hashing use. A stored artifact is found by these: they must never
+# change under one KEY_SCHEMA.
+_LINKED_LTOIR = {"source": "y", "output": "ltoir", "target": "compute_90", "toolchain": "t"}
+_GOLDEN: dict[str, tuple[dict[str, Any], str | None, str | None, str]] = {
+    "minimal": (
+        {"source": "x", "target": "sm_80", "toolchain": "t"},
+        "59239e608782854b67058ee04ee02942cbd112839f585bbf93a4b71d3ad2952f",
+        "b3c6937fcf533049f0a3f107494fd607ec6e827cbca68acc63618d0af6b93f60",
+        "59239e608782854b67058ee04ee02942cbd112839f585bbf93a4b71d3ad2952f",
+    ),
+    "ptx": (
+        {"source": "x", "target": "compute_80", "output": "ptx", "toolchain": "t"},
+        "123c660f1f524d6662f6a4e99fba5408e2395f3497394d926853fa55ee590d5d",
+        "a633bd34f6d036cc5b2892729f106d92735862e08646f34f9202160741e28552",
+        "123c660f1f524d6662f6a4e99fba5408e2395f3497394d926853fa55ee590d5d",
+    ),
+    "ltoir": (
+        {"source": "x", "target": "sm_100a", "output": "ltoir", "toolchain": "t"},
+        "72415bdcddf27af1d9d5a877fda00d0e45144f89c1b5e674bed0929e62df93ea",
+        "038f16fff6504cc14479adff27f93f0826e1c9536cb0a49edae53906af1349e0",
+        "72415bdcddf27af1d9d5a877fda00d0e45144f89c1b5e674bed0929e62df93ea",
+    ),
+    "unresolved": (
+        {"source": "x"},
+        None,
+        None,
+        "55ca1167eb33d65337df22ac3ecdc3242e91e82ce529c4a3eb51a32931d0a0ba",
+    ),
+    "unresolved target": (
+        {"source": "x", "toolchain": "t"},
+        None,
+        None,
+        "93eadd4842583001f249cbe0082e87c3afd8612b2037b6015f17c91a0374db10",
+    ),
+    "every field": (
+        {
+            "source": 'extern "C" __global__ void k() {}\n// \u00e9 \u4e2d "quoted" \\ back\tslash'
+            "\x01\x7f\u2028\U0001f600",
+            "target": "sm_90a",
+            "name": "dir/k+1.cu",
+            "headers": {"b/x.cuh": "2 \u00e9", "a.h": "1\n", "c+d-e_f.hpp": "", "Z.h": "\x1f"},
+            "flags": ["-O3", '-DNAME="a b"', "-lineinfo", "-DU=\u00e9"],
+            "name_expressions": ["k<float, 256>", "ns::k2", "\u00e9"],
+            "specialization": {
+                "dtype": "torch.FP16",
+                "block": 256,
+                "scale": 0.5,
+                "on": True,
+                "off": False,
+                "s": "a b",
+                "shape": [4, 8],
+                "z": [1, 2.5, True, "q"],
+                "big": 10**30,
+                "neg": -7,
+                "tiny": 1e-300,
+                "huge": 1e300,
+                "nz": -0.0,
+            },
+            "lto": True,
+            "link": [
+                {"recipe": _LINKED_LTOIR},
+                {"digest": "ab" * 32},
+                {
+                    "recipe": {
+                        "source": "w",
+                        "output": "ltoir",
+                        "target": "sm_90",
+                        "toolchain": "t2",
+                        "lto": False,
+                        "headers": {"w.h": "w"},
+                    }
+                },
+            ],
+            "toolchain": "nvrtc-13.5+x_y.z",
+            "include_sets": ["cub", "lib-2"],
+        },
+        "4477ef929b3fe24ed386654626d4088a60c633ceabee4ffd44e9b560dfc08d47",
+        "779315a09ee1eac660ed4e9ccb57264c7742d7c0697c37aa543a50021721caae",
+        "4477ef929b3fe24ed386654626d4088a60c633ceabee4ffd44e9b560dfc08d47",
+    ),
+    "nested links": (
+        {
+            "source": "outer",
+            "target": "sm_90",
+            "toolchain": "t",
+            "lto": True,
+            "link": [
+                {
+                    "recipe": {
+                        "source": "mid",
+                        "target": "sm_90",
+                        "toolchain": "t",
+                        "output": "cubin",
+                        "lto": True,
+                        "link": [
+                            {
+                                "recipe": {
+                                    "source": "in",
+                                    "target": "compute_90",
+                                    "output": "ltoir",
+                                    "toolchain": "t",
+                                }
+                            }
+                        ],
+                    }
+                }
+            ],
+        },
+        "e26f0828ccd6f30b9175169a5f7d703504bcdd20ba19e81114e21b960f155cd2",
+        "8d2768ef9cd349e6de57772f4fb73e46a7a9a114564bec1718174b1545f457de",
+        "e26f0828ccd6f30b9175169a5f7d703504bcdd20ba19e81114e21b960f155cd2",
+    ),
+    "sm_120f and flags": (
+        {
+            "source": "k",
+            "target": "sm_120f",
+            "toolchain": "tc",
+            "flags": ["--std=c++17", "-G", "--maxrregcount=128", "-UFOO"],
+        },
+        "18bb51bc80d2b26e01fd15600c30c67ce821f45dfda0ccda10f3db1aca98f3f0",
+        "ecc4a99dc3b2f29dae3d61f9b4f6724e347dd0313e97f58be0bef5bd84275fa2",
+        "18bb51bc80d2b26e01fd15600c30c67ce821f45dfda0ccda10f3db1aca98f3f0",
+    ),
+}
+
+
+@pytest.mark.parametrize("label", list(_GOLDEN))
+def test_keys_are_the_golden_keys(label: str) -> None:
+    fields, key, base_key, identity = _GOLDEN[label]
+    recipe = Recipe.from_dict(fields)
+    assert recipe._identity() == identity
+    assert hash(recipe) == hash(identity)
+    if key is None:
+        with pytest.raises(UnresolvedRecipeError):
+            recipe.key()
+        return
+    assert (recipe.key(), recipe.base_key()) == (key, base_key)
+    assert sha256_hex(canonical(recipe.key_material())) == key
+    assert sha256_hex(canonical(recipe.key_material(with_header_contents=False))) == base_key
 
 
 # ---------------------------------------------------------------- header sets found again

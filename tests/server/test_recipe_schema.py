@@ -1,17 +1,21 @@
 """The published schema states what the server enforces: each pattern against the check it states.
 
-Every pattern of the recipe schema (:mod:`kcache_server.recipe_schema`) and of the
-stats times is evaluated as a schema-driven client evaluates it (``jsonschema_rs``,
-ECMA-262 semantics: ``$`` ends the string) and compared, on generated strings that
-reach every branch, with the core's or the server's own check: one accepts exactly
-what the other does. Then the limits: every limit of :data:`kcache.recipe.LIMITS`,
-of the specialization and every request-bounding setting appears in ``/openapi.json``
-with its value, so a new limit cannot go unpublished.
+Every pattern of the recipe schema (:mod:`kcache_server.recipe_schema`), of keys and
+labels (:mod:`kcache_server.schemas`) and of the stats times is evaluated as a
+schema-driven client evaluates it (``jsonschema_rs``, ECMA-262 semantics: ``$`` ends
+the string) and compared, on generated strings that reach every branch and on hostile
+ones, with the core's or the server's own check: one accepts exactly what the other
+does. The one target grammar (:func:`kcache.targets.target_regex`) is read by both
+engines alike. Then the fields and limits: the schema's properties are the core's one
+table of fields, and every limit of :data:`kcache.recipe.LIMITS`, of the
+specialization and every request-bounding setting appears in ``/openapi.json`` with
+its value, so a new field or limit cannot go unpublished.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,21 +23,25 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kcache_server.auditing.stats import parse_time
+from kcache_server.auditing.query_times import parse_time
 from kcache_server.errors import InvalidRequestError
 from kcache_server.recipe_schema import (
     DTYPE_PATTERN,
     FLAG_PATTERN,
     INCLUDE_NAME_PATTERN,
+    LINE_PATTERN,
     SPEC_KEY_PATTERN,
     SPEC_STRING_PATTERN,
+    recipe_components,
     target_pattern,
 )
+from kcache_server.schemas import HEX_KEY_PATTERN
 
 from kcache import specialization
 from kcache.errors import RecipeError
+from kcache.keys import HEX_KEY_REGEX, RECIPE_FIELDS, is_hex_key
 from kcache.recipe import LIMITS, Recipe, check_include_name
-from kcache.targets import parse_target
+from kcache.targets import parse_target, target_regex
 
 SMS = (75, 80, 90, 100, 120)
 _FAST = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -150,6 +158,135 @@ def test_target_pattern_is_parse_target_and_the_toolchains_sms(target: str) -> N
 
     schema = {"type": "string", "pattern": target_pattern(SMS)}
     assert published(schema)(target) == accepts(check), repr(target)
+
+
+# Strings that one engine or one careless pattern would take: a trailing newline ("$"
+# in Python), non-ASCII digits (a Unicode "\d"), a leading zero (sm_090 would name
+# SM 90 under another key), case, padding, and near misses of each part.
+_HOSTILE_TARGETS = [
+    "sm_90",
+    "sm_90a",
+    "sm_90f",
+    "compute_90",
+    "compute_90a",
+    "sm_100",
+    "sm_999",
+    "sm_90\n",
+    "sm_90\r",
+    "\nsm_90",
+    "sm_90 ",
+    " sm_90",
+    "sm_90\x00",
+    "sm_\u0669\u0660",  # Arabic-Indic 90
+    "sm_\uff19\uff10",  # fullwidth 90
+    "sm_9\u0660",
+    "sm_090",
+    "sm_0",
+    "sm_00",
+    "sm_9",
+    "sm_1000",
+    "SM_90",
+    "Sm_90",
+    "sm_90A",
+    "sm_90af",
+    "sm_90b",
+    "sm-90",
+    "sm90",
+    "sm_",
+    "_90",
+    "",
+    "auto",
+    "compute_",
+    "computesm_90",
+    "sm|compute_90",
+]
+
+
+@pytest.mark.parametrize("sms", [None, SMS, (90,), ()], ids=repr)
+@pytest.mark.parametrize("target", _HOSTILE_TARGETS, ids=ascii)
+def test_the_one_target_grammar_means_the_same_in_both_dialects(
+    target: str, sms: tuple[int, ...] | None
+) -> None:
+    """kcache.targets.target_regex as Python's re and as ECMA-262 (a JSON Schema) read it."""
+
+    def check() -> None:
+        parsed = parse_target(target)
+        if sms is not None and parsed.sm not in sms:
+            raise RecipeError("target", "not supported")
+
+    text = target_regex(sms)
+    python = re.fullmatch(text, target) is not None
+    ecma = published({"type": "string", "pattern": f"^(?:{text})$"})(target)
+    assert python == ecma == accepts(check), (target, text)
+    if sms is not None:
+        assert published({"type": "string", "pattern": target_pattern(sms)})(target) == ecma
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "ab" * 32,
+        "0" * 64,
+        "ab" * 32 + "\n",
+        "\n" + "ab" * 32,
+        "AB" * 32,
+        "ab" * 31 + "a",
+        "ab" * 32 + "a",
+        "\u0661" * 64,  # Arabic-Indic digits
+        "\uff10" * 64,  # fullwidth digits
+        "g" * 64,
+        " " + "a" * 63,
+        "",
+    ],
+    ids=ascii,
+)
+def test_the_hex_key_pattern_is_the_cores_key_check(key: str) -> None:
+    python = re.fullmatch(HEX_KEY_REGEX, key) is not None
+    assert (
+        published({"type": "string", "pattern": HEX_KEY_PATTERN})(key) == python == is_hex_key(key)
+    )
+
+
+@_FAST
+@given(_pieces("k<float, 256>", "ns::k", "\x1f", "\x9f", "\xa0", "\u2028", "\r"))
+def test_line_pattern_is_the_name_expression_check(expression: str) -> None:
+    schema = {"type": "string", "pattern": LINE_PATTERN}
+    core = accepts(lambda: Recipe(source="", name_expressions=[expression]))
+    assert published(schema)(expression) == core, repr(expression)
+
+
+@pytest.mark.parametrize(
+    "label",
+    ["job-1", "", "a b", "é中", "\u2028", "\xa0", "a\n", "\x00", "\x1f", "\x7f", "\x85", "\x9f"],
+    ids=ascii,
+)
+def test_the_printable_pattern_is_the_label_check(label: str) -> None:
+    from kcache_server.schemas import PRINTABLE_PATTERN, check_label
+
+    try:
+        check_label(label)
+        server = True
+    except ValueError:  # pydantic's PydanticCustomError
+        server = False
+    assert published({"type": "string", "pattern": PRINTABLE_PATTERN})(label) == server
+
+
+def test_the_schema_publishes_exactly_the_recipe_fields_of_the_one_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its properties are kcache.keys.RECIPE_FIELDS, in order; a field it lacks fails the build."""
+    from kcache_server import recipe_schema
+
+    components = recipe_components(sms=SMS, toolchains=["t"], include_sets=[])
+    for name in ("Recipe", *(f"LinkedRecipe{n}" for n in range(1, LIMITS.link_depth + 1))):
+        for variant in components[name]["anyOf"]:
+            assert list(variant["properties"]) == list(RECIPE_FIELDS), name
+    monkeypatch.setattr(recipe_schema, "RECIPE_FIELDS", (*RECIPE_FIELDS, "new_field"))
+    with pytest.raises(RuntimeError, match=r"no schema for \['new_field'\]"):
+        recipe_components(sms=SMS, toolchains=["t"], include_sets=[])
+    monkeypatch.setattr(recipe_schema, "RECIPE_FIELDS", RECIPE_FIELDS[1:])
+    with pytest.raises(RuntimeError, match="fields a recipe has not"):
+        recipe_components(sms=SMS, toolchains=["t"], include_sets=[])
 
 
 def _time_forms() -> dict[str, Any]:
