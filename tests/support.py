@@ -36,14 +36,16 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 __all__ = [
+    "FAST",
     "KCACHE",
     "NEVER_FINISHES",
     "PG_ADMIN_URL",
+    "QUIET",
     "ROOT",
     "TRACEBACK",
     "VECTOR_ADD",
@@ -472,7 +474,11 @@ class ServerProcess:
     """``kcache serve`` in its own process on a free loopback port; its output goes to ``log``.
 
     ``env`` replaces the environment (default: this process's); ``args`` are further
-    ``serve`` flags. Use it as a context manager, or call :meth:`start` and :meth:`stop`.
+    ``serve`` flags. Where how the server is started is what a test checks (a script, an
+    image's CMD), ``command`` gives that command line for the port it is to listen on, in
+    place of ``python -m kcache.cli serve ...`` and its flags; it must serve ``data_dir``
+    (through ``KCACHE_DATA_DIR`` in ``env``, say) and answer on 127.0.0.1 at that port.
+    Use it as a context manager, or call :meth:`start` and :meth:`stop`.
     :meth:`stop` reads what the process wrote to ``log`` since it was launched, and
     fails on a traceback there that :meth:`allow_tracebacks` did not allow.
     """
@@ -487,7 +493,10 @@ class ServerProcess:
         args: Sequence[str] = (),
         log: Path | None = None,
         cwd: Path | None = None,
+        command: Callable[[int], Sequence[str]] | None = None,
     ) -> None:
+        if command is not None and (db_url or workers is not None or args):
+            raise ValueError("command replaces serve's flags: put db_url, workers, args in it")
         self.data_dir = data_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -507,6 +516,8 @@ class ServerProcess:
             *(["--workers", str(workers)] if workers is not None else []),
             *args,
         ]
+        if command is not None:
+            self.argv = list(command(self.port))
         self.env = dict(os.environ if env is None else env)
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
@@ -661,3 +672,58 @@ def audit_rows(url: str, **where: Any) -> list[Any]:
             return list(conn.execute(sa.text(query), where).all())
     finally:
         engine.dispose()
+
+
+# ------------------------------------------------------------------------------ client settings
+if TYPE_CHECKING:
+    from kcache_client import ClientSettings, RetryPolicy
+
+    FAST: RetryPolicy
+    QUIET: ClientSettings
+
+
+def __getattr__(name: str) -> Any:
+    """``FAST`` and ``QUIET``, made when a test first imports them (and the same ones after).
+
+    ``FAST`` is the retry policy of a client whose server fails on purpose, or is gone:
+    three quick tries (milliseconds apart) within 3 s, not a training job's minute.
+    ``QUIET`` is the client settings of the environment that send no audit events and
+    retry by ``FAST``.
+
+    Made on first import, not when this module loads: ``tests/conftest.py`` imports this
+    module before it sets the run's trusted key and pin file, which ``QUIET`` reads from
+    the environment; and the module level keeps to the standard library and httpx.
+    """
+    made = globals()
+    if name == "FAST":
+        from kcache_client import RetryPolicy
+
+        made[name] = RetryPolicy(attempts=3, base_s=0.01, cap_s=0.05, budget_s=3.0)
+    elif name == "QUIET":
+        from kcache_client import ClientSettings
+
+        fast = made["FAST"] if "FAST" in made else __getattr__("FAST")
+        made[name] = ClientSettings.from_env(send_events=False, retry=fast)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return made[name]
+
+
+#: What a clone of the project holds that its builds read: the three packages' trees,
+#: the top-level migrations/ the server's package links to, and the files at the root.
+SOURCE_TREES = ("kcache", "client", "server", "migrations")
+SOURCE_FILES = ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in")
+
+
+def copy_sources(dest: Path, *more: str) -> None:
+    """Copy what a build of the project reads (and the trees ``more`` names) to ``dest``.
+
+    Links stay links (``symlinks=True``): the client's and server's ``_version.py`` and
+    LICENSE and the server's ``migrations/`` are links, and the builds must turn them into
+    files. Caches and earlier builds are left behind.
+    """
+    for name in SOURCE_FILES:
+        shutil.copy2(ROOT / name, dest / name)
+    skip = shutil.ignore_patterns("__pycache__", "build", "dist", "*.egg-info", ".kcache")
+    for name in (*SOURCE_TREES, *more):
+        shutil.copytree(ROOT / name, dest / name, symlinks=True, ignore=skip)

@@ -52,9 +52,9 @@ from kcache_client._artifact import Artifact, ArtifactOrigin
 from kcache_client._bundle import PrefetchResult, open_layers, prefetch
 from kcache_client._events import EventSink, tally_key
 from kcache_client._freeze import FreezeMode, Freezer, after_warmup_mode, parse_mode
-from kcache_client._http import Transport
+from kcache_client._http import RetryNotice, Transport
 from kcache_client._local import LocalCompiler
-from kcache_client._remote import Remote, Resolution
+from kcache_client._remote import Remote, ResolveAnswer
 from kcache_client._settings import ClientSettings
 from kcache_client._stats import CacheStats
 from kcache_client._tier import NodeTier
@@ -102,17 +102,6 @@ def _nothing() -> None:
     """A look that finds nothing (``refresh``: the server is asked whatever the tier holds)."""
 
 
-def _resolving_on_miss(transport: Transport) -> Transport:
-    """``transport``, its requests saying that a fetch that misses is followed by a resolve.
-
-    ``Transport`` takes no per-request headers yet: its header dict, which every GET
-    sends, gets the one entry. (Once ``Remote.fetch`` can send request headers, the
-    header belongs on the fetch alone.)
-    """
-    transport._headers[ON_MISS_HEADER] = ON_MISS_RESOLVE
-    return transport
-
-
 def _needs(recipe: Recipe) -> tuple[bool, bool]:
     """(needs an auto target, needs a toolchain), looking into linked recipes too."""
     auto, toolchain = recipe.target == "auto", recipe.toolchain is None
@@ -131,6 +120,10 @@ class KernelCache:
     environment: ``KCACHE_URL``, ``KCACHE_TOKEN``, ``KCACHE_CACHE_DIR``, ...), and
     override them. ``http_client`` is an ``httpx.Client`` to send every request with,
     used as it is (its timeouts, limits, proxies, event hooks) and never closed here.
+    ``on_retry`` is told (a :class:`~kcache_client._http.RetryNotice`) before each wait
+    for a retry of a request to the server, and ``give_up_after_outage`` makes requests
+    try once each after one went unanswered (what a command, whose user waits, wants;
+    :class:`~kcache_client._http.Transport`).
 
     A miss the server cannot answer because it is unreachable (or because there is no
     URL) is compiled here when local compiles are on and NVRTC is installed: by default
@@ -145,6 +138,8 @@ class KernelCache:
         *,
         settings: ClientSettings | None = None,
         http_client: httpx.Client | None = None,
+        on_retry: Callable[[RetryNotice], None] | None = None,
+        give_up_after_outage: bool = False,
     ) -> None:
         if settings is None:
             settings = ClientSettings.from_env(url=url, token=token, cache_dir=cache_dir)
@@ -162,14 +157,17 @@ class KernelCache:
         )
         self.stats = CacheStats()
         self._transport = (
-            _resolving_on_miss(
-                Transport(
-                    settings.url,
-                    settings.token,
-                    retry=settings.retry,
-                    timeout=settings.timeout,
-                    client=http_client,
-                )
+            Transport(
+                settings.url,
+                settings.token,
+                retry=settings.retry,
+                timeout=settings.timeout,
+                client=http_client,
+                # Every request says that a fetch that misses is followed by a resolve
+                # (only the fetch route reads it): the transport sends no per-request headers.
+                headers={ON_MISS_HEADER: ON_MISS_RESOLVE},
+                on_retry=on_retry,
+                give_up_after_outage=give_up_after_outage,
             )
             if settings.url
             else None
@@ -647,7 +645,13 @@ class KernelCache:
         return self._absorb(key, concrete, answer, compile, held=True)
 
     def _absorb(
-        self, key: str, concrete: Recipe, answer: Resolution, compile: bool, *, held: bool = False
+        self,
+        key: str,
+        concrete: Recipe,
+        answer: ResolveAnswer,
+        compile: bool,
+        *,
+        held: bool = False,
     ) -> Artifact:
         """A resolve's answer -> the artifact, its bytes taken from the tier or downloaded.
 

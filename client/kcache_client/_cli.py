@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kcache._waiting import run_long
-from kcache.cli import (
+from kcache.cli_toolkit import (
     UsageError,
     add_cache_dir_argument,
     add_recipe_arguments,
@@ -86,8 +86,8 @@ def load_recipes(path: str | os.PathLike[str]) -> list[Recipe]:
 def _open_cache(args: argparse.Namespace, url: str | None) -> KernelCache:
     import logging
 
-    from kcache_client._cache import OFFLINE_LOGGER, KernelCache
-    from kcache_client._command_settings import command_settings
+    from kcache_client._cache import OFFLINE_LOGGER
+    from kcache_client._command_settings import command_cache
 
     # The commands say in their own words that the server did not answer (_note_offline).
     quiet = logging.getLogger(OFFLINE_LOGGER)
@@ -96,7 +96,7 @@ def _open_cache(args: argparse.Namespace, url: str | None) -> KernelCache:
         quiet.addHandler(logging.NullHandler())
     explicit = getattr(args, "cache_dir", None)
     refuse_server_dir(cache_dir(explicit), "--cache-dir" if explicit else "$KCACHE_CACHE_DIR")
-    return KernelCache(settings=command_settings(args, url))
+    return command_cache(args, url)
 
 
 @contextmanager

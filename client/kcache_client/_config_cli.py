@@ -20,7 +20,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kcache.cli import add_cache_dir_argument, add_server_arguments, server_url
+from kcache.cli_toolkit import add_cache_dir_argument, add_server_arguments, server_url
 
 if TYPE_CHECKING:
     from kcache_client._settings import ClientSettings

@@ -21,7 +21,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from kcache.cli import (
+from kcache.cli_toolkit import (
     UsageError,
     add_recipe_arguments,
     add_server_arguments,

@@ -6,27 +6,20 @@ out) and the server saying it is overloaded (429/503/502/504), where its
 typed error from :mod:`kcache_client.errors`. Resolve requests are safe to repeat:
 identical concurrent resolves join one compile on the server.
 
-Two ways out, one policy. GETs (every fetch: artifact, blob, metadata, toolchains)
-and POSTs (resolves, audit events; a JSON body, encoded as httpx encodes it) go
-through :class:`~kcache_client._lean_http.LeanClient`, a keep-alive ``http.client``
-pool that costs a third of httpx's CPU per request, as long as it would do what
-httpx does: no injected client (its hooks, proxies and transport must apply), an
-``http``/``https`` URL without credentials, and no proxy from the environment for it
-(``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` unset, or ``NO_PROXY`` covering the
-host). Everything else (DELETEs, an injected client, a proxied server) goes through
-httpx, whose client is made on first use only, so a client that never needs it never
-builds one (nor its SSL context). Both answer a :class:`Reply`; the retry loop, the
-request count and the error mapping are the same code for both.
+One policy, two ways out: a :class:`Transport` sends each try through the one
+:class:`~kcache_client._wire.Wire` it picked when it was made, the lean
+``http.client`` pool where it would do what httpx does (every warm fetch goes that
+way), else httpx (:mod:`kcache_client._wire` says which requests take which). The
+retry loop, the request count, the retry hook and the error mapping are the code
+here, the same whichever wire carries the bytes.
 
-Nothing the network sends is trusted further than it must be, on either path:
+Nothing the network sends is trusted further than it must be, on either wire:
 
 * Every try ends by a deadline over connect, send, headers and the whole body
   (``RetryPolicy.deadline_s``; ``compile_deadline_s`` for a request that may wait for
   a compile), and the whole call by the retry budget (:meth:`RetryPolicy.call_bound`):
   a server or proxy that trickles its answer costs a try its deadline, then the call
-  its budget, never more. The lean path bounds every socket read by the deadline; the
-  httpx path caps httpx's timeouts by it and waits for the exchange (in a thread of
-  its own) no longer than it.
+  its budget, never more.
 * Every body is read against a limit decided before it is read: for an answer in
   ``ok``, what the caller's ``expect`` says (from the headers, for an artifact: the size
   its metadata names), else :data:`MAX_JSON_BYTES`. A body announcing more, or sending
@@ -40,13 +33,11 @@ from __future__ import annotations
 
 import email.utils
 import json as jsonlib
-import re
 import threading
 import time
-import urllib.request
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
-from urllib.parse import urlsplit
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -54,11 +45,10 @@ from kcache_client._lean_http import (
     AnswerRefused,
     BodyLimit,
     DeadlineExceeded,
-    LeanClient,
-    LeanResponse,
     Limit,
 )
 from kcache_client._settings import DEFAULT_TIMEOUT, RetryPolicy
+from kcache_client._wire import Reply, open_wire
 from kcache_client.errors import (
     AuthenticationError,
     ClientError,
@@ -77,15 +67,14 @@ __all__ = [
     "BodyLimit",
     "Limit",
     "Reply",
+    "RetryNotice",
     "Transport",
     "batch_item_error",
-    "lean_path_serves",
     "parse_retry_after",
     "tls_advice",
 ]
 
 _BUSY = frozenset({429, 502, 503, 504})
-_T = TypeVar("_T")
 
 #: The most bytes of a JSON answer (metadata, a resolve, a batch of them, an error,
 #: an admin listing): the server's own cap on a request body, with room for compile logs.
@@ -95,9 +84,6 @@ _JSON_LIMIT = Limit(MAX_JSON_BYTES, "a JSON answer may have")
 #: What a caller may say of the body it expects: a fixed limit, or one decided from
 #: the answer's headers (it may raise, to refuse the answer before its body is read).
 ExpectedBody = Limit | Callable[[Mapping[str, str]], Limit]
-
-#: A request target ``http.client`` sends as it is (httpx would percent-encode the rest).
-_PLAIN_TARGET = re.compile(r"[!-~]*")
 
 
 #: What OpenSSL says when the other end answered a TLS hello with something else (HTTP).
@@ -126,50 +112,6 @@ def tls_advice(url: str, cause: str) -> str | None:
     return None
 
 
-class Reply(Protocol):
-    """What :meth:`Transport.request` answers: an ``httpx.Response`` or a lean one."""
-
-    @property
-    def status_code(self) -> int: ...
-
-    @property
-    def headers(self) -> Mapping[str, str]: ...
-
-    @property
-    def content(self) -> bytes: ...
-
-    @property
-    def text(self) -> str: ...
-
-    @property
-    def url(self) -> object: ...
-
-    def json(self, **kwargs: Any) -> Any: ...
-
-
-def lean_path_serves(url: str) -> bool:
-    """Whether a GET to ``url`` may skip httpx: it would connect to the host itself.
-
-    True for an ``http``/``https`` URL without user info (httpx would send those as
-    Basic auth) that no proxy from the environment applies to: httpx reads the same
-    ``urllib.request.getproxies()``; ``NO_PROXY`` is judged by ``proxy_bypass``.
-    """
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return False
-    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
-        return False
-    proxies = urllib.request.getproxies()
-    if not proxies.get(parts.scheme) and not proxies.get("all"):
-        return True
-    return bool(urllib.request.proxy_bypass(parts.netloc))
-
-
-def _json_body(value: Any) -> bytes:
-    """``value`` as httpx sends a ``json=`` body: compact UTF-8, NaN refused (ValueError)."""
-    return jsonlib.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-
-
 def parse_retry_after(value: str | None) -> float | None:
     """``Retry-After`` as seconds: a number, or an HTTP date; None if absent or garbled."""
     if not value:
@@ -185,18 +127,43 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+class RetryNotice(NamedTuple):
+    """What a :class:`Transport`'s ``on_retry`` hook is told before it waits to try again."""
+
+    #: The server (the transport's URL).
+    url: str
+    method: str
+    path: str
+    #: The try about to be made, counted from 1 (2: the first retry).
+    next_try: int
+    #: The most tries the call may make (``RetryPolicy.attempts``).
+    attempts: int
+    #: How long the transport waits first, in seconds (a backoff, or the server's Retry-After).
+    wait_s: float
+    #: Why the last try failed: ``HTTP 503``, or the transport error's text.
+    cause: str
+
+
 class Transport:
-    """One server: the lean GET pool and an ``httpx.Client``, plus the retry and error policy.
+    """One server: its wire, its headers, and the retry and error policy of every request.
 
     ``client``, when given, is used as it is for every request (its timeouts, limits,
     proxies, event hooks and transport apply, except that redirects are never
     followed) and never closed here; kcache adds its ``Authorization`` and
-    ``User-Agent`` headers to each request and sends absolute URLs. Otherwise the
-    transport makes its own: GETs and POSTs take the lean path when
-    :func:`lean_path_serves` the URL (decided here, once, as httpx reads its proxies
-    once), the rest a client with ``timeout`` made on first use; :meth:`close` closes
-    both. ``requests`` counts the HTTP requests sent (retries included), for
-    diagnostics.
+    ``User-Agent`` headers (and ``headers``) to each request and sends absolute URLs.
+    Otherwise the transport picks its wire once, here (:func:`~kcache_client._wire.open_wire`:
+    the lean pool where it would do what httpx does, else httpx, with ``timeout``);
+    :meth:`close` closes it. ``requests`` counts the HTTP requests sent (retries
+    included), for diagnostics.
+
+    ``on_retry`` is told (a :class:`RetryNotice`, in the calling thread) before each
+    wait for a retry of a call under the transport's own policy, ``retry``: a person at
+    a terminal can be told that the command waits, and for what. ``give_up_after_outage``:
+    once such a call has gone unanswered (ServerUnavailableError, its tries or its
+    budget spent), later calls under that policy make one try each, since the server
+    did not answer a moment ago (:attr:`gave_up` says so). A call given a policy of its
+    own (the audit events, in the background) is retried by that policy alone, neither
+    told nor cut short.
     """
 
     def __init__(
@@ -208,36 +175,28 @@ class Transport:
         timeout: httpx.Timeout | None = None,
         client: httpx.Client | None = None,
         user_agent: str = "kcache-client",
+        headers: Mapping[str, str] | None = None,
+        on_retry: Callable[[RetryNotice], None] | None = None,
+        give_up_after_outage: bool = False,
     ) -> None:
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
-        self._headers = {"User-Agent": user_agent}
+        self.on_retry = on_retry
+        self.give_up_after_outage = give_up_after_outage
+        #: Whether a call under the transport's policy has gone unanswered, with
+        #: ``give_up_after_outage``: later ones then make one try each.
+        self.gave_up = False
+        sent = {"User-Agent": user_agent}
         if token:
-            self._headers["Authorization"] = f"Bearer {token}"
-        self._json_headers = {**self._headers, "Content-Type": "application/json"}
-        self._timeout = timeout or DEFAULT_TIMEOUT
-        self._owned = client is None
-        self._client = client
-        self._client_lock = threading.Lock()
-        self._closed = False
-        self._lean = (
-            LeanClient(self.url, self._timeout)
-            if client is None and lean_path_serves(self.url)
-            else None
-        )
+            sent["Authorization"] = f"Bearer {token}"
+        sent.update(headers or {})
+        self._wire = open_wire(self.url, timeout or DEFAULT_TIMEOUT, sent, client)
         self._count_lock = threading.Lock()
         self.requests = 0
 
     def close(self) -> None:
         """Close the connection pools (not an injected client: its owner closes it)."""
-        if self._lean is not None:
-            self._lean.close()
-        if self._owned:
-            with self._client_lock:
-                self._closed = True
-                client = self._client
-            if client is not None:
-                client.close()
+        self._wire.close()
 
     def request(
         self,
@@ -257,11 +216,15 @@ class Transport:
         of the headers that decides one, or raises to refuse them); other answers may
         have :data:`MAX_JSON_BYTES`. ``compiles``: the request may wait for a compile,
         so each try has ``compile_deadline_s``. ``timeout`` (seconds) overrides the
-        timeouts of each wait for bytes. Raises ServerUnavailableError (ServerBusyError)
-        once the tries or the budget are spent, ResponseRefusedError at once for an
-        answer that breaks the protocol, the mapped error for any other error status.
+        timeouts of each wait for bytes. ``retry`` replaces the transport's policy for
+        this call (without its ``on_retry`` and giving up). Raises ServerUnavailableError
+        (ServerBusyError) once the tries or the budget are spent, ResponseRefusedError at
+        once for an answer that breaks the protocol, the mapped error for any other
+        error status.
         """
-        policy = retry or self.retry
+        own = retry is None
+        policy = self.retry if retry is None else retry
+        attempts = 1 if own and self.gave_up else policy.attempts
         started = time.monotonic()
         per_try = policy.try_deadline(compiles=compiles)
         ends = started + policy.call_bound(compiles=compiles)
@@ -271,13 +234,13 @@ class Transport:
         last_status = 0
         last_retry_after: float | None = None
         cause = ""
-        for attempt in range(policy.attempts):
+        for attempt in range(attempts):
             with self._count_lock:
                 self.requests += 1
             tried = time.monotonic()
             until = min(tried + per_try, ends)
             try:
-                reply = self._send(method, path, json, timeout, until, limit)
+                reply = self._wire.send(method, path, json, timeout, until, limit)
             except DeadlineExceeded:
                 cause = (
                     f"DeadlineExceeded: no whole answer within {until - tried:.3g}s "
@@ -287,9 +250,7 @@ class Transport:
                 last_status = 0
             except httpx.TransportError as exc:
                 # Connection refused/reset, DNS, timeouts, a server that died mid-reply.
-                cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                advice = tls_advice(self.url, cause)
-                cause = f"{cause}; {advice}" if advice else cause
+                cause = _cause(exc, self.url)
                 wait = policy.backoff(attempt)
                 last_status = 0
             except AnswerRefused as exc:
@@ -309,9 +270,16 @@ class Transport:
                     else policy.backoff(attempt)
                 )
             # A retry starts within the budget (no wait past it); a try ends by `ends`.
-            if attempt + 1 >= policy.attempts or time.monotonic() + wait > retries_end:
+            if attempt + 1 >= attempts or time.monotonic() + wait > retries_end:
                 break
+            if own and self.on_retry is not None:
+                failed = f"HTTP {last_status}" if last_status else cause
+                self.on_retry(
+                    RetryNotice(self.url, method, path, attempt + 2, attempts, wait, failed)
+                )
             time.sleep(wait)
+        if own and self.give_up_after_outage:
+            self.gave_up = True
         if last_status:
             raise ServerBusyError(self.url, last_status, last_retry_after)
         raise ServerUnavailableError(self.url, cause or "no response")
@@ -337,53 +305,47 @@ class Transport:
                 status=reply.status_code,
             ) from None
 
-    def _send(
-        self,
-        method: str,
-        path: str,
-        json: Any,
-        timeout: float | None,
-        until: float,
-        limit: BodyLimit,
-    ) -> Reply:
-        """One try: the lean path for a GET or a JSON POST it serves, httpx for the rest."""
-        lean = self._lean
-        if lean is not None and _PLAIN_TARGET.fullmatch(path):
-            if method == "GET" and json is None:
-                return lean.get(path, self._headers, timeout=timeout, until=until, limit=limit)
-            if method == "POST":
-                if json is None:  # as httpx sends it: no body, no content type
-                    headers, body = self._headers, b""
-                else:
-                    headers, body = self._json_headers, _json_body(json)
-                return lean.request(
-                    "POST", path, headers, body, timeout=timeout, until=until, limit=limit
-                )
-        client = self._httpx()
-        request = client.build_request(
-            method,
-            self.url + path,
-            json=json,
-            headers=self._headers,
-            timeout=_capped(client.timeout if timeout is None else httpx.Timeout(timeout), until),
-        )
-        return _before(until, lambda abandoned: _exchange(client, request, limit, abandoned))
+    @contextmanager
+    def stream(
+        self, method: str, path: str, *, json: Any = None, ok: tuple[int, ...] = (200,)
+    ) -> Iterator[Iterator[bytes]]:
+        """One request, not retried, whose answer's body is handed over as it arrives.
 
-    def _httpx(self) -> httpx.Client:
-        """The injected client, or our own, made on first use (once, whichever thread asks)."""
-        client = self._client
-        if client is None:
-            with self._client_lock:
-                if self._client is None:
-                    if self._closed:  # as a closed httpx.Client would answer
-                        raise RuntimeError("the transport has been closed")
-                    # A plain-http server needs no TLS context, whose certificate store
-                    # costs 20 ms to load (a prefetch's first request paid it: B12); no
-                    # redirect is ever followed, so nothing here can reach https.
-                    plain = self.url.startswith("http://")
-                    self._client = httpx.Client(timeout=self._timeout, verify=not plain)
-                client = self._client
-        return client
+        The answer (status in ``ok``) is read as the caller iterates, within the wire's
+        timeouts; counted in ``requests``. Another status raises its mapped error (its
+        body read up to :data:`MAX_JSON_BYTES`); a connection that fails, before or
+        while the body is read, ServerUnavailableError.
+        """
+        with self._count_lock:
+            self.requests += 1
+        url = self.url + path
+        try:
+            with self._wire.stream(method, path, json) as response:
+                if response.status_code not in ok:
+                    text = b"".join(_bounded(response.iter_bytes(), MAX_JSON_BYTES)).decode(
+                        "utf-8", "replace"
+                    )
+                    raise _error(response.status_code, url, text, response.headers, self.url)
+                yield response.iter_bytes()
+        except httpx.TransportError as exc:
+            raise ServerUnavailableError(self.url, _cause(exc, self.url)) from None
+
+
+def _cause(exc: httpx.TransportError, url: str) -> str:
+    """A transport error as a ServerUnavailableError's cause: its name, its text, what to change."""
+    cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    advice = tls_advice(url, cause)
+    return f"{cause}; {advice}" if advice else cause
+
+
+def _bounded(chunks: Iterator[bytes], limit: int) -> Iterator[bytes]:
+    """``chunks`` up to ``limit`` bytes in all (an error body is read no further)."""
+    left = limit
+    for chunk in chunks:
+        if left <= 0:
+            return
+        yield chunk[:left]
+        left -= len(chunk)
 
 
 def _limit_of(expect: ExpectedBody, ok: tuple[int, ...]) -> BodyLimit:
@@ -400,89 +362,6 @@ def _limit_of(expect: ExpectedBody, ok: tuple[int, ...]) -> BodyLimit:
 def _said(exc: AnswerRefused) -> str:
     """What a refused answer did, its status first when it had one."""
     return f"HTTP {exc.status}: {exc.problem}" if exc.status is not None else exc.problem
-
-
-def _capped(timeout: httpx.Timeout, until: float) -> httpx.Timeout:
-    """``timeout`` with no wait longer than what is left until ``until`` (DeadlineExceeded if nothing)."""
-    left = until - time.monotonic()
-    if left <= 0:
-        raise DeadlineExceeded()
-
-    def cap(value: float | None) -> float:
-        return left if value is None else min(value, left)
-
-    return httpx.Timeout(
-        connect=cap(timeout.connect),
-        read=cap(timeout.read),
-        write=cap(timeout.write),
-        pool=cap(timeout.pool),
-    )
-
-
-def _before(until: float, work: Callable[[threading.Event], _T]) -> _T:
-    """``work(abandoned)`` in a thread of its own, waited for until ``until``; else DeadlineExceeded.
-
-    httpx has no deadline over a whole exchange (its timeouts bound each wait for bytes,
-    and a trickle of bytes resets them), so the exchange runs beside the caller, who
-    stops waiting at the deadline. ``abandoned`` is set then: the exchange stops at its
-    next piece of the body, and its own timeouts (capped by the deadline) end any wait.
-    """
-    done = threading.Event()
-    abandoned = threading.Event()
-    outcome: list[tuple[bool, Any]] = []
-
-    def run() -> None:
-        try:
-            outcome.append((True, work(abandoned)))
-        except BaseException as exc:  # handed to the caller, who raises it
-            outcome.append((False, exc))
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="kcache-http", daemon=True).start()
-    if not done.wait(max(0.0, until - time.monotonic())):
-        abandoned.set()
-        raise DeadlineExceeded()
-    succeeded, value = outcome[0]
-    if not succeeded:
-        raise value
-    result: _T = value
-    return result
-
-
-def _exchange(
-    client: httpx.Client, request: httpx.Request, limit: BodyLimit, abandoned: threading.Event
-) -> LeanResponse:
-    """One request through httpx, its body streamed against ``limit``; redirects not followed."""
-    try:
-        response = client.send(request, stream=True, follow_redirects=False)
-    except httpx.RemoteProtocolError as exc:
-        if "Receive buffer too long" in str(exc):  # h11's bound on the status line and headers
-            raise AnswerRefused(f"its status line or headers are too long ({exc})") from exc
-        raise
-    try:
-        status = response.status_code
-        bound = limit(status, response.headers)
-        declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > bound.bytes:
-            raise AnswerRefused(
-                f"its Content-Length is {declared} bytes, more than the {bound.bytes} bytes {bound.why}",
-                status,
-            )
-        pieces: list[bytes] = []
-        got = 0
-        for piece in response.iter_bytes():
-            if abandoned.is_set():
-                raise DeadlineExceeded()
-            got += len(piece)
-            if got > bound.bytes:
-                raise AnswerRefused(
-                    f"its body is longer than the {bound.bytes} bytes {bound.why}", status
-                )
-            pieces.append(piece)
-        return LeanResponse(status, response.headers, b"".join(pieces), str(response.url))
-    finally:
-        response.close()
 
 
 def _error(

@@ -24,13 +24,11 @@ with the artifact, for the node tier to store beside it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
-
-import httpx
 
 from kcache.artifact import ArtifactMeta
 from kcache.artifact_header import HEADER as META_HEADER
@@ -39,7 +37,7 @@ from kcache.outcomes import ResolveStatus
 from kcache.recipe import Recipe
 from kcache.signing import HEADER as SIGNATURE_HEADER
 from kcache.signing import Signature, SignatureError
-from kcache_client._http import MAX_JSON_BYTES, Limit, Transport, _error, batch_item_error
+from kcache_client._http import Limit, Transport, batch_item_error
 from kcache_client._settings import max_artifact_bytes_from_env
 from kcache_client._stats import CacheStats
 from kcache_client._trust import Trust, default_known_servers
@@ -49,18 +47,17 @@ from kcache_client.errors import (
     MetadataError,
     RemoteNotFoundError,
     ResponseRefusedError,
-    ServerUnavailableError,
     UntrustedArtifactError,
 )
 
-__all__ = ["Fetched", "Remote", "Resolution"]
+__all__ = ["Fetched", "Remote", "ResolveAnswer"]
 
 #: Tries of a download whose bytes do not match their digest.
 _DIGEST_TRIES = 3
 _RESOLVED: frozenset[str] = frozenset({"hit", "compiled", "waited"})
 
 #: What a resolve answered: its status, the (checked) artifact metadata and its signature.
-Resolution = tuple[ResolveStatus, ArtifactMeta, Signature]
+ResolveAnswer = tuple[ResolveStatus, ArtifactMeta, Signature]
 #: What a fetch by key brought: the metadata, the verified bytes and their signature.
 Fetched = tuple[ArtifactMeta, bytes, Signature]
 
@@ -168,11 +165,11 @@ class Remote:
 
     def resolve(
         self, concrete: Recipe, key: str, *, compile: bool, context: Mapping[str, Any]
-    ) -> Resolution:
+    ) -> ResolveAnswer:
         """``POST /v1/resolve``: hit, or compiled (or joined) on the server; the bytes are not sent."""
         body = {"recipe": concrete.to_dict(), "compile": compile, "context": dict(context)}
         answer = self.transport.request_json("POST", "/v1/resolve", json=body, compiles=True)
-        return self._resolution(answer, concrete, key, f"{self.url}/v1/resolve")
+        return self._answer_of(answer, concrete, key, f"{self.url}/v1/resolve")
 
     def resolve_batch(
         self,
@@ -180,7 +177,7 @@ class Remote:
         *,
         compile: bool,
         context: Mapping[str, Any],
-    ) -> list[Resolution | ClientError]:
+    ) -> list[ResolveAnswer | ClientError]:
         """``POST /v1/resolve/batch`` of ``(key, concrete recipe)`` pairs: a result per recipe.
 
         A recipe that failed on the server is its typed error (see
@@ -197,12 +194,12 @@ class Remote:
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list) or len(results) != len(recipes):
             raise ClientError(f"{where} returned a malformed results list")
-        out: list[Resolution | ClientError] = []
+        out: list[ResolveAnswer | ClientError] = []
         for (key, recipe), result in zip(recipes, results, strict=True):
             if isinstance(result, dict) and result.get("status") == "error":
                 out.append(batch_item_error(where, result, key))
             else:
-                out.append(self._resolution(result, recipe, key, where))
+                out.append(self._answer_of(result, recipe, key, where))
         return out
 
     def blob(self, digest: str, size: int | None = None) -> bytes:
@@ -230,10 +227,9 @@ class Remote:
             raise MetadataError(where, f"its size is {meta.size}, its bytes are {len(data)}")
         return data
 
-    @contextlib.contextmanager
     def bundle(
         self, keys: Sequence[str], *, context: Mapping[str, Any]
-    ) -> Iterator[Iterator[bytes]]:
+    ) -> AbstractContextManager[Iterator[bytes]]:
         """``POST /v1/bundle`` of ``keys``: the answer's bytes as they arrive (one request).
 
         Not retried: a prefetch cut short keeps what it verified and published, and its
@@ -242,24 +238,8 @@ class Remote:
         ServerUnavailableError. The caller parses and checks the stream
         (:class:`kcache.bundle_format.BundleReader`, :meth:`check_entry`).
         """
-        transport = self.transport
-        url = f"{self.url}/v1/bundle"
-        with transport._count_lock:  # the transport's own counter of requests sent
-            transport.requests += 1
-        client = transport._httpx()
         body = {"recipe_keys": list(keys), "context": dict(context)}
-        try:
-            with client.stream(
-                "POST", url, json=body, headers=transport._headers, follow_redirects=False
-            ) as response:
-                if response.status_code != 200:
-                    text = b"".join(_bounded(response.iter_bytes(), MAX_JSON_BYTES)).decode(
-                        "utf-8", "replace"
-                    )
-                    raise _error(response.status_code, url, text, response.headers, self.url)
-                yield response.iter_bytes()
-        except httpx.TransportError as exc:
-            raise ServerUnavailableError(self.url, f"{type(exc).__name__}: {exc}") from None
+        return self.transport.stream("POST", "/v1/bundle", json=body)
 
     def check_entry(
         self, key: str, meta: ArtifactMeta, signature: Signature, where: str
@@ -298,7 +278,7 @@ class Remote:
                 "this client accepts (max_artifact_bytes, KCACHE_CLIENT_MAX_ARTIFACT_BYTES)",
             )
 
-    def _resolution(self, answer: Any, concrete: Recipe, key: str, where: str) -> Resolution:
+    def _answer_of(self, answer: Any, concrete: Recipe, key: str, where: str) -> ResolveAnswer:
         """A resolve body (alone or in a batch), checked against the recipe asked for."""
         if not isinstance(answer, dict) or answer.get("status") not in _RESOLVED:
             raise MetadataError(
@@ -347,13 +327,3 @@ def _check_fits(meta: ArtifactMeta, concrete: Recipe, where: str) -> None:
         got = getattr(meta, name)
         if got != wanted:
             raise MetadataError(where, f"its {name} is {got!r}, the recipe asks for {wanted!r}")
-
-
-def _bounded(chunks: Iterator[bytes], limit: int) -> Iterator[bytes]:
-    """``chunks`` up to ``limit`` bytes in all (an error body is read no further)."""
-    left = limit
-    for chunk in chunks:
-        if left <= 0:
-            return
-        yield chunk[:left]
-        left -= len(chunk)

@@ -17,14 +17,12 @@ from kcache_client import (
     KernelCache,
     RemoteCompileError,
     RemoteNotFoundError,
-    RetryPolicy,
     ServerUnavailableError,
 )
 
 from kcache import Recipe
 from kcache.elf import cubin_sm
-
-FAST = RetryPolicy(attempts=3, base_s=0.01, cap_s=0.05, budget_s=3.0)
+from tests.support import FAST
 
 
 def _cache(url: str, cache_dir: Path, **kw: object) -> KernelCache:

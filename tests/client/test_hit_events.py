@@ -5,13 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from client_harness import Proxy, Scripted, Seen, json_response, kernels
-from kcache_client import ClientSettings, EventSink, KernelCache, RetryPolicy
+from kcache_client import ClientSettings, EventSink, KernelCache
 from kcache_client._events import tally_key
 from kcache_client._http import Transport
 
 from kcache import Recipe
-
-FAST = RetryPolicy(attempts=3, base_s=0.01, cap_s=0.05, budget_s=3.0)
+from tests.support import FAST
 
 
 def _posted(proxy: Proxy) -> list[dict[str, object]]:

@@ -40,6 +40,7 @@ from kcache import Recipe
 from kcache.artifact import ArtifactMeta
 from kcache.artifact_header import encode_meta
 from kcache.signing import SigningKey
+from tests.support import FAST
 
 TOOLCHAIN = "nvrtc-12.8"
 RECIPE = Recipe(
@@ -61,7 +62,6 @@ META = ArtifactMeta(
 HUGE = 512 << 20
 #: Bytes a refused answer may still have pushed into the two sockets' kernel buffers.
 SLACK = 16 << 20
-FAST = RetryPolicy(attempts=3, base_s=0.01, cap_s=0.02, budget_s=5.0)
 TRANSPORTS = ["lean", "httpx"]
 
 

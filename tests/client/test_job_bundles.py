@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from client_harness import Proxy, kernels
-from kcache_client import ClientSettings, KernelCache, RetryPolicy
+from kcache_client import ClientSettings, KernelCache
 from kcache_client._bundle import load_bundle_file, write_bundle_file
 from kcache_client._tier import NodeTier
 from kcache_client._trust import Trust
@@ -29,9 +29,8 @@ from kcache.errors import KCacheError
 from kcache.job_manifest import JobManifest, ManifestError, diff_manifests
 from kcache.signing import SigningKey
 from tests.cli_harness import kcache, user_env
-from tests.support import ServerThread
+from tests.support import FAST, ServerThread
 
-FAST = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.05, budget_s=2.0)
 JOB = "job-34"
 
 

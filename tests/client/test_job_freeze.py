@@ -20,14 +20,13 @@ from typing import Any
 
 import pytest
 from client_harness import Proxy, kernels
-from kcache_client import ClientSettings, KernelCache, LateCompileError, RetryPolicy
+from kcache_client import ClientSettings, KernelCache, LateCompileError
 from kcache_client._freeze import after_warmup_mode
 from kcache_server.settings import Settings
 
 from kcache.errors import KCacheError
-from tests.support import ServerThread, free_port
+from tests.support import FAST, ServerThread, free_port
 
-FAST = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.05, budget_s=2.0)
 WORKER = Path(__file__).with_name("job_worker.py")
 
 

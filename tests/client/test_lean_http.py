@@ -25,7 +25,6 @@ import pytest
 from client_harness import KcacheServer, Proxy, Scripted, Seen, json_response, kernels
 from kcache_client import (
     AuthenticationError,
-    ClientSettings,
     KernelCache,
     RemoteCompileError,
     RemoteNotFoundError,
@@ -38,10 +37,8 @@ from kcache_client import (
 from kcache_client._http import Transport
 from kcache_client._settings import DEFAULT_TIMEOUT
 
-from tests.support import free_port
+from tests.support import FAST, QUIET, free_port
 
-FAST = RetryPolicy(attempts=3, base_s=0.01, cap_s=0.02, budget_s=5.0)
-QUIET = ClientSettings.from_env(send_events=False, retry=FAST)
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
 
 
@@ -268,6 +265,26 @@ def test_an_environment_proxy_sends_gets_through_httpx_and_no_proxy_lets_them_go
         assert direct.request("GET", "/v1/toolchains").json() == {"from": "target"}
         assert len(proxy.seen) == 1 and took_lean_path(target.seen[0])
         direct.close()
+    finally:
+        target.close()
+        proxy.close()
+
+
+def test_the_way_out_is_picked_once_when_the_transport_is_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A proxy variable set after a transport was made does not move its GETs to httpx."""
+    target = Scripted(lambda s: json_response(200, {"from": "target"}))
+    proxy = Scripted(lambda s: json_response(200, {"from": "proxy"}))
+    try:
+        direct = Transport(target.url, retry=FAST)
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        proxied = Transport(target.url, retry=FAST)
+        assert direct.request("GET", "/v1/toolchains").json() == {"from": "target"}
+        assert proxied.request("GET", "/v1/toolchains").json() == {"from": "proxy"}
+        assert took_lean_path(target.seen[0]) and not took_lean_path(proxy.seen[0])
+        direct.close()
+        proxied.close()
     finally:
         target.close()
         proxy.close()

@@ -28,15 +28,14 @@ from kcache_client import (
     KernelCache,
     RemoteCompileError,
     RemoteNotFoundError,
-    RetryPolicy,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
 from kcache import Recipe
 from kcache.artifact_header import ON_MISS_HEADER, ON_MISS_RESOLVE
 from tests.cli_harness import kcache, user_env
+from tests.support import FAST
 
-FAST = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.02, budget_s=2.0)
 BROKEN = 'extern "C" __global__ void broken(float* x) { x[0] = undeclared; }\n'
 
 

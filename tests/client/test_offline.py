@@ -11,16 +11,13 @@ from kcache_client import (
     KernelCache,
     NodeTier,
     NoDeviceError,
-    RetryPolicy,
     ServerUnavailableError,
     auto_target,
 )
 
 from kcache import Recipe, load_toolchain
 from kcache.artifact import ArtifactMeta
-from tests.support import free_port
-
-FAST = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.02, budget_s=1.0)
+from tests.support import FAST, free_port
 
 
 def _recipe(tag: str, **kw: object) -> Recipe:

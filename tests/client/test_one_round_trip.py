@@ -18,18 +18,15 @@ import httpx
 import pytest
 from client_harness import KcacheServer, Proxy, Seen, kernels, start_server
 from kcache_client import (
-    ClientSettings,
     DigestMismatchError,
     KernelCache,
     MetadataError,
-    RetryPolicy,
 )
 
 from kcache import Recipe
 from kcache.artifact_header import decode_meta
+from tests.support import QUIET
 
-FAST = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.02, budget_s=2.0)
-QUIET = ClientSettings.from_env(send_events=False, retry=FAST)
 SCALE = """
 template <typename T, int K> __global__ void scale(T* x) { x[threadIdx.x] *= K; }
 """

@@ -15,16 +15,14 @@ from pathlib import Path
 
 import pytest
 from client_harness import KcacheServer, kernels
-from kcache_client import ClientSettings, KernelCache, RetryPolicy
+from kcache_client import KernelCache
 from kcache_client._tier import NodeTier
 
 from kcache import Recipe
 from kcache.artifact import ArtifactMeta
 from kcache.index.file import FileIndex
 from kcache.store.local import LocalArtifactStore
-
-FAST = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.02, budget_s=2.0)
-QUIET = ClientSettings.from_env(send_events=False, retry=FAST)
+from tests.support import QUIET
 
 
 @pytest.fixture(scope="module")

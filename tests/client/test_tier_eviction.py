@@ -23,14 +23,12 @@ from kcache_client import ClientSettings, KernelCache, NodeTier
 
 from kcache import Recipe
 from kcache.eviction import parse_size
+from tests.support import QUIET
 
 CAP = 256 << 10
 PAD = 48 << 10
 PROCESSES = 8
 GETS = 60
-
-#: Settings of the caches here: no audit events, so every request is a fetch.
-QUIET = ClientSettings.from_env(send_events=False)
 
 # One process of the test: JSON config path in argv[1], a JSON summary on stdout.
 WORKER = r"""

@@ -17,12 +17,11 @@ from kcache_client import (
     ServerBusyError,
     ServerUnavailableError,
 )
-from kcache_client._http import Transport, parse_retry_after
+from kcache_client._command_settings import announce_retry
+from kcache_client._http import RetryNotice, Transport, parse_retry_after
 
 from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError
-from tests.support import free_port
-
-FAST = RetryPolicy(attempts=4, base_s=0.01, cap_s=0.05, budget_s=5.0)
+from tests.support import FAST, free_port
 
 
 def test_503_with_retry_after_is_waited_out_then_succeeds() -> None:
@@ -120,6 +119,114 @@ def test_error_statuses_map_to_typed_errors_and_the_token_is_sent() -> None:
         assert server.count() == 4  # errors other than 429/503 are not retried
     finally:
         server.close()
+
+
+def test_on_retry_is_told_before_each_wait_of_the_transports_own_policy_only() -> None:
+    answers = iter(
+        [
+            json_response(503, {"error": "busy"}, **{"Retry-After": "0"}),
+            json_response(502, {"error": "bad_gateway"}),
+        ]
+    )
+    server = Scripted(lambda s: next(answers, json_response(200, {"ok": True})))
+    notices: list[RetryNotice] = []
+    try:
+        transport = Transport(server.url, retry=FAST, on_retry=notices.append)
+        assert transport.request("GET", "/v1/toolchains").json() == {"ok": True}
+        assert [(n.url, n.method, n.path, n.next_try, n.attempts, n.cause) for n in notices] == [
+            (server.url, "GET", "/v1/toolchains", 2, FAST.attempts, "HTTP 503"),
+            (server.url, "GET", "/v1/toolchains", 3, FAST.attempts, "HTTP 502"),
+        ]
+        assert notices[0].wait_s == 0.0  # the server's Retry-After
+        assert 0.0 <= notices[1].wait_s <= FAST.cap_s  # a backoff
+        # A call with a policy of its own (the audit events) is retried by it alone, untold.
+        busy = Scripted(lambda s: json_response(503, {"error": "busy"}, **{"Retry-After": "0"}))
+        try:
+            told = len(notices)
+            with pytest.raises(ServerBusyError):
+                Transport(busy.url, retry=FAST, on_retry=notices.append).request(
+                    "POST", "/v1/events", json={}, retry=FAST
+                )
+            assert busy.count("POST") == FAST.attempts and len(notices) == told
+        finally:
+            busy.close()
+    finally:
+        server.close()
+
+
+def test_a_retry_the_budget_forbids_is_not_announced() -> None:
+    server = Scripted(lambda s: json_response(503, {"error": "busy"}, **{"Retry-After": "3600"}))
+    notices: list[RetryNotice] = []
+    try:
+        transport = Transport(
+            server.url, retry=RetryPolicy(attempts=5, budget_s=1.0), on_retry=notices.append
+        )
+        with pytest.raises(ServerBusyError):
+            transport.request("GET", "/x")
+        assert server.count() == 1 and notices == []
+    finally:
+        server.close()
+
+
+def test_after_one_call_went_unanswered_later_calls_try_once_when_told_to_give_up(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What a command does (kcache_client._command_settings): its user is waiting."""
+    url = f"http://127.0.0.1:{free_port()}"
+    transport = Transport(url, retry=FAST, on_retry=announce_retry, give_up_after_outage=True)
+    with pytest.raises(ServerUnavailableError):
+        transport.request("GET", "/v1/toolchains")
+    assert transport.requests == FAST.attempts and transport.gave_up
+    assert capsys.readouterr().err.splitlines() == [
+        f"kcache: waiting for the server at {url} (try {n} of {FAST.attempts})"
+        for n in range(2, FAST.attempts + 1)
+    ]
+    with pytest.raises(ServerUnavailableError) as again:
+        transport.request("GET", "/v1/recipes/k/artifact")
+    assert transport.requests == FAST.attempts + 1  # one try, no wait
+    assert "ConnectError" in again.value.cause and capsys.readouterr().err == ""
+    with pytest.raises(ServerUnavailableError):  # a call with its own policy keeps it
+        transport.request("POST", "/v1/events", json={}, retry=FAST)
+    assert transport.requests == 2 * FAST.attempts + 1 and capsys.readouterr().err == ""
+    # Without being told to, a transport retries each call in full, however the last one ended.
+    patient = Transport(url, retry=FAST)
+    for _ in range(2):
+        with pytest.raises(ServerUnavailableError):
+            patient.request("GET", "/v1/toolchains")
+    assert patient.requests == 2 * FAST.attempts and not patient.gave_up
+
+
+def test_a_stream_is_one_request_its_errors_mapped_as_a_requests_are() -> None:
+    def route(seen: Seen) -> tuple[int, dict[str, str], bytes]:
+        if seen.path == "/v1/bundle":
+            return 200, {"Content-Type": "application/octet-stream"}, b"x" * 100_000
+        return json_response(404, {"error": "not_found", "detail": "no such job"})
+
+    server = Scripted(route)
+    try:
+        transport = Transport(server.url, "s3cret", retry=FAST)
+        with transport.stream("POST", "/v1/bundle", json={"recipe_keys": []}) as chunks:
+            assert b"".join(chunks) == b"x" * 100_000
+        (seen,) = server.seen
+        assert seen.json() == {"recipe_keys": []}
+        assert seen.headers.get("authorization") == "Bearer s3cret"
+        with (
+            pytest.raises(RemoteNotFoundError) as missing,
+            transport.stream("POST", "/v1/gone", json={}),
+        ):
+            pass
+        assert (
+            missing.value.url == f"{server.url}/v1/gone" and missing.value.detail == "no such job"
+        )
+        assert transport.requests == server.count() == 2  # counted, not retried
+    finally:
+        server.close()
+    url = f"http://127.0.0.1:{free_port()}"
+    refused = Transport(url, retry=FAST)
+    with pytest.raises(ServerUnavailableError) as info, refused.stream("POST", "/v1/bundle"):
+        pass
+    assert info.value.url == url and info.value.cause.startswith("ConnectError")
+    assert refused.requests == 1
 
 
 def test_retry_after_parses_seconds_and_http_dates() -> None:

@@ -24,7 +24,6 @@ from client_harness import Proxy, kernels
 from kcache_client import (
     ClientSettings,
     KernelCache,
-    RetryPolicy,
     UntrustedArtifactError,
 )
 from kcache_client._tier import NodeTier
@@ -37,9 +36,8 @@ from kcache.index.file import FileIndex
 from kcache.keys import sha256_hex
 from kcache.signing import SigningKey
 from kcache.store.local import LocalArtifactStore
-from tests.support import ServerThread
+from tests.support import FAST, ServerThread
 
-FAST = RetryPolicy(attempts=2, base_s=0.01, cap_s=0.05, budget_s=2.0)
 NOBODY = 65534
 
 
