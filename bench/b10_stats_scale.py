@@ -398,7 +398,7 @@ def run(
             shapes["dashboard_24h_first"] = day
             shapes["dashboard_24h"] = {**day, "group_by": "job"}
             # How many count rows a 24 h window reads depends on where its whole hours
-            # fall in UTC days (stats._days_less_hours): ending now, today is its day's row
+            # fall in UTC days (windows._days_less_hours): ending now, today is its day's row
             # less the current hour. The same query ending at the last 12:20 UTC, a day
             # back, is the other extreme: every whole hour read as itself.
             noon = (now - 86400) // 86400 * 86400 + 12 * 3600 + 1200

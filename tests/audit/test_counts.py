@@ -18,10 +18,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from kcache_server import migrate
-from kcache_server.auditing import counts, stats
+from kcache_server.auditing import counts, window_source, windows
 from kcache_server.auditing.events import ClientEvent, ingest_events
 from kcache_server.auditing.retention import roll_up
-from kcache_server.auditing.stats import CountSpan, RawPiece, StatsQuery, compute_stats
+from kcache_server.auditing.stats import compute_stats
+from kcache_server.auditing.stats_models import StatsQuery
+from kcache_server.auditing.windows import CountSpan, RawPiece
 from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.db import open_database
 
@@ -128,7 +130,7 @@ def _answers(db: sa.Engine, query: StatsQuery) -> dict[str, Any]:
 def _raw_answers(db: sa.Engine, query: StatsQuery, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The answer read from raw events and roll-ups only (what the code before counts did)."""
     with monkeypatch.context() as patch:
-        patch.setattr(stats, "_counted", lambda query: False)
+        patch.setattr(window_source, "counted", lambda query: False)
         return _answers(db, query)
 
 
@@ -165,7 +167,7 @@ def test_a_partly_covered_day_is_its_row_less_the_hours_outside() -> None:
     joins the whole hours; the last is read raw (20 minutes outside against 40).
     """
     inside = StatsQuery(since=WINDOWS[6]["since"], until=WINDOWS[6]["until"])
-    spans, raw = stats._plan(inside, counts.LEVELS["kernel"])
+    spans, raw = windows.plan(inside, counts.LEVELS["kernel"])
 
     def at(hours: int, minutes: int = 0) -> datetime:
         return DAY0 + timedelta(hours=hours, minutes=minutes)
@@ -178,7 +180,7 @@ def test_a_partly_covered_day_is_its_row_less_the_hours_outside() -> None:
     assert raw == [RawPiece((at(2), at(2, 10)), -1), RawPiece((at(21), at(21, 40)))]
     # The series keeps one row per bucket: hours, and minutes at the edges where no
     # roll-up holds their hour (raw where one does).
-    spans, raw = stats._plan(inside, counts.LEVELS["all"], subtract=False)
+    spans, raw = windows.plan(inside, counts.LEVELS["all"], subtract=False)
     assert spans == [
         CountSpan(60, (at(2, 10), at(3)), unless_rolled=at(2)),
         CountSpan(60, (at(21), at(21, 40)), unless_rolled=at(21)),
@@ -190,7 +192,7 @@ def test_a_partly_covered_day_is_its_row_less_the_hours_outside() -> None:
     ]
     # A few hours of a day are read as hours.
     short = StatsQuery(since=at(3), until=at(6))
-    assert stats._plan(short, counts.LEVELS["job"]) == ([CountSpan(3600, (at(3), at(6)))], [])
+    assert windows.plan(short, counts.LEVELS["job"]) == ([CountSpan(3600, (at(3), at(6)))], [])
 
 
 def test_a_window_ending_now_reads_its_last_hour_less_nothing() -> None:
@@ -200,7 +202,7 @@ def test_a_window_ending_now_reads_its_last_hour_less_nothing() -> None:
     if now == hour:
         now += timedelta(microseconds=1)
     query = StatsQuery(since=hour - timedelta(hours=3), until=now)
-    _, raw = stats._plan(query, counts.LEVELS["job"])
+    _, raw = windows.plan(query, counts.LEVELS["job"])
     assert raw == [RawPiece((now, hour + timedelta(hours=1)), -1)]
 
 
@@ -433,15 +435,15 @@ def test_the_sibling_probe_matches_targets_and_their_absence(engine: sa.Engine) 
 def test_a_job_ranks_read_by_key_equal_them_read_by_range(
     engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Named buckets (stats._keyed) and the range they fall back to give the same ranks.
+    """Named buckets (window_source.keyed) and the range they fall back to give the same ranks.
 
     A job's per-rank counts and world size are read for the jobs shown only, each
     bucket the counts hold named so the database seeks (bucket, job) pairs; with
     more buckets than the bound the range is read instead. Both equal the raw recount.
     """
     _write_mixed(engine)
-    for bound in (stats._MAX_KEYED_BUCKETS, 1):
-        monkeypatch.setattr(stats, "_MAX_KEYED_BUCKETS", bound)
+    for bound in (window_source.MAX_KEYED_BUCKETS, 1):
+        monkeypatch.setattr(window_source, "MAX_KEYED_BUCKETS", bound)
         for window in WINDOWS:
             query = StatsQuery(group_by="job", **window)  # type: ignore[arg-type]
             counted = _answers(engine, query)
@@ -467,7 +469,7 @@ def test_the_groups_cut_at_the_limit_is_the_full_ranking_cut(engine: sa.Engine) 
         counts.write_events(conn, rows)
     for counted in (True, False):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(stats, "_counted", lambda query, counted=counted: counted)
+            patch.setattr(window_source, "counted", lambda query, counted=counted: counted)
             whole = _answers(engine, StatsQuery(group_by="job", limit=100))["groups"]
             assert [g["key"] for g in whole] == [
                 "ja",

@@ -17,7 +17,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from kcache_server.auditing.counts import write_events
-from kcache_server.auditing.stats import StatsQuery, compute_stats
+from kcache_server.auditing.stats import compute_stats
+from kcache_server.auditing.stats_models import StatsQuery
 
 NOW = datetime.now(timezone.utc).replace(microsecond=0)
 JOINED = "joined a compile another request had started"

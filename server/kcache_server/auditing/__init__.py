@@ -5,9 +5,13 @@
 - :mod:`~kcache_server.auditing.events`: ``POST /v1/events`` bodies from clients
   (node-local hits the server never sees) and their batched insert;
 - :mod:`~kcache_server.auditing.stats`: the ``GET /v1/stats`` aggregates (hit rate,
-  outcomes by tier, groups, top missed kernels, rank divergence, a time series);
-- :mod:`~kcache_server.auditing.retention`: rolling old events up into hourly counts;
-- :mod:`~kcache_server.auditing.cli`: ``kcache stats`` in a terminal.
+  outcomes by tier, groups, top missed kernels, rank divergence, a time series), with
+  its query and answer in :mod:`~kcache_server.auditing.stats_models` and its parts
+  in the modules that module lists;
+- :mod:`~kcache_server.auditing.retention`: rolling old events up into hourly counts.
+
+``kcache stats``, their terminal view, is a command of the serving wing
+(:mod:`~kcache_server.serving.audit_cli`).
 
 Their settings are ``Settings.audit`` (:class:`~kcache_server.settings.AuditSettings`);
 :func:`kcache_server.create_app` wires them into the app with everything else.
@@ -18,17 +22,12 @@ from typing import TYPE_CHECKING
 from kcache.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from kcache.outcomes import HIT_OUTCOMES, MISS_OUTCOMES, OUTCOMES
     from kcache_server.auditing.events import ClientEvent, EventBatch, ingest_events
+    from kcache_server.auditing.query_times import parse_time
     from kcache_server.auditing.retention import roll_up
-    from kcache_server.auditing.stats import (
-        HIT_OUTCOMES,
-        MISS_OUTCOMES,
-        OUTCOMES,
-        Stats,
-        StatsQuery,
-        compute_stats,
-        parse_time,
-    )
+    from kcache_server.auditing.stats import compute_stats
+    from kcache_server.auditing.stats_models import Stats, StatsQuery
 
 __all__ = [
     "HIT_OUTCOMES",
@@ -44,25 +43,17 @@ __all__ = [
     "roll_up",
 ]
 
-# Imported on first use: `kcache stats` is registered from .cli on every run of the
+# Imported on first use: `kcache stats` is registered (serving.audit_cli) on every run of the
 # `kcache` command, which must not load SQLAlchemy and pydantic for that.
 _LAZY = {
     **dict.fromkeys(
         ("ClientEvent", "EventBatch", "ingest_events"), "kcache_server.auditing.events"
     ),
     "roll_up": "kcache_server.auditing.retention",
-    **dict.fromkeys(
-        (
-            "HIT_OUTCOMES",
-            "MISS_OUTCOMES",
-            "OUTCOMES",
-            "Stats",
-            "StatsQuery",
-            "compute_stats",
-            "parse_time",
-        ),
-        "kcache_server.auditing.stats",
-    ),
+    **dict.fromkeys(("HIT_OUTCOMES", "MISS_OUTCOMES", "OUTCOMES"), "kcache.outcomes"),
+    **dict.fromkeys(("Stats", "StatsQuery"), "kcache_server.auditing.stats_models"),
+    "compute_stats": "kcache_server.auditing.stats",
+    "parse_time": "kcache_server.auditing.query_times",
 }
 
 

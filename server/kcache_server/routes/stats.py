@@ -6,16 +6,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from kcache_server.auditing.stats import (
+from kcache_server.auditing.query_times import (
     SPAN_PATTERN,
     UNIX_TIME_PATTERN,
     YEAR_PATTERN,
-    GroupBy,
-    Stats,
-    StatsQuery,
-    compute_stats,
     parse_time,
 )
+from kcache_server.auditing.stats import compute_stats
+from kcache_server.auditing.stats_models import GroupBy, Stats, StatsQuery
 from kcache_server.routes._deps import ERRORS, Reader, State
 from kcache_server.state import ServerState
 
@@ -25,7 +23,7 @@ _TIME_DOC = (
     "unix seconds (up to the year 9999), an RFC 3339 date or date-time from 1970 to 9998 "
     "(2024-05-01, 2024-05-01T10:00:00Z), or a span back from now: 15m, 6h, 7d; empty: no bound"
 )
-#: The forms :func:`~kcache_server.auditing.stats.parse_time` reads, as the schema states them.
+#: The forms :func:`~kcache_server.auditing.query_times.parse_time` reads, as the schema states them.
 _TIME_FORMS = {
     "anyOf": [
         {"type": "string", "pattern": UNIX_TIME_PATTERN},
