@@ -1,19 +1,19 @@
 """Running the ``kcache`` command as a user would: a real process, a clean environment.
 
-Shared by the tests of the command line, the README's examples and the deploy files.
+Shared by the tests of the command line, the README's examples and the deploy files;
+the servers they talk to are :class:`tests.support.ServerProcess`.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
-from tests.support import KCACHE, answers_200, wait_until
+from tests.support import KCACHE
 
-__all__ = ["PROGRESS", "STILL", "Served", "assert_user_error", "error_lines", "kcache", "user_env"]
+__all__ = ["PROGRESS", "STILL", "assert_user_error", "error_lines", "kcache", "user_env"]
 
 #: Lines a command prints while it waits; they are progress, not the error's text.
 PROGRESS = "kcache: waiting for the server"
@@ -73,44 +73,3 @@ def assert_user_error(result: subprocess.CompletedProcess[str], *names: str) -> 
     for name in names:
         assert name in text, f"{name!r} not named in: {text}"
     return lines
-
-
-class Served:
-    """A long-running command (a server) started from an argument list, stopped at the end."""
-
-    def __init__(
-        self, argv: Sequence[str], *, env: Mapping[str, str], cwd: Path, log: Path
-    ) -> None:
-        self.log = log
-        self._log_file = log.open("ab")
-        self.proc = subprocess.Popen(
-            list(argv), env=dict(env), cwd=cwd, stdout=self._log_file, stderr=subprocess.STDOUT
-        )
-
-    def wait_ready(self, url: str, timeout: float = 90.0) -> None:
-        """Until ``url`` answers 200 (a liveness bound, not a timing: it fails only if it never does)."""
-        try:
-            wait_until(
-                lambda: self.proc.poll() is not None or answers_200(url),
-                f"{url} to answer 200",
-                timeout,
-                interval=0.1,
-            )
-        except AssertionError as exc:
-            self.stop()
-            raise AssertionError(f"{exc}: {self.log.read_text(errors='replace')[-3000:]}") from None
-        if self.proc.poll() is not None:
-            raise AssertionError(
-                f"exited {self.proc.returncode}: {self.log.read_text(errors='replace')[-3000:]}"
-            )
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(15)
-        self._log_file.close()

@@ -18,23 +18,17 @@ from typing import Any
 
 import pytest
 
-from tests.cli_harness import PROGRESS, STILL, Served, assert_user_error, kcache, user_env
-from tests.support import KCACHE, VECTOR_ADD, free_port
+from tests.cli_harness import PROGRESS, STILL, assert_user_error, kcache, user_env
+from tests.support import KCACHE, VECTOR_ADD, ServerProcess, free_port
 
 
-class Server:
-    """``kcache serve`` on an ephemeral port, with its data directory."""
+class Server(ServerProcess):
+    """``kcache serve`` in a user's environment, with its data directory under ``root``."""
 
     def __init__(self, root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
-        self.data_dir = root / "server-data"
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = user_env(root, KCACHE_DATA_DIR=str(self.data_dir))
-        self.served = Served(
-            [KCACHE, "serve", "--port", str(self.port)], env=env, cwd=root, log=root / "serve.log"
-        )
-        self.served.wait_ready(f"{self.url}/readyz")
+        super().__init__(root / "server-data", env=user_env(root), cwd=root, log=root / "serve.log")
+        self.start(ready="/readyz")
 
     def stats(self) -> dict[str, int]:
         with urllib.request.urlopen(f"{self.url}/v1/stats?since=1h", timeout=10) as response:
@@ -46,7 +40,7 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     running = Server(tmp_path_factory.mktemp("story"))
     yield running
-    running.served.stop()
+    running.stop()
 
 
 @pytest.fixture
@@ -111,7 +105,7 @@ def test_a_server_gone_down_is_reported_in_seconds_and_the_tier_answers_alike(
     env = user_env(home, KCACHE_URL=gone.url)
     compiled = kcache("compile", "add.cu", "--target", "sm_90", env=env, cwd=home)
     assert json.loads(compiled.stdout)["status"] == "compiled", compiled.stderr
-    gone.served.stop()
+    gone.stop()
     for command in ("compile", "get"):
         answered = kcache(command, "add.cu", "--target", "sm_90", env=env, cwd=home, timeout=30)
         assert answered.returncode == 0, answered.stderr
@@ -579,7 +573,7 @@ def test_doctor_checks_the_token_and_ends_in_a_verdict(
         assert report["ok"] is False
         assert {c["name"]: c["status"] for c in report["checks"]}["token"] == "fail"
     finally:
-        tokened.served.stop()
+        tokened.stop()
     open_server = kcache("doctor", "--server", server.url, "--token", "anything", env=env)
     assert "warn  token" in open_server.stdout and "open" in open_server.stdout
 
@@ -630,4 +624,4 @@ def test_stats_name_lookups_without_a_job_and_serve_names_the_dashboard(
     table = kcache("stats", "--server", server.url, "--group-by", "job", env=user_env(home)).stdout
     rows = [line.split()[0] for line in table.splitlines() if line.strip()]
     assert "stats-job" in rows and "(no" in rows and "None" not in rows, table
-    assert f"{server.url}/dashboard" in server.served.log.read_text()
+    assert f"{server.url}/dashboard" in server.log.read_text()

@@ -34,7 +34,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import urllib.error
@@ -46,8 +45,8 @@ from typing import Any
 import pytest
 
 from kcache._version import __version__ as VERSION
-from tests.cli_harness import Served, user_env
-from tests.support import ROOT, free_port
+from tests.cli_harness import user_env
+from tests.support import ROOT, ServerProcess, copy_sources
 
 yaml = pytest.importorskip("yaml")
 
@@ -328,16 +327,18 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[
         done = run(argv)
         assert done.returncode == 0, done.stderr
         assert "Traceback" not in done.stderr
-    port = free_port()
-    cmd = [str(port) if word == "8470" else word for word in _dockerfile_json("CMD")]
-    # Two compile workers per server process would only slow this machine down.
-    served = Served(
-        cmd, env={**env, "KCACHE_COMPILE_WORKERS": "1"}, cwd=root, log=root / "serve.log"
+    cmd = _dockerfile_json("CMD")
+    served = ServerProcess(
+        root / "data",
+        # Two compile workers per server process would only slow this machine down.
+        env={**env, "KCACHE_COMPILE_WORKERS": "1"},
+        cwd=root,
+        log=root / "serve.log",
+        command=lambda port: [str(port) if word == "8470" else word for word in cmd],
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        served.wait_ready(f"{url}/readyz")
-        yield url, {**env, "PORT": str(port), "METRICS_TOKEN": tokens["metrics"]}
+        served.start(timeout=90, ready="/readyz")
+        yield served.url, {**env, "PORT": str(served.port), "METRICS_TOKEN": tokens["metrics"]}
     finally:
         served.stop()
 
@@ -472,11 +473,7 @@ STAND_INS = {
 def test_install_systemd_makes_the_user_and_venv_the_unit_needs(tmp_path: Path) -> None:
     clone = tmp_path / "clone"
     clone.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
-        shutil.copy2(ROOT / name, clone / name)
-    skip = shutil.ignore_patterns("__pycache__", "build", "dist", "*.egg-info", ".kcache")
-    for name in ("kcache", "client", "server", "deploy"):
-        shutil.copytree(ROOT / name, clone / name, symlinks=True, ignore=skip)
+    copy_sources(clone, "deploy")
     stand_ins, state = tmp_path / "bin", tmp_path / "state"
     stand_ins.mkdir()
     state.mkdir()

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_harness import Served, user_env
-from tests.support import ROOT, free_port
+from tests.cli_harness import user_env
+from tests.support import ROOT, ServerProcess
 
 README = ROOT / "README.md"
 URL_IN_README = "http://127.0.0.1:8470"
@@ -65,16 +65,21 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
     (workdir / ".venv").symlink_to(ROOT / ".venv")
     serve_line = _blocks("sh")[0].strip()
     assert serve_line == "scripts/serve", "the README's first command starts the service"
-    port = free_port()
-    env = user_env(workdir, KCACHE_DATA_DIR=str(workdir / "server-data"))
+    data = workdir / "server-data"
     if _setup_is_current():  # as written; otherwise its set-up would reinstall first
-        argv = [str(ROOT / serve_line), "--port", str(port)]
+        serve = [str(ROOT / serve_line)]
     else:
-        argv = [str(ROOT / ".venv" / "bin" / "kcache"), "serve", "--port", str(port)]
-    server = Served(argv, env=env, cwd=ROOT, log=workdir / "serve.log")
-    url = f"http://127.0.0.1:{port}"
+        serve = [str(ROOT / ".venv" / "bin" / "kcache"), "serve"]
+    server = ServerProcess(
+        data,
+        env=user_env(workdir, KCACHE_DATA_DIR=str(data)),
+        cwd=ROOT,
+        log=workdir / "serve.log",
+        command=lambda port: [*serve, "--port", str(port)],
+    )
+    url = server.url
     try:
-        server.wait_ready(f"{url}/readyz")
+        server.start(timeout=90, ready="/readyz")
         script = "\n".join(_blocks("sh")[2:]).replace(URL_IN_README, url)
         shell = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", script],
