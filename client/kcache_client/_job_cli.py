@@ -1,9 +1,10 @@
-"""``kcache manifest save|diff``, ``kcache prefetch``, ``kcache bundle create|unpack``, ``kcache layers``.
+"""``kcache manifest save|diff``, ``kcache prefetch``, ``kcache bundle create|unpack``, ``kcache prebuild``, ``kcache layers``.
 
 Jobs, not kernels: a job's manifest (the kernels it was served, from the server's audit)
 is saved as a file, compared with another, replayed onto a node in one request
 (``prefetch``), or written as one bundle file to ship with an image and stack under
-a node tier as a read-only layer (``KCACHE_CACHE_LAYERS``). See design.md, "Jobs".
+a node tier as a read-only layer (``KCACHE_CACHE_LAYERS``), or compiled on the server
+for other GPU targets from a CPU machine (``prebuild``). See design.md, "Jobs".
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from kcache.cli import (
+from kcache.cli_toolkit import (
     UsageError,
     add_cache_dir_argument,
     add_server_arguments,
@@ -61,12 +62,11 @@ def _load(path: str, option: str) -> JobManifest:
 
 
 def _open_cache(args: argparse.Namespace, url: str | None) -> KernelCache:
-    from kcache_client._cache import KernelCache
-    from kcache_client._command_settings import command_settings
+    from kcache_client._command_settings import command_cache
 
     explicit = getattr(args, "cache_dir", None)
     refuse_server_dir(cache_dir(explicit), "--cache-dir" if explicit else "$KCACHE_CACHE_DIR")
-    return KernelCache(settings=command_settings(args, url))
+    return command_cache(args, url)
 
 
 @contextmanager
@@ -192,13 +192,90 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prebuild_manifest(args: argparse.Namespace, cache: KernelCache) -> JobManifest:
+    """``--manifest``: a file where one is (or the text names a path), else a job id's manifest."""
+    import os
+
+    from kcache_client.errors import RemoteNotFoundError
+
+    text = args.manifest
+    if os.path.exists(text) or "/" in text or os.sep in text or text.endswith(".json"):
+        return _load(text, "--manifest")
+    try:
+        manifest = cache.job_manifest(text)
+    except RemoteNotFoundError:
+        manifest = None
+    if manifest is None or not manifest.kernels:
+        raise UsageError(
+            f"--manifest {args.manifest}: no such file, and the server's audit names no kernels "
+            "of a job of that id; pass a manifest file (kcache manifest save) or a job id"
+        )
+    return manifest
+
+
+def _cmd_prebuild(args: argparse.Namespace) -> int:
+    from kcache.errors import RecipeError
+    from kcache_client._prebuild import (
+        DEFAULT_JOBS,
+        MAX_JOBS,
+        fleet_targets,
+        parse_targets,
+        prebuild,
+    )
+    from kcache_client._prebuild_cli import failure_lines, offer_message, progress_line, summary
+
+    url = server_url(args)
+    if url is None:
+        raise UsageError("a prebuild compiles on the server: pass --server or set KCACHE_URL")
+    if args.o and args.dry_run:
+        raise UsageError("-o writes what was prebuilt, and a --dry-run prebuilds nothing: drop one")
+    try:
+        targets = parse_targets(args.target) if args.target is not None else None
+    except RecipeError as exc:
+        raise UsageError(f"--target: {exc.detail}") from None
+    jobs = DEFAULT_JOBS if args.jobs is None else args.jobs
+    if not 1 <= jobs <= MAX_JOBS:
+        raise UsageError(f"--jobs {jobs}: requests in flight are 1 to {MAX_JOBS}")
+    with _session(args, url) as cache:
+        manifest = _prebuild_manifest(args, cache)
+        if targets is None:
+            toolchains = cache.toolchains().get("toolchains") or [{}]
+            raise UsageError(
+                offer_message(
+                    args.manifest,
+                    args.server,
+                    manifest,
+                    fleet_targets(cache),
+                    [str(t) for t in toolchains[0].get("targets", [])],
+                )
+            )
+        done = prebuild(
+            cache,
+            manifest,
+            [t.text for t in targets],
+            toolchain=args.toolchain,
+            jobs=jobs,
+            dry_run=args.dry_run,
+            progress=lambda item, n, total: print(progress_line(item, n, total), file=sys.stderr),
+        )
+    if args.o:
+        done.prebuilt().save(args.o)
+    if args.json:
+        _print({**done.to_dict(), "path": args.o})
+    else:
+        print(summary(done))
+    for line in failure_lines(done):
+        print(line, file=sys.stderr)
+    return 0 if done.complete else 1
+
+
 def _client_args(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
     add_cache_dir_argument(parser)
 
 
 def register(subparsers: Any) -> None:
-    """Add ``kcache manifest``, ``kcache prefetch``, ``kcache bundle`` and ``kcache layers``."""
+    """Add ``kcache manifest``, ``kcache prefetch``, ``kcache bundle``, ``kcache prebuild``, ``kcache layers``."""
     manifest = subparsers.add_parser(
         "manifest", help="a job's kernels as a file: save one from the server, diff two"
     )
@@ -246,6 +323,12 @@ def register(subparsers: Any) -> None:
     unpack.add_argument("file")
     add_cache_dir_argument(unpack)
     unpack.set_defaults(func=_cmd_bundle_unpack)
+
+    from kcache_client._prebuild_cli import add_prebuild_parser
+
+    prebuild = add_prebuild_parser(subparsers)
+    _client_args(prebuild)
+    prebuild.set_defaults(func=_cmd_prebuild)
 
     layers = subparsers.add_parser(
         "layers", help="the cache directory and the read-only layers under it (KCACHE_CACHE_LAYERS)"

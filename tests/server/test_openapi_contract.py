@@ -127,6 +127,8 @@ def _samples(recipe_key: str, digest: str, server: ServerThread) -> list[Sample]
         Sample("POST", "/v1/explain", "/v1/explain", 422, {"recipe": {"source": 3}}),
         Sample("GET", "/v1/recipes/{recipe_key}/explain", f"/v1/recipes/{recipe_key}/explain", 200),
         Sample("GET", "/v1/recipes/{recipe_key}/explain", f"/v1/recipes/{missing}/explain", 404),
+        Sample("GET", "/v1/recipes/{recipe_key}/recipe", f"/v1/recipes/{recipe_key}/recipe", 200),
+        Sample("GET", "/v1/recipes/{recipe_key}/recipe", f"/v1/recipes/{missing}/recipe", 404),
         Sample("GET", "/v1/blobs/{digest}", f"/v1/blobs/{missing}", 404),
         Sample("GET", "/v1/toolchains", "/v1/toolchains", 200),
         Sample("GET", "/healthz", "/healthz", 200),

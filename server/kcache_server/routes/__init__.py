@@ -12,6 +12,7 @@ from kcache_server.routes import (
     keys,
     metrics,
     pins,
+    recipe_bodies,
     recipes,
     resolve,
     stats,
@@ -23,6 +24,7 @@ from kcache_server.routes import (
 ROUTERS = [
     resolve.router,
     recipes.router,
+    recipe_bodies.router,
     explain.router,
     blobs.router,
     toolchains.router,
