@@ -165,3 +165,38 @@ def test_layers_point_one_way() -> None:
         or (module.split(".")[0] == "kcache_client" and target.split(".")[0] == "kcache_server")
     )
     assert wrong == []
+
+
+#: The server's parts, top to bottom: a module imports its own part or the parts below it.
+#: The wing that puts the server on the wire (app, CLI, fast paths, protocol, contract)
+#: stands above the routes, the routes above the services (state, resolving, compiling,
+#: eviction, verification...), the services above the audit, and the audit above the
+#: records every part reads (settings, tables, index, errors, wire schemas).
+SERVER_PARTS = ("serving", "routes", "services", "auditing", "records")
+_RECORDS = frozenset(
+    ("db", "errors", "index", "migrate", "models", "request_ids", "schemas", "settings", "terminal")
+)
+
+
+def _server_part(module: str) -> str | None:
+    """Which of :data:`SERVER_PARTS` ``module`` belongs to (None: not a server module)."""
+    parts = module.split(".")
+    if parts[0] != "kcache_server" or len(parts) == 1:  # the package's face hands names on
+        return None
+    if parts[1] in ("serving", "routes", "auditing"):
+        return parts[1]
+    return "records" if parts[1] in _RECORDS else "services"
+
+
+def test_the_server_parts_point_down() -> None:
+    graph = _graph()
+    placed = {m: _server_part(m) for m in graph}
+    assert {p for p in placed.values() if p} == set(SERVER_PARTS)
+    rank = {part: i for i, part in enumerate(SERVER_PARTS)}
+    upward = sorted(
+        f"{module} ({placed[module]}) -> {target} ({placed[target]})"
+        for module, targets in graph.items()
+        for target in targets
+        if (here := placed[module]) and (there := placed.get(target)) and rank[there] < rank[here]
+    )
+    assert upward == [], "imports that run up the server's parts: " + "; ".join(upward)

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -40,6 +39,7 @@ from packaging.version import Version
 
 from kcache._version import __version__ as VERSION
 from kcache.toolchain import nvrtc_install_advice
+from tests.support import copy_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 # distribution -> (its directory, its package's directory), relative to the repository
@@ -95,21 +95,10 @@ def _walk(root: Path) -> list[Path]:
     return [Path(d) / f for d, _, files in os.walk(root, followlinks=True) for f in files]
 
 
-def _copy_sources(dest: Path) -> None:
-    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
-        shutil.copy2(ROOT / name, dest / name)
-    skip = shutil.ignore_patterns("__pycache__", "build", "dist", "*.egg-info", ".kcache")
-    for name in ("kcache", "client", "server", "migrations"):
-        # symlinks=True: the client's and server's _version.py and LICENSE are links, as is
-        # the server's migrations/ (to the top-level tree), and the sdists must turn them
-        # into files.
-        shutil.copytree(ROOT / name, dest / name, symlinks=True, ignore=skip)
-
-
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
     sources = tmp_path_factory.mktemp("sources")
-    _copy_sources(sources)
+    copy_sources(sources)
     out = tmp_path_factory.mktemp("dist")
     dists = {}
     for project, (where, _) in DISTRIBUTIONS.items():
@@ -459,7 +448,7 @@ def installs(tmp_path_factory: pytest.TempPathFactory) -> Installs:
     a part of the first (the core from ``./`` and the client from ``./client``)."""
     clone_lines, wheel_lines = _readme_install_blocks()
     sources = tmp_path_factory.mktemp("clone")
-    _copy_sources(sources)
+    copy_sources(sources)
     build_line, *install_lines = wheel_lines
     assert build_line[:2] == ["pip", "wheel"] and "dist" in build_line, build_line
     _pip(Path(sys.executable), build_line, cwd=sources)

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 from kcache.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from kcache_server.serving.app import create_app
     from kcache_server.compile_pool import ProcessPoolCompiler
     from kcache_server.index import SqlIndex
     from kcache_server.locks import PgAdvisoryKeyLock
+    from kcache_server.serving.app import create_app
     from kcache_server.settings import Settings
 
 __all__ = ["PgAdvisoryKeyLock", "ProcessPoolCompiler", "Settings", "SqlIndex", "create_app"]

@@ -811,8 +811,8 @@ def test_row15_duplicate_authorization_headers_are_400(sqlite: Harness) -> None:
 
 # ---------------------------------------------------------------------- row 16
 def test_row16_stored_control_characters_are_escaped_in_kcache_stats(sqlite: Harness) -> None:
-    from kcache_server.auditing.cli import format_stats
     from kcache_server.auditing.writer import AuditRecord
+    from kcache_server.serving.audit_cli import format_stats
 
     # Rows written before the door checked them (or by hand): the CLI must not replay them.
     job = "job\x1b]0;pwned\x07\x1b[2J"

@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
+from kcache_server.routes._deps import INLINE_BODY_BYTES
 from kcache_server.serving.http_protocol import _in_chain
 from kcache_server.serving.resolve_fastpath import ROUTE, ResolveFastPath
-from kcache_server.routes._deps import INLINE_BODY_BYTES
 
 from tests.support import ServerThread, audit_rows, requests_counted, unique, vector_add
 

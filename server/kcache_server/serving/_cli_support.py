@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kcache.cli import UsageError
+from kcache.cli_toolkit import UsageError
 from kcache.dirs import data_dir
 from kcache.errors import KCacheError
 from kcache_server.errors import DatabaseUnavailableError

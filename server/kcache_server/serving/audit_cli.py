@@ -248,9 +248,11 @@ def _remote(url: str, token: str | None, params: dict[str, str]) -> dict[str, An
 
 def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:
     from kcache_server import migrate
-    from kcache_server._cli_support import load_settings, require_database
-    from kcache_server.auditing.stats import StatsQuery, compute_stats, parse_time
+    from kcache_server.auditing.query_times import parse_time
+    from kcache_server.auditing.stats import compute_stats
+    from kcache_server.auditing.stats_models import StatsQuery
     from kcache_server.db import open_database
+    from kcache_server.serving._cli_support import load_settings, require_database
 
     settings = load_settings(args)
     require_database(settings, args, "kcache stats")
@@ -273,10 +275,10 @@ def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from kcache.cli import server_url
+    from kcache.cli_toolkit import server_url
 
     if getattr(args, "cache_dir", None):  # a client's node tier: the client's `cache info`
-        from kcache.cli import run_command
+        from kcache.cli_toolkit import run_command
 
         return run_command(
             ["cache", "info", "--cache-dir", args.cache_dir, *(["--json"] if args.json else [])],
@@ -326,6 +328,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the /v1/stats JSON")
     p.set_defaults(func=_cmd_stats)
 
-    from kcache_server._cli_support import guard_commands
+    from kcache_server.serving._cli_support import guard_commands
 
     guard_commands([p])

@@ -24,7 +24,7 @@ __all__ = ["register"]
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
-    from kcache_server._cli_support import load_settings
+    from kcache_server.serving._cli_support import load_settings
 
     return load_settings(args, **extra)
 
@@ -121,8 +121,8 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 def _cmd_db_current(args: argparse.Namespace) -> int:
     from kcache_server import migrate
-    from kcache_server._cli_support import require_database
     from kcache_server.backends import open_settings_database
+    from kcache_server.serving._cli_support import require_database
 
     settings = _settings(args)
     require_database(settings, args, "kcache db current")
@@ -133,26 +133,10 @@ def _cmd_db_current(args: argparse.Namespace) -> int:
     return 0 if have == need else 1
 
 
-def _maintained_store(settings: Settings) -> Any:
-    """The store a server's blobs live in: its bucket (``store_url``: the truth behind every
-    replica's local copies), else its data directory."""
-    from kcache.store.local import LocalArtifactStore
-    from kcache.store.s3 import S3ArtifactStore
-
-    if settings.store_url:
-        return S3ArtifactStore.from_url(
-            settings.store_url,
-            timeout_s=settings.store_timeout_s,
-            connect_timeout_s=settings.store_connect_timeout_s,
-            retries=settings.store_retries,
-        )
-    return LocalArtifactStore(settings.data_dir)
-
-
 def _cmd_db_gc(args: argparse.Namespace) -> int:
     from kcache.maintenance import MIN_SAFE_GRACE_S, check_index_knows_store, collect_garbage
     from kcache_server import migrate
-    from kcache_server.backends import open_settings_database
+    from kcache_server.backends import maintained_store, open_settings_database
     from kcache_server.db import sqlite_path
     from kcache_server.index import SqlIndex
 
@@ -175,7 +159,7 @@ def _cmd_db_gc(args: argparse.Namespace) -> int:
         return 2
     db = open_settings_database(settings)
     migrate.check_schema(db, settings.database_url)
-    store = _maintained_store(settings)
+    store = maintained_store(settings)
     index = SqlIndex(db)
     # Blobs are published before their row is committed: the grace period keeps a
     # blob whose compile is still recording it, and each deletion asks the index again.
@@ -196,9 +180,9 @@ def _cmd_db_gc(args: argparse.Namespace) -> int:
 def _cmd_db_verify(args: argparse.Namespace) -> int:
     from kcache.maintenance import store_name, verify_blobs, verify_sample
     from kcache_server import migrate
-    from kcache_server._cli_support import require_database
-    from kcache_server.backends import open_settings_database
+    from kcache_server.backends import maintained_store, open_settings_database
     from kcache_server.index import SqlIndex
+    from kcache_server.serving._cli_support import require_database
 
     settings = _settings(args)
     require_database(settings, args, "kcache db verify")
@@ -206,7 +190,7 @@ def _cmd_db_verify(args: argparse.Namespace) -> int:
     migrate.check_schema(db, settings.database_url)
     if args.recompile:
         return _verify_by_recompiling(settings, db, args.sample)
-    store = _maintained_store(settings)
+    store = maintained_store(settings)
     indexed = SqlIndex(db).digests()
     if args.sample is None:
         report = verify_blobs(store, indexed)
@@ -254,9 +238,9 @@ def _verify_by_recompiling(settings: Any, db: Any, sample: int | None) -> int:
 
 def _tokens(args: argparse.Namespace) -> Any:
     from kcache_server import migrate
-    from kcache_server._cli_support import require_database
     from kcache_server.auth import TokenStore
     from kcache_server.backends import open_settings_database
+    from kcache_server.serving._cli_support import require_database
 
     settings = _settings(args)
     require_database(settings, args, f"kcache token {args.token_command}")
@@ -428,6 +412,6 @@ def register(subparsers: Any) -> None:
     _add_db_options(revoke)
     revoke.set_defaults(func=_cmd_token_revoke)
 
-    from kcache_server._cli_support import guard_commands
+    from kcache_server.serving._cli_support import guard_commands
 
     guard_commands([serve, *db_sub.choices.values(), *token_sub.choices.values()])
