@@ -14,6 +14,7 @@ import contextvars
 import hashlib
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,10 +44,13 @@ class FakeCompiler:
         self._n = 0
         self.running = 0
         self.peak = 0
+        # Not id(self): a later test's compiler may get a freed one's id, and then its
+        # bytes (and digest) would be an earlier test's, already charged in the database.
+        self._seed = uuid.uuid4().hex
 
     def data_for(self, n: int) -> bytes:
         """The bytes the ``n``-th compile (from 1) returns."""
-        seed = hashlib.sha256(f"{id(self)}-{n}".encode()).digest()
+        seed = hashlib.sha256(f"{self._seed}-{n}".encode()).digest()
         return (seed * (self.size // len(seed) + 1))[: self.size]
 
     def compile(self, recipe: Recipe, link_inputs: Sequence[bytes] = ()) -> CompileOutput:
