@@ -482,3 +482,22 @@ def test_the_groups_cut_at_the_limit_is_the_full_ranking_cut(engine: sa.Engine) 
             for limit in range(1, 7):
                 cut = _answers(engine, StatsQuery(group_by="job", limit=limit))["groups"]
                 assert cut == whole[:limit], (counted, limit)
+
+
+@pytest.mark.parametrize("level", [windows.MINUTE, windows.HOUR, windows.DAY])
+def test_windows_round_exactly_up_to_the_last_instant(level: int) -> None:
+    """A window may end at 9999-12-31 23:59:59.999999: rounding it must not leave the calendar.
+
+    (A float timestamp rounds that instant up into year 10000; /v1/stats answered 500 for
+    ``since=253402300767`` before the rounding went by whole seconds.)
+    """
+    last = windows.LATEST
+    assert timedelta(0) <= last - windows.floor_to(last, level) < timedelta(seconds=level)
+    assert windows.ceil_to(last, level) == last  # no later instant to round up to
+    near_end = datetime.fromtimestamp(253402300767, timezone.utc)
+    for dim in ("all", "job", "kernel"):
+        spans, raw = windows.plan(StatsQuery(since=near_end), counts.LEVELS[dim])
+        assert spans or raw  # the window's last half-minute, read from counts or raw events
+    odd = datetime(2026, 12, 1, 10, 7, 30, 250000, tzinfo=timezone.utc)
+    whole = int(odd.replace(microsecond=0).timestamp())  # exact as a float in this century
+    assert windows.floor_to(odd, level).timestamp() == whole - whole % level

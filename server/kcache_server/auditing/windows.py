@@ -14,7 +14,6 @@ only: :mod:`~kcache_server.auditing.window_source` turns a plan into SQL.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, NamedTuple
@@ -42,6 +41,8 @@ HOUR = 3600
 DAY = 86400
 MINUTE = 60
 LATEST = datetime.max.replace(tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_SECOND = timedelta(seconds=1)
 
 
 def later(at: datetime, seconds: int) -> datetime:
@@ -57,8 +58,10 @@ def ceil_to(at: datetime, level: int) -> datetime:
 
 
 def floor_to(at: datetime, level: int) -> datetime:
-    seconds = math.floor(at.timestamp())
-    return datetime.fromtimestamp(seconds - seconds % level, timezone.utc)
+    # Whole seconds by integer arithmetic: at.timestamp() is a float, which rounds
+    # 9999-12-31 23:59:59.999999 (LATEST, a query may name it) up into year 10000.
+    seconds = (at - _EPOCH) // _SECOND
+    return _EPOCH + timedelta(seconds=seconds - seconds % level)
 
 
 def _cover(
