@@ -10,7 +10,12 @@ loop turn, a close that sends what was kept, an abort that drops it.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
+import re
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -18,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 from kcache_server.serving.http_protocol import CoalescingHttpToolsProtocol, CoalescingTransport
 
-from tests.support import VECTOR_ADD, ServerProcess, ServerThread, upgrade, wait_until
+from tests.support import VECTOR_ADD, ServerProcess, ServerThread, unique, upgrade, wait_until
 
 
 class Counted:
@@ -244,3 +250,264 @@ def test_closing_after_an_answer_of_the_protocol_cleans_up_without_a_traceback(
     wait_until(lambda: protocol.timeout_keep_alive_task is None, "the keep-alive timer to go")
     assert not connections
     server.stop()  # raises on any traceback logged while it ran
+
+
+# ------------------------------------------------------------------------------ closing
+def _fetch_request(key: str, version: str = "1.1", close: bool = False) -> bytes:
+    connection = "Connection: close\r\n" if close else ""
+    return f"GET /v1/recipes/{key}/artifact HTTP/{version}\r\nHost: t\r\n{connection}\r\n".encode()
+
+
+def _resolve_request(body: bytes) -> bytes:
+    head = (
+        "POST /v1/resolve HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def _heads(conn: socket.socket, n: int) -> list[bytes]:
+    """The heads of the next ``n`` whole responses (each with a ``content-length``) on ``conn``."""
+    data, heads = b"", []
+    while len(heads) < n:
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            assert chunk, f"closed before the headers: {data!r}"
+            data += chunk
+        head, _, data = data.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        while len(data) < length:
+            chunk = conn.recv(65536)
+            assert chunk, "closed within the body"
+            data += chunk
+        heads.append(head)
+        data = data[length:]
+    assert not data, f"more than {n} responses: {data!r}"
+    return heads
+
+
+def _closed_by_the_server(conn: socket.socket) -> bool:
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _close_paths(
+    port: int, key: str, resolve_body: bytes, answered: Callable[[socket.socket, int], None]
+) -> list[socket.socket]:
+    """A connection ended each way there is after answers the protocol writes itself.
+
+    ``answered(conn, n)`` is called once ``conn`` got ``n`` such answers (a check, where
+    the caller can see inside the server). Returned, still open: a connection left idle
+    after an answer, for the keep-alive timeout or the server's shutdown to close.
+    """
+    fetch = _fetch_request(key)
+
+    def connect() -> socket.socket:
+        return socket.create_connection(("127.0.0.1", port), timeout=30)
+
+    def ok(conn: socket.socket) -> bytes:
+        head = _response(conn)
+        assert head.startswith(b"HTTP/1.1 200 OK"), head
+        return head
+
+    idle = connect()  # opened first: its keep-alive timeout runs during the rest
+    idle.sendall(fetch)
+    ok(idle)
+    answered(idle, 1)
+    with connect() as conn:  # the client closes (FIN) after a fetch
+        conn.sendall(fetch)
+        ok(conn)
+        answered(conn, 1)
+    conn = connect()  # the client resets the connection (RST) after a fetch
+    conn.sendall(fetch)
+    ok(conn)
+    answered(conn, 1)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    conn.close()
+    with connect() as conn:  # the server closes: the fetch said Connection: close
+        conn.sendall(_fetch_request(key, close=True))
+        assert ok(conn).lower().endswith(b"\r\nconnection: close")
+        answered(conn, 1)
+        assert _closed_by_the_server(conn)
+    with connect() as conn:  # the server closes: an HTTP/1.0 fetch
+        conn.sendall(_fetch_request(key, version="1.0"))
+        ok(conn)
+        answered(conn, 1)
+        assert _closed_by_the_server(conn)
+    with connect() as conn:  # two fetches pipelined in one segment, then the client closes
+        conn.sendall(fetch + fetch)
+        assert [head[:15] for head in _heads(conn, 2)] == [b"HTTP/1.1 200 OK"] * 2
+        answered(conn, 2)
+    with connect() as conn:  # a resolve hit the protocol answered, then the client closes
+        conn.sendall(_resolve_request(resolve_body))
+        ok(conn)
+        answered(conn, 1)
+    with connect() as conn:  # a fetch, then a resolve whose body the client never finishes
+        conn.sendall(fetch)
+        ok(conn)
+        answered(conn, 1)
+        conn.sendall(_resolve_request(resolve_body)[:-5])
+        time.sleep(0.2)  # read by the server (its body is gathered by the protocol)
+    return [idle]
+
+
+def test_every_close_after_answers_of_the_protocol_is_clean(
+    make_settings: Callable[..., Any],
+    serve: Callable[[Any], ServerThread],
+    monkeypatch: Any,
+) -> None:
+    """No traceback, no error or warning logged, uvicorn's cleanup run whole, the timer gone.
+
+    Whichever way a connection whose requests the protocol answered itself ends: the client
+    closes or resets it, the server closes it (``Connection: close``, HTTP/1.0, the
+    keep-alive timeout, its shutdown), after pipelined answers, after a resolve hit, or
+    with a resolve's body half read.
+    """
+    written: list[tuple[Any, Any]] = []  # (protocol, client address) of each answer written here
+    write_answer = CoalescingHttpToolsProtocol._write_answer
+
+    def spy(self: CoalescingHttpToolsProtocol, *args: Any) -> bool:
+        written.append((self, self.client))
+        return write_answer(self, *args)
+
+    monkeypatch.setattr(CoalescingHttpToolsProtocol, "_write_answer", spy)
+    server = serve(make_settings(auth_cache_s=600.0))  # the fast paths answer cached callers only
+    resolve = json.dumps(
+        {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
+    ).encode()
+    with server.client() as c:
+        key = c.post("/v1/resolve", content=resolve).raise_for_status().json()["recipe_key"]
+        assert c.get(f"/v1/recipes/{key}/artifact").status_code == 200  # the caches fill
+    assert not written  # the route answered those
+    server.server.config.timeout_keep_alive = 1  # read by each new connection's protocol
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    for name in ("", "uvicorn"):  # asyncio's and kcache's loggers propagate to the root
+        logging.getLogger(name).addHandler(handler)
+    try:
+
+        def answered(conn: socket.socket, n: int) -> None:
+            mine = [p for p, client in written if client == conn.getsockname()]
+            assert len(mine) == n, f"{n} answers of the protocol expected, {len(mine)} written"
+
+        (idle,) = _close_paths(server.port, key, resolve, answered)
+        with idle:
+            assert _closed_by_the_server(idle)  # the keep-alive timeout (1 s) closed it
+        protocols = {p for p, _ in written}
+        connections = server.server.server_state.connections
+        wait_until(lambda: not connections & protocols, "the connections to be closed")
+        # Each one's connection_lost ran to its end (uvicorn's last step drops the parser),
+        # and the keep-alive timer was cancelled after it.
+        wait_until(lambda: all(p.parser is None for p in protocols), "connection_lost to end")
+        assert all(p.timeout_keep_alive_task is None for p in protocols)
+
+        # One connection left idle after an answer when the server shuts down: it closes it.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+            conn.sendall(_fetch_request(key))
+            assert _response(conn).startswith(b"HTTP/1.1 200 OK")
+            answered(conn, 1)
+            server.server.config.timeout_keep_alive = 60
+            server.stop()  # raises on any traceback logged while it ran
+            assert _closed_by_the_server(conn)
+        last = written[-1][0]  # that connection's protocol
+        assert last.parser is None and last.timeout_keep_alive_task is None
+    finally:
+        for name in ("", "uvicorn"):
+            logging.getLogger(name).removeHandler(handler)
+    mine = [r for r in records if r.threadName == server.thread.name]
+    assert not mine, [f"{r.levelname} {r.name}: {r.getMessage()}" for r in mine]
+
+
+def test_kcache_serve_closes_connections_without_an_error_in_its_log(tmp_path: Path) -> None:
+    """The real command, each way a connection ends after the protocol's answers: a clean log.
+
+    ``stop()`` (SIGTERM, with a connection still open) fails on a traceback in the log;
+    beyond that no line of it is an error or a warning.
+    """
+    db_url = f"sqlite:///{tmp_path / 'kcache.db'}"
+    upgrade(db_url)
+    env = {**os.environ, "KCACHE_AUTH_CACHE_S": "600"}  # the fast paths answer cached callers
+    resolve = json.dumps(
+        {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
+    ).encode()
+    with ServerProcess(tmp_path / "data", db_url=db_url, env=env) as server:
+        with httpx.Client(base_url=server.url) as c:
+            r = c.post("/v1/resolve", content=resolve, timeout=120).raise_for_status()
+            key = r.json()["recipe_key"]
+            assert c.get(f"/v1/recipes/{key}/artifact").status_code == 200  # the caches fill
+        (idle,) = _close_paths(server.port, key, resolve, lambda conn, n: None)
+        with idle:
+            idle_from = time.monotonic()
+            assert _closed_by_the_server(idle)  # uvicorn's keep-alive timeout (5 s)
+            assert time.monotonic() - idle_from < 30
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+            conn.sendall(_fetch_request(key))
+            assert _response(conn).startswith(b"HTTP/1.1 200 OK")
+            server.stop()  # with this connection open and idle; raises on a traceback logged
+            assert _closed_by_the_server(conn)
+    log = server.log.read_text(errors="replace")
+    bad = [line for line in log.splitlines() if line.startswith(("ERROR", "WARNING", "CRITICAL"))]
+    assert not bad, log[-3000:]
+
+
+@pytest.mark.parametrize("hit", [True, False], ids=["hit", "handed-to-uvicorn"])
+def test_shutdown_while_the_protocol_reads_a_resolve_body_answers_it_then_closes(
+    make_settings: Callable[..., Any], serve: Callable[[Any], ServerThread], hit: bool
+) -> None:
+    """A graceful shutdown lets a request in progress finish, as uvicorn's own cycle does.
+
+    The protocol reads a resolve's body itself (no uvicorn cycle yet): shut down then, the
+    connection is not closed under the request; its answer comes (the protocol's for a hit,
+    the route's for a miss, which the protocol hands to uvicorn), with ``connection: close``.
+    """
+    server = serve(make_settings(auth_cache_s=600.0))  # the fast paths answer cached callers only
+    resolve = json.dumps(
+        {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
+    ).encode()
+    with server.client() as c:
+        key = c.post("/v1/resolve", content=resolve).raise_for_status().json()["recipe_key"]
+        assert c.get(f"/v1/recipes/{key}/artifact").status_code == 200  # the caches fill
+    if not hit:  # a recipe never compiled, not to be compiled: a miss the route answers
+        source = f"// {unique()}\n{VECTOR_ADD}"
+        resolve = json.dumps({"recipe": {"source": source, "target": "sm_90"}}).encode()
+    request = _resolve_request(resolve)
+    connections = server.server.server_state.connections
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+        conn.sendall(request[:-5])  # the headers and most of the body
+        wait_until(
+            lambda: any(getattr(p, "_gathering", None) is not None for p in connections),
+            "the protocol to read the body",
+        )
+        (protocol,) = [p for p in connections if p.client == conn.getsockname()]
+        server.server.should_exit = True  # uvicorn asks each connection to shut down
+        time.sleep(0.5)
+        conn.sendall(request[-5:])
+        (head,) = _heads(conn, 1)
+        assert head.startswith(b"HTTP/1.1 200 OK"), head  # a miss is a 200 too (its body says)
+        assert head.lower().endswith(b"\r\nconnection: close")
+        assert _closed_by_the_server(conn)
+    assert (protocol.cycle is None) == hit  # answered by the protocol, or by uvicorn's cycle
+    server.stop()
+
+
+def test_uvicorns_own_protocol_tests_pass_on_kcaches_protocol() -> None:
+    """uvicorn's tests/protocols/test_http.py (its sdist of the installed version) with kcache's
+    protocol in place of uvicorn's: every test that applies passes (scripts/uvicorn-protocol-suite
+    names the few that cannot apply, and why)."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "uvicorn-protocol-suite"
+    run = subprocess.run(
+        [str(script), "-q"], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    summary = run.stdout.strip().splitlines()[-1]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed is not None and int(passed.group(1)) >= 90, summary
+    assert not re.search(r"failed|error|skipped", summary), summary

@@ -36,6 +36,9 @@ allows, a JSON body of a declared length within the inline limit, no
 written here, anything else is handed to uvicorn's path whole (the same scope, cycle
 and body bytes, as if it had never stopped here), marked so it is not offered twice.
 
+A graceful shutdown while a resolve's body is read here lets it finish, as uvicorn's does
+a request in flight: it is answered (or handed on) with ``connection: close``.
+
 Anything else — no answer, pipelined requests, an access log to write, a concurrency
 limit — takes uvicorn's path unchanged.
 
@@ -176,6 +179,8 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         #: The request being parsed was answered here: the parser's callbacks for its
         #: body and its end are not uvicorn's (there is no cycle for them).
         self._answered_here = False
+        #: The server shut down while a resolve's body was read here (see :meth:`shutdown`).
+        self._shut_down = False
 
     def connection_lost(self, exc: Exception | None) -> None:
         """uvicorn's, and the keep-alive timer goes (whatever uvicorn's cleanup did)."""
@@ -188,6 +193,19 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
             if self.timeout_keep_alive_task is not None:
                 self.timeout_keep_alive_task.cancel()
                 self.timeout_keep_alive_task = None
+
+    def shutdown(self) -> None:
+        """uvicorn's, except while a resolve's body is read here: it is answered, then closed.
+
+        uvicorn lets a request in progress finish on a graceful shutdown (its cycle stops
+        keeping the connection alive); a resolve gathered here has no cycle yet, and
+        uvicorn's own ``shutdown`` would close the connection under it.
+        """
+        if self._gathering is not None:
+            # Answered with ``connection: close``, here or on uvicorn's path.
+            self._shut_down = True
+            return
+        super().shutdown()
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, with what its callbacks write sent in one write when it returns."""
@@ -290,6 +308,8 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
             # (marked, so the resolve fast path's ASGI side does not try it again).
             self.scope[DECLINED] = True  # type: ignore[literal-required]
             super().on_headers_complete()
+            if self._shut_down:
+                self.cycle.keep_alive = False  # as uvicorn's shutdown sets it on a cycle in flight
             if raw:
                 super().on_body(raw)
             super().on_message_complete()
@@ -320,7 +340,11 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         There is no request cycle from here on (see the module docstring): the next
         request, a shutdown and a close see none in flight, as before a first request.
         """
-        keep_alive = self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
+        keep_alive = (
+            not self._shut_down
+            and self.parser.get_http_version() == "1.1"
+            and self.parser.should_keep_alive()
+        )
         end = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
         self.cycle = None  # type: ignore[assignment]  # uvicorn's own "no request yet"
         self.transport.write(
