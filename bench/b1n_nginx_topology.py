@@ -2,9 +2,13 @@
 
 Ours: ``GET /v1/recipes/{key}/artifact`` sent to nginx running
 ``deploy/nginx/kcache.conf.template`` as it is, in front of one ``kcache serve`` with
-``KCACHE_ACCEL_REDIRECT``: the replica checks, audits and answers the headers, nginx sends
-the file. Anchor, in the same run: nginx (1 worker, as the deploy's) serving the same
-file directly (B1's anchor). Goal: >= 0.9 x.
+``KCACHE_ACCEL_REDIRECT`` and ``KCACHE_EDGE_LOG``: nginx answers a fetch it answered in
+the last 2 s for the same token from its cache (a tmpfs-like temp dir here), logging each
+to the edge log, which the replica follows and audits (its cost is in the figure); the
+rest go to the replica. One token, as a job's ranks share one. Anchor, in the same run:
+nginx (1 worker, as the deploy's) serving the same file directly (B1's anchor). Goal:
+>= 0.9 x. ``edge_log_lines``: the B1n fetches nginx answered from its cache (each
+audited by the replica from the log).
 
 Also, interleaved in the same rounds (issue 35 item 2), B1 both ways: ``kcache serve`` alone
 with its own HTTP protocol (``kcache_server.serving.http_protocol``, a subclass of uvicorn's
@@ -40,14 +44,22 @@ TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "kcache.co
 
 
 @contextlib.contextmanager
-def deploy_nginx(root: Path, replica: str, blobs: Path) -> Iterator[str]:
+def deploy_nginx(root: Path, replica: str, blobs: Path, edge_log: Path) -> Iterator[str]:
     """nginx with 1 worker running the deploy's file in front of ``replica``; its URL."""
     root.mkdir(parents=True, exist_ok=True)
+    (root / "cache").mkdir(mode=0o700)
     port = free_port()
     conf = TEMPLATE.read_text()
-    values = {"KCACHE_LISTEN": f"127.0.0.1:{port}", "KCACHE_REPLICA": replica}
-    for name, value in {**values, "KCACHE_BLOBS": str(blobs)}.items():
+    values = {
+        "KCACHE_LISTEN": f"127.0.0.1:{port}",
+        "KCACHE_REPLICA": replica,
+        "KCACHE_BLOBS": str(blobs),
+        "KCACHE_EDGE_CACHE": str(root / "cache"),
+        "KCACHE_EDGE_LOG": str(edge_log),
+    }
+    for name, value in values.items():
         conf = conf.replace("${" + name + "}", value)
+    assert "${" not in conf, "a template name the bench does not set"
     (root / "kcache.conf").write_text(conf)
     user = "user root;" if os.geteuid() == 0 else ""
     temps = " ".join(
@@ -112,12 +124,20 @@ def main() -> None:
             (www / "blob").write_bytes(data)
             env = {**os.environ, "KCACHE_DATA_DIR": str(data_dir)}
             subprocess.run([*KCACHE, "db", "upgrade"], env=env, check=True, capture_output=True)
-            accel_env = {**env, "KCACHE_ACCEL_REDIRECT": "/_kcache_blobs/"}
+            edge_log = root / "edge.log"
+            accel_env = {
+                **env,
+                "KCACHE_ACCEL_REDIRECT": "/_kcache_blobs/",
+                "KCACHE_EDGE_LOG": str(edge_log),
+            }
             replica = ServerProcess(data_dir, workers=workers, env=accel_env, log=root / "r.log")
             with (
                 replica,
                 deploy_nginx(
-                    root / "deploy", replica.url.removeprefix("http://"), data_dir / "blobs"
+                    root / "deploy",
+                    replica.url.removeprefix("http://"),
+                    data_dir / "blobs",
+                    edge_log,
                 ) as b1n_url,
                 nginx_serving(www) as nginx_url,
                 stock_uvicorn(data_dir, workers) as stock_url,
@@ -135,6 +155,11 @@ def main() -> None:
                     for side, url in urls.items():
                         rounds[side].append(wrk(url, seconds=SECONDS))
                         time.sleep(0.5)
+                time.sleep(1.5)  # nginx flushes its edge log every second
+                with open(edge_log, "rb") as lines:
+                    edge_log_lines = sum(
+                        chunk.count(b"\n") for chunk in iter(lambda: lines.read(1 << 20), b"")
+                    )
     med = {side: median_round(r) for side, r in rounds.items()}
     anchor = med["nginx"]["rps"]
     each = {f"rounds_{side}": [round(r["rps"]) for r in rs] for side, rs in rounds.items()}
@@ -148,6 +173,7 @@ def main() -> None:
         bytes=len(data),
         replica_workers=workers,
         non_2xx=sum(r["non_2xx"] for r in rounds["b1n"]),
+        edge_log_lines=edge_log_lines,
         p99_ms=med["b1n"]["p99_ms"],
         **each,
     )

@@ -39,7 +39,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -248,21 +248,31 @@ def test_compose_replicas_share_no_filesystem_and_reach_the_bucket() -> None:
         assert svc["depends_on"]["bucket"] == {"condition": "service_completed_successfully"}
         assert svc["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
         mounts = [v.split(":") for v in svc["volumes"]]
-        assert [m[1] for m in mounts] == [env["KCACHE_DATA_DIR"]], name
+        # Its data directory, and the directory of its nginx's edge log, read-only.
+        edge_dir = str(PurePosixPath(env["KCACHE_EDGE_LOG"]).parent)
+        assert [m[1] for m in mounts] == [env["KCACHE_DATA_DIR"], edge_dir], name
+        assert mounts[1][-1] == "ro", name  # nginx writes the edge log, the replica reads it
         assert all(m[0] in compose["volumes"] for m in mounts), name  # named, not a host path
         data_volumes += [m[0] for m in mounts]
     assert len(set(data_volumes)) == len(data_volumes), f"replicas share a volume: {data_volumes}"
-    # Nothing else mounts a replica's volume (the migrate step needs none) but the nginx in
-    # front of that replica, read-only (deploy/nginx/: it sends the replica's files).
+    # Nothing else mounts a replica's volumes (the migrate step needs none) but the nginx in
+    # front of that replica: its data read-only (deploy/nginx/: it sends the replica's files),
+    # its edge log's directory read-write (nginx writes the log), at the same path.
     for name, svc in services.items():
         if name not in replicas:
             shared = [
                 v.split(":") for v in svc.get("volumes", []) if v.split(":")[0] in data_volumes
             ]
             if name.startswith("nginx-"):
-                replica = svc["environment"]["KCACHE_REPLICA"].split(":")[0]
-                assert [m[0] for m in shared] == [services[replica]["volumes"][0].split(":")[0]]
-                assert all(m[-1] == "ro" for m in shared), name
+                replica = services[svc["environment"]["KCACHE_REPLICA"].split(":")[0]]
+                data, edge = (v.split(":") for v in replica["volumes"])
+                assert [m[0] for m in shared] == [data[0], edge[0]], name
+                assert shared[0][-1] == "ro" and len(shared[1]) == 2, name
+                assert shared[1][1] == edge[1], name
+                assert (
+                    svc["environment"]["KCACHE_EDGE_LOG"]
+                    == replica["environment"]["KCACHE_EDGE_LOG"]
+                ), name
             else:
                 assert not shared, name
 

@@ -245,6 +245,13 @@ class Settings(BaseSettings):
         "carrying X-KCache-Accel: off (nginx's fallback) gets the bytes. Unset: the bytes are sent "
         "here. Set it only where every client comes through that nginx",
     )
+    edge_log: Path | None = Field(
+        default=None,
+        description="behind the deploy's nginx with its cache (deploy/nginx/kcache.conf.template): "
+        "the file nginx writes a kcache_edge line to per fetch by key it answered from its cache; "
+        "one process of this server follows it and audits each as a fetch (the file lock and "
+        "where it got to are in <data_dir>/locks). Unset: nothing is read",
+    )
     db_pool_size: int = Field(default=16, ge=1, description="PostgreSQL connections kept open")
     db_max_overflow: int = Field(
         default=64, ge=0, description="further PostgreSQL connections under load"

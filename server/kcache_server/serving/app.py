@@ -54,6 +54,7 @@ from kcache_server.routes import ROUTERS
 from kcache_server.schemas import invalid_request
 from kcache_server.security_headers import secure
 from kcache_server.serving.artifact_fastpath import ArtifactFastPath
+from kcache_server.serving.edge_audit import install_edge_audit
 from kcache_server.serving.openapi import install_openapi
 from kcache_server.serving.resolve_fastpath import ResolveFastPath
 from kcache_server.settings import Settings
@@ -266,12 +267,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     evictor = install_eviction(state)  # refuses water marks that make no sense
     verifier, verify_pool = install_verification(state)
+    edge_log = install_edge_audit(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.limiter = anyio.CapacityLimiter(settings.request_threads)
         await anyio.to_thread.run_sync(backends.compiler.start)
         audit.start()
+        if edge_log is not None:
+            edge_log.start()
         retention.start()
         evictor.start()
         verifier.start()
@@ -283,6 +287,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await anyio.to_thread.run_sync(verify_pool.close)
             await anyio.to_thread.run_sync(evictor.close)
             await anyio.to_thread.run_sync(retention.close)
+            if edge_log is not None:
+                await anyio.to_thread.run_sync(edge_log.close)
             await anyio.to_thread.run_sync(audit.close)
             await anyio.to_thread.run_sync(backends.compiler.close)
             db.dispose()
