@@ -155,6 +155,7 @@ def run_ranks(script: str, configs: list[Path], url: str, timeout: float) -> dic
             raise RuntimeError(f"a rank exited {proc.returncode}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
     return {
+        "go": go,
         "wall_ms": (max(r["end"] for r in reports) - go) * 1000.0,
         "cpu_ms": sum(r["cpu_ms"] for r in reports),
         "server": server_requests(url) - before,

@@ -8,11 +8,13 @@ holds more than one entry, and never reads further than an entry's header says::
     {"recipe_key": K, "artifact": META, "signature": SIG, "size": N}\\n
     <N bytes>\\n                                                    one entry, repeated
     {"missing": K, "reason": "..."}\\n                             a key not served (server)
-    {"end": true, "entries": E, "missing": M}\\n                   the trailer
+    {"end": true, "entries": E, "missing": M, "signature": SIG}\\n  the trailer
 
 ``META`` is the artifact metadata of the API (:func:`kcache.artifact_header.parse_meta`),
 ``SIG`` the server's signature of the recipe key -> that metadata
-(:class:`kcache.signing.Signature`). A line is at most :data:`MAX_LINE_BYTES`; an entry's
+(:class:`kcache.signing.Signature`). The trailer's ``SIG`` (a server's answer has it; a
+file need not) signs every entry's binding at once (:class:`kcache.signing.BundleDigest`),
+so a reader can check one signature instead of one per entry. A line is at most :data:`MAX_LINE_BYTES`; an entry's
 bytes at most what the reader accepts. A stream without its trailer, or whose trailer
 does not count what came before it, is truncated (:class:`BundleError`): a reader can
 tell a cut stream from a whole one, whatever it is cut at.
@@ -46,9 +48,13 @@ __all__ = [
     "BundleError",
     "BundleMissing",
     "BundleReader",
+    "EntryHead",
+    "IndexedEntry",
+    "check_entry_bytes",
     "end_line",
     "entry_head",
     "header_line",
+    "index_bundle",
     "missing_line",
     "read_chunks",
 ]
@@ -109,9 +115,15 @@ def missing_line(recipe_key: str, reason: str) -> bytes:
     return _line({"missing": recipe_key, "reason": reason[:1024]})
 
 
-def end_line(entries: int, missing: int) -> bytes:
-    """The trailer: without it, or with other counts, a reader takes the bundle as truncated."""
-    return _line({"end": True, "entries": entries, "missing": missing})
+def end_line(entries: int, missing: int, signature: Signature | None = None) -> bytes:
+    """The trailer: without it, or with other counts, a reader takes the bundle as truncated.
+
+    ``signature``: the signer's over all entries (:class:`kcache.signing.BundleDigest`).
+    """
+    trailer: dict[str, Any] = {"end": True, "entries": entries, "missing": missing}
+    if signature is not None:
+        trailer["signature"] = signature.to_dict()
+    return _line(trailer)
 
 
 def read_chunks(handle: BinaryIO, size: int = _CHUNK) -> Iterator[bytes]:
@@ -121,6 +133,100 @@ def read_chunks(handle: BinaryIO, size: int = _CHUNK) -> Iterator[bytes]:
         if not chunk:
             return
         yield chunk
+
+
+@dataclass(frozen=True)
+class EntryHead:
+    """An entry's header line, checked: what its bytes must be (``size`` of them, hashing to
+    ``meta.digest``) and who signed it (well formed; whether trusted is the consumer's check)."""
+
+    recipe_key: str
+    meta: ArtifactMeta
+    signature: Signature
+
+    @property
+    def size(self) -> int:
+        return self.meta.size
+
+
+def _json_object(line: bytes, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        raise BundleError(f"{where}: a line that is not JSON") from None
+    if not isinstance(value, dict):
+        raise BundleError(f"{where}: a line that is not a JSON object")
+    return value
+
+
+def _check_header(line: bytes | None, where: str) -> None:
+    if line is None:
+        raise BundleError(f"{where}: empty, not a bundle")
+    head = _json_object(line, where)
+    if head.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{where}: not a kcache bundle")
+    if head.get("version") != BUNDLE_VERSION:
+        raise BundleError(
+            f"{where}: bundle version {head.get('version')!r}; this kcache reads "
+            f"version {BUNDLE_VERSION}"
+        )
+
+
+def _check_trailer(item: dict[str, Any], entries: int, missing: int, where: str) -> None:
+    if item.get("entries") != entries or item.get("missing") != missing:
+        raise BundleError(
+            f"{where}: the trailer counts {item.get('entries')} entries and "
+            f"{item.get('missing')} missing, the bundle held {entries} and {missing}"
+        )
+
+
+def _trailer_signature(item: dict[str, Any], where: str) -> Signature | None:
+    if "signature" not in item:
+        return None
+    try:
+        return Signature.from_dict(item["signature"])
+    except SignatureError as exc:
+        raise BundleError(f"{where}: the trailer's signature: {exc}") from None
+
+
+def _missing(item: dict[str, Any], where: str) -> BundleMissing:
+    key = item.get("missing")
+    if not is_hex_key(key):
+        raise BundleError(f"{where}: a missing line without a recipe key")
+    return BundleMissing(str(key), str(item.get("reason", ""))[:1024])
+
+
+def _entry_head(item: dict[str, Any], n: int, max_entry_bytes: int, where: str) -> EntryHead:
+    """Entry ``n``'s header checked: key, metadata, size (within ``max_entry_bytes``), signature."""
+    key = item.get("recipe_key")
+    if not is_hex_key(key):
+        raise BundleError(f"{where}: entry {n} names no valid recipe key")
+    try:
+        meta = parse_meta(item.get("artifact"), f"entry {n}'s artifact")
+    except ValueError as exc:
+        raise BundleError(f"{where}: {exc}") from None
+    size = item.get("size")
+    if size != meta.size or not isinstance(size, int):
+        raise BundleError(f"{where}: entry {n}'s size is not its metadata's")
+    if size > max_entry_bytes:
+        raise BundleError(
+            f"{where}: entry {n} is {size} bytes, more than the {max_entry_bytes} "
+            "accepted (max_artifact_bytes)"
+        )
+    try:
+        signature = Signature.from_dict(item.get("signature"))
+    except (SignatureError, TypeError, AttributeError) as exc:
+        raise BundleError(f"{where}: entry {n}'s signature: {exc}") from None
+    return EntryHead(str(key), meta, signature)
+
+
+def check_entry_bytes(head: EntryHead, data: bytes, where: str) -> None:
+    """Refuse bytes that do not hash to the digest the entry's metadata names."""
+    if hashlib.sha256(data).hexdigest() != head.meta.digest:
+        raise BundleError(
+            f"{where}: the entry of recipe {head.recipe_key}: its bytes do not hash to the "
+            "digest its metadata names (damaged or tampered with)"
+        )
 
 
 class BundleReader:
@@ -134,17 +240,23 @@ class BundleReader:
     def __init__(self, chunks: Iterable[bytes], *, max_entry_bytes: int, where: str) -> None:
         self._chunks = iter(chunks)
         self._buffer = bytearray()
+        self._pos = 0  # what of the buffer is read (dropped from its front now and then)
         self._done = False
         self.max_entry_bytes = max_entry_bytes
         self.where = where
         self.entries = 0
         self.missing = 0
+        #: The trailer's signature over every entry, once the trailer is read (None: it had none).
+        self.signature: Signature | None = None
 
     def _fill(self) -> bool:
         if self._done:
             return False
         for chunk in self._chunks:
             if chunk:
+                if self._pos:  # one move per chunk, not one per line read
+                    del self._buffer[: self._pos]
+                    self._pos = 0
                 self._buffer += chunk
                 return True
         self._done = True
@@ -152,107 +264,116 @@ class BundleReader:
 
     def _read_line(self) -> bytes | None:
         """The next line without its newline; None at a clean end of the bytes."""
-        start = 0
+        start = self._pos
         while True:
             end = self._buffer.find(b"\n", start)
             if end >= 0:
-                line = bytes(self._buffer[:end])
-                del self._buffer[: end + 1]
+                line = bytes(self._buffer[self._pos : end])
+                self._pos = end + 1
                 return line
-            if len(self._buffer) > MAX_LINE_BYTES:
+            if len(self._buffer) - self._pos > MAX_LINE_BYTES:
                 raise BundleError(f"{self.where}: a line longer than {MAX_LINE_BYTES} bytes")
-            start = len(self._buffer)
+            start = len(self._buffer) - self._pos
             if not self._fill():
-                if self._buffer:
+                if len(self._buffer) > self._pos:
                     raise BundleError(f"{self.where}: truncated inside a line")
                 return None
+            start += self._pos
 
     def _read_exact(self, n: int) -> bytes:
-        while len(self._buffer) < n:
+        while len(self._buffer) - self._pos < n:
             if not self._fill():
                 raise BundleError(
                     f"{self.where}: truncated inside entry {self.entries + 1} "
-                    f"({len(self._buffer)} of its {n} bytes)"
+                    f"({len(self._buffer) - self._pos} of its {n} bytes)"
                 )
-        data = bytes(self._buffer[:n])
-        del self._buffer[:n]
+        data = bytes(self._buffer[self._pos : self._pos + n])
+        self._pos += n
         return data
 
-    def _json(self, line: bytes) -> dict[str, Any]:
-        try:
-            value = json.loads(line)
-        except ValueError:
-            raise BundleError(f"{self.where}: a line that is not JSON") from None
-        if not isinstance(value, dict):
-            raise BundleError(f"{self.where}: a line that is not a JSON object")
-        return value
-
     def __iter__(self) -> Iterator[BundleEntry | BundleMissing]:
-        first = self._read_line()
-        if first is None:
-            raise BundleError(f"{self.where}: empty, not a bundle")
-        head = self._json(first)
-        if head.get("format") != BUNDLE_FORMAT:
-            raise BundleError(f"{self.where}: not a kcache bundle")
-        if head.get("version") != BUNDLE_VERSION:
-            raise BundleError(
-                f"{self.where}: bundle version {head.get('version')!r}; this kcache reads "
-                f"version {BUNDLE_VERSION}"
-            )
+        _check_header(self._read_line(), self.where)
         while True:
             raw = self._read_line()
             if raw is None:
                 raise BundleError(
                     f"{self.where}: truncated after {self.entries} entries (no trailer)"
                 )
-            item = self._json(raw)
+            item = _json_object(raw, self.where)
             if item.get("end") is True:
-                if item.get("entries") != self.entries or item.get("missing") != self.missing:
-                    raise BundleError(
-                        f"{self.where}: the trailer counts {item.get('entries')} entries and "
-                        f"{item.get('missing')} missing, the bundle held {self.entries} and "
-                        f"{self.missing}"
-                    )
-                if self._buffer or self._fill():
+                _check_trailer(item, self.entries, self.missing, self.where)
+                self.signature = _trailer_signature(item, self.where)
+                if len(self._buffer) > self._pos or self._fill():
                     raise BundleError(f"{self.where}: bytes after the trailer")
                 return
             if "missing" in item:
-                key = item.get("missing")
-                if not is_hex_key(key):
-                    raise BundleError(f"{self.where}: a missing line without a recipe key")
                 self.missing += 1
-                yield BundleMissing(str(key), str(item.get("reason", ""))[:1024])
+                yield _missing(item, self.where)
                 continue
             yield self._entry(item)
 
     def _entry(self, item: dict[str, Any]) -> BundleEntry:
-        n = self.entries + 1
-        key = item.get("recipe_key")
-        if not is_hex_key(key):
-            raise BundleError(f"{self.where}: entry {n} names no valid recipe key")
-        try:
-            meta = parse_meta(item.get("artifact"), f"entry {n}'s artifact")
-        except ValueError as exc:
-            raise BundleError(f"{self.where}: {exc}") from None
-        size = item.get("size")
-        if size != meta.size or not isinstance(size, int):
-            raise BundleError(f"{self.where}: entry {n}'s size is not its metadata's")
-        if size > self.max_entry_bytes:
-            raise BundleError(
-                f"{self.where}: entry {n} is {size} bytes, more than the {self.max_entry_bytes} "
-                "accepted (max_artifact_bytes)"
-            )
-        try:
-            signature = Signature.from_dict(item.get("signature"))
-        except (SignatureError, TypeError, AttributeError) as exc:
-            raise BundleError(f"{self.where}: entry {n}'s signature: {exc}") from None
-        data = self._read_exact(size)
+        head = _entry_head(item, self.entries + 1, self.max_entry_bytes, self.where)
+        data = self._read_exact(head.size)
         if self._read_exact(1) != b"\n":
-            raise BundleError(f"{self.where}: entry {n} is longer than its size")
-        if hashlib.sha256(data).hexdigest() != meta.digest:
-            raise BundleError(
-                f"{self.where}: entry {n} (recipe {key}): its bytes do not hash to the digest "
-                "its metadata names (damaged or tampered with)"
-            )
+            raise BundleError(f"{self.where}: entry {self.entries + 1} is longer than its size")
+        check_entry_bytes(head, data, self.where)
         self.entries += 1
-        return BundleEntry(str(key), meta, signature, data)
+        return BundleEntry(head.recipe_key, head.meta, head.signature, data)
+
+
+@dataclass(frozen=True)
+class IndexedEntry:
+    """Where an entry's bytes lie in a bundle file: ``head.size`` of them from ``offset``."""
+
+    head: EntryHead
+    offset: int
+
+
+def index_bundle(handle: BinaryIO, *, max_entry_bytes: int, where: str) -> list[IndexedEntry]:
+    """The entries of a seekable bundle file, their framing checked, their bytes not read.
+
+    The header, each entry's header line (as :class:`BundleReader` checks them), that
+    each entry's bytes are followed by the newline its size puts there, and the trailer.
+    The bytes are not hashed: whoever reads an entry checks them then
+    (:func:`check_entry_bytes`), so a reader that needs a few entries of a large file
+    hashes only those. Raises :class:`BundleError` for anything else, truncation included.
+    """
+    _check_header(_file_line(handle, where), where)
+    found: list[IndexedEntry] = []
+    missing = 0
+    while True:
+        raw = _file_line(handle, where)
+        if raw is None:
+            raise BundleError(f"{where}: truncated after {len(found)} entries (no trailer)")
+        item = _json_object(raw, where)
+        if item.get("end") is True:
+            _check_trailer(item, len(found), missing, where)
+            if handle.read(1):
+                raise BundleError(f"{where}: bytes after the trailer")
+            return found
+        if "missing" in item:
+            _missing(item, where)
+            missing += 1
+            continue
+        head = _entry_head(item, len(found) + 1, max_entry_bytes, where)
+        offset = handle.tell()
+        handle.seek(head.size, 1)
+        end = handle.read(1)
+        if end != b"\n":
+            raise BundleError(
+                f"{where}: entry {len(found) + 1} "
+                + ("is truncated" if not end else "is longer than its size")
+            )
+        found.append(IndexedEntry(head, offset))
+
+
+def _file_line(handle: BinaryIO, where: str) -> bytes | None:
+    line = handle.readline(MAX_LINE_BYTES + 1)
+    if not line:
+        return None
+    if not line.endswith(b"\n"):
+        if len(line) > MAX_LINE_BYTES:
+            raise BundleError(f"{where}: a line longer than {MAX_LINE_BYTES} bytes")
+        raise BundleError(f"{where}: truncated inside a line")
+    return line[:-1]

@@ -31,6 +31,7 @@ __all__ = [
     "fsync_dir",
     "identity",
     "is_disk_full",
+    "open_regular",
     "read_file",
     "read_file_identified",
     "regular_files",
@@ -112,6 +113,26 @@ def read_file(path: str, max_bytes: int | None = None) -> bytes:
     return read_file_identified(path, max_bytes)[0]
 
 
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of the regular file at ``path`` (never through a symbolic link,
+    never blocking on a FIFO) and its ``fstat``; :class:`UnsafeFileError` for anything else.
+    The caller closes it."""
+    try:
+        fd = os.open(path, _READ)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFileError(path, "is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(path, f"is {_kind(st.st_mode)}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def read_file_identified(path: str, max_bytes: int | None = None) -> tuple[bytes, FileIdentity]:
     """:func:`read_file`, and the identity of the file read, from the same descriptor.
 
@@ -125,16 +146,8 @@ def read_file_identified(path: str, max_bytes: int | None = None) -> tuple[bytes
     A file that grows past the bound while it is read is cut there (its bytes then do
     not have the identity's size, which callers check).
     """
+    fd, st = open_regular(path)
     try:
-        fd = os.open(path, _READ)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeFileError(path, "is a symbolic link") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafeFileError(path, f"is {_kind(st.st_mode)}")
         if max_bytes is not None and st.st_size > max_bytes:
             raise UnsafeFileError(
                 path, f"holds {st.st_size} bytes, more than the {max_bytes} expected"

@@ -16,6 +16,12 @@ and new. A client that pinned a server's key on first contact follows a rotation
 through an endorsement: the old key's signature over the new public key
 (:meth:`SigningKey.endorse`, :meth:`TrustedKeys.verify_endorsement`), which the server
 publishes beside the new key. Nothing else moves a pin.
+
+A bundle (many artifacts in one answer, :mod:`kcache.bundle_format`) also carries one
+signature over all of its entries' bindings in order (:class:`BundleDigest`): a node
+that checks it has checked every entry with one verification, where one per entry was
+most of a large prefetch's time on the client. Each entry keeps its own signature too,
+for whoever later reads the entry alone.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from kcache.errors import KCacheError
 __all__ = [
     "ALGORITHM",
     "HEADER",
+    "BundleDigest",
     "Signature",
     "SignatureError",
     "SigningKey",
@@ -51,6 +58,8 @@ HEADER = "X-KCache-Signature"
 _ENDORSEMENT = b"kcache-key-endorsement/v1:"
 #: Bumped if the signed fields ever change; part of the message, so old and new never mix.
 _MESSAGE_VERSION = 1
+#: What a bundle's signature signs before its entries' digest: never another message.
+_BUNDLE = b"kcache-bundle/v1:"
 
 
 class SignatureError(KCacheError, ValueError):
@@ -99,6 +108,24 @@ def signed_message(recipe_key: str, meta: ArtifactMeta) -> bytes:
         "dependencies": sorted([d.name, d.sha256] for d in meta.dependencies),
     }
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+class BundleDigest:
+    """What a bundle's signature covers: the (recipe key -> metadata) binding of each of its
+    entries (:func:`signed_message`), in stream order, and how many there are."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self.count = 0
+
+    def add(self, recipe_key: str, meta: ArtifactMeta) -> None:
+        """The next entry."""
+        self._hash.update(hashlib.sha256(signed_message(recipe_key, meta)).digest())
+        self.count += 1
+
+    def message(self) -> bytes:
+        """The bytes signed for the entries added so far."""
+        return _BUNDLE + self.count.to_bytes(8, "big") + self._hash.copy().digest()
 
 
 @dataclass(frozen=True)
@@ -215,6 +242,10 @@ class SigningKey:
         """Sign ``recipe_key`` -> ``meta``."""
         return Signature(self.key_id, _b64(self._private.sign(signed_message(recipe_key, meta))))
 
+    def sign_bundle(self, entries: BundleDigest) -> Signature:
+        """Sign a bundle's entries (:class:`BundleDigest`)."""
+        return Signature(self.key_id, _b64(self._private.sign(entries.message())))
+
     def endorse(self, public_key: str) -> Signature:
         """This key's endorsement of ``public_key`` (base64url): "sign with it after me"."""
         raw = _unb64(public_key, "the endorsed public key")
@@ -286,22 +317,29 @@ class TrustedKeys:
 
     def verify(self, recipe_key: str, meta: ArtifactMeta, signature: Signature | None) -> None:
         """Raise :class:`SignatureError` unless ``signature`` by a trusted key covers ``recipe_key`` -> ``meta``."""
+        what = f"the artifact for recipe {recipe_key}"
+        if signature is None:
+            raise SignatureError(f"{what} carries no signature")
+        self._verify(signature, signed_message(recipe_key, meta), what)
+
+    def verify_bundle(self, entries: BundleDigest, signature: Signature) -> None:
+        """Raise :class:`SignatureError` unless ``signature`` by a trusted key covers the
+        bundle's ``entries``."""
+        self._verify(signature, entries.message(), f"the bundle of {entries.count} entries")
+
+    def _verify(self, signature: Signature, message: bytes, what: str) -> None:
         from cryptography.exceptions import InvalidSignature
 
-        if signature is None:
-            raise SignatureError(f"the artifact for recipe {recipe_key} carries no signature")
         public = self._keys.get(signature.key_id)
         if public is None:
             raise SignatureError(
-                f"the artifact for recipe {recipe_key} is signed by key {signature.key_id}, which is "
-                f"not trusted here (trusted: {', '.join(self.key_ids) or 'none'})"
+                f"{what} is signed by key {signature.key_id}, which is not trusted here "
+                f"(trusted: {', '.join(self.key_ids) or 'none'})"
             )
         try:
-            public.verify(
-                _unb64(signature.signature, "the signature"), signed_message(recipe_key, meta)
-            )
+            public.verify(_unb64(signature.signature, "the signature"), message)
         except InvalidSignature as exc:
             raise SignatureError(
-                f"the signature of the artifact for recipe {recipe_key} by key {signature.key_id} "
-                "does not verify: the metadata or the key-to-digest binding was changed"
+                f"the signature of {what} by key {signature.key_id} does not verify: the "
+                "metadata or the key-to-digest binding was changed"
             ) from exc

@@ -9,8 +9,10 @@ driver's bare ``CUDA_ERROR_NO_BINARY_FOR_GPU``.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -206,10 +208,19 @@ class Artifact:
     signature: Signature | None = field(default=None, repr=False)
     #: What the signature was checked against when it was found (checked again on load).
     trust: Trust | None = field(default=None, repr=False, compare=False)
+    #: Writes the bytes to a file of their own and returns its path, for an artifact the
+    #: node tier holds in a pack (kcache_client._packs) that has no blob file yet.
+    materialize: Callable[[], str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def path(self) -> Path:
-        """The blob in the node-local tier (read-only; copy it to modify it)."""
+        """The blob in the node-local tier (read-only; copy it to modify it).
+
+        A kernel a prefetch left in one of the tier's packs gets its file when this is
+        first asked for (most callers only read ``data``).
+        """
+        if self.materialize is not None and not os.path.isfile(self.blob_path):
+            return Path(self.materialize())
         return Path(self.blob_path)
 
     @property

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kcache.artifact import ArtifactMeta
 from kcache.bundle_format import (
     BundleEntry,
     BundleError,
@@ -45,6 +46,8 @@ from kcache.bundle_format import (
 from kcache.errors import KCacheError
 from kcache.fsutil import atomic_write
 from kcache.job_manifest import JobManifest
+from kcache.signing import BundleDigest, Signature
+from kcache_client._packs import PackWriter
 from kcache_client._remote import Remote
 from kcache_client._settings import ClientSettings
 from kcache_client._stats import CacheStats
@@ -118,6 +121,8 @@ def _marked_complete(tiers: Sequence[NodeTier], manifest: JobManifest) -> bool:
     marked = tiers[0].marked(manifest.digest)
     if marked is None or sorted(k for k, _ in marked) != manifest.recipe_keys:
         return False
+    for tier in tiers:
+        tier.packs.refresh()
     return all(any(t.present(k, d) for t in tiers) for k, d in marked)
 
 
@@ -169,31 +174,107 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
 
 
 def _fetch(cache: BundleCache, keys: list[str], held: dict[str, str]) -> tuple[int, list[str]]:
-    """One bundle request for ``keys``: each entry checked, then published; (published, missing)."""
+    """One bundle request for ``keys``, its entries checked and kept; (kept, missing).
+
+    Each entry's framing, size and digest are checked as it arrives, and the entries go
+    into one pack of the node tier (:mod:`~kcache_client._packs`), put in place once the
+    server's signature over all of them verifies (one verification: the trailer's; one
+    per entry from a server that sends none). A stream cut or damaged half way keeps
+    the entries that arrived whole, each checked by its own signature first, and the
+    error is raised. Into a tier this process may not write, entries go one by one
+    through :meth:`NodeTier.publish`, which knows what the tier's standing allows.
+    """
     remote = cache._require_server()
     where = f"{remote.url}/v1/bundle"
-    asked = set(keys)
-    fetched = 0
+    tier = cache.tier
     missing: list[str] = []
     cache.stats.add("bundle_requests")
+    if not tier.standing.writable or tier.read_only:
+        return _fetch_each(cache, remote, keys, held, missing)
+    signed = BundleDigest()
+    arrived: list[tuple[str, ArtifactMeta, Signature]] = []
+    pack = tier.packs.writer()
+    try:
+        with remote.bundle(keys, context=cache.context()) as chunks:
+            reader = BundleReader(chunks, max_entry_bytes=remote.max_artifact_bytes, where=where)
+            try:
+                for item in _asked_entries(reader, keys, held, missing, where):
+                    remote.check_size(item.meta, where)
+                    pack.add(item.recipe_key, item.meta, item.data, item.signature)
+                    signed.add(item.recipe_key, item.meta)
+                    arrived.append((item.recipe_key, item.meta, item.signature))
+            except KCacheError:
+                for key, meta, signature in arrived:
+                    remote.check_entry(key, meta, signature, where)
+                _keep(cache, pack, arrived, held)
+                raise
+        if reader.signature is not None:
+            remote.check_bundle(signed, reader.signature, where)
+        else:  # a server that predates bundle signatures
+            for key, meta, signature in arrived:
+                remote.check_entry(key, meta, signature, where)
+        _keep(cache, pack, arrived, held)
+    finally:
+        pack.abandon()  # nothing, once kept
+    return len(arrived), _unanswered(keys, held, missing)
+
+
+def _asked_entries(
+    reader: BundleReader, keys: list[str], held: dict[str, str], missing: list[str], where: str
+) -> Iterator[BundleEntry]:
+    """The reader's entries, each of a key asked for and not answered before; missing keys
+    noted in ``missing``."""
+    asked = set(keys) - held.keys()
+    for item in reader:
+        if isinstance(item, BundleMissing):
+            missing.append(item.recipe_key)
+            continue
+        if item.recipe_key not in asked:
+            raise ResponseRefusedError(
+                where, f"an entry for recipe {item.recipe_key}, not asked for"
+            )
+        asked.discard(item.recipe_key)
+        yield item
+
+
+def _keep(
+    cache: BundleCache,
+    pack: PackWriter,
+    arrived: list[tuple[str, ArtifactMeta, Signature]],
+    held: dict[str, str],
+) -> None:
+    """Put the checked pack in place and note what it holds."""
+    tier = cache.tier
+    if pack.commit() is None:
+        return
+    tier.packs.adopt(pack)
+    tier.stored(pack.bytes)
+    for key, meta, _ in arrived:
+        held[key] = meta.digest
+        cache.stats.add("bundle_entries")
+
+
+def _fetch_each(
+    cache: BundleCache, remote: Remote, keys: list[str], held: dict[str, str], missing: list[str]
+) -> tuple[int, list[str]]:
+    """:func:`_fetch` into a tier this process does not write packs into: entry by entry."""
+    where = f"{remote.url}/v1/bundle"
+    fetched = 0
     with remote.bundle(keys, context=cache.context()) as chunks:
         reader = BundleReader(chunks, max_entry_bytes=remote.max_artifact_bytes, where=where)
-        for item in reader:
-            if isinstance(item, BundleMissing):
-                missing.append(item.recipe_key)
-                continue
+        for item in _asked_entries(reader, keys, held, missing, where):
             key = item.recipe_key
-            if key not in asked or key in held:
-                raise ResponseRefusedError(where, f"an entry for recipe {key}, not asked for")
             signature = remote.check_entry(key, item.meta, item.signature, where)
             cache.tier.publish(key, None, item.meta, item.data, signature)
             held[key] = item.meta.digest
             fetched += 1
             cache.stats.add("bundle_entries")
-    unanswered = asked - held.keys() - set(missing)
-    if unanswered:  # a well-framed answer that skipped keys: told, not guessed at
-        missing.extend(sorted(unanswered))
-    return fetched, missing
+    return fetched, _unanswered(keys, held, missing)
+
+
+def _unanswered(keys: list[str], held: dict[str, str], missing: list[str]) -> list[str]:
+    """``missing``, and the keys a well-framed answer skipped (told, not guessed at)."""
+    return missing + sorted(set(keys) - held.keys() - set(missing))
 
 
 # ---------------------------------------------------------------------- files

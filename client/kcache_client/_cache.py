@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -220,6 +221,8 @@ class KernelCache:
         self._closed = True
         atexit.unregister(self._atexit)
         self.tier.flush()  # the records of this process's last publishes
+        for tier in (self.tier, *self.layers):
+            tier.close()
         if self._events is not None:
             self._events.close()
         if self._transport is not None:
@@ -590,6 +593,9 @@ class KernelCache:
             origin=origin,
             signature=signature,
             trust=self.trust,
+            materialize=functools.partial(self.tier.materialize, meta.digest, data)
+            if origin == "node"
+            else None,
         )
 
     def _remember(self, art: Artifact) -> Artifact:

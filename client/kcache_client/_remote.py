@@ -36,7 +36,7 @@ from kcache.artifact_header import decode_meta, parse_meta
 from kcache.outcomes import ResolveStatus
 from kcache.recipe import Recipe
 from kcache.signing import HEADER as SIGNATURE_HEADER
-from kcache.signing import Signature, SignatureError
+from kcache.signing import BundleDigest, Signature, SignatureError
 from kcache_client._http import Limit, Transport, batch_item_error
 from kcache_client._settings import max_artifact_bytes_from_env
 from kcache_client._stats import CacheStats
@@ -236,7 +236,8 @@ class Remote:
         next call asks for the rest. Error statuses raise the transport's typed errors
         (the JSON body read within the transport's cap); a connection that fails raises
         ServerUnavailableError. The caller parses and checks the stream
-        (:class:`kcache.bundle_format.BundleReader`, :meth:`check_entry`).
+        (:class:`kcache.bundle_format.BundleReader`, :meth:`check_size`, and
+        :meth:`check_bundle` or :meth:`check_entry`).
         """
         body = {"recipe_keys": list(keys), "context": dict(context)}
         return self.transport.stream("POST", "/v1/bundle", json=body)
@@ -248,6 +249,15 @@ class Remote:
         and its size within ``max_artifact_bytes`` (ResponseRefusedError)."""
         self._check_size(meta, where)
         return self._check_signature(key, meta, signature, where)
+
+    def check_size(self, meta: ArtifactMeta, where: str) -> None:
+        """Refuse an artifact larger than ``max_artifact_bytes`` (ResponseRefusedError)."""
+        self._check_size(meta, where)
+
+    def check_bundle(self, entries: BundleDigest, signature: Signature, where: str) -> None:
+        """A bundle answer's signature over all of its ``entries``, by a key trusted for this
+        server (UntrustedArtifactError)."""
+        self.trust.check_bundle(self.url, entries, signature, self.keys, where)
 
     # ------------------------------------------------------------------ internals
     def _metadata(self, key: str) -> tuple[ArtifactMeta, Signature | None]:

@@ -106,6 +106,7 @@ from kcache.lru import LruCache
 from kcache.signing import Signature, SignatureError
 from kcache.standing import Standing, directory_standing
 from kcache.store.local import LocalArtifactStore
+from kcache_client._packs import PACKS_DIR, PackFile, TierPacks
 from kcache_client._trust import Trust
 
 __all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_dir"]
@@ -122,6 +123,7 @@ _DIRS = (
     "index/manifests",
     "index/complete",
     "locks",
+    "packs",
 )
 #: Entries refused here are warned about once each, up to this many per process.
 _WARNED_MAX = 10_000
@@ -174,12 +176,20 @@ class TierRemoval:
 
 @dataclass(frozen=True)
 class _Scanned:
-    """A blob as one scan saw it (the blob's own mtime tells a later rewrite apart)."""
+    """A blob or a pack as one scan saw it (its own mtime tells a later rewrite apart).
+
+    A pack is one unit of the LRU: ``digest`` is ``packs/<name>``, ``pack`` what it holds.
+    """
 
     digest: str
     size: int
     last_used: float
     blob_mtime: float
+    pack: PackFile | None = None
+
+    @property
+    def entries(self) -> int:
+        return 1 if self.pack is None else len(self.pack.entries)
 
 
 def default_cache_dir() -> Path:
@@ -219,6 +229,10 @@ class NodeTier:
         self.store = LocalArtifactStore(self.root, durable=False, flat=flat)
         self.index = FileIndex(self.root, durable=False, flat=flat)
         self.lock = SingleFlight(FileKeyLock(self.root))
+        #: Bundles kept whole (kcache_client._packs): what a prefetch writes.
+        self.packs = TierPacks(self.root)
+        # (pack name, recipe key) -> why the entry may not be used here, or None (checked once).
+        self._pack_verdicts: dict[tuple[str, str], str | None] = {}
         self.lock_timeout = lock_timeout
         #: The cap and its water marks (``max_bytes`` None: the default; 0: unbounded).
         self.marks = WaterMarks(default_tier_cap(self.root) if max_bytes is None else max_bytes)
@@ -292,9 +306,13 @@ class NodeTier:
         may know better. Nor is an entry this tier's standing does not let it use
         (module docstring): it reads as absent, with a warning.
         """
+        if recipe_key in self.packs:
+            packed = self._from_pack(recipe_key)
+            if packed is not None:
+                return packed
         found = self._entry(recipe_key)
         if found is None:
-            return None
+            return self._from_pack(recipe_key) if self.packs.refresh() else None
         entry, signature = found
         try:
             data = self._blob(entry.digest, entry.size)
@@ -307,6 +325,62 @@ class NodeTier:
             return None
         self._touch(entry.digest)
         return entry, data, signature
+
+    def _pack_entry(self, recipe_key: str) -> tuple[str, ArtifactMeta, Signature] | None:
+        """The pack entry of ``recipe_key`` this tier may use (its signature checked where the
+        standing asks, once per entry per process), or None; its bytes are not read."""
+        found = self.packs.entry(recipe_key)
+        if found is None:
+            return None
+        name, meta, signature = found
+        verdict_key = (name, recipe_key)
+        if verdict_key not in self._pack_verdicts:
+            self._pack_verdicts[verdict_key] = self._trust_problem(recipe_key, meta, signature)
+        problem = self._pack_verdicts[verdict_key]
+        if problem is not None:
+            self._refuse(f"the entry of recipe {recipe_key} in pack {name}", problem)
+            return None
+        return found
+
+    def _from_pack(self, recipe_key: str) -> tuple[ArtifactMeta, bytes, Signature] | None:
+        found = self._pack_entry(recipe_key)
+        if found is None:
+            return None
+        name, meta, signature = found
+        data = self.packs.read(recipe_key)
+        if data is None:
+            return None
+        self._touch_pack(name)
+        return meta, data, signature
+
+    def _touch_pack(self, name: str) -> None:
+        if self.read_only:
+            return
+        now = time.monotonic()
+        stamp = f"{PACKS_DIR}/{name}"
+        last = self._touched.get(stamp)
+        if last is None or now - last >= _TOUCH_EVERY_S:
+            self._touched.put(stamp, now)
+            self.packs.touch(name)
+
+    def materialize(self, digest: str, data: bytes) -> str:
+        """Put ``data`` (verified, of ``digest``) at :meth:`location` when only a pack holds it,
+        so that a caller wanting a file (``Artifact.path``) has one; its path."""
+        location = self.location(digest)
+        if os.path.isfile(location):
+            return location
+        if not self.standing.writable or self.read_only:
+            raise KCacheError(
+                f"the kernel {digest} is held in a pack of the node tier {self.root}, which is "
+                "not writable here, so it has no file of its own: use the artifact's bytes"
+            )
+        self.store.put(data)
+        return location
+
+    def close(self) -> None:
+        """Let go of the descriptors of the packs this process read."""
+        self.packs.close()
+        self._pack_verdicts.clear()
 
     def _forget(self, recipe_key: str) -> None:
         if self.standing.writable:
@@ -532,6 +606,10 @@ class NodeTier:
             except FileNotFoundError:
                 used = blob.st_mtime  # no record (yet): as old as the blob
             found.append(_Scanned(digest, blob.st_size, used, blob.st_mtime))
+        for pack in self.packs.files():
+            found.append(
+                _Scanned(f"{PACKS_DIR}/{pack.name}", pack.size, pack.mtime, pack.mtime, pack)
+            )
         took = time.monotonic() - started
         with self._size_lock:
             self._scanned_bytes = sum(b.size for b in found)
@@ -592,6 +670,12 @@ class NodeTier:
         aliases = self._aliases()
         removed = freed = 0
         for victim in victims:
+            if victim.pack is not None:  # a pack goes whole; its readers keep their descriptor
+                gone_bytes = self.packs.remove(victim.pack.name)
+                if gone_bytes:
+                    removed += len(victim.pack.entries)
+                    freed += gone_bytes
+                continue
             Path(self._record_path(victim.digest)).unlink(missing_ok=True)
             for alias in aliases.get(victim.digest, ()):
                 if _alias_digest(alias) == victim.digest:  # not re-pointed meanwhile
@@ -619,6 +703,20 @@ class NodeTier:
         aliases = self._aliases()
         listed = []
         for blob in self._scan():
+            if blob.pack is not None:
+                for key, packed in blob.pack.entries.items():
+                    listed.append(
+                        TierEntry(
+                            packed.digest,
+                            packed.size,
+                            blob.last_used,
+                            (key,),
+                            packed.kernel,
+                            packed.target,
+                            packed.kind,
+                        )
+                    )
+                continue
             meta = self.index.artifact(blob.digest)
             keys = tuple(sorted(p.stem for p in aliases.get(blob.digest, ())))
             listed.append(
@@ -642,7 +740,7 @@ class NodeTier:
         return TierUsage(
             self.root,
             sum(b.size for b in scanned),
-            len(scanned),
+            sum(b.entries for b in scanned),
             self.marks,
             min(stamps, default=None),
             max(stamps, default=None),
@@ -653,13 +751,23 @@ class NodeTier:
         self.flush()
         wanted: dict[str, str] = {}
         unknown = []
+        packs = self.packs.files()
+        packed: dict[str, set[str]] = {}  # pack name -> its recipe keys to remove
         for key in keys:
+            in_packs = {
+                (pack.name, k)
+                for pack in packs
+                for k, meta in pack.entries.items()
+                if key in (k, meta.digest)
+            }
+            for name, k in in_packs:
+                packed.setdefault(name, set()).add(k)
             entry = self.index.lookup(key)
             if isinstance(entry, ArtifactMeta):
                 wanted[entry.digest] = key
             elif self.store.has(key):
                 wanted[key] = key
-            else:
+            elif not in_packs:
                 unknown.append(key)
         with self._evicting(wait_s) as held:
             if not held:
@@ -667,7 +775,14 @@ class NodeTier:
                     f"another process held {self._evict_lock_path} for {wait_s:.0f}s"
                 )
             removal = self._remove([b for b in self._scan() if b.digest in wanted])
-        return TierRemoval(removal.removed, removal.bytes_freed, tuple(unknown))
+            removed, freed = removal.removed, removal.bytes_freed
+            if packed and not self.check_standing().writable:
+                raise KCacheError(f"nothing removed from the node tier {self.root}: not writable")
+            for name, drop in packed.items():
+                count, nbytes = self.packs.without(name, drop)
+                removed += count
+                freed += nbytes
+        return TierRemoval(removed, freed, tuple(unknown))
 
     def clear(self, *, wait_s: float = 60.0) -> TierRemoval:
         """Remove every entry."""
@@ -748,6 +863,9 @@ class NodeTier:
         The alias is parsed and its signature checked (once per alias file, as for a
         lookup); the blob is only ``stat``-ed: a lookup verifies its bytes when it reads them.
         """
+        packed = self._pack_entry(recipe_key)
+        if packed is not None:
+            return packed[1].digest
         found = self._entry(recipe_key)
         if found is None or not os.path.isfile(self.location(found[0].digest)):
             return None
@@ -755,7 +873,11 @@ class NodeTier:
 
     def present(self, recipe_key: str, digest: str) -> bool:
         """Whether the alias of ``recipe_key`` and the blob ``digest`` exist (two ``stat`` s;
-        nothing is parsed, hashed or checked: for entries verified before)."""
+        nothing is parsed, hashed or checked: for entries verified before), or a pack this
+        process indexed holds it."""
+        packed = self.packs.entry(recipe_key)
+        if packed is not None and packed[1].digest == digest:
+            return True
         return os.path.isfile(self.index.alias_path(recipe_key)) and os.path.isfile(
             self.location(digest)
         )

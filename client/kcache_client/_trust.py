@@ -37,7 +37,7 @@ import filelock
 
 from kcache.artifact import ArtifactMeta
 from kcache.fsutil import atomic_write
-from kcache.signing import Signature, SignatureError, TrustedKeys, load_backend
+from kcache.signing import BundleDigest, Signature, SignatureError, TrustedKeys, load_backend
 from kcache_client.errors import UntrustedArtifactError
 
 __all__ = ["KnownServers", "Trust", "default_known_servers"]
@@ -158,19 +158,42 @@ class Trust:
                 "it carries no signature (X-KCache-Signature, or the resolve's signature): "
                 "the server predates signed artifacts, or something between strips it",
             )
-        keys = self.given or self._server_keys(url, fetch_keys)
-        if signature.key_id not in keys and not self.given:
-            keys = self._follow_rotation(url, keys, signature.key_id, fetch_keys, where)
+        keys = self._answer_keys(url, signature, fetch_keys, where)
         try:
             keys.verify(recipe_key, meta, signature)
         except SignatureError as exc:
-            how = (
-                "the given keys (KCACHE_TRUSTED_KEYS)"
-                if self.given
-                else f"the keys pinned for {url} in {self.known.path}"
-            )
-            raise UntrustedArtifactError(where, f"{exc}; checked against {how}") from None
+            raise UntrustedArtifactError(where, f"{exc}; {self._checked_against(url)}") from None
         return signature
+
+    def check_bundle(
+        self,
+        url: str,
+        entries: BundleDigest,
+        signature: Signature,
+        fetch_keys: Callable[[], Any],
+        where: str,
+    ) -> None:
+        """Refuse (:class:`UntrustedArtifactError`) a bundle answer unless a key trusted for
+        ``url`` signed its ``entries``, as :meth:`check_answer` checks one answer."""
+        keys = self._answer_keys(url, signature, fetch_keys, where)
+        try:
+            keys.verify_bundle(entries, signature)
+        except SignatureError as exc:
+            raise UntrustedArtifactError(where, f"{exc}; {self._checked_against(url)}") from None
+
+    def _answer_keys(
+        self, url: str, signature: Signature, fetch_keys: Callable[[], Any], where: str
+    ) -> TrustedKeys:
+        """The keys an answer of ``url`` signed by ``signature.key_id`` is checked against."""
+        keys = self.given or self._server_keys(url, fetch_keys)
+        if signature.key_id not in keys and not self.given:
+            keys = self._follow_rotation(url, keys, signature.key_id, fetch_keys, where)
+        return keys
+
+    def _checked_against(self, url: str) -> str:
+        if self.given:
+            return "checked against the given keys (KCACHE_TRUSTED_KEYS)"
+        return f"checked against the keys pinned for {url} in {self.known.path}"
 
     def _server_keys(self, url: str, fetch_keys: Callable[[], Any]) -> TrustedKeys:
         with self._lock:

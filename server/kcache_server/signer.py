@@ -26,7 +26,7 @@ from typing import Any
 
 from kcache.artifact import ArtifactMeta
 from kcache.lru import LruCache
-from kcache.signing import ALGORITHM, HEADER, Signature, SignatureError, SigningKey
+from kcache.signing import ALGORITHM, HEADER, BundleDigest, Signature, SignatureError, SigningKey
 
 __all__ = ["HEADER", "ArtifactSigner"]
 
@@ -71,6 +71,10 @@ class ArtifactSigner:
     def sign(self, recipe_key: str, meta: ArtifactMeta) -> Signature:
         """The signature of ``recipe_key`` -> ``meta`` (memoised)."""
         return self._signed(recipe_key, meta)[1]
+
+    def sign_bundle(self, entries: BundleDigest) -> Signature:
+        """The signature of a bundle's entries (:class:`~kcache.signing.BundleDigest`)."""
+        return self.key.sign_bundle(entries)
 
     def header_pair(self, recipe_key: str, meta: ArtifactMeta) -> bytes:
         """``HEADER: value`` ready for the HTTP protocol's answer (memoised), without CRLF."""

@@ -24,10 +24,10 @@ from kcache_client._trust import Trust
 from kcache_server.settings import Settings
 
 from kcache import Recipe
-from kcache.bundle_format import BundleError, BundleReader
+from kcache.bundle_format import BundleError, BundleReader, entry_head
 from kcache.errors import KCacheError
 from kcache.job_manifest import JobManifest, ManifestError, diff_manifests
-from kcache.signing import SigningKey
+from kcache.signing import BundleDigest, SigningKey
 from tests.cli_harness import kcache, user_env
 from tests.support import FAST, ServerThread
 
@@ -415,3 +415,204 @@ def test_warmup_with_a_manifest_prefetches_it_in_one_request_then_warms_the_reci
 
 def _no_blobs_under(root: Path) -> bool:
     return all(_blobs(d) == [] for d in root.iterdir())
+
+
+# ---------------------------------------------------------------------- packs
+def _packs(root: Path) -> list[Path]:
+    return sorted((root / "packs").glob("*.kcb")) if (root / "packs").exists() else []
+
+
+def _aliases(root: Path) -> list[Path]:
+    recipes = root / "index" / "recipes"
+    return [p for p in recipes.rglob("*") if p.is_file()] if recipes.exists() else []
+
+
+def _rewriting_bundles(proxy: Proxy, change: Any) -> None:
+    """Send every bundle answer through ``change(body) -> body``."""
+
+    def rewrite(seen: Any, headers: dict[str, str], body: bytes) -> tuple[dict[str, str], bytes]:
+        return headers, change(body) if seen.path == "/v1/bundle" else body
+
+    proxy.faults.rewrite = rewrite
+
+
+def _trailer(body: bytes) -> tuple[bytes, dict[str, Any]]:
+    """A bundle's bytes before its trailer line, and the trailer."""
+    rest, last = body.rstrip(b"\n").rsplit(b"\n", 1)
+    return rest + b"\n", json.loads(last)
+
+
+def test_a_prefetch_keeps_the_bundle_as_one_pack_that_every_process_reads(
+    job: Job, manifest: JobManifest, tmp_path: Path
+) -> None:
+    proxy = Proxy(job.server.url)
+    try:
+        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:
+            assert cache.prefetch(manifest).fetched == 3
+        # One file, written whole: no blob, alias or record per kernel.
+        assert len(_packs(tmp_path / "tier")) == 1
+        assert _blobs(tmp_path / "tier") == [] and _aliases(tmp_path / "tier") == []
+        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:  # another process
+            assert cache.prefetch(manifest).requests == 0
+            arts = [cache.get(r, compile=False) for r in job.recipes]
+            assert [a.origin for a in arts] == ["node"] * 3
+            assert [a.digest for a in arts] == job.digests
+            assert proxy.count() == 1
+            entries = cache.tier.entries()
+            assert sorted(e.recipe_keys[0] for e in entries) == sorted(job.keys)
+            assert cache.tier.usage().entries == 3
+            # A caller wanting a file gets one, with the kernel's bytes.
+            assert arts[0].path.read_bytes() == arts[0].data
+            assert len(_blobs(tmp_path / "tier")) == 1
+    finally:
+        proxy.close()
+
+
+def test_a_damaged_pack_reads_as_absent_and_is_replaced(
+    job: Job, manifest: JobManifest, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = Proxy(job.server.url)
+    tier = tmp_path / "tier"
+    try:
+        with _cache(proxy.url, tier, job.known) as cache:
+            cache.prefetch(manifest)
+        (pack,) = _packs(tier)
+        whole = pack.read_bytes()
+        # One byte of one entry flipped in place (failing media): that entry alone is refused.
+        pack.write_bytes(_flip_in_first_entry(whole))
+        first_key = json.loads(whole.split(b"\n", 2)[1])["recipe_key"]
+        with _cache(proxy.url, tier, job.known) as cache:
+            by_key = {cache.key(r): r for r in job.recipes}
+            art = cache.get(by_key[first_key], compile=False)
+            assert art.origin == "server" and art.digest == job.digests[job.keys.index(first_key)]
+            others = [
+                cache.get(r, compile=False).origin for k, r in by_key.items() if k != first_key
+            ]
+            assert others == ["node", "node"]
+        assert "do not hash to its digest" in caplog.text
+        # Cut short (a crash, a full disk): not used at all; the marker no longer stands, and
+        # the next prefetch asks for what no file holds.
+        pack.write_bytes(whole[: len(whole) // 2])
+        with _cache(proxy.url, tier, job.known) as cache:
+            again = cache.prefetch(manifest)
+            assert again.requests == 1 and again.missing == ()
+            assert [cache.get(r, compile=False).origin for r in job.recipes] == ["node"] * 3
+        assert "not using the pack" in caplog.text
+        # The damaged file is still listed (and so evicted, cleared), without entries.
+        with _cache(None, tier, job.known) as cache:
+            assert cache.tier.clear().bytes_freed > 0
+        assert _packs(tier) == []
+    finally:
+        proxy.close()
+
+
+def test_a_pack_entry_signed_by_an_unknown_key_is_not_used(
+    job: Job, manifest: JobManifest, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kcache_client._packs import PackWriter
+
+    # A pack planted in the tier: the server's bytes and metadata, signed by another key.
+    with _cache(job.server.url, tmp_path / "src", job.known) as cache:
+        arts = [cache.get(r, compile=False) for r in job.recipes]
+    planted = tmp_path / "tier"
+    attacker = SigningKey.generate()
+    with PackWriter(str(planted / "packs")) as pack:
+        for art in arts:
+            pack.add(
+                art.recipe_key, art.metadata, art.data, attacker.sign(art.recipe_key, art.metadata)
+            )
+    with _cache(job.server.url, planted, job.known, trusted_keys=job.public_key) as cache:
+        assert [cache.get(r, compile=False).origin for r in job.recipes] == ["server"] * 3
+    assert f"signed by key {attacker.key_id}" in caplog.text
+
+
+def test_pack_files_that_are_links_or_fifos_are_never_opened(
+    job: Job, manifest: JobManifest, tmp_path: Path
+) -> None:
+    import os
+
+    tier = tmp_path / "tier"
+    (tier / "packs").mkdir(parents=True)
+    os.mkfifo(tier / "packs" / f"{'a' * 32}.kcb")
+    (tier / "packs" / f"{'b' * 32}.kcb").symlink_to("/dev/zero")
+    with _cache(job.server.url, tier, job.known) as cache:  # a FIFO opened would hang here
+        assert cache.prefetch(manifest).fetched == 3
+        assert [cache.get(r, compile=False).origin for r in job.recipes] == ["node"] * 3
+        assert cache.tier.usage().entries == 3
+
+
+def test_removing_one_kernel_rewrites_its_pack_without_it(
+    job: Job, manifest: JobManifest, tmp_path: Path
+) -> None:
+    with _cache(job.server.url, tmp_path / "tier", job.known) as cache:
+        cache.prefetch(manifest)
+        removal = cache.tier.remove([job.keys[1]])
+        assert removal.removed == 1 and removal.unknown == ()
+        (pack,) = _packs(tmp_path / "tier")
+        kept = list(BundleReader([pack.read_bytes()], max_entry_bytes=1 << 20, where="pack"))
+        assert sorted(e.recipe_key for e in kept) == sorted(job.keys[:1] + job.keys[2:])  # type: ignore[union-attr]
+        cache.forget_memory()
+        origins = [cache.get(r, compile=False).origin for r in job.recipes]
+        assert origins == ["node", "server", "node"]
+
+
+def test_one_signature_covers_every_entry_of_a_bundle(
+    job: Job, manifest: JobManifest, tmp_path: Path
+) -> None:
+    proxy = Proxy(job.server.url)
+    try:
+        with _cache(proxy.url, tmp_path / "t0", job.known) as cache:
+            seen: list[bytes] = []
+            _rewriting_bundles(proxy, lambda body: seen.append(body) or body)
+            cache.prefetch(manifest)
+        _, trailer = _trailer(seen[0])
+        assert set(trailer) == {"end", "entries", "missing", "signature"}
+
+        def forged(body: bytes) -> bytes:  # the trailer signed by a key nobody trusts
+            rest, trailer = _trailer(body)
+            other = SigningKey.generate().sign_bundle(BundleDigest())
+            return rest + json.dumps({**trailer, "signature": other.to_dict()}).encode() + b"\n"
+
+        def unsigned(body: bytes) -> bytes:  # a server that predates bundle signatures
+            rest, trailer = _trailer(body)
+            del trailer["signature"]
+            return rest + json.dumps(trailer).encode() + b"\n"
+
+        def retargeted(body: bytes) -> bytes:  # metadata changed under both signatures
+            return unsigned(body).replace(b'"target":"sm_80"', b'"target":"sm_90"', 1)
+
+        cases = [(forged, "refused|not trusted"), (retargeted, "does not verify")]
+        for n, (change, match) in enumerate(cases, 1):
+            _rewriting_bundles(proxy, change)
+            with _cache(proxy.url, tmp_path / f"t{n}", job.known) as cache:
+                with pytest.raises(KCacheError, match=match):
+                    cache.prefetch(manifest)
+                assert cache.tier.entries() == [] and _packs(tmp_path / f"t{n}") == []
+        _rewriting_bundles(proxy, unsigned)
+        with _cache(proxy.url, tmp_path / "old", job.known) as cache:
+            assert cache.prefetch(manifest).fetched == 3  # each entry's own signature checked
+    finally:
+        proxy.close()
+
+
+def test_a_cut_bundle_keeps_the_entries_that_arrived_whole(
+    job: Job, manifest: JobManifest, tmp_path: Path
+) -> None:
+    proxy = Proxy(job.server.url)
+
+    def cut(body: bytes) -> bytes:  # two entries whole, the third half there
+        entries = list(BundleReader([body], max_entry_bytes=1 << 20, where="x"))
+        third = body.index(entry_head(entries[2].recipe_key, entries[2].meta, entries[2].signature))  # type: ignore[union-attr]
+        return body[: third + 100]
+
+    _rewriting_bundles(proxy, cut)
+    try:
+        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:
+            with pytest.raises(BundleError, match="truncated"):
+                cache.prefetch(manifest)
+            assert len(cache.tier.entries()) == 2
+            proxy.faults.rewrite = None
+            again = cache.prefetch(manifest)
+            assert (again.held, again.fetched, again.requests) == (2, 1, 1)
+    finally:
+        proxy.close()

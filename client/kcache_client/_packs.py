@@ -1,0 +1,395 @@
+"""Packs: bundles a node tier keeps whole, one file each, not a file or four per kernel.
+
+A prefetch (:mod:`kcache_client._bundle`) writes the bundle answer it checks into
+``<tier>/packs/<id>.kcb`` as the entries arrive (the bundle format,
+:mod:`kcache.bundle_format`) and renames it into place at the end: one file per node and
+manifest. Publishing each kernel as a blob, an alias and a record was most of a cold
+node's prefetch, and reading those files back most of every rank's time after it (B12).
+Every process of the node finds the kernels there: it indexes a pack once (the entry
+header lines; the bytes are skipped), and a lookup reads an entry's bytes with one
+``pread`` and checks their digest before handing them out.
+
+Safety, as for the tier's other files: a pack is opened ``O_NOFOLLOW | O_NONBLOCK``, a
+regular file only; its bytes are read, never mapped (a file truncated under a mapping
+kills the reader with SIGBUS); a short read or bytes that do not hash to their digest
+read as absent, and the pack is not used again by this process. A pack is never written
+in place: removing entries writes a new pack and renames it over. The descriptor is
+kept, so a pack evicted by another process stays readable here until the next
+:meth:`TierPacks.refresh` (as an unlinked blob stays readable by whoever opened it).
+Which entries may be used (signatures where the tier's standing asks for them) is the
+tier's check (:class:`~kcache_client._tier.NodeTier`), made once per entry per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from kcache.artifact import ArtifactMeta
+from kcache.bundle_format import (
+    BundleError,
+    EntryHead,
+    IndexedEntry,
+    end_line,
+    entry_head,
+    header_line,
+    index_bundle,
+)
+from kcache.fsutil import TMP_PREFIX, UnsafeFileError, open_regular, regular_files
+from kcache.keys import sha256_hex
+from kcache.signing import Signature
+
+__all__ = ["PACKS_DIR", "PackFile", "PackWriter", "TierPacks"]
+
+_log = logging.getLogger("kcache_client")
+
+#: The packs' directory under the tier's root.
+PACKS_DIR = "packs"
+_SUFFIX = ".kcb"
+# A pack's entries are bounded as the server's answers are (the bundle reader's check).
+_MAX_ENTRY_BYTES = 1 << 30
+# A directory changed this recently may change again within its mtime's tick: listed anyway.
+_RACY_NS = 2_000_000_000
+
+
+def _pack_name(file_name: str) -> str | None:
+    """The pack id of a file name in the packs directory (32 hex and the suffix), or None."""
+    stem = file_name[: -len(_SUFFIX)]
+    if not file_name.endswith(_SUFFIX) or len(stem) != 32:
+        return None
+    try:
+        int(stem, 16)
+    except ValueError:
+        return None
+    return stem if stem == stem.lower() else None
+
+
+@dataclass
+class _Pack:
+    name: str
+    path: str
+    fd: int
+    entries: dict[str, IndexedEntry]
+
+
+@dataclass(frozen=True)
+class PackFile:
+    """One pack as listed for eviction and ``kcache cache info``."""
+
+    name: str
+    path: str
+    size: int
+    mtime: float
+    entries: dict[str, ArtifactMeta]
+
+
+class PackWriter:
+    """A pack being written: entries (checked by the caller) added in order, then committed.
+
+    The file is written beside its final name (a staging name the tier's listings
+    ignore) and renamed into place by :meth:`commit`, or thrown away by :meth:`abandon`
+    (what leaving a ``with`` block by an exception does).
+    """
+
+    def __init__(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.name = secrets.token_hex(16)
+        self.path = os.path.join(directory, f"{self.name}{_SUFFIX}")
+        self._partial = os.path.join(directory, f"{TMP_PREFIX}{self.name}{_SUFFIX}")
+        fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        self._out: BinaryIO = os.fdopen(fd, "wb", buffering=1 << 20)
+        first = header_line()
+        self._out.write(first)
+        self._size = len(first)
+        #: Where each entry's bytes lie, as an index of the file would find them.
+        self.index: list[IndexedEntry] = []
+        self.bytes = 0
+        self._closed = False
+
+    @property
+    def count(self) -> int:
+        return len(self.index)
+
+    def add(self, recipe_key: str, meta: ArtifactMeta, data: bytes, signature: Signature) -> None:
+        """Append one entry (its bytes verified against ``meta`` by the caller)."""
+        head = entry_head(recipe_key, meta, signature)
+        self._out.write(head)
+        self._out.write(data)
+        self._out.write(b"\n")
+        self.index.append(
+            IndexedEntry(EntryHead(recipe_key, meta, signature), self._size + len(head))
+        )
+        self._size += len(head) + len(data) + 1
+        self.bytes += len(data)
+
+    def commit(self) -> str | None:
+        """Put the pack in place (not synced: the tier is a cache); its name, or None if empty."""
+        if self._closed:
+            return self.name if self.count else None
+        self._closed = True
+        try:
+            if self.count:
+                trailer = end_line(self.count, 0)
+                self._out.write(trailer)
+                self._size += len(trailer)
+            self._out.close()
+            if self.count:
+                os.rename(self._partial, self.path)
+                return self.name
+            return None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._partial)
+
+    def abandon(self) -> None:
+        """Throw the pack away (nothing of it is used)."""
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self._out.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._partial)
+
+    def __enter__(self) -> PackWriter:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        if kind is not None:
+            self.abandon()
+            return
+        try:
+            self.commit()
+        except OSError:
+            self.abandon()
+            raise
+
+
+class TierPacks:
+    """The packs of one tier directory, as this process has indexed them (module docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        self.directory = str(root / PACKS_DIR)
+        self._packs: dict[str, _Pack] = {}
+        self._by_key: dict[str, tuple[_Pack, IndexedEntry]] = {}
+        self._refused: set[tuple[str, int, int]] = set()  # (name, inode, size) not indexable
+        self._seen_ns = -1  # the directory's mtime when last listed
+        self._lock = threading.Lock()
+
+    def __contains__(self, recipe_key: str) -> bool:
+        return recipe_key in self._by_key
+
+    def writer(self) -> PackWriter:
+        """A new pack in this tier (:class:`PackWriter`)."""
+        return PackWriter(self.directory)
+
+    def refresh(self) -> bool:
+        """Index the packs that appeared since the last look, forget those gone; whether any changed.
+
+        One ``stat`` when the directory has not changed since it was listed (and did not
+        change within the last two seconds, its mtime's tick).
+        """
+        try:
+            mtime_ns = os.stat(self.directory).st_mtime_ns
+        except OSError:
+            mtime_ns = -2
+        if mtime_ns == self._seen_ns and time.time_ns() - mtime_ns >= _RACY_NS:
+            return False
+        with self._lock:
+            self._seen_ns = mtime_ns
+            names = {}
+            for entry in regular_files(self.directory):
+                name = _pack_name(entry.name)
+                if name is not None:
+                    names[name] = entry.path
+            changed = False
+            for gone in self._packs.keys() - names.keys():
+                self._drop(gone)
+                changed = True
+            for name in sorted(names.keys() - self._packs.keys()):
+                pack = self._index(name, names[name])
+                if pack is not None:
+                    self._packs[name] = pack
+                    for key, indexed in pack.entries.items():
+                        self._by_key.setdefault(key, (pack, indexed))
+                    changed = True
+            return changed
+
+    def adopt(self, written: PackWriter) -> None:
+        """Use a pack this process just committed, from what its writer noted (not read back)."""
+        try:
+            fd, st = open_regular(written.path)
+        except OSError:
+            return
+        if st.st_size != written._size:  # not the file written (replaced meanwhile): read it
+            os.close(fd)
+            self.refresh()
+            return
+        pack = _Pack(written.name, written.path, fd, {e.head.recipe_key: e for e in written.index})
+        with self._lock:
+            self._packs[pack.name] = pack
+            for key, indexed in pack.entries.items():
+                self._by_key.setdefault(key, (pack, indexed))
+
+    def _index(self, name: str, path: str) -> _Pack | None:
+        try:
+            fd, st = open_regular(path)
+        except FileNotFoundError:
+            return None
+        except UnsafeFileError as exc:
+            _log.warning("kcache: not using the pack %s: %s", path, exc.reason)
+            return None
+        marker = (name, st.st_ino, st.st_size)
+        if marker in self._refused:
+            os.close(fd)
+            return None
+        try:
+            with os.fdopen(os.dup(fd), "rb", buffering=1 << 16) as handle:
+                found = index_bundle(handle, max_entry_bytes=_MAX_ENTRY_BYTES, where=path)
+        except (BundleError, OSError) as exc:
+            os.close(fd)
+            self._refused.add(marker)
+            _log.warning("kcache: not using the pack %s: %s", path, exc)
+            return None
+        return _Pack(name, path, fd, {e.head.recipe_key: e for e in found})
+
+    def _drop(self, name: str) -> None:
+        pack = self._packs.pop(name, None)
+        if pack is None:
+            return
+        for key in pack.entries:
+            held = self._by_key.get(key)
+            if held is not None and held[0] is pack:
+                del self._by_key[key]
+                for other in self._packs.values():  # another pack may hold the key too
+                    if key in other.entries:
+                        self._by_key[key] = (other, other.entries[key])
+                        break
+        with contextlib.suppress(OSError):
+            os.close(pack.fd)
+
+    def entry(self, recipe_key: str) -> tuple[str, ArtifactMeta, Signature] | None:
+        """The pack holding ``recipe_key`` and what its entry says; nothing is read."""
+        held = self._by_key.get(recipe_key)
+        if held is None:
+            return None
+        head = held[1].head
+        return held[0].name, head.meta, head.signature
+
+    def read(self, recipe_key: str) -> bytes | None:
+        """The entry's bytes, checked against its digest; None when they cannot be had."""
+        held = self._by_key.get(recipe_key)
+        if held is None:
+            return None
+        pack, entry = held
+        size = entry.head.size
+        try:
+            data = os.pread(pack.fd, size, entry.offset)
+        except OSError:
+            data = b""
+        if len(data) != size:  # the file is shorter than when indexed: none of it is used
+            _log.warning("kcache: not using the pack %s: it was cut short", pack.path)
+            with self._lock:
+                self._drop(pack.name)
+            return None
+        if sha256_hex(data) != entry.head.meta.digest:  # this entry's bytes, not the others'
+            _log.warning(
+                "kcache: not using the entry of recipe %s in the pack %s: its bytes do not hash "
+                "to its digest (damaged)",
+                recipe_key,
+                pack.path,
+            )
+            with self._lock:
+                pack.entries.pop(recipe_key, None)
+                if self._by_key.get(recipe_key, (None,))[0] is pack:
+                    del self._by_key[recipe_key]
+            return None
+        return data
+
+    def files(self) -> list[PackFile]:
+        """Every pack file of the directory, with its size, mtime and (when it could be indexed)
+        its entries: a damaged pack is listed too, without entries, so that it is evicted."""
+        self.refresh()
+        listed = []
+        for found in regular_files(self.directory):
+            name = _pack_name(found.name)
+            if name is None:
+                continue
+            try:
+                st = found.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            pack = self._packs.get(name)
+            metas = {} if pack is None else {k: e.head.meta for k, e in pack.entries.items()}
+            listed.append(PackFile(name, found.path, st.st_size, st.st_mtime, metas))
+        return listed
+
+    def touch(self, name: str) -> None:
+        """Mark the pack used now (its mtime: the tier's LRU stamp)."""
+        pack = self._packs.get(name)
+        if pack is not None:
+            with contextlib.suppress(OSError):
+                os.utime(pack.path, follow_symlinks=False)
+
+    def remove(self, name: str) -> int:
+        """Delete the pack; the bytes freed (0 when it was gone, or is not this user's to delete)."""
+        path = os.path.join(self.directory, f"{name}{_SUFFIX}")
+        try:
+            size = os.stat(path, follow_symlinks=False).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        except PermissionError:  # another user's pack in a shared tier: theirs to remove
+            return 0
+        with self._lock:
+            self._drop(name)
+        return size
+
+    def without(self, name: str, keys: Iterable[str]) -> tuple[int, int]:
+        """Rewrite the pack without ``keys``' entries: (entries removed, bytes freed).
+
+        The kept entries are copied into a new pack (each checked again), which replaces
+        the old one; a pack left with nothing is deleted.
+        """
+        pack = self._packs.get(name)
+        if pack is None:
+            return 0, 0
+        dropped = set(keys) & pack.entries.keys()
+        if not dropped:
+            return 0, 0
+        kept = [k for k in pack.entries if k not in dropped]
+        freed = sum(pack.entries[k].head.size for k in dropped)
+        replacement = None
+        if kept:
+            with self.writer() as out:
+                for key, data in self._copies(pack, kept):
+                    head = pack.entries[key].head
+                    out.add(key, head.meta, data, head.signature)
+            replacement = out.name
+        if not self.remove(name) and os.path.exists(pack.path):  # not ours to remove
+            if replacement is not None:
+                self.remove(replacement)
+            return 0, 0
+        self.refresh()
+        return len(dropped), freed
+
+    def _copies(self, pack: _Pack, keys: list[str]) -> Iterator[tuple[str, bytes]]:
+        for key in keys:
+            entry = pack.entries[key]
+            data = os.pread(pack.fd, entry.head.size, entry.offset)
+            if len(data) == entry.head.size and sha256_hex(data) == entry.head.meta.digest:
+                yield key, data
+
+    def close(self) -> None:
+        """Let go of every descriptor."""
+        with self._lock:
+            for name in list(self._packs):
+                self._drop(name)
+            self._seen_ns = -1
