@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from kcache.artifact import ArtifactMeta
@@ -79,6 +79,9 @@ class BundleEntry:
     meta: ArtifactMeta
     signature: Signature
     data: bytes
+    #: The entry's header line as read (without its newline), when it was read from a
+    #: bundle: a writer of the same entry can copy it instead of encoding it again.
+    head: bytes = field(default=b"", repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -310,16 +313,16 @@ class BundleReader:
                 self.missing += 1
                 yield _missing(item, self.where)
                 continue
-            yield self._entry(item)
+            yield self._entry(item, raw)
 
-    def _entry(self, item: dict[str, Any]) -> BundleEntry:
+    def _entry(self, item: dict[str, Any], line: bytes) -> BundleEntry:
         head = _entry_head(item, self.entries + 1, self.max_entry_bytes, self.where)
         data = self._read_exact(head.size)
         if self._read_exact(1) != b"\n":
             raise BundleError(f"{self.where}: entry {self.entries + 1} is longer than its size")
         check_entry_bytes(head, data, self.where)
         self.entries += 1
-        return BundleEntry(head.recipe_key, head.meta, head.signature, data)
+        return BundleEntry(head.recipe_key, head.meta, head.signature, data, line)
 
 
 @dataclass(frozen=True)

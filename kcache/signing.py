@@ -30,6 +30,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,8 +165,11 @@ class Signature:
         return cls.from_dict({"key_id": key_id, "signature": signature})
 
 
+_HEX = re.compile(r"[0-9a-f]*")
+
+
 def _is_hex(text: str) -> bool:
-    return all(c in "0123456789abcdef" for c in text)
+    return _HEX.fullmatch(text) is not None
 
 
 class SigningKey:

@@ -200,7 +200,7 @@ def _fetch(cache: BundleCache, keys: list[str], held: dict[str, str]) -> tuple[i
             try:
                 for item in _asked_entries(reader, keys, held, missing, where):
                     remote.check_size(item.meta, where)
-                    pack.add(item.recipe_key, item.meta, item.data, item.signature)
+                    pack.add(item.recipe_key, item.meta, item.data, item.signature, item.head)
                     signed.add(item.recipe_key, item.meta)
                     arrived.append((item.recipe_key, item.meta, item.signature))
             except KCacheError:

@@ -118,9 +118,20 @@ class PackWriter:
     def count(self) -> int:
         return len(self.index)
 
-    def add(self, recipe_key: str, meta: ArtifactMeta, data: bytes, signature: Signature) -> None:
-        """Append one entry (its bytes verified against ``meta`` by the caller)."""
-        head = entry_head(recipe_key, meta, signature)
+    def add(
+        self,
+        recipe_key: str,
+        meta: ArtifactMeta,
+        data: bytes,
+        signature: Signature,
+        head_line: bytes = b"",
+    ) -> None:
+        """Append one entry (its bytes verified against ``meta`` by the caller).
+
+        ``head_line``: the entry's header line as a bundle reader read and checked it
+        (:attr:`~kcache.bundle_format.BundleEntry.head`), copied rather than encoded again.
+        """
+        head = head_line + b"\n" if head_line else entry_head(recipe_key, meta, signature)
         self._out.write(head)
         self._out.write(data)
         self._out.write(b"\n")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -47,7 +48,7 @@ def _parse(raw: bytes) -> BundleRequest:
 
 def _audit(
     state: ServerState,
-    body: BundleRequest,
+    context: dict[str, Any],
     key: str,
     meta: ArtifactMeta | None,
     started: float,
@@ -64,7 +65,7 @@ def _audit(
             target=meta.target if meta else None,
             toolchain=meta.toolchain if meta else None,
             compile_seconds_saved=meta.compile_seconds if meta else 0.0,
-            **body.context.model_dump(),
+            **context,
         )
     )
     state.metrics.lookup(outcome, "server")
@@ -78,6 +79,7 @@ _WRITE_BYTES = 256 << 10
 async def _stream(state: ServerState, body: BundleRequest) -> AsyncIterator[bytes]:
     resolver = state.resolver
     entries = missing = 0
+    context = body.context.model_dump()  # once, not per key
     signed = BundleDigest()
     parts: list[bytes] = [header_line()]
     held = len(parts[0])
@@ -93,18 +95,18 @@ async def _stream(state: ServerState, body: BundleRequest) -> AsyncIterator[byte
             resolver.forget(key)
             reason = "no artifact is stored for it" if "no artifact" in str(exc) else str(exc)
             missing += 1
-            _audit(state, body, key, None, started)
+            _audit(state, context, key, None, started)
             parts.append(missing_line(key, reason))
             continue
         except CompileError:
             missing += 1
-            _audit(state, body, key, None, started)
+            _audit(state, context, key, None, started)
             parts.append(missing_line(key, "its compile failed"))
             continue
         signature = state.signer.sign(key, meta)
         signed.add(key, meta)
         entries += 1
-        _audit(state, body, key, meta, started)
+        _audit(state, context, key, meta, started)
         head = entry_head(key, meta, signature)
         parts += (head, data, b"\n")
         held += len(head) + len(data) + 1
