@@ -51,7 +51,7 @@ from kcache_client._lean_http import (
     LeanResponse,
 )
 
-__all__ = ["HttpxWire", "LeanWire", "Reply", "Wire", "lean_path_serves", "open_wire"]
+__all__ = ["HttpxWire", "LeanWire", "Reply", "StreamReply", "Wire", "lean_path_serves", "open_wire"]
 
 _T = TypeVar("_T")
 
@@ -92,6 +92,25 @@ class Reply(Protocol):
         ...
 
 
+class StreamReply(Protocol):
+    """An answer whose body is read as it arrives: a
+    :class:`~kcache_client._lean_http.LeanStream` or an ``httpx.Response``."""
+
+    @property
+    def status_code(self) -> int:
+        """The answer's status."""
+        ...
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Its headers, looked up case-insensitively."""
+        ...
+
+    def iter_bytes(self, chunk_size: int | None = ...) -> Iterator[bytes]:
+        """Its body, piece by piece, read as this is iterated."""
+        ...
+
+
 class Wire(Protocol):
     """One way to one server: sends a request and reads its answer, nothing more.
 
@@ -121,7 +140,7 @@ class Wire(Protocol):
         """
         ...
 
-    def stream(self, method: str, path: str, json: Any) -> AbstractContextManager[httpx.Response]:
+    def stream(self, method: str, path: str, json: Any) -> AbstractContextManager[StreamReply]:
         """``method path`` whose answer is handed over once its headers are in, its body unread.
 
         The body is read as the caller iterates ``iter_bytes()``, bounded by the wire's
@@ -293,8 +312,14 @@ class LeanWire:
                 )
         return self._other.send(method, path, json, timeout, until, limit)
 
-    def stream(self, method: str, path: str, json: Any) -> AbstractContextManager[httpx.Response]:
-        """See :meth:`Wire.stream`: always through its httpx wire (the lean client reads whole)."""
+    def stream(self, method: str, path: str, json: Any) -> AbstractContextManager[StreamReply]:
+        """See :meth:`Wire.stream`: a POST with a JSON body or a GET through the lean client
+        (a bundle), anything else through its httpx wire."""
+        if _PLAIN_TARGET.fullmatch(path) is not None:
+            if method == "POST" and json is not None:
+                return self._client.stream("POST", path, self._json_headers, _json_body(json))
+            if method == "GET" and json is None:
+                return self._client.stream("GET", path, self._headers)
         return self._other.stream(method, path, json)
 
     def close(self) -> None:

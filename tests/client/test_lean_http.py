@@ -9,6 +9,7 @@ statuses are compared with what the httpx path makes of the same answers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import ssl
@@ -112,7 +113,7 @@ class RawServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as reader:
+        with contextlib.suppress(ConnectionResetError), conn, conn.makefile("rb") as reader:
             while True:
                 head = [reader.readline()]
                 while head[-1] not in (b"\r\n", b"\n", b""):
@@ -685,4 +686,103 @@ def test_the_same_json_body_comes_back_from_either_path() -> None:
         assert str(answers[0].url) == str(answers[1].url) == f"{server.url}/v1/toolchains"
         assert answers[0].headers.get("content-type") == answers[1].headers.get("Content-Type")
     finally:
+        server.close()
+
+
+# ------------------------------------------------------------------------------ streamed answers
+def _streamed(transport: Transport, path: str = "/v1/bundle") -> bytes:
+    with transport.stream("POST", path, json={"recipe_keys": []}) as chunks:
+        return b"".join(chunks)
+
+
+def test_a_streamed_post_takes_the_lean_path_and_is_read_as_it_arrives(
+    built_clients: list[httpx.Client],
+) -> None:
+    parts = [b"a" * 10, b"b" * 200_000, b"c" * 3]
+    answers = {
+        "chunked": chunked(*parts),
+        "length": b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+        % (sum(map(len, parts)), b"".join(parts)),
+    }
+    for kind, answer in answers.items():
+        server = RawServer(lambda n, a=answer: a)  # type: ignore[misc]
+        try:
+            transport = Transport(server.url, retry=FAST)
+            with transport.stream("POST", "/v1/bundle", json={"recipe_keys": ["k"]}) as chunks:
+                pieces = list(chunks)
+            assert b"".join(pieces) == b"".join(parts) and len(pieces) > 1, kind
+            assert _streamed(transport) == b"".join(parts), kind  # a second one, same socket
+            assert server.connections == 1 and transport.requests == 2, kind
+        finally:
+            server.close()
+    assert built_clients == []  # httpx (and its httpcore, h11, anyio) never loaded for it
+
+
+def test_a_stream_left_unread_closes_its_connection_and_the_next_opens_one() -> None:
+    server = RawServer(lambda n: chunked(b"x" * 100_000, b"y" * 100_000))
+    try:
+        transport = Transport(server.url, retry=FAST)
+        with transport.stream("POST", "/v1/bundle", json={}) as chunks:
+            next(chunks)  # the caller stops half way (a refused entry)
+        assert _streamed(transport) == b"x" * 100_000 + b"y" * 100_000
+        assert server.connections == 2
+    finally:
+        server.close()
+
+
+def test_a_streamed_answer_cut_encoded_or_refused_is_the_typed_error_on_both_paths() -> None:
+    cases: dict[str, tuple[bytes | None, type[Exception], str]] = {
+        "cut in the body": (
+            chunked(b"y" * 50)[:-12],
+            ServerUnavailableError,
+            "RemoteProtocolError",
+        ),
+        "encoded": (
+            b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\nok",
+            ServerUnavailableError,
+            "RemoteProtocolError",
+        ),
+        "a 401": (
+            b"HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 25\r\n\r\n{"error": "unauthorized"}',
+            AuthenticationError,
+            "",
+        ),
+    }
+    for case, (answer, kind, cause) in cases.items():
+        server = RawServer(lambda n, a=answer: a, close_after=True)  # type: ignore[misc]
+        try:
+            transport = Transport(server.url, retry=FAST)
+            with pytest.raises(kind) as info:
+                _streamed(transport)
+            if cause:
+                assert getattr(info.value, "cause", "").startswith(cause), (case, info.value)
+            assert transport.requests == 1, case  # a stream is never sent twice
+        finally:
+            server.close()
+    # httpx says the same of the encoded answer only when it cannot decode it; the cut and
+    # the 401 read the same through an injected httpx client.
+    for case in ("cut in the body", "a 401"):
+        answer, kind, _ = cases[case]
+        server = RawServer(lambda n, a=answer: a, close_after=True)  # type: ignore[misc]
+        client = httpx.Client(timeout=DEFAULT_TIMEOUT)
+        try:
+            with pytest.raises(kind):
+                _streamed(Transport(server.url, client=client, retry=FAST))
+        finally:
+            client.close()
+            server.close()
+
+
+def test_a_stream_that_stops_sending_is_a_read_timeout() -> None:
+    release = threading.Event()
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+    server = RawServer(lambda n: head if not release.is_set() else None)
+    try:
+        transport = Transport(server.url, retry=FAST, timeout=httpx.Timeout(0.3, connect=5.0))
+        with pytest.raises(ServerUnavailableError) as info:
+            _streamed(transport)
+        assert info.value.cause.startswith("ReadTimeout"), info.value.cause
+    finally:
+        release.set()
         server.close()
