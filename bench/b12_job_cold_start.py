@@ -4,7 +4,7 @@ A job restarts on nodes whose tiers are empty, with the manifest of its previous
 N simulated nodes (``B12_NODES``, default 2), each its own node tier, each R real rank
 processes (``B12_RANKS``, default 8, started as B8 starts them: import, build the cache,
 say ready, wait for "go"); every rank must hold every one of K real cubins (``B12_KERNELS``,
-a comma list, default ``24,200``; the issue's 800 is ``B12_KERNELS=800``), verified. The
+a comma list, default ``24,800``, the issue's sizes), verified. The
 wall time runs from "go" to the last rank holding the last kernel.
 
 Per round (``B12_ROUNDS``, default 3; the median is reported), interleaved:
@@ -28,7 +28,7 @@ served: the length of the answers those requests get (a bundle stream; an artifa
 kernel), measured once after the rounds by asking the same again, against the tar's size.
 
     python b12_job_cold_start.py                 # the benchmark
-    B12_KERNELS=800 python b12_job_cold_start.py # the issue's size
+    B12_NODES=1 B12_RANKS=2 python b12_job_cold_start.py  # one rank per core of this machine
     python b12_job_cold_start.py rank CONFIG     # one rank (started by the benchmark)
 """
 
@@ -58,7 +58,7 @@ from b8_rank_fetch import run_ranks
 
 NODES = int(os.environ.get("B12_NODES", "2"))
 RANKS = int(os.environ.get("B12_RANKS", "8"))
-KERNELS = [int(k) for k in os.environ.get("B12_KERNELS", "24,200").split(",") if k.strip()]
+KERNELS = [int(k) for k in os.environ.get("B12_KERNELS", "24,800").split(",") if k.strip()]
 ROUNDS = int(os.environ.get("B12_ROUNDS", "3"))
 WORK_DIR = os.environ.get("B12_DIR") or tempfile.gettempdir()
 TARGET = "sm_90"

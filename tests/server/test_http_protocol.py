@@ -202,21 +202,8 @@ def test_keep_alive_closes_idle_connections_only() -> None:
 
 
 def _response(conn: socket.socket) -> bytes:
-    """One whole response with a ``content-length`` (headers and body) from ``conn``."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = conn.recv(65536)
-        assert chunk, f"closed before the headers: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    while len(body) < length:
-        body += conn.recv(65536)
-    return head
+    """The head of one whole response with a ``content-length`` (headers and body) from ``conn``."""
+    return _heads(conn, 1)[0]
 
 
 def test_closing_after_an_answer_of_the_protocol_cleans_up_without_a_traceback(
