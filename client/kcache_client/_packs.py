@@ -342,6 +342,19 @@ class TierPacks:
             listed.append(PackFile(name, found.path, st.st_size, st.st_mtime, metas))
         return listed
 
+    def sweep_partials(self, older_than: float) -> int:
+        """Remove packs a writer left half written (it died) last written before ``older_than``
+        (epoch seconds); how many. A live writer writes its file as the bundle arrives."""
+        swept = 0
+        for found in regular_files(self.directory):
+            if not (found.name.startswith(TMP_PREFIX) and found.name.endswith(_SUFFIX)):
+                continue
+            with contextlib.suppress(OSError):
+                if found.stat(follow_symlinks=False).st_mtime < older_than:
+                    os.unlink(found.path)
+                    swept += 1
+        return swept
+
     def touch(self, name: str) -> None:
         """Mark the pack used now (its mtime: the tier's LRU stamp)."""
         pack = self._packs.get(name)

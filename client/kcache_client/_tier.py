@@ -68,6 +68,12 @@ follow links (:mod:`kcache.fsutil`), so a FIFO, a device or a link planted in th
 tier costs a refused entry, never a hang, an unbounded read or a deletion outside it.
 An entry's signature is checked once per alias file this process reads (the file's
 identity, as above), so a repeated hit pays nothing for it.
+
+A prefetch keeps its bundle whole, as one pack under ``packs/``
+(:mod:`kcache_client._packs`): a lookup finds a key there first, then by its alias; a
+pack's entries are checked as an alias's are (their digest on every read, their signature
+once per process where the standing asks for signed entries); a pack is one unit of the
+LRU (its mtime), and removing some of its entries writes a new pack without them.
 """
 
 from __future__ import annotations
@@ -134,6 +140,10 @@ _TOUCH_EVERY_S = 5.0
 _PARSED_ENTRIES = 4096
 # A file is known by its identity once its ctime is this old (coarse clocks: FAT's 2 s).
 _SETTLED_NS = 2_000_000_000
+# A pack half written this long ago was left by a writer that died (a prefetch takes seconds).
+_PARTIAL_PACK_S = 3600.0
+# Pack entries whose standing this process remembers (kcache_client._packs), at most.
+_VERDICTS_MAX = 100_000
 # Publishes whose record and manifest entry wait for a moment the process is idle, at most.
 _PENDING_MAX = 32
 # A process rescans the tier's size after a publish at least this often (or 20 scans' time).
@@ -335,6 +345,8 @@ class NodeTier:
         name, meta, signature = found
         verdict_key = (name, recipe_key)
         if verdict_key not in self._pack_verdicts:
+            if len(self._pack_verdicts) >= _VERDICTS_MAX:  # bounded: checked again after
+                self._pack_verdicts.clear()
             self._pack_verdicts[verdict_key] = self._trust_problem(recipe_key, meta, signature)
         problem = self._pack_verdicts[verdict_key]
         if problem is not None:
@@ -638,6 +650,7 @@ class NodeTier:
         with self._evicting(0) as held:
             if not held:
                 return None
+            self.packs.sweep_partials(time.time() - _PARTIAL_PACK_S)
             scanned = self._scan()
             to_free = self.marks.to_free(sum(b.size for b in scanned))
             if to_free <= 0:

@@ -616,3 +616,22 @@ def test_a_cut_bundle_keeps_the_entries_that_arrived_whole(
             assert (again.held, again.fetched, again.requests) == (2, 1, 1)
     finally:
         proxy.close()
+
+
+def test_a_pack_a_dead_writer_left_half_written_is_swept_and_a_live_ones_kept(
+    job: Job, tmp_path: Path
+) -> None:
+    import os
+    import time
+
+    packs = tmp_path / "tier" / "packs"
+    packs.mkdir(parents=True)
+    dead, live = packs / f".tmp-{'d' * 32}.kcb", packs / f".tmp-{'e' * 32}.kcb"
+    for partial in (dead, live):
+        partial.write_bytes(b'{"format": "kcache-bundle", "version": 1}\n' + b"x" * 1000)
+    hours_ago = time.time() - 2 * 3600
+    os.utime(dead, (hours_ago, hours_ago))
+    with _cache(None, tmp_path / "tier", job.known) as cache:
+        assert cache.tier.usage().entries == 0  # a partial is no pack
+        cache.tier.evict()
+    assert not dead.exists() and live.exists()
