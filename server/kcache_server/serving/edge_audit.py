@@ -29,7 +29,8 @@ def install_edge_audit(state: ServerState) -> EdgeLogTailer | None:
 
     Each group of alike lines becomes one ``fetch`` row of outcome ``hit`` with their
     ``count`` (the row :meth:`~kcache_server.resolving.Resolver.record_fetch` tallies
-    for the replica's own fetches), and as many lookups in the metrics.
+    for the replica's own fetches), counted as that many lookups in the metrics (the
+    audit's listener counts a row's ``count``).
     """
     path = state.settings.edge_log
     if path is None:
@@ -68,8 +69,6 @@ def install_edge_audit(state: ServerState) -> EdgeLogTailer | None:
                     at=datetime.fromtimestamp(min(hit.at, time.time()), timezone.utc),
                 )
             )
-            if hit.count > 1:  # the audit's listener counted one lookup per row
-                state.metrics.lookup("hit", "server", latency_ms=hit.latency_ms, n=hit.count - 1)
 
     tailer = EdgeLogTailer(path, state.settings.data_dir / "locks", record)
     lines = Counter(
