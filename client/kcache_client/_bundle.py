@@ -2,13 +2,15 @@
 
 - :func:`prefetch` (``KernelCache.prefetch``, ``warmup(manifest=...)``, ``kcache
   prefetch``): every artifact of a manifest the node's tiers lack, in one ``POST
-  /v1/bundle`` whose answer is streamed into the node tier as it arrives, each entry
-  checked before it is published (framing, size and digest by
-  :class:`~kcache.bundle_format.BundleReader`; the server's signature by a trusted key,
-  as every answer is: :meth:`~kcache_client._remote.Remote.check_entry`). The processes
-  of a node take the manifest's lock (its digest, the tier's per-key lock), so one of
-  them asks; the others find its completeness marker when they get the lock. A tier
-  whose marker names the manifest and still has each entry's files makes no request.
+  /v1/bundle`` whose answer is streamed into one pack of the node tier
+  (:mod:`~kcache_client._packs`) as it arrives, each entry's framing, size and digest
+  checked by :class:`~kcache.bundle_format.BundleReader`, the pack put in place once the
+  server's signature over all entries verifies by a trusted key, as every answer must
+  (:meth:`~kcache_client._remote.Remote.check_bundle`; each entry's own,
+  :meth:`~kcache_client._remote.Remote.check_entry`, from a server without one). The
+  processes of a node take the manifest's lock (its digest, the tier's per-key lock), so
+  one of them asks; the others wake on its completeness marker. A tier whose marker
+  names the manifest and still holds each entry makes no request.
 - :func:`write_bundle_file` (``kcache bundle create``): one ``.kcb`` file of a manifest's
   artifacts, in the same format, from the tiers (prefetched first).
 - :func:`load_bundle_file` (``kcache bundle unpack``, and a file layer): a bundle file
