@@ -174,16 +174,7 @@ def test_a_tampered_bundle_answer_is_refused_and_the_entry_not_published(
     job: Job, manifest: JobManifest, tmp_path: Path
 ) -> None:
     proxy = Proxy(job.server.url)
-
-    def flip(seen: Any, headers: dict[str, str], body: bytes) -> tuple[dict[str, str], bytes]:
-        if seen.path != "/v1/bundle":
-            return headers, body
-        lines = body.split(b"\n", 2)  # header, first entry's head, its bytes and the rest
-        rest = bytearray(lines[2])
-        rest[10] ^= 0xFF
-        return headers, b"\n".join([lines[0], lines[1], bytes(rest)])
-
-    proxy.faults.rewrite = flip
+    _rewriting_bundles(proxy, _flip_in_first_entry)
     try:
         with _cache(proxy.url, tmp_path / "tier", job.known) as cache:
             with pytest.raises(BundleError, match="do not hash"):

@@ -253,6 +253,18 @@ def _resolve_request(body: bytes) -> bytes:
     return head.encode() + body
 
 
+def _warmed(server: ServerThread) -> tuple[bytes, str]:
+    """A compiling resolve's body and its key, resolved and fetched once, so that both fast
+    paths' caches hold it."""
+    resolve = json.dumps(
+        {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
+    ).encode()
+    with server.client() as c:
+        key = c.post("/v1/resolve", content=resolve).raise_for_status().json()["recipe_key"]
+        assert c.get(f"/v1/recipes/{key}/artifact").status_code == 200  # the caches fill
+    return resolve, key
+
+
 def _heads(conn: socket.socket, n: int) -> list[bytes]:
     """The heads of the next ``n`` whole responses (each with a ``content-length``) on ``conn``."""
     data, heads = b"", []
@@ -365,12 +377,7 @@ def test_every_close_after_answers_of_the_protocol_is_clean(
 
     monkeypatch.setattr(CoalescingHttpToolsProtocol, "_write_answer", spy)
     server = serve(make_settings(auth_cache_s=600.0))  # the fast paths answer cached callers only
-    resolve = json.dumps(
-        {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
-    ).encode()
-    with server.client() as c:
-        key = c.post("/v1/resolve", content=resolve).raise_for_status().json()["recipe_key"]
-        assert c.get(f"/v1/recipes/{key}/artifact").status_code == 200  # the caches fill
+    resolve, key = _warmed(server)
     assert not written  # the route answered those
     server.server.config.timeout_keep_alive = 1  # read by each new connection's protocol
 
@@ -456,12 +463,7 @@ def test_shutdown_while_the_protocol_reads_a_resolve_body_answers_it_then_closes
     the route's for a miss, which the protocol hands to uvicorn), with ``connection: close``.
     """
     server = serve(make_settings(auth_cache_s=600.0))  # the fast paths answer cached callers only
-    resolve = json.dumps(
-        {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
-    ).encode()
-    with server.client() as c:
-        key = c.post("/v1/resolve", content=resolve).raise_for_status().json()["recipe_key"]
-        assert c.get(f"/v1/recipes/{key}/artifact").status_code == 200  # the caches fill
+    resolve, _ = _warmed(server)
     if not hit:  # a recipe never compiled, not to be compiled: a miss the route answers
         source = f"// {unique()}\n{VECTOR_ADD}"
         resolve = json.dumps({"recipe": {"source": source, "target": "sm_90"}}).encode()
