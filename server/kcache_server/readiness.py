@@ -87,13 +87,7 @@ class BoundedCheck:
             with self._lock:
                 if self._result is not None:
                     return self._result
-        log.warning(
-            "readyz %s: the %s did not answer within %g s",
-            current_request_id(),
-            self.name,
-            self.timeout_s,
-        )
-        return f"failed: the {self.name} did not answer within {self.timeout_s:g} s"
+        return _no_answer(self.name, self.timeout_s)
 
     def _run(self, done: threading.Event) -> None:
         try:
@@ -106,6 +100,14 @@ class BoundedCheck:
             self._at = self._clock()
             self._running = None
         done.set()
+
+
+def _no_answer(name: str, timeout_s: float) -> str:
+    """What a check says of a backend that gave no answer within ``timeout_s`` (logged too)."""
+    log.warning(
+        "readyz %s: the %s did not answer within %g s", current_request_id(), name, timeout_s
+    )
+    return f"failed: the {name} did not answer within {timeout_s:g} s"
 
 
 def _database(db: sa.Engine) -> str:
@@ -126,10 +128,19 @@ def _database(db: sa.Engine) -> str:
     return "ok"
 
 
-def _bucket(bucket: ArtifactStore) -> str:
+def _bucket(bucket: ArtifactStore, timeout_s: float) -> str:
+    """The bucket's probe; its own timeout is ``timeout_s`` (the check's bound, see Backends).
+
+    A probe that gave up at that timeout met a bucket that did not answer (a stopped
+    process, a black hole): said as the bound's own failure, whichever of the two
+    deadlines came first, not as a bucket that refused or cannot be reached.
+    """
+    started = time.monotonic()
     try:
         bucket.probe()  # logs the bucket's error itself
     except StoreUnavailableError:
+        if time.monotonic() - started >= timeout_s:
+            return _no_answer("bucket", timeout_s)
         return (
             "failed: the bucket cannot be reached or refuses this server's credentials "
             f"(the server log says why, near request id {current_request_id()}); fetches of "
@@ -147,7 +158,12 @@ class Readiness:
         )
         remote = backends.store.remote
         self.bucket = (
-            BoundedCheck("bucket", lambda: _bucket(remote), timeout_s=timeout_s, ttl_s=BUCKET_TTL_S)
+            BoundedCheck(
+                "bucket",
+                lambda: _bucket(remote, timeout_s),
+                timeout_s=timeout_s,
+                ttl_s=BUCKET_TTL_S,
+            )
             if remote is not None
             else None
         )

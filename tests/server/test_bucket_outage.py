@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -176,3 +177,32 @@ def test_a_kept_answer_expires_and_a_raising_check_fails() -> None:
     broken = BoundedCheck("database", raises, timeout_s=5)
     result = broken.status()
     assert result.startswith("failed: the database check failed") and "10.0.0.1" not in result
+
+
+def test_a_probe_that_gives_up_at_the_bound_says_the_bucket_did_not_answer() -> None:
+    """The probe's own timeout is the check's bound: whichever fires first, one message.
+
+    A bucket that accepts connections and never answers (this socket's backlog) made the
+    probe fail at its timeout, which read "cannot be reached or refuses this server's
+    credentials" when it fired a moment before the check's own deadline (a CI flake).
+    """
+    from kcache_server.readiness import _bucket
+
+    silent = socket.create_server(("127.0.0.1", 0), backlog=64)  # connects; never answers
+    try:
+        bucket = S3ArtifactStore.from_url(
+            "s3://silent-bucket/p",
+            endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+            access_key_id="test",
+            secret_access_key="test",
+            region="us-east-1",
+            probe_timeout_s=0.5,
+        )
+        assert _bucket(bucket, 0.5) == "failed: the bucket did not answer within 0.5 s"
+        for _ in range(3):  # the two deadlines race each time
+            check = BoundedCheck("bucket", lambda: _bucket(bucket, 0.5), timeout_s=0.5)
+            assert check.status() == "failed: the bucket did not answer within 0.5 s"
+            time.sleep(0.3)  # the probe's own end lands
+            assert check.status() == "failed: the bucket did not answer within 0.5 s"
+    finally:
+        silent.close()

@@ -11,7 +11,11 @@ document states every limit the server enforces:
   where a model marks them (:data:`~kcache_server.schemas.SETTING_MARK`), and
   settings named in a description's text as ``{setting:NAME}`` (:data:`SETTING_TEXT`);
 - every setting that bounds a request, under ``info.x-limits`` (the body size
-  too, which no schema keyword states: over it is a 413).
+  too, which no schema keyword states: over it is a 413);
+- an optional parameter's schema without FastAPI's ``null`` branch (``anyOf: [X,
+  {"type": "null"}]`` for ``X | None``): a query string, header or path has no null,
+  leaving the parameter out is how it is not given, and a branch no request can take
+  made schema-driven clients and fuzzers mistake valid requests for invalid ones.
 
 The document is built once per app, on the first request for it, and versioned
 with the API (``/v1``): ``info.version`` is the server's version, the paths carry
@@ -86,6 +90,31 @@ def _complete(node: Any, settings: Settings) -> Any:
     return out
 
 
+def _without_null_branch(schema: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's ``schema`` without the ``{"type": "null"}`` branch of an ``anyOf``.
+
+    The one branch left is merged into the schema; the schema's own keywords (its
+    ``pattern``, ``items``, ``description``) win over the branch's.
+    """
+    branches = schema.get("anyOf")
+    if not isinstance(branches, list) or {"type": "null"} not in branches:
+        return schema
+    rest = [branch for branch in branches if branch != {"type": "null"}]
+    outer = {key: value for key, value in schema.items() if key != "anyOf"}
+    if len(rest) != 1:
+        return {**outer, "anyOf": rest}
+    return {**rest[0], **outer}
+
+
+def _drop_parameter_null_branches(document: dict[str, Any]) -> None:
+    """Every operation's parameters' schemas through :func:`_without_null_branch`, in place."""
+    for operations in document.get("paths", {}).values():
+        for operation in operations.values():
+            for parameter in operation.get("parameters", []):
+                if isinstance(parameter.get("schema"), dict):
+                    parameter["schema"] = _without_null_branch(parameter["schema"])
+
+
 def openapi_document(app: FastAPI, state: ServerState) -> dict[str, Any]:
     """The OpenAPI document of ``app`` with this server's recipe schema and limits filled in."""
     document = get_openapi(
@@ -104,6 +133,7 @@ def openapi_document(app: FastAPI, state: ServerState) -> dict[str, Any]:
             include_sets=state.backends.compiler.include_sets.names,
         )
     )
+    _drop_parameter_null_branches(document)
     document["info"]["x-limits"] = {
         name: setting_value(state.settings, name) for name in REQUEST_LIMITS
     }
