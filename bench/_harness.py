@@ -89,6 +89,39 @@ def bare_app_command(directory: Path, body: bytes, port: int, workers: int = 1) 
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
+def _proc_table() -> dict[int, tuple[int, str, float]]:
+    """Every process: pid -> (parent pid, command line, user + system CPU seconds)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table: dict[int, tuple[int, str, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        table[int(entry)] = (int(fields[1]), cmdline, (int(fields[11]) + int(fields[12])) / tick)
+    return table
+
+
+def tree_cpu_s(needle: str) -> float:
+    """CPU seconds used so far by the processes whose command line holds ``needle``, and their children.
+
+    A server's own cost per request, which a neighbour on the machine (or wrk beside it)
+    changes far less than its requests per second.
+    """
+    table = _proc_table()
+    roots = {pid for pid, (_, cmdline, _) in table.items() if needle in cmdline}
+    tree, grew = set(roots), True
+    while grew:
+        children = {pid for pid, (parent, _, _) in table.items() if parent in tree} - tree
+        tree |= children
+        grew = bool(children)
+    return sum(table[pid][2] for pid in tree)
+
+
 def _ms(text: str) -> float:
     match = re.match(r"([\d.]+)(us|ms|s)", text)
     if not match:

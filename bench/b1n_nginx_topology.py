@@ -8,7 +8,11 @@ to the edge log, which the replica follows and audits (its cost is in the figure
 rest go to the replica. One token, as a job's ranks share one. Anchor, in the same run:
 nginx (1 worker, as the deploy's) serving the same file directly (B1's anchor). Goal:
 >= 0.9 x. ``edge_log_lines``: the B1n fetches nginx answered from its cache (each
-audited by the replica from the log).
+audited by the replica from the log). ``server_cpu_us_per_fetch``: the CPU time the
+serving processes (nginx's and the replica's, for B1n) spent per fetch, a figure a busy
+neighbour on the machine moves less than requests per second; ``replica_cpu_us_per_fetch``
+the replica's share (reading the edge log, auditing, the entries' refills);
+``anchor_cpu_us_per_fetch`` nginx's own serving the file.
 
 Also, interleaved in the same rounds (issue 35 item 2), B1 both ways: ``kcache serve`` alone
 with its own HTTP protocol (``kcache_server.serving.http_protocol``, a subclass of uvicorn's
@@ -33,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness, b1_fetch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
-from _harness import KCACHE, emit, kcache_server, wrk
+from _harness import KCACHE, emit, kcache_server, tree_cpu_s, wrk
 from b1_fetch import median_round, nginx_serving
 
 from tests.support import VECTOR_ADD, ServerProcess, answers_200, free_port, wait_until
@@ -101,6 +105,12 @@ def stock_uvicorn(data_dir: Path, workers: int) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
+def median_of(rounds: list[dict[str, float]], name: str) -> float:
+    """The median over rounds of one figure of theirs."""
+    values = sorted(r[name] for r in rounds)
+    return values[len(values) // 2]
+
+
 def main() -> None:
     workers = int(os.environ.get("BENCH_WORKERS", str(os.cpu_count() or 1)))
     rounds: dict[str, list[dict[str, float]]] = {
@@ -148,12 +158,28 @@ def main() -> None:
                     "serve": serve_url + path,
                     "stock": stock_url + path,
                 }
+                # Each side's serving processes (nginx's workers, the replica's), by command line.
+                serving = {
+                    "b1n": {
+                        "nginx": f"-c {root / 'deploy' / 'nginx.conf'}",
+                        "replica": f"--port {replica.port}",
+                    },
+                    "nginx": {"nginx": f"-c {root / 'nginx.conf'}"},
+                    "serve": {"replica": f"--port {serve_url.rsplit(':', 1)[1]}"},
+                    "stock": {"replica": f"port={stock_url.rsplit(':', 1)[1]},"},
+                }
                 for url in urls.values():  # warm every process's caches, and check the bytes
                     for _ in range(4 * workers):
                         assert httpx.get(url).content == data, url
                 for _ in range(ROUNDS):
                     for side, url in urls.items():
-                        rounds[side].append(wrk(url, seconds=SECONDS))
+                        before = {part: tree_cpu_s(n) for part, n in serving[side].items()}
+                        got = wrk(url, seconds=SECONDS)
+                        for part, needle in serving[side].items():
+                            spent = tree_cpu_s(needle) - before[part]
+                            got[f"{part}_cpu_us"] = spent * 1e6 / (got["rps"] * SECONDS)
+                        got["cpu_us"] = sum(got[f"{part}_cpu_us"] for part in serving[side])
+                        rounds[side].append(got)
                         time.sleep(0.5)
                 time.sleep(1.5)  # nginx flushes its edge log every second
                 with open(edge_log, "rb") as lines:
@@ -175,6 +201,9 @@ def main() -> None:
         non_2xx=sum(r["non_2xx"] for r in rounds["b1n"]),
         edge_log_lines=edge_log_lines,
         p99_ms=med["b1n"]["p99_ms"],
+        server_cpu_us_per_fetch=round(median_of(rounds["b1n"], "cpu_us"), 2),
+        replica_cpu_us_per_fetch=round(median_of(rounds["b1n"], "replica_cpu_us"), 2),
+        anchor_cpu_us_per_fetch=round(median_of(rounds["nginx"], "cpu_us"), 2),
         **each,
     )
     emit(
@@ -184,6 +213,7 @@ def main() -> None:
         "req/s",
         goal=">= 0.6",
         met=med["serve"]["rps"] >= 0.6 * anchor,
+        server_cpu_us_per_fetch=round(median_of(rounds["serve"], "cpu_us"), 2),
     )
     emit(
         "B1.fetch_by_key.stock_uvicorn_protocol.rps",
@@ -193,6 +223,7 @@ def main() -> None:
         goal=">= 0.6",
         met=med["stock"]["rps"] >= 0.6 * anchor,
         own_vs_stock=round(med["serve"]["rps"] / med["stock"]["rps"], 3),
+        server_cpu_us_per_fetch=round(median_of(rounds["stock"], "cpu_us"), 2),
     )
 
 

@@ -17,6 +17,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import signal
 import sqlite3
 import subprocess
@@ -670,3 +671,61 @@ def test_the_reader_survives_hostile_bytes_and_an_endless_line(tmp_path: Path) -
     read.write(_edge_line(KEY, DIGEST))
     read.tailer.poll()  # logged, not raised
     assert read.tailer.counts["hit"] == 2
+
+
+def _random_line(rng: random.Random) -> bytes:
+    """An edge log line: well-formed mostly, else broken in one of the ways a line can be."""
+    keys, digests = ["a" * 64, "b" * 63 + "c", KEY], ["d" * 64, DIGEST]
+    fields = [
+        b"1",
+        rng.choice([b"1796158110.358", b"1796158110.4", b"1796158111", b"1796158109.001"]),
+        rng.choice([b"200", b"200", b"304", b"499"]),
+        rng.choice([b"0.000", b"0.004", b"1.5", b"0"]),
+        f"/v1/recipes/{rng.choice(keys)}/artifact".encode(),
+        rng.choice(digests).encode(),
+    ]
+    if rng.random() < 0.85:
+        return b" ".join(fields)
+    at = rng.randrange(6)
+    breaks: list[Callable[[], list[bytes]]] = [
+        lambda: fields[:5],  # a field short
+        lambda: [*fields, b"x"],  # a field over
+        lambda: [*fields[:at], b"", *fields[at:]],  # a double space
+        lambda: [*fields[:at], fields[at].upper() + b"\r", *fields[at + 1 :]],
+        lambda: [*fields[:at], b"1e5", *fields[at + 1 :]],  # no number of the format
+        lambda: [b"2", *fields[1:]],  # another version
+        lambda: [*fields[:5], fields[5][:63]],  # a digest a digit short
+        lambda: [*fields[:5], b"\n".join([fields[5], b"1"])],  # a line of one field next
+        lambda: [],  # an empty line
+    ]
+    return b" ".join(rng.choice(breaks)())
+
+
+def test_the_columns_fast_path_counts_every_block_as_the_line_by_line_match() -> None:
+    """A block read as columns (what nginx writes) gives what matching each line gives.
+
+    Blocks of random lines, well-formed and broken (a field short or over, an empty field,
+    an upper-case digest, a line cut in two so that the fields still add up): the fast
+    path returns the same groups, or gives the block up whenever a line is not in the
+    format, where line by line takes the good lines and counts the rest bad.
+    """
+    from kcache_server.auditing.edge_log import _LINE, _tally_lines, _tally_whole
+
+    rng = random.Random(35)
+    taken = given_up = 0
+    for _ in range(3000):
+        block = b"\n".join(_random_line(rng) for _ in range(rng.choice([1, 2, 3, 8, 40])))
+        lines = block.count(b"\n") + 1
+        whole = _tally_whole(block, lines)
+        every_line_good = all(_LINE.fullmatch(line) for line in block.split(b"\n"))
+        if not every_line_good:
+            assert whole is None, block
+            given_up += 1
+            continue
+        taken += 1
+        expected = _tally_lines(block)
+        assert whole is not None and whole.keys() == expected.keys(), block
+        for group, (at, seconds, n) in whole.items():
+            assert (at, n) == (expected[group][0], expected[group][2])
+            assert seconds == pytest.approx(expected[group][1])
+    assert taken > 300 and given_up > 300  # both ways, many times

@@ -34,7 +34,8 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -79,6 +80,86 @@ _LINE = re.compile(
     rb"/v1/recipes/([0-9a-f]{64})/artifact ([0-9a-f]{64})$",
     re.MULTILINE,
 )
+
+
+#: The columns of a block, for :func:`_tally_whole` (the parts of :data:`_LINE`).
+_PATH = re.compile(rb"/v1/recipes/([0-9a-f]{64})/artifact")
+#: A line's digest, its newline and the next line's version.
+_DIGEST_AND_NEXT = re.compile(rb"[0-9a-f]{64}\n1")
+_HEX = re.compile(rb"[0-9a-f]{64}")
+_STATUS = re.compile(rb"\d{3}")
+_TIMES = re.compile(rb"\d{1,12}(?:\.\d{1,6})?(?: \d{1,12}(?:\.\d{1,6})?)*")
+_SECONDS = re.compile(rb"\d{1,9}(?:\.\d{1,6})?(?: \d{1,9}(?:\.\d{1,6})?)*")
+_FETCHED_TEXT = tuple(str(status).encode() for status in _FETCHED)
+
+#: Lines by (recipe key, digest, status), each ``[last time, sum of seconds, count]``.
+_Groups = dict[tuple[bytes, bytes, bytes], list[float]]
+
+
+def _group(rows: Iterable[tuple[bytes, bytes, bytes, bytes, bytes]]) -> _Groups:
+    """Rows of (recipe key, digest, status, time, seconds) grouped as :data:`_Groups` says."""
+    groups: _Groups = {}
+    for key, digest, status, at, seconds in rows:
+        group = groups.get((key, digest, status))
+        if group is None:
+            groups[(key, digest, status)] = [float(at), float(seconds), 1.0]
+        else:
+            group[0] = max(group[0], float(at))
+            group[1] += float(seconds)
+            group[2] += 1.0
+    return groups
+
+
+def _tally_lines(block: bytes) -> _Groups:
+    """The well-formed lines of ``block`` grouped, one :data:`_LINE` match each (any line)."""
+    return _group((m[4], m[5], m[2], m[1], m[3]) for m in _LINE.finditer(block))
+
+
+def _tally_whole(block: bytes, lines: int) -> _Groups | None:
+    """:func:`_tally_lines` of a ``block`` of ``lines`` lines all in the format; None if one is not.
+
+    What nginx writes: every line well-formed, most of few keys. Matching :data:`_LINE`
+    line by line spent most of its time checking the same 128 hex digits again (3.6 us a
+    line, at B1n's 40 k lines a second a seventh of a core; 1.4 us this way). Here the block is split at
+    its spaces once, into columns of the format's fields, and each column is checked
+    whole: the times and seconds as one joined text, a status, path or digest once per
+    distinct value. A line's digest, its newline and the next line's version come as one
+    field (``<digest>\n1``); a line of too few or too many fields puts a newline into
+    another column or the count off, and the block goes line by line.
+    """
+    fields = block.split(b" ")
+    if len(fields) != 5 * lines + 1 or fields[0] != VERSION:
+        return None
+    times, statuses, seconds, paths = fields[1::5], fields[2::5], fields[3::5], fields[4::5]
+    if not all(_DIGEST_AND_NEXT.fullmatch(field) for field in set(fields[5:-1:5])):
+        return None
+    digests = [field[:-2] for field in fields[5:-1:5]]
+    digests.append(fields[-1])
+    keys: dict[bytes, bytes] = {}
+    for path in set(paths):
+        m = _PATH.fullmatch(path)
+        if m is None:
+            return None
+        keys[path] = m[1]
+    if (
+        _HEX.fullmatch(fields[-1]) is None
+        or not all(_STATUS.fullmatch(status) for status in set(statuses))
+        or _TIMES.fullmatch(b" ".join(times)) is None
+        or _SECONDS.fullmatch(b" ".join(seconds)) is None
+    ):
+        return None
+    kinds = set(zip(paths, digests, statuses, strict=True))
+    if len(kinds) == 1:
+        path, digest, status = kinds.pop()
+        took = Counter(seconds)
+        return {
+            (keys[path], digest, status): [
+                max(map(float, set(times))),
+                sum(float(value) * n for value, n in took.items()),
+                float(lines),
+            ]
+        }
+    return _group(zip(map(keys.__getitem__, paths), digests, statuses, times, seconds, strict=True))
 
 
 class _Bad(ValueError):
@@ -289,28 +370,22 @@ class EdgeLogTailer:
                 self._offset += end + 1
                 return 0
         lines = complete.count(b"\n") + 1
-        groups: dict[tuple[bytes, bytes, bytes], list[float]] = {}
+        groups = _tally_whole(complete, lines)
+        if groups is None:  # a line that is not in the format: line by line
+            groups = _tally_lines(complete)
         matched = ignored = 0
-        for m in _LINE.finditer(complete):
-            matched += 1
-            status = m[2]
-            if status != b"200" and status != b"304":
-                ignored += 1
+        hits: list[EdgeHit] = []
+        for (key, digest, status), (at, seconds, n) in groups.items():
+            matched += int(n)
+            if status not in _FETCHED_TEXT:
+                ignored += int(n)
                 continue
-            group = groups.get((m[4], m[5], status))
-            if group is None:
-                groups[(m[4], m[5], status)] = [float(m[1]), float(m[3]), 1.0]
-            else:
-                group[0] = max(group[0], float(m[1]))
-                group[1] += float(m[3])
-                group[2] += 1.0
+            hits.append(
+                EdgeHit(at, key.decode(), digest.decode(), int(status), seconds * 1000 / n, int(n))
+            )
         bad = lines - matched
         if bad:
             self._log_first_bad(complete)
-        hits = [
-            EdgeHit(at, key.decode(), digest.decode(), int(status), seconds * 1000.0 / n, int(n))
-            for (key, digest, status), (at, seconds, n) in groups.items()
-        ]
         if hits:
             try:
                 self.on_hits(hits)
