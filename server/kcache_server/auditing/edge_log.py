@@ -20,8 +20,9 @@ counted in ``ignored``. A last line without its newline yet waits for it. The fi
 rotated (renamed, then ``nginx -s reopen``: the old one is read to its end, then the new
 one from its start) or truncated (read again from the start). Where the tailer got to is
 kept in ``<state_dir>/edge-log.offset`` (inode and offset), so a restart or another
-worker taking over goes on from there; a crash between recording a batch and saving the
-offset counts that batch again (at least once, never lost).
+worker taking over goes on from there, saved once per read of what was new (each poll); a
+crash between recording a read's batches and saving the offset counts them again (at least
+once, never lost).
 """
 
 from __future__ import annotations
@@ -330,12 +331,15 @@ class EdgeLogTailer:
             handle.seek(0)
             self._offset, self._partial, self._skipping = 0, b"", False
             self.reopened += 1
-        total = 0
+        total, start = 0, self._offset
         while True:
             chunk = handle.read(_CHUNK)
             if not chunk:
-                return total
+                break
             total += self._consume(chunk)
+        if self._offset != start:  # once per read of what is new, not per chunk (a rename each)
+            self._save_state()
+        return total
 
     def _consume(self, chunk: bytes) -> int:
         data = self._partial + chunk
@@ -383,7 +387,6 @@ class EdgeLogTailer:
         self._count("ignored", ignored)
         self._count("bad", bad)
         self._offset += end + 1  # data starts at the old offset (the partial line's start)
-        self._save_state()
         return lines
 
     def _log_first_bad(self, block: bytes) -> None:
