@@ -35,6 +35,8 @@ __all__ = [
     "BODY_LIMITS_DOC",
     "ERRORS",
     "INLINE_BODY_BYTES",
+    "Admin",
+    "Compiler",
     "Reader",
     "Reporter",
     "State",
@@ -43,6 +45,8 @@ __all__ = [
     "get_state",
     "is_json_content_type",
     "read_body",
+    "require_admin",
+    "require_compile",
     "require_read",
     "require_report",
 ]
@@ -114,10 +118,26 @@ async def require_report(principal: Annotated[Principal, Depends(caller)]) -> Pr
     return principal
 
 
+async def require_compile(principal: Annotated[Principal, Depends(caller)]) -> Principal:
+    """A token that may compile (route-wide; a resolve asks for it only with ``compile`` true)."""
+    principal.require("compile", "reading a recorded recipe (its source)")
+    return principal
+
+
+async def require_admin(principal: Annotated[Principal, Depends(caller)]) -> Principal:
+    """A token with the ``admin`` scope (pins, the store, verification)."""
+    principal.require("admin", "managing pins, the store and verification")
+    return principal
+
+
 #: The calling principal, checked for at least the ``read`` scope.
 Reader = Annotated[Principal, Depends(require_read)]
 #: The calling principal, checked for at least the ``report`` scope.
 Reporter = Annotated[Principal, Depends(require_report)]
+#: The calling principal, checked for at least the ``compile`` scope.
+Compiler = Annotated[Principal, Depends(require_compile)]
+#: The calling principal, checked for the ``admin`` scope.
+Admin = Annotated[Principal, Depends(require_admin)]
 #: The server state.
 State = Annotated[ServerState, Depends(get_state)]
 

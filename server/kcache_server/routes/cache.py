@@ -24,8 +24,7 @@ from kcache_server.eviction import (
     list_entries,
 )
 from kcache_server.pins import MAX_KEYS
-from kcache_server.routes._deps import ERRORS, State, body_doc, read_body
-from kcache_server.routes.pins import Admin
+from kcache_server.routes._deps import ERRORS, Admin, State, body_doc, read_body
 from kcache_server.schemas import HEX_KEY_PATTERN, SchemaPattern, check_key, load_model, parse_json
 
 __all__ = ["router"]

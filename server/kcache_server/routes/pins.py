@@ -4,28 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from kcache_server.auth import Principal
 from kcache_server.errors import InvalidRequestError
 from kcache_server.pins import MAX_KEYS, PinInfo, PinStore, check_group
-from kcache_server.routes._deps import ERRORS, State, body_doc, caller, read_body
+from kcache_server.routes._deps import ERRORS, Admin, State, body_doc, read_body
 from kcache_server.schemas import HEX_KEY_PATTERN, SchemaPattern, load_model, parse_json
 
-__all__ = ["Admin", "router"]
+__all__ = ["router"]
 
 router = APIRouter(prefix="/v1/pins", tags=["storage"])
 
-
-async def require_admin(principal: Annotated[Principal, Depends(caller)]) -> Principal:
-    """A token with the ``admin`` scope (pins and store maintenance)."""
-    principal.require("admin", "managing pins and the store")
-    return principal
-
-
-#: The calling principal, checked for the ``admin`` scope.
-Admin = Annotated[Principal, Depends(require_admin)]
 
 #: Recipe keys one ``DELETE /v1/pins`` names: they travel in the request line, which
 #: uvicorn reads only up to 64 KiB of (this many keys take 20 KiB).

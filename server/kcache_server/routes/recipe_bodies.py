@@ -17,27 +17,20 @@ another one unnoticed.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from kcache.errors import ArtifactNotFoundError
 from kcache.recipe import Recipe
-from kcache_server.auth import Principal
-from kcache_server.routes._deps import ERRORS, State, caller
+from kcache_server.routes._deps import ERRORS, Compiler, State
 from kcache_server.schemas import RecipeKeyPath, check_key
 from kcache_server.state import ServerState
 
 __all__ = ["RecordedRecipeBody", "router"]
 
 router = APIRouter(prefix="/v1/recipes", tags=["recipes"])
-
-
-async def require_compile(principal: Annotated[Principal, Depends(caller)]) -> Principal:
-    """A token that may compile: the only use of a recorded recipe's source."""
-    principal.require("compile", "reading a recorded recipe (its source)")
-    return principal
 
 
 class RecordedRecipeBody(BaseModel):
@@ -68,7 +61,7 @@ def _recorded(state: ServerState, recipe_key: str) -> Recipe:
 @router.get("/{recipe_key}/recipe", response_model=RecordedRecipeBody, responses=ERRORS)
 async def recorded_recipe(
     recipe_key: RecipeKeyPath,
-    _: Annotated[Principal, Depends(require_compile)],
+    _: Compiler,
     state: State,
 ) -> RecordedRecipeBody:
     """The whole recipe recorded under ``recipe_key`` (needs the ``compile`` scope); 404 if none."""

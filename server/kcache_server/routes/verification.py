@@ -5,8 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
-from kcache_server.routes._deps import ERRORS
-from kcache_server.routes.pins import Admin
+from kcache_server.routes._deps import ERRORS, Admin
 
 __all__ = ["router"]
 
