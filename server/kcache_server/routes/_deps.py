@@ -16,7 +16,7 @@ what is parsed costs at most that many values.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
@@ -106,29 +106,25 @@ def _on_behalf_of(principal: Principal, request: Request) -> Principal:
     return principal
 
 
-async def require_read(principal: Annotated[Principal, Depends(caller)]) -> Principal:
-    """Any valid token (``read`` is the weakest scope)."""
-    principal.require("read", "this request")
-    return principal
+def _requiring(scope: str, what: str) -> Callable[..., Awaitable[Principal]]:
+    """The dependency giving the caller once it holds ``scope`` or one above (403 naming ``what``)."""
+
+    async def require(principal: Annotated[Principal, Depends(caller)]) -> Principal:
+        principal.require(scope, what)
+        return principal
+
+    require.__name__ = require.__qualname__ = f"require_{scope}"
+    return require
 
 
-async def require_report(principal: Annotated[Principal, Depends(caller)]) -> Principal:
-    """A token that may post client audit events (``report``, or a scope above it)."""
-    principal.require("report", "posting client audit events")
-    return principal
-
-
-async def require_compile(principal: Annotated[Principal, Depends(caller)]) -> Principal:
-    """A token that may compile (route-wide; a resolve asks for it only with ``compile`` true)."""
-    principal.require("compile", "reading a recorded recipe (its source)")
-    return principal
-
-
-async def require_admin(principal: Annotated[Principal, Depends(caller)]) -> Principal:
-    """A token with the ``admin`` scope (pins, the store, verification)."""
-    principal.require("admin", "managing pins, the store and verification")
-    return principal
-
+#: Any valid token (``read`` is the weakest scope).
+require_read = _requiring("read", "this request")
+#: A token that may post client audit events (``report``, or a scope above it).
+require_report = _requiring("report", "posting client audit events")
+#: A token that may compile, route-wide (a resolve asks for it only with ``compile`` true).
+require_compile = _requiring("compile", "reading a recorded recipe (its source)")
+#: A token with the ``admin`` scope (pins, the store, verification).
+require_admin = _requiring("admin", "managing pins, the store and verification")
 
 #: The calling principal, checked for at least the ``read`` scope.
 Reader = Annotated[Principal, Depends(require_read)]
