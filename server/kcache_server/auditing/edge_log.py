@@ -147,17 +147,16 @@ def _tally_whole(block: bytes, lines: int) -> _Groups | None:
         if m is None:
             return None
         keys[path] = m[1]
-    kinds_of_status = set(statuses)
+    distinct_statuses, last_digest = set(statuses), fields[-1]
     at_of, took_of = _values(times, _TIME), _values(seconds, _SECONDS)
     if (
         at_of is None
         or took_of is None
-        or _HEX.fullmatch(fields[-1]) is None
-        or not all(_STATUS.fullmatch(status) for status in kinds_of_status)
+        or _HEX.fullmatch(last_digest) is None
+        or not all(_STATUS.fullmatch(status) for status in distinct_statuses)
     ):
         return None
-    last_digest = fields[-1]
-    if len(keys) == len(kinds_of_status) == 1 and joined <= {last_digest + b"\n1"}:
+    if len(keys) == len(distinct_statuses) == 1 and joined <= {last_digest + b"\n1"}:
         # Every line alike (one key, digest and status): nothing line by line at all.
         kind = (next(iter(keys.values())), last_digest, statuses[0])
         spent = sum(map(took_of.__getitem__, seconds))
