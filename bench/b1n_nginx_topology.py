@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,8 +108,7 @@ def stock_uvicorn(data_dir: Path, workers: int) -> Iterator[str]:
 
 def median_of(rounds: list[dict[str, float]], name: str) -> float:
     """The median over rounds of one figure of theirs."""
-    values = sorted(r[name] for r in rounds)
-    return values[len(values) // 2]
+    return statistics.median(r[name] for r in rounds)
 
 
 def main() -> None:
