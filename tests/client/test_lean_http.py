@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 import pytest
@@ -120,6 +120,7 @@ class RawServer:
                     head.append(reader.readline())
                 if head[-1] == b"":
                     return  # the client closed the connection
+                _read_body(reader, head)  # unread, a close would be a reset, not the cut answered
                 with self._lock:
                     n = self.requests
                     self.requests += 1
@@ -132,6 +133,25 @@ class RawServer:
 
     def close(self) -> None:
         self._listener.close()
+
+
+def _read_body(reader: BinaryIO, head: list[bytes]) -> None:
+    """Read the body of the request whose header lines are ``head`` (its length, or its chunks).
+
+    A server that closes with a request's bytes still unread makes the kernel reset the
+    connection, and the client may then see the reset before the answer it was sent.
+    """
+    fields = dict(
+        (name.strip().lower(), value.strip().lower())
+        for name, _, value in (line.decode("latin-1").partition(":") for line in head[1:-1])
+    )
+    if fields.get("transfer-encoding") == "chunked":
+        while True:
+            size = int(reader.readline().split(b";")[0], 16)
+            reader.read(size + 2)  # the chunk and its CRLF
+            if size == 0:
+                return
+    reader.read(int(fields.get("content-length", "0")))
 
 
 def chunked(*parts: bytes, headers: str = "") -> bytes:
