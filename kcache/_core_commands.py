@@ -158,6 +158,18 @@ def _cmd_key(args: argparse.Namespace) -> int:
         from kcache.toolchain import toolchain_id
 
         recipe = recipe.with_defaults(toolchain=toolchain_id())
+    unpinned = recipe.unpinned_include_sets()
+    if unpinned:  # a key names a set by its contents: the directories --include-set gives
+        from kcache.include_sets import IncludeSets
+
+        dirs = include_set_dirs(args)
+        missing = [name for name in unpinned if name not in dirs]
+        if missing:
+            raise UsageError(
+                f"--include-set {missing[0]} names no directory here, so its contents (which "
+                f"the key covers) are unknown: give --include-set {missing[0]}=DIR, or --server"
+            )
+        recipe = recipe.with_defaults(include_sets=IncludeSets(dirs).digests(max_age_s=0))
     print(recipe.key())
     return 0
 

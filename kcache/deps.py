@@ -67,6 +67,7 @@ __all__ = [
     "Dependency",
     "Origin",
     "ReadMarkers",
+    "current_hash",
     "dependencies_from_trace",
     "include_set_files_unchanged",
     "proven",
@@ -80,8 +81,9 @@ BUILTIN_HEADER = "__nv_nvrtc_builtin_header.h"
 NVRTC_PSEUDO_FILES = frozenset({BUILTIN_HEADER, "__nv_name_map"})
 #: How dependency lists are proven: 0 (or absent) for what releases before the read
 #: markers recorded, trusting NVRTC's trace alone; 1 for a trace checked by its shape
-#: and by read markers, from an NVRTC that had seen no failed compile.
-DEPENDENCY_CHECK = 1
+#: and by read markers, from an NVRTC that had seen no failed compile; 2 with the
+#: include probes beside it (:mod:`kcache.include_probes`: where a lookup failed).
+DEPENDENCY_CHECK = 2
 
 
 @dataclass(frozen=True, order=True)
@@ -365,18 +367,36 @@ def proven(dependency_check: int, *, manifest: bool, include_sets: IncludeSets) 
     return not manifest and not include_sets.names
 
 
+def current_hash(include_sets: IncludeSets, set_name: str, relative: str) -> str | None:
+    """What a set holds now where a dependency or probe was recorded (None: the set is gone).
+
+    A file's sha256, :data:`~kcache.include_probes.ABSENT` where no file is, or the set's
+    digest for a whole-set probe (:data:`~kcache.include_probes.WHOLE_SET`).
+    """
+    from kcache.include_probes import ABSENT, WHOLE_SET
+
+    if set_name not in include_sets.names:
+        return None
+    if relative == WHOLE_SET:
+        return include_sets.digest(set_name)
+    return include_sets.file_hash(set_name, relative) or ABSENT
+
+
 def unchanged(
     dependencies: Iterable[Dependency],
     header_hashes: dict[str, str],
     set_names: Iterable[str],
     include_sets: IncludeSets,
 ) -> bool:
-    """True when every dependency has the same hash for this recipe (and the include sets)."""
-    usable = set(set_names)
+    """True when every dependency and probe is as recorded for this recipe (and the include sets)."""
+    usable = {entry.partition("@")[0] for entry in set_names}
     for dep in dependencies:
         set_name, sep, relative = dep.name.partition(":")
         if sep:
-            if set_name not in usable or include_sets.file_hash(set_name, relative) != dep.sha256:
+            if (
+                set_name not in usable
+                or current_hash(include_sets, set_name, relative) != dep.sha256
+            ):
                 return False
         elif header_hashes.get(dep.name) != dep.sha256:
             return False
@@ -386,13 +406,14 @@ def unchanged(
 def include_set_files_unchanged(
     dependencies: Iterable[Dependency], include_sets: IncludeSets
 ) -> bool:
-    """True when every include-set file among ``dependencies`` still has its hash.
+    """True when every include-set file and probe among ``dependencies`` is as recorded.
 
-    A recipe key covers in-memory headers but not the files of include sets, so an
-    exact-key hit must re-check these (cheap: hashes are memoised by stat).
+    A recipe key covers a set by its digest, which the server keeps current within a
+    second; this re-check (cheap: hashes are memoised by stat) closes that second for
+    the files the compile read and the places it looked.
     """
     for dep in dependencies:
         set_name, sep, relative = dep.name.partition(":")
-        if sep and include_sets.file_hash(set_name, relative) != dep.sha256:
+        if sep and current_hash(include_sets, set_name, relative) != dep.sha256:
             return False
     return True

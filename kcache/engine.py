@@ -24,13 +24,14 @@ from kcache.errors import (
     CompileError,
     CompileTimeoutError,
     CorruptArtifactError,
+    IncludeSetChangedError,
     RecipeError,
 )
 from kcache.index.base import Index
 from kcache.locks import KeyLock
 from kcache.nvrtc import kernel_name
 from kcache.outcomes import ResolveStatus
-from kcache.recipe import Recipe
+from kcache.recipe import Recipe, include_set_digest, include_set_name
 from kcache.store.base import ArtifactStore
 
 __all__ = ["Engine", "Resolution", "Via", "failure_error"]
@@ -41,6 +42,9 @@ __all__ = ["Engine", "Resolution", "Via", "failure_error"]
 Via = Literal["key", "manifest", "compile"]
 
 log = logging.getLogger(__name__)
+
+#: A pin that disagrees with a set's kept digest is checked against one at most this old.
+_RECHECK_AGE_S = 0.1
 
 #: The error each kind of negative entry is answered with (any other kind: CompileError).
 _FAILURE_ERRORS: dict[str, type[CompileError]] = {
@@ -113,12 +117,39 @@ class Engine:
         return self.compiler.toolchain.id
 
     def prepare(self, recipe: Recipe) -> Recipe:
-        """Fill in the default toolchain and check the recipe can be keyed and compiled here."""
-        resolved = recipe.with_defaults(toolchain=self.toolchain_id)
+        """Fill in the default toolchain and the include sets' digests; check it can be keyed here.
+
+        An include set named without a digest is pinned to its contents now
+        (:meth:`IncludeSets.digest <kcache.include_sets.IncludeSets.digest>`); one pinned
+        to other contents is kept as it is: its key may still be held (:meth:`resolve`
+        answers it by that key only).
+        """
+        sets = self.compiler.include_sets
+        for i, name in enumerate(recipe.include_sets):
+            sets.get(name, f"include_sets[{i}]")
+        digests = sets.digests() if recipe.unpinned_include_sets() else None
+        resolved = recipe.with_defaults(toolchain=self.toolchain_id, include_sets=digests)
         resolved.key()  # raises UnresolvedRecipeError for target "auto"
-        for i, name in enumerate(resolved.include_sets):
-            self.compiler.include_sets.get(name, f"include_sets[{i}]")
         return resolved
+
+    def check_include_sets(self, recipe: Recipe, *, max_age_s: float | None = None) -> None:
+        """Raise :class:`IncludeSetChangedError` unless every set ``recipe`` pins has those contents now."""
+        sets = self.compiler.include_sets
+        for i, entry in enumerate(recipe.include_sets):
+            pinned = include_set_digest(entry)
+            if pinned is None:
+                continue
+            name = include_set_name(entry)
+            current = sets.digest(name, max_age_s=max_age_s)
+            if current != pinned and max_age_s != 0:
+                # The digest kept may be older than the caller's: look again (at most
+                # ten walks a second, however many requests pin another version).
+                current = sets.digest(name, max_age_s=_RECHECK_AGE_S)
+            if current != pinned:
+                raise IncludeSetChangedError(f"include_sets[{i}]", name, pinned, current)
+        for item in recipe.link:
+            if item.recipe is not None:
+                self.check_include_sets(item.recipe, max_age_s=max_age_s)
 
     def resolve(self, recipe: Recipe, *, compile: bool = True) -> Resolution:
         """Return the artifact for ``recipe``, compiling it (once, across processes) if needed.
@@ -170,6 +201,9 @@ class Engine:
             raise failure_error(entry)
         if entry is not None and self._usable(entry):
             return entry, "key"
+        # Past the exact key, the files a recipe pins must be the ones here: a manifest
+        # match checks today's files, and a compile reads them.
+        self.check_include_sets(recipe)
         sets = self.compiler.include_sets
         for candidate in self.index.manifest(base):
             # A match rests on the list alone: one recorded before lists were proven may
@@ -238,6 +272,8 @@ class Engine:
             self.index.record_failure(CompileFailure(key, exc.log))
             exc.recipe_key = key
             raise
+        # A set edited while the compile ran: what it read may not be what the key pins.
+        self.check_include_sets(recipe, max_age_s=0)
         return self.publish(recipe, key, base, output)
 
     def publish(self, recipe: Recipe, key: str, base: str, output: CompileOutput) -> ArtifactMeta:

@@ -5,7 +5,8 @@ Hierarchy::
     KCacheError
     ├── InvalidKeyError (ValueError)          a recipe key or digest that is not 64 lowercase hex digits
     ├── RecipeError (ValueError)              bad recipe input; names the field and the limit
-    │   ├── UnresolvedRecipeError             target "auto" or no toolchain at keying time
+    │   ├── UnresolvedRecipeError             target "auto", no toolchain or an unpinned include set at keying time
+    │   ├── IncludeSetChangedError            the recipe pins an include set to contents it no longer has
     │   └── UnlistedIncludeError              the compile reached a file that is not a recipe input
     ├── ToolchainError (RuntimeError)         NVRTC/nvJitLink missing or unusable
     │   └── DependencyTraceError              a compile's dependency trace is not proven complete
@@ -32,6 +33,7 @@ __all__ = [
     "CompileTimeoutError",
     "CorruptArtifactError",
     "DependencyTraceError",
+    "IncludeSetChangedError",
     "InvalidArtifactError",
     "InvalidKeyError",
     "KCacheError",
@@ -79,6 +81,27 @@ class RecipeError(KCacheError, ValueError):
 
 class UnresolvedRecipeError(RecipeError):
     """The recipe still says ``target="auto"`` or names no toolchain, so it has no key yet."""
+
+
+class IncludeSetChangedError(RecipeError):
+    """The recipe pins an include set to a digest of contents the set no longer holds.
+
+    Such a recipe can still be answered by its exact key, never compiled or matched: the
+    files it names are gone. ``current`` is the set's digest now, so a client can pin
+    its recipes again (``GET /v1/toolchains``) and ask once more.
+    """
+
+    def __init__(self, field: str, name: str, pinned: str, current: str) -> None:
+        super().__init__(
+            field,
+            f"include set {name!r} changed: the recipe pins its contents {pinned[:16]}.., this "
+            f"side holds {current[:16]}.. now (files were edited, added or removed). Pin the "
+            "current contents (name it without '@', or as GET /v1/toolchains lists it) and ask "
+            "again",
+        )
+        self.name = name
+        self.pinned = pinned
+        self.current = current
 
 
 class UnlistedIncludeError(RecipeError):

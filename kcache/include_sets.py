@@ -9,6 +9,15 @@ that reads through it is refused, see :mod:`kcache.deps`). A set's root is an ``
 directory, so its headers include each other by their path from the root (as CUTLASS
 and CCCL do), and a quoted include is found next to the including file first.
 
+**A set's digest** (:meth:`IncludeSets.digest`) is what a recipe key holds of it
+(``name@<digest>``, docs/design.md "What a binding rests on"): the sha256 of every
+regular file's path and hash, sorted, so an edit, an added or a removed file anywhere
+in the set gives every recipe naming it another key. Walking a large tree (a CUTLASS
+checkout: thousands of files) costs a stat per file, so a digest is reused for
+``max_age_s`` (a second by default: an edit is noticed within it) and the files' hashes
+come from the memo below. A compile checks the digest again, fresh, after it ran, so a
+set edited during a compile never publishes under the digest it started from.
+
 A file's timestamps only move in clock ticks, so an edit made within a tick of the
 hashing can leave every stat field as it was (same size, same mtime). As git does
 for its "racy" index entries, a memo is trusted only for files whose last change is
@@ -18,6 +27,7 @@ older than ``RACY_SECONDS`` before they were hashed; younger ones are re-read.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -25,11 +35,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kcache.errors import RecipeError
+from kcache.recipe import include_set_name
 
-__all__ = ["RACY_SECONDS", "IncludeSet", "IncludeSets"]
+__all__ = ["DIGEST_MAX_AGE_S", "MAX_SET_FILES", "RACY_SECONDS", "IncludeSet", "IncludeSets"]
 
 #: A file changed less than this long before it was hashed is always re-hashed.
 RACY_SECONDS = 2.0
+#: How long a set's digest is reused before its tree is walked again.
+DIGEST_MAX_AGE_S = 1.0
+#: The most files a set may hold: a walk never reads a whole filesystem.
+MAX_SET_FILES = 200_000
 
 
 @dataclass(frozen=True)
@@ -50,7 +65,11 @@ class IncludeSet:
 class IncludeSets:
     """The registry of include sets, with a memo of file hashes."""
 
-    def __init__(self, sets: Mapping[str, str | Path] | None = None) -> None:
+    def __init__(
+        self, sets: Mapping[str, str | Path] | None = None, *, max_age_s: float = DIGEST_MAX_AGE_S
+    ) -> None:
+        #: How long :meth:`digest` reuses a set's digest by default (0: walked every time).
+        self.max_age_s = max_age_s
         self._sets = {
             name: IncludeSet(name, Path(root).resolve()) for name, root in (sets or {}).items()
         }
@@ -58,6 +77,7 @@ class IncludeSets:
             if not item.root.is_dir():
                 raise ValueError(f"include set {item.name!r}: {item.root} is not a directory")
         self._memo: dict[Path, tuple[tuple[int, int, int, int], str]] = {}
+        self._digests: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -66,9 +86,9 @@ class IncludeSets:
         return sorted(self._sets)
 
     def get(self, name: str, field: str = "include_sets") -> IncludeSet:
-        """The set named ``name``, or a :class:`RecipeError` naming the registered ones."""
+        """The set named ``name`` (or ``name@<digest>``), or a :class:`RecipeError` naming the registered ones."""
         try:
-            return self._sets[name]
+            return self._sets[include_set_name(name)]
         except KeyError:
             known = ", ".join(self.names) or "none are registered"
             raise RecipeError(field, f"include set {name!r} is not registered ({known})") from None
@@ -76,6 +96,50 @@ class IncludeSets:
     def as_mapping(self) -> dict[str, str]:
         """name -> root, for handing to a compile worker."""
         return {name: str(item.root) for name, item in self._sets.items()}
+
+    def digest(self, name: str, *, max_age_s: float | None = None) -> str:
+        """sha256 of the set's contents: every regular file's relative path and hash, sorted.
+
+        Reused for ``max_age_s`` seconds (0: walked now; None: the registry's own). A file that cannot be read
+        enters as unreadable (it cannot be compiled from either); a link that leads out
+        of the root is not part of the set, as :meth:`IncludeSet.resolve` says.
+        """
+        item = self.get(include_set_name(name))
+        max_age_s = self.max_age_s if max_age_s is None else max_age_s
+        now = time.monotonic()
+        with self._lock:
+            known = self._digests.get(item.name)
+        if known is not None and max_age_s > 0 and now - known[0] < max_age_s:
+            return known[1]
+        lines = [
+            f"{relative}\0{self.file_hash(item.name, relative) or '-'}\n"
+            for relative in self._files(item)
+        ]
+        digest = hashlib.sha256("".join(lines).encode()).hexdigest()
+        with self._lock:
+            self._digests[item.name] = (now, digest)
+        return digest
+
+    def digests(self, *, max_age_s: float | None = None) -> dict[str, str]:
+        """name -> :meth:`digest` of every registered set (what ``GET /v1/toolchains`` lists)."""
+        return {name: self.digest(name, max_age_s=max_age_s) for name in self.names}
+
+    @staticmethod
+    def _files(item: IncludeSet) -> list[str]:
+        """Every regular file's path relative to the root, sorted; links are followed only inside it."""
+        found: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(item.root):  # no followlinks: no loops
+            dirnames.sort()
+            base = Path(dirpath)
+            for filename in filenames:
+                relative = (base / filename).relative_to(item.root).as_posix()
+                if item.resolve(relative) is not None:
+                    found.append(relative)
+            if len(found) > MAX_SET_FILES:
+                raise ValueError(
+                    f"include set {item.name!r}: {item.root} holds more than {MAX_SET_FILES} files"
+                )
+        return sorted(found)
 
     def file_hash(self, set_name: str, relative: str) -> str | None:
         """sha256 of a file in a set, or None if the set or file is gone."""

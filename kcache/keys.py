@@ -41,8 +41,10 @@ __all__ = [
     "sha256_hex",
 ]
 
-#: Bumped whenever the canonical form changes, so old keys never alias new ones.
-KEY_SCHEMA = 1
+#: Bumped whenever the canonical form changes, so old keys never alias new ones. 2: an
+#: include set enters the recipe key by the digest of its contents (``name@<sha256>``),
+#: and every compile is seeded (``-frandom-seed``), so its bytes are a function of the key.
+KEY_SCHEMA = 2
 
 #: A key or digest: 64 lowercase hex digits. In the regex syntax Python's ``re`` and
 #: ECMA-262 read alike, unanchored: Python matches it with ``fullmatch`` ("$" would
@@ -91,6 +93,11 @@ _boolean = {True: "true", False: "false"}.__getitem__
 
 def _strings(values: tuple[str, ...]) -> str:
     return "[" + ",".join(map(encode_basestring_ascii, values)) + "]"
+
+
+def _set_names(values: tuple[str, ...]) -> str:
+    """The include sets by name only (the base key: manifests match across a set's versions)."""
+    return _strings(tuple(value.partition("@")[0] for value in values))
 
 
 def _optional_string(value: str | None) -> str:
@@ -151,7 +158,8 @@ KEY_FIELDS: tuple[KeyField, ...] = (
         methodcaller("names_json"),
         reads="_header_set",
     ),
-    KeyField("include_sets", _strings),
+    # ``name@<digest of the set's contents>`` (recipe key), the names alone (base key).
+    KeyField("include_sets", _strings, _set_names),
     KeyField("kind", '"recipe"', '"base"', recipe_field=False),
     KeyField("link", _links),
     KeyField("lto", _boolean),

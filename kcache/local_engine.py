@@ -37,5 +37,8 @@ def open_local_engine(
         store=LocalArtifactStore(root, flat=flat),
         index=FileIndex(root, flat=flat),
         lock=SingleFlight(FileKeyLock(root)),
-        compiler=InProcessCompiler(load_toolchain(toolchain_dir), IncludeSets(include_sets)),
+        # One user's compiles: a set's digest is walked each time (no second of staleness).
+        compiler=InProcessCompiler(
+            load_toolchain(toolchain_dir), IncludeSets(include_sets, max_age_s=0)
+        ),
     )

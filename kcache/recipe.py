@@ -25,7 +25,16 @@ from kcache.lru import LruCache
 from kcache.specialization import SpecValue, normalize_specialization, render_macros
 from kcache.targets import Target, parse_target
 
-__all__ = ["ALLOWED_FLAGS", "CONTROL_CHARACTERS", "LIMITS", "LinkInput", "Output", "Recipe"]
+__all__ = [
+    "ALLOWED_FLAGS",
+    "CONTROL_CHARACTERS",
+    "LIMITS",
+    "LinkInput",
+    "Output",
+    "Recipe",
+    "include_set_digest",
+    "include_set_name",
+]
 
 Output = Literal["cubin", "ptx", "ltoir"]
 _OUTPUTS = ("cubin", "ptx", "ltoir")
@@ -62,6 +71,9 @@ _GOOD_INCLUDE_NAME_RE = re.compile(_GOOD_INCLUDE_NAME)
 _ONE_HEADER_NAME = rf"(?=[^\n]{{1,{LIMITS.name_chars}}}(?:\n|\Z)){_GOOD_INCLUDE_NAME}"
 _GOOD_HEADER_NAMES_RE = re.compile(rf"{_ONE_HEADER_NAME}(?:\n{_ONE_HEADER_NAME})*")
 _SET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
+#: An entry of ``include_sets``: a registered set's name, pinned to the digest of its
+#: contents (``name@<sha256>``) once resolved (:meth:`Recipe.with_defaults`).
+_SET_ENTRY_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9_\-]{0,63})(?:@([0-9a-f]{64}))?")
 _TOOLCHAIN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]{0,127}")
 #: What a single line of recipe text (a flag, a name expression) never holds: the C0
 #: and C1 control characters, as the inside of a regex class that Python's ``re`` and
@@ -279,15 +291,29 @@ class Recipe:
     def __hash__(self) -> int:
         return hash(self._identity())
 
-    def _derive(self, *, target: str, toolchain: str | None, link: tuple[LinkInput, ...]) -> Recipe:
-        """A copy with these three fields, built without validating again the fields it keeps.
+    def _derive(
+        self,
+        *,
+        target: str,
+        toolchain: str | None,
+        link: tuple[LinkInput, ...],
+        include_sets: tuple[str, ...],
+    ) -> Recipe:
+        """A copy with these four fields, built without validating again the fields it keeps.
 
         The alternate constructor of :meth:`with_defaults`: the caller checks the
         changed fields itself, and gives them already frozen. The copy shares the
         header set (hashed once).
         """
         copy = object.__new__(Recipe)
-        state = {**vars(self), "target": target, "toolchain": toolchain, "link": link, "_memo": {}}
+        state = {
+            **vars(self),
+            "target": target,
+            "toolchain": toolchain,
+            "link": link,
+            "include_sets": include_sets,
+            "_memo": {},
+        }
         vars(copy).update(state)  # frozen: object.__setattr__ would do the same, field by field
         return copy
 
@@ -383,30 +409,72 @@ class Recipe:
             out["toolchain"] = self.toolchain
         return out
 
-    def with_defaults(self, *, target: str | None = None, toolchain: str | None = None) -> Recipe:
-        """Return a copy with ``target="auto"`` and a missing toolchain filled in (recursively)."""
-        memo_key = ("with_defaults", target, toolchain)
+    def with_defaults(
+        self,
+        *,
+        target: str | None = None,
+        toolchain: str | None = None,
+        include_sets: Mapping[str, str] | None = None,
+    ) -> Recipe:
+        """A copy with ``target="auto"``, a missing toolchain and unpinned include sets filled in.
+
+        ``include_sets`` maps a set's name to the digest of its contents; each entry
+        naming a set without a digest becomes ``name@<digest>`` (recursively, as the
+        target and toolchain). An entry already pinned is kept, whatever the mapping
+        says: the caller decides what a pin to another version means.
+        """
+        sets = tuple(sorted(include_sets.items())) if include_sets else ()
+        memo_key = ("with_defaults", target, toolchain, sets)
         cached: Recipe | None = self._memo.get(memo_key)
         if cached is None:
-            cached = self._memo[memo_key] = self._with_defaults(target, toolchain)
+            cached = self._memo[memo_key] = self._with_defaults(target, toolchain, dict(sets))
         return cached
 
-    def _with_defaults(self, target: str | None, toolchain: str | None) -> Recipe:
+    def _with_defaults(
+        self, target: str | None, toolchain: str | None, set_digests: Mapping[str, str]
+    ) -> Recipe:
         new_target = target if self.target == "auto" and target is not None else self.target
         new_toolchain = self.toolchain if self.toolchain is not None else toolchain
+        new_sets = tuple(
+            f"{entry}@{set_digests[entry]}"
+            if include_set_digest(entry) is None and entry in set_digests
+            else entry
+            for entry in self.include_sets
+        )
         link = tuple(
-            LinkInput(recipe=item.recipe.with_defaults(target=new_target, toolchain=new_toolchain))
+            LinkInput(
+                recipe=item.recipe.with_defaults(
+                    target=new_target, toolchain=new_toolchain, include_sets=set_digests
+                )
+            )
             if item.recipe is not None
             else item
             for item in self.link
         )
-        if (new_target, new_toolchain, link) == (self.target, self.toolchain, self.link):
+        if (new_target, new_toolchain, link, new_sets) == (
+            self.target,
+            self.toolchain,
+            self.link,
+            self.include_sets,
+        ):
             return self
-        # Only these three fields change; check them alone instead of re-validating
-        # every header of an already validated recipe.
-        copy = self._derive(target=new_target, toolchain=new_toolchain, link=link)
+        # Only these fields change; check them alone instead of re-validating every
+        # header of an already validated recipe (the pinned digests are checked hex).
+        for i, digest in enumerate(set_digests.values()):
+            require_hex_key(digest, f"include_sets[{i}]")
+        copy = self._derive(
+            target=new_target, toolchain=new_toolchain, link=link, include_sets=new_sets
+        )
         _validate_target_and_toolchain(copy)
         return copy
+
+    def unpinned_include_sets(self) -> list[str]:
+        """Names of the include sets this recipe (or a linked one) names without a digest."""
+        names = [entry for entry in self.include_sets if include_set_digest(entry) is None]
+        for item in self.link:
+            if item.recipe is not None:
+                names += item.recipe.unpinned_include_sets()
+        return list(dict.fromkeys(names))
 
     # ------------------------------------------------------------------ derived
     @property
@@ -467,6 +535,15 @@ class Recipe:
             raise UnresolvedRecipeError(
                 "toolchain", "must be resolved to a concrete toolchain id before keying"
             )
+        for i, entry in enumerate(self.include_sets):
+            if include_set_digest(entry) is None:
+                # A key names what a compile could read: a set by its contents, never by
+                # its name alone (an edited or added file must give another key).
+                raise UnresolvedRecipeError(
+                    f"include_sets[{i}]",
+                    f"include set {entry!r} must be resolved to the digest of its contents "
+                    "(name@<sha256>, what GET /v1/toolchains lists) before keying",
+                )
         for item in self.link:
             if item.recipe is not None:
                 item.recipe._require_resolved()
@@ -634,9 +711,13 @@ def _validate(recipe: Recipe) -> _HeaderSet:
         raise RecipeError("include_sets", "must be a list of registered include set names")
     if len(recipe.include_sets) > LIMITS.include_sets:
         raise RecipeError("include_sets", f"at most {LIMITS.include_sets} include sets")
-    for i, set_name in enumerate(recipe.include_sets):
-        if not isinstance(set_name, str) or not _SET_NAME_RE.fullmatch(set_name):
-            raise RecipeError(f"include_sets[{i}]", "names are letters, digits, _ and -")
+    for i, entry in enumerate(recipe.include_sets):
+        if not isinstance(entry, str) or not _SET_ENTRY_RE.fullmatch(entry):
+            raise RecipeError(
+                f"include_sets[{i}]",
+                "a registered include set's name (letters, digits, _ and -), optionally "
+                "pinned to its contents as name@<sha256 of the set> (GET /v1/toolchains)",
+            )
     _validate_target_and_toolchain(recipe)
     return header_set
 
@@ -649,6 +730,17 @@ def _parse_target(text: str) -> Target:
     dozen entries bound nothing a caller could grow.
     """
     return parse_target(text)
+
+
+def include_set_name(entry: str) -> str:
+    """The set's name of an ``include_sets`` entry (``name`` or ``name@<digest>``)."""
+    return entry.partition("@")[0]
+
+
+def include_set_digest(entry: str) -> str | None:
+    """The content digest an ``include_sets`` entry is pinned to, or None when it names only the set."""
+    digest = entry.partition("@")[2]
+    return digest or None
 
 
 def _validate_target_and_toolchain(recipe: Recipe) -> None:

@@ -35,6 +35,7 @@ from kcache.errors import (
     CompileError,
     CompileTimeoutError,
     CorruptArtifactError,
+    IncludeSetChangedError,
     InvalidArtifactError,
     KCacheError,
     LockTimeoutError,
@@ -216,6 +217,9 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     UnresolvedRecipeError: ErrorInfo(400, "unresolved_recipe"),
     InvalidRequestError: ErrorInfo(422, "invalid_request"),
     UnlistedIncludeError: ErrorInfo(422, "unlisted_include"),
+    # A recipe pinned to a set's earlier contents: a conflict with the server's state, which
+    # the client resolves by pinning the current contents (kcache_client does, once).
+    IncludeSetChangedError: ErrorInfo(409, "include_set_changed"),
     RecipeError: ErrorInfo(422, "invalid_recipe"),
     CompileTimeoutError: ErrorInfo(422, "compile_timeout"),
     ArtifactTooLargeError: ErrorInfo(422, "artifact_too_large"),

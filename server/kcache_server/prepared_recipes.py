@@ -18,7 +18,7 @@ that was not itself checked. Only successes are kept: a recipe that fails is che
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from kcache.lru import LruCache
@@ -85,16 +85,19 @@ class PreparedRecipes:
             max_entries=max_entries, max_bytes=max_bytes, size=lambda entry: entry[1]
         )
 
-    def get_or_prepare(self, data: Any, prepare: Callable[[Any], Recipe]) -> Recipe:
+    def get_or_prepare(
+        self, data: Any, prepare: Callable[[Any], Recipe], state: Hashable = ()
+    ) -> Recipe:
         """The recipe ``prepare(data)`` made for an equal object before, else ``prepare(data)`` (kept).
 
-        ``prepare`` must be a function of ``data`` alone; whatever it raises is raised
-        (and nothing is kept).
+        ``prepare`` must be a function of ``data`` and ``state`` alone (``state``: what
+        else it reads, such as the include sets' digests it pins recipes to); whatever
+        it raises is raised (and nothing is kept).
         """
         keyed = content_key(data)
         if keyed is None:
             return prepare(data)
-        key, size = keyed
+        key, size = (state, keyed[0]), keyed[1]
         found = self._recipes.get(key)
         if found is not None:
             return found[0]

@@ -40,7 +40,11 @@ class RecipeChecks:
         ``base_key=False`` leaves the base key to be computed when first asked for: the
         resolve fast path, which only takes small bodies, answers a hit without it.
         """
-        recipe = self._prepared.get_or_prepare(data, self._prepare)
+        # A recipe naming an include set is pinned to the set's contents now, so the
+        # recipes kept are kept per state of the sets (edited: prepared again, once).
+        sets = self.backends.compiler.include_sets
+        state = tuple(sets.digests().items()) if sets.names else ()
+        recipe = self._prepared.get_or_prepare(data, self._prepare, state)
         if base_key:
             recipe.base_key()
         return recipe

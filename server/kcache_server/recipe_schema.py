@@ -232,11 +232,20 @@ def _shared_fields(
             "type": "array",
             "maxItems": LIMITS.include_sets if include_sets else 0,
             "items": (
-                {"type": "string", "enum": list(include_sets)}
+                {
+                    "type": "string",
+                    # A registered name, or one pinned to a digest of the set's contents.
+                    "pattern": f"^(?:{'|'.join(include_sets)})(?:@[0-9a-f]{{64}})?$",
+                }
                 if include_sets
                 else {"type": "string"}
             ),
-            "description": "include sets registered on this server (GET /v1/toolchains lists them)",
+            "description": (
+                "include sets registered on this server (GET /v1/toolchains lists them), each "
+                "by name or pinned to its contents as name@<sha256> (include_set_digests); a "
+                "recipe pinned to contents a set no longer has is answered by its exact key "
+                "only (409 include_set_changed otherwise)"
+            ),
         },
         "Target": {
             "type": "string",

@@ -459,6 +459,8 @@ class ToolchainsResponse(BaseModel):
     default: str
     toolchains: list[ToolchainBody]
     include_sets: list[str]
+    #: name -> sha256 of the set's contents: what ``name@<digest>`` in a recipe pins.
+    include_set_digests: dict[str, str] = {}
 
 
 class HealthBody(BaseModel):

@@ -47,6 +47,10 @@ BASE = {
     "toolchain": "nvrtc13.5-nvjitlink13.5-0123456789abcdef",
 }
 
+# Include sets pinned to their contents (name@<digest>), as a key takes them.
+_CUB = "cub@" + "c" * 64
+_LIB2 = "lib-2@" + "2" * 64
+
 
 def _variant(path: str, value: object) -> dict[str, object]:
     data = json.loads(json.dumps(BASE))
@@ -258,7 +262,7 @@ _EVERY_FIELD: dict[str, object] = {
         {"digest": "ab" * 32},
     ],
     "toolchain": "nvrtc-13.5",
-    "include_sets": ["cub", "lib-2"],
+    "include_sets": [_CUB, _LIB2],
 }
 
 
@@ -309,7 +313,7 @@ _FIELD_CHANGES: dict[str, tuple[dict[str, object], dict[str, object]]] = {
     "link": (_EVERY_FIELD, {"link": [{"digest": "cd" * 32}]}),
     "lto": (_NO_LINK, {"lto": False}),
     "toolchain": (_EVERY_FIELD, {"toolchain": "nvrtc-13.6"}),
-    "include_sets": (_EVERY_FIELD, {"include_sets": ["cub"]}),
+    "include_sets": (_EVERY_FIELD, {"include_sets": [_CUB]}),
 }
 
 
@@ -488,18 +492,18 @@ _REFERENCE: dict[str, Any] = {
     "link": [{"recipe": _LINKED}, {"digest": "ab" * 32}],
     "lto": True,
     "toolchain": "nvrtc-13.5",
-    "include_sets": ["cub"],
+    "include_sets": [_CUB],
 }
 # The key of _REFERENCE as kcache computed it before the canonical JSON was kept in
 # pieces (commit 471d7c0): the bytes hashed must never change under a schema version.
-_REFERENCE_KEY = "a671b2cfbf76c64c76905254c2956a74dd0c60a25f4bf0bd4083f02b50a59439"
+_REFERENCE_KEY = "d13e9693e53d1c4ab679bf86dbc86908dc4798922dc3dbf10f3a104d73390659"
 
 
 def _reference_canonical(fields: dict[str, Any], *, with_header_contents: bool = True) -> bytes:
     """The canonical JSON of a recipe's fields (as in ``_REFERENCE``), written without ``Recipe``."""
     headers: dict[str, str] = fields.get("headers", {})
     material = {
-        "schema": 1,
+        "schema": 2,
         "kind": "recipe" if with_header_contents else "base",
         "source": fields["source"],
         "name": fields.get("name", "kernel.cu"),
@@ -519,7 +523,9 @@ def _reference_canonical(fields: dict[str, Any], *, with_header_contents: bool =
         ],
         "lto": fields.get("lto", False),
         "toolchain": fields["toolchain"],
-        "include_sets": fields.get("include_sets", []),
+        "include_sets": fields.get("include_sets", [])
+        if with_header_contents
+        else [entry.partition("@")[0] for entry in fields.get("include_sets", [])],
     }
     return json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
@@ -574,38 +580,38 @@ def test_keys_of_a_recipe_built_every_way_are_the_reference_canonical_jsons_sha2
 # Keys of recipes of every shape, as kcache computed them before the one key encoder
 # (kcache.keys.KEY_FIELDS, issue 32): recipe_key, base_key and the identity that
 # equality and hashing use. A stored artifact is found by these: they must never
-# change under one KEY_SCHEMA.
+# change under one KEY_SCHEMA (regenerated for schema 2: include sets pinned by contents).
 _LINKED_LTOIR = {"source": "y", "output": "ltoir", "target": "compute_90", "toolchain": "t"}
 _GOLDEN: dict[str, tuple[dict[str, Any], str | None, str | None, str]] = {
     "minimal": (
         {"source": "x", "target": "sm_80", "toolchain": "t"},
-        "59239e608782854b67058ee04ee02942cbd112839f585bbf93a4b71d3ad2952f",
-        "b3c6937fcf533049f0a3f107494fd607ec6e827cbca68acc63618d0af6b93f60",
-        "59239e608782854b67058ee04ee02942cbd112839f585bbf93a4b71d3ad2952f",
+        "595dcb452ca32b0b5a5cd02ad13149dd9696b3394a1d6540b53bf1b115359c04",
+        "cd2400a0300adb81ed2bfcf1385bcba3b513265fe10bea7553268f6831c4491f",
+        "595dcb452ca32b0b5a5cd02ad13149dd9696b3394a1d6540b53bf1b115359c04",
     ),
     "ptx": (
         {"source": "x", "target": "compute_80", "output": "ptx", "toolchain": "t"},
-        "123c660f1f524d6662f6a4e99fba5408e2395f3497394d926853fa55ee590d5d",
-        "a633bd34f6d036cc5b2892729f106d92735862e08646f34f9202160741e28552",
-        "123c660f1f524d6662f6a4e99fba5408e2395f3497394d926853fa55ee590d5d",
+        "cb0332ad022d36150f7e578289606417ab5757d6fa0de48b61b90290b72a28b8",
+        "eef405dcce9820ceac2f178f9f8feb9dc1968d49ea19750bbfc985d17103710a",
+        "cb0332ad022d36150f7e578289606417ab5757d6fa0de48b61b90290b72a28b8",
     ),
     "ltoir": (
         {"source": "x", "target": "sm_100a", "output": "ltoir", "toolchain": "t"},
-        "72415bdcddf27af1d9d5a877fda00d0e45144f89c1b5e674bed0929e62df93ea",
-        "038f16fff6504cc14479adff27f93f0826e1c9536cb0a49edae53906af1349e0",
-        "72415bdcddf27af1d9d5a877fda00d0e45144f89c1b5e674bed0929e62df93ea",
+        "61520f0854592c7cbb1063663c6485e8715a4a9316427973f06c0c095da4d255",
+        "5f7cb061d6c953ff9daf8d8e09d3ba3c5ea1da4762020f561ebd4749f8371ee7",
+        "61520f0854592c7cbb1063663c6485e8715a4a9316427973f06c0c095da4d255",
     ),
     "unresolved": (
         {"source": "x"},
         None,
         None,
-        "55ca1167eb33d65337df22ac3ecdc3242e91e82ce529c4a3eb51a32931d0a0ba",
+        "6725f8c5d4ae744614464bfe7a4681a8bf316576d38c0fe657fcaaa29e9defec",
     ),
     "unresolved target": (
         {"source": "x", "toolchain": "t"},
         None,
         None,
-        "93eadd4842583001f249cbe0082e87c3afd8612b2037b6015f17c91a0374db10",
+        "966bde5e2e4b2825ec8e97f9270c2bf7c8adc7ea37a1d2b11e0ab9cbfd935e67",
     ),
     "every field": (
         {
@@ -647,11 +653,11 @@ _GOLDEN: dict[str, tuple[dict[str, Any], str | None, str | None, str]] = {
                 },
             ],
             "toolchain": "nvrtc-13.5+x_y.z",
-            "include_sets": ["cub", "lib-2"],
+            "include_sets": [_CUB, _LIB2],
         },
-        "4477ef929b3fe24ed386654626d4088a60c633ceabee4ffd44e9b560dfc08d47",
-        "779315a09ee1eac660ed4e9ccb57264c7742d7c0697c37aa543a50021721caae",
-        "4477ef929b3fe24ed386654626d4088a60c633ceabee4ffd44e9b560dfc08d47",
+        "761d42faec1fd72c936221e6826067e01589bd7b218e64ae493a9e0e70ed5421",
+        "cc02509eb3b8b56508d8fbe866619686b06c2a2f30243912d33ccad620fd444a",
+        "761d42faec1fd72c936221e6826067e01589bd7b218e64ae493a9e0e70ed5421",
     ),
     "nested links": (
         {
@@ -681,9 +687,9 @@ _GOLDEN: dict[str, tuple[dict[str, Any], str | None, str | None, str]] = {
                 }
             ],
         },
-        "e26f0828ccd6f30b9175169a5f7d703504bcdd20ba19e81114e21b960f155cd2",
-        "8d2768ef9cd349e6de57772f4fb73e46a7a9a114564bec1718174b1545f457de",
-        "e26f0828ccd6f30b9175169a5f7d703504bcdd20ba19e81114e21b960f155cd2",
+        "40a8156c98249a63d6d6b258fde4b028bc8756db4a2f374d2f1bd0d5d28475ef",
+        "35ecd002557f77d21aa0d21b73d1343cbe3998838802e05a5755e2997faa6f78",
+        "40a8156c98249a63d6d6b258fde4b028bc8756db4a2f374d2f1bd0d5d28475ef",
     ),
     "sm_120f and flags": (
         {
@@ -692,9 +698,9 @@ _GOLDEN: dict[str, tuple[dict[str, Any], str | None, str | None, str]] = {
             "toolchain": "tc",
             "flags": ["--std=c++17", "-G", "--maxrregcount=128", "-UFOO"],
         },
-        "18bb51bc80d2b26e01fd15600c30c67ce821f45dfda0ccda10f3db1aca98f3f0",
-        "ecc4a99dc3b2f29dae3d61f9b4f6724e347dd0313e97f58be0bef5bd84275fa2",
-        "18bb51bc80d2b26e01fd15600c30c67ce821f45dfda0ccda10f3db1aca98f3f0",
+        "ef3fa42c29ba7f3f318c3098e4bf4b30e44bc1e95ef6bc181385409279b03bd8",
+        "3125d2fb5de6ed2f4654355f34b4403c2e0c0cb69a906dcf713490eb3d6ea343",
+        "ef3fa42c29ba7f3f318c3098e4bf4b30e44bc1e95ef6bc181385409279b03bd8",
     ),
 }
 

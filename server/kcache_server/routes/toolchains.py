@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 
 from kcache_server.routes._deps import ERRORS, Reader, State
 from kcache_server.schemas import ToolchainBody, ToolchainsResponse
@@ -12,10 +13,18 @@ router = APIRouter(prefix="/v1/toolchains", tags=["toolchains"])
 
 @router.get("", response_model=ToolchainsResponse, responses=ERRORS)
 async def toolchains(_: Reader, state: State) -> ToolchainsResponse:
-    """The default toolchain id, every toolchain's targets, and the registered include sets."""
+    """The default toolchain id, every toolchain's targets, and the registered include sets.
+
+    ``include_set_digests`` is what a client pins a recipe's sets to before keying it
+    (``name@<digest>``): the digest of each set's contents now (walked at most once a
+    second), so an edited set gives its recipes other keys on every node tier too.
+    """
     toolchain = state.backends.toolchain
+    sets = state.backends.compiler.include_sets
+    digests = await run_in_threadpool(sets.digests)  # a walk of each set's tree, off the loop
     return ToolchainsResponse(
         default=toolchain.id,
         toolchains=[ToolchainBody.model_validate(toolchain.describe())],
-        include_sets=state.backends.compiler.include_sets.names,
+        include_sets=sets.names,
+        include_set_digests=digests,
     )
