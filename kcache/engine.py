@@ -27,6 +27,7 @@ from kcache.errors import (
     IncludeSetChangedError,
     RecipeError,
 )
+from kcache.include_sets import CURRENT_AGE_S
 from kcache.index.base import Index
 from kcache.locks import KeyLock
 from kcache.nvrtc import kernel_name
@@ -42,9 +43,6 @@ __all__ = ["Engine", "Resolution", "Via", "failure_error"]
 Via = Literal["key", "manifest", "compile"]
 
 log = logging.getLogger(__name__)
-
-#: A pin that disagrees with a set's kept digest is checked against one at most this old.
-_RECHECK_AGE_S = 0.1
 
 #: The error each kind of negative entry is answered with (any other kind: CompileError).
 _FAILURE_ERRORS: dict[str, type[CompileError]] = {
@@ -144,7 +142,7 @@ class Engine:
             if current != pinned and max_age_s != 0:
                 # The digest kept may be older than the caller's: look again (at most
                 # ten walks a second, however many requests pin another version).
-                current = sets.digest(name, max_age_s=_RECHECK_AGE_S)
+                current = sets.digest(name, max_age_s=CURRENT_AGE_S)
             if current != pinned:
                 raise IncludeSetChangedError(f"include_sets[{i}]", name, pinned, current)
         for item in recipe.link:

@@ -37,12 +37,22 @@ from pathlib import Path
 from kcache.errors import RecipeError
 from kcache.recipe import include_set_name
 
-__all__ = ["DIGEST_MAX_AGE_S", "MAX_SET_FILES", "RACY_SECONDS", "IncludeSet", "IncludeSets"]
+__all__ = [
+    "CURRENT_AGE_S",
+    "DIGEST_MAX_AGE_S",
+    "MAX_SET_FILES",
+    "RACY_SECONDS",
+    "IncludeSet",
+    "IncludeSets",
+]
 
 #: A file changed less than this long before it was hashed is always re-hashed.
 RACY_SECONDS = 2.0
 #: How long a set's digest is reused before its tree is walked again.
 DIGEST_MAX_AGE_S = 1.0
+#: The age of a digest that still counts as "now" (a client's pin, a pin that disagrees):
+#: at most ten walks a second, however many requests ask.
+CURRENT_AGE_S = 0.1
 #: The most files a set may hold: a walk never reads a whole filesystem.
 MAX_SET_FILES = 200_000
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
+from kcache.include_sets import CURRENT_AGE_S
 from kcache_server.routes._deps import ERRORS, Reader, State
 from kcache_server.schemas import ToolchainBody, ToolchainsResponse
 
@@ -16,12 +17,14 @@ async def toolchains(_: Reader, state: State) -> ToolchainsResponse:
     """The default toolchain id, every toolchain's targets, and the registered include sets.
 
     ``include_set_digests`` is what a client pins a recipe's sets to before keying it
-    (``name@<digest>``): the digest of each set's contents now (walked at most once a
-    second), so an edited set gives its recipes other keys on every node tier too.
+    (``name@<digest>``): the digest of each set's contents now (walked at most ten
+    times a second: a client asks once per process and job start), so an edited set
+    gives its recipes other keys on every node tier too.
     """
     toolchain = state.backends.toolchain
     sets = state.backends.compiler.include_sets
-    digests = await run_in_threadpool(sets.digests)  # a walk of each set's tree, off the loop
+    # A walk of each set's tree, off the loop.
+    digests = await run_in_threadpool(sets.digests, max_age_s=CURRENT_AGE_S)
     return ToolchainsResponse(
         default=toolchain.id,
         toolchains=[ToolchainBody.model_validate(toolchain.describe())],
