@@ -135,6 +135,21 @@ class RecipeRecords:
         except Exception as exc:  # never the request's failure
             self._failed("record", exc)
 
+    def record_as_seen(self, recipe: Recipe, seen_at: datetime) -> None:
+        """Keep ``recipe`` as last seen at ``seen_at``, unless its key is recorded already.
+
+        For ``kcache db rekey``: a recipe recorded under an older key schema, recorded
+        again under its current key without counting as used now. Raises on a database error.
+        """
+        row = self._row(recipe, seen_at)
+        with self.engine.begin() as conn:
+            dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+            conn.execute(
+                dialect.insert(_records)
+                .values(row)
+                .on_conflict_do_nothing(index_elements=[_records.c.recipe_key])
+            )
+
     def _row(self, recipe: Recipe, stamp: datetime) -> dict[str, Any]:
         body = json.dumps(recipe.to_dict(), separators=(",", ":"), ensure_ascii=False).encode()
         packed: bytes | None = zlib.compress(body, 6)

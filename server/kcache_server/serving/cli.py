@@ -1,4 +1,4 @@
-"""``kcache serve``, ``kcache db upgrade|current|gc|verify`` and ``kcache token create|list|revoke``.
+"""``kcache serve``, ``kcache db upgrade|current|gc|verify|rekey`` and ``kcache token create|list|revoke``.
 
 Registered on the core's ``kcache`` command through the ``kcache.commands`` entry
 point group (see :mod:`kcache.cli`). Flags override the ``KCACHE_*`` environment.
@@ -236,6 +236,56 @@ def _verify_by_recompiling(settings: Any, db: Any, sample: int | None) -> int:
     return 1 if diverged else 0
 
 
+def _positive_float(text: str) -> float:
+    """An argparse type: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a number above 0")
+    return value
+
+
+def _cmd_db_rekey(args: argparse.Namespace) -> int:
+    from kcache_server import migrate
+    from kcache_server.backends import open_backends, open_settings_database
+    from kcache_server.recipe_records import RecipeRecords
+    from kcache_server.rekey import rekey
+    from kcache_server.serving._cli_support import require_database
+
+    settings = _settings(args)
+    require_database(settings, args, "kcache db rekey")
+    db = open_settings_database(settings)
+    migrate.check_schema(db, settings.database_url)
+    jobs = args.jobs or settings.compile_workers
+    # This command is the pool's one caller: every worker compiles for it.
+    settings = settings.model_copy(update={"compile_workers": jobs, "compile_caller_limit": jobs})
+    try:
+        report = rekey(
+            open_backends(settings, db),
+            RecipeRecords(db),
+            since_days=args.since,
+            jobs=jobs,
+            dry_run=args.dry_run,
+        )
+    finally:
+        db.dispose()
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        from kcache_server.terminal import printable
+
+        for failure in report.failures:
+            print(
+                f"kcache: failed: {failure.recipe_key or failure.recorded_key}: "
+                f"{printable(failure.error)}",
+                file=sys.stderr,
+            )
+        print(report.summary())
+    return 0 if report.ok else 1
+
+
 def _tokens(args: argparse.Namespace) -> Any:
     from kcache_server import migrate
     from kcache_server.auth import TokenStore
@@ -379,6 +429,40 @@ def register(subparsers: Any) -> None:
         "keys serve; a divergence is withdrawn, replaced by the fresh compile and recorded",
     )
     verify.set_defaults(func=_cmd_db_verify)
+    rekey = db_sub.add_parser(
+        "rekey",
+        help="after an upgrade that changed the key schema, before the clients upgrade: resolve "
+        "every recipe the server recorded whole and used lately under its new key (compiled "
+        "here unless the index has it), so clients find their kernels",
+        description="Resolve, under the current key schema, every recipe the server recorded "
+        "whole and used within --since days: each is prepared as a request would be (its "
+        "toolchain kept, include sets pinned to their contents now), counted current when "
+        "the index has its key, else compiled (once across processes: a running server and "
+        "this command share the key lock), or failed (no longer compiles, toolchain gone). "
+        "Run it after `kcache db upgrade`, on one replica, with the server running or not, "
+        "before the clients upgrade. Exit 1 if any recipe failed.",
+    )
+    _add_db_options(rekey)
+    rekey.add_argument(
+        "--since",
+        type=_positive_float,
+        default=30.0,
+        metavar="DAYS",
+        help="recipes used within this many days (default 30)",
+    )
+    rekey.add_argument(
+        "--jobs",
+        type=_positive_int,
+        metavar="N",
+        help="compiles at once (default: the server's compile workers)",
+    )
+    rekey.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="look every recipe up and count what would be compiled; compile and write nothing",
+    )
+    rekey.add_argument("--json", action="store_true", help="print a JSON object, not a line")
+    rekey.set_defaults(func=_cmd_db_rekey)
 
     token = subparsers.add_parser("token", help="manage bearer tokens")
     token_sub = token.add_subparsers(dest="token_command", required=True)
