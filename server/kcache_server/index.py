@@ -30,6 +30,7 @@ from kcache.index.base import MANIFEST_LIMIT
 from kcache.keys import canonical_json, require_hex_key, sha256_hex
 from kcache.store.local import LocalArtifactStore
 from kcache_server.models import (
+    WITHDRAWAL_REASON_LENGTH,
     Artifact,
     CompileCharge,
     EvictionLogEntry,
@@ -37,6 +38,7 @@ from kcache_server.models import (
     NegativeEntry,
     Pin,
     RecipeAlias,
+    Withdrawal,
     utcnow,
 )
 
@@ -49,6 +51,10 @@ _negatives = cast(sa.Table, NegativeEntry.__table__)
 _pins = cast(sa.Table, Pin.__table__)
 _evictions = cast(sa.Table, EvictionLogEntry.__table__)
 _charges = cast(sa.Table, CompileCharge.__table__)
+_withdrawals = cast(sa.Table, Withdrawal.__table__)
+# pg_advisory_xact_lock(int, int) serialising withdrawals, apart from the evictor's and
+# the per-recipe compile locks.
+_WITHDRAWAL_LOCK = {"a": 0x6B63, "b": 0x57445257}  # "kc", "WDRW"
 # When an artifact was last served (batched from the hit path), else when it was made.
 _last_use = sa.func.coalesce(_artifacts.c.last_used_at, _artifacts.c.created_at)
 # Rows deleted per transaction by an eviction: short transactions, few round trips.
@@ -351,18 +357,48 @@ class SqlIndex:
             conn.execute(sa.delete(_aliases).where(_aliases.c.recipe_key == recipe_key))
             conn.execute(sa.delete(_negatives).where(_negatives.c.recipe_key == recipe_key))
 
-    def withdraw(self, digest: str) -> int:
-        """Stop serving ``digest``: remove every alias and manifest entry that names it.
+    def withdraw_binding(self, recipe_key: str, digest: str, reason: str, *, base_key: str) -> int:
+        """Stop ``recipe_key`` answering ``digest``, and record it; the new withdrawal's id.
 
-        For an artifact verification found to differ from a fresh compile of its recipe:
-        no recipe key reaches it any more (the row and blob stay, for the record and for
-        gc). Returns how many aliases went.
+        For a binding verification found wrong. In one transaction: the alias of
+        ``recipe_key`` goes if it still names ``digest`` (a fresh compile may have bound
+        the key since), so do the manifest entries of ``base_key`` (the recipe's) that
+        name it, and a ``withdrawals`` row says so, which every replica, worker process
+        and client reads. Other recipes whose key names the same bytes keep their
+        binding: the bytes are right for them. The artifact row and blob stay.
+
+        Withdrawals are written one at a time (on PostgreSQL under a transaction-scoped
+        advisory lock; SQLite has one writer), so their ids commit in order and a reader
+        that saw id N never misses a smaller one committed later.
         """
+        _check(recipe_key)
         _check(digest)
+        _check(base_key)
         with self.engine.begin() as conn:
-            conn.execute(sa.delete(_manifests).where(_manifests.c.digest == digest))
-            gone = conn.execute(sa.delete(_aliases).where(_aliases.c.digest == digest))
-        return int(gone.rowcount or 0)
+            if self.engine.dialect.name == "postgresql":
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:a, :b)"), _WITHDRAWAL_LOCK)
+            # Writes first (see the module docstring): the alias delete takes SQLite's lock.
+            conn.execute(
+                sa.delete(_aliases).where(
+                    _aliases.c.recipe_key == recipe_key, _aliases.c.digest == digest
+                )
+            )
+            conn.execute(
+                sa.delete(_manifests).where(
+                    _manifests.c.base_key == base_key, _manifests.c.digest == digest
+                )
+            )
+            inserted = conn.execute(
+                sa.insert(_withdrawals)
+                .values(
+                    at=utcnow(),
+                    recipe_key=recipe_key,
+                    digest=digest,
+                    reason=reason[:WITHDRAWAL_REASON_LENGTH],
+                )
+                .returning(_withdrawals.c.id)
+            )
+            return int(inserted.scalar_one())
 
     # ------------------------------------------------------------------ recovery
     def recover(self, store: LocalArtifactStore) -> tuple[int, int]:

@@ -6,8 +6,9 @@ digest), ``manifests`` (base_key -> dependency list -> digest), ``negative_entri
 ``tokens`` (sha256 of bearer tokens with scopes), ``audit_report_windows`` (what each
 token reported per minute, for its bound), and for bounded storage ``pins``
 (recipe keys eviction keeps), ``evictions`` (what was evicted, when),
-``compile_charges`` (who caused each compile, for quotas), and ``quota_accounts`` and
-``quota_reservations`` (bytes promised to compiles in progress, per caller). Alembic
+``compile_charges`` (who caused each compile, for quotas), ``quota_accounts`` and
+``quota_reservations`` (bytes promised to compiles in progress, per caller), and
+``withdrawals`` (bindings verification found wrong, read by every replica and client). Alembic
 migrations under ``kcache_server/migrations/`` must agree with these; a test checks it
 on SQLite and PostgreSQL.
 """
@@ -57,6 +58,7 @@ __all__ = [
     "Token",
     "UTCDateTime",
     "VerificationEvent",
+    "Withdrawal",
     "metadata",
     "utcnow",
 ]
@@ -481,3 +483,27 @@ class RecipeRecord(Base):
     recipe_zlib: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     created_at: Mapped[Stamp]
     last_seen_at: Mapped[Stamp]
+
+
+#: Characters of a withdrawal's ``reason`` kept (what differed, cut short).
+WITHDRAWAL_REASON_LENGTH = 256
+
+
+class Withdrawal(Base):
+    """A binding (recipe key -> digest) that stopped holding: the key no longer answers the digest.
+
+    Written by :meth:`SqlIndex.withdraw_binding <kcache_server.index.SqlIndex.withdraw_binding>`
+    in the transaction that removes the binding (its alias and its base key's manifest
+    entries naming the digest), one at a time (ids commit in order). Every replica and
+    worker process reads the rows after the last id it saw and drops the key from
+    memory; clients read them from ``GET /v1/withdrawals``. Never pruned: a node tier
+    that was offline for a month must still learn what it may not answer.
+    """
+
+    __tablename__ = "withdrawals"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    at: Mapped[Stamp]
+    recipe_key: Mapped[Hex64]
+    digest: Mapped[Hex64]
+    reason: Mapped[str] = mapped_column(String(WITHDRAWAL_REASON_LENGTH))

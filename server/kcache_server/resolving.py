@@ -16,7 +16,9 @@ resolve fast path.
 The memory caches hold what the engine or the index answered for an exact recipe
 key. Aliases only ever point at identical bytes, so an entry cannot go stale by
 itself; what a recipe key does not cover is checked on every use (:meth:`Resolver._unservable`):
-include-set files, and artifacts recorded without an exact dependency list.
+include-set files, and artifacts recorded without an exact dependency list. A binding
+verification withdraws, on any replica, is forgotten here within the withdrawals
+follower's poll (:meth:`Resolver.withdraw`, :mod:`kcache_server.withdrawals`).
 
 A resolve says ``hit`` only for bytes it can serve. The store verifies a blob's digest on
 every read; a resolve answered from memory needs the blob's verified bytes in memory,
@@ -78,6 +80,8 @@ _MAX_CACHED_KEYS = 100_000
 _RACY_NS = 2_000_000_000
 # Digests this process saw fail their check, for the reason of the misses that follow.
 _MAX_SET_ASIDE = 10_000
+# Withdrawn bindings remembered, so that a read racing a withdrawal does not bring one back.
+_MAX_WITHDRAWN = 10_000
 
 _log = logging.getLogger(__name__)
 
@@ -122,6 +126,8 @@ class Resolver:
         # Blob files verified by this process, as they were then (see the module docstring).
         self._verified: LruCache[str, _Stamp] = LruCache(max_entries=_MAX_CACHED_KEYS)
         self._set_aside: LruCache[str, bool] = LruCache(max_entries=_MAX_SET_ASIDE)
+        # Bindings (recipe key, digest) withdrawn lately: never remembered again (withdraw).
+        self._withdrawn: LruCache[tuple[str, str], bool] = LruCache(max_entries=_MAX_WITHDRAWN)
 
     # ------------------------------------------------------------------ resolving
     async def resolve(
@@ -251,7 +257,7 @@ class Resolver:
                 "signature": self.signer.sign(result.recipe_key, result.artifact).to_dict(),
             }
         )
-        self._known.put(result.recipe_key, _Known(result.artifact, answer.artifact))
+        self._remember(result.recipe_key, _Known(result.artifact, answer.artifact))
         return answer
 
     def _engine_resolve(self, recipe: Recipe, compile: bool) -> Resolution:
@@ -408,7 +414,7 @@ class Resolver:
         if problem is not None:
             raise ArtifactNotFoundError(problem)
         # The blob read that follows notices one that was garbage-collected.
-        self._known.put(recipe_key, _Known(entry))
+        self._remember(recipe_key, _Known(entry))
         return entry
 
     def forget(self, recipe_key: str) -> None:
@@ -490,14 +496,21 @@ class Resolver:
         """Drop a blob's bytes from memory (the store is asked next time)."""
         self._blobs.discard(digest)
 
-    def withdraw(self, digest: str) -> None:
-        """Forget every recipe key memory holds and ``digest``'s bytes: it is no longer served.
+    def withdraw(self, recipe_key: str, digest: str) -> None:
+        """Forget ``recipe_key``: its binding to ``digest`` was withdrawn (the index no longer has it).
 
-        Rare (a verification found the artifact wrong), so memory is simply emptied of
-        keys rather than searched for those that named it.
+        Called by this process's verifier and by the withdrawals follower for every
+        replica's withdrawals. The pair is remembered (bounded), so an index read that
+        began before the withdrawal and ends after it is not put back into memory. The
+        digest's bytes stay: other recipes may be bound to them rightly.
         """
-        self._known.clear()
-        self._blobs.discard(digest)
+        self._withdrawn.put((recipe_key, digest), True)
+        self._known.discard(recipe_key)
+
+    def _remember(self, recipe_key: str, known: _Known) -> None:
+        """Keep what the index or the engine answered for ``recipe_key``, unless it was withdrawn."""
+        if self._withdrawn.get((recipe_key, known.meta.digest)) is None:
+            self._known.put(recipe_key, known)
 
     def record_fetch(
         self, recipe_key: str, meta: ArtifactMeta | None, started: float, outcome: Outcome

@@ -95,6 +95,8 @@ def _samples(recipe_key: str, digest: str, server: ServerThread) -> list[Sample]
         "rank": 0,
         "world_size": 1,
     }
+    # A withdrawal (of a binding no recipe has), so the feed's sample lists a row.
+    server.state.backends.index.withdraw_binding(missing, digest, "contract", base_key=missing)
     return [
         Sample("POST", "/v1/resolve", "/v1/resolve", 200, {"recipe": recipe}),  # compiled
         Sample("POST", "/v1/resolve", "/v1/resolve", 200, {"recipe": recipe}),  # a hit, from memory
@@ -155,6 +157,8 @@ def _samples(recipe_key: str, digest: str, server: ServerThread) -> list[Sample]
         Sample("GET", "/v1/cache", "/v1/cache", 200),
         Sample("GET", "/v1/verification", "/v1/verification", 200),
         Sample("GET", "/v1/verification", "/v1/verification", 422, params={"days": "0"}),
+        Sample("GET", "/v1/withdrawals", "/v1/withdrawals", 200, params={"after": "0"}),
+        Sample("GET", "/v1/withdrawals", "/v1/withdrawals", 422, params={"limit": "0"}),
         Sample("GET", "/v1/cache/entries", "/v1/cache/entries", 200),
         Sample("POST", "/v1/cache/remove", "/v1/cache/remove", 200, {"keys": [missing]}),
         Sample("POST", "/v1/cache/remove", "/v1/cache/remove", 400, {"keys": ["not-a-key"]}),

@@ -18,6 +18,7 @@ from kcache_server.routes import (
     stats,
     toolchains,
     verification,
+    withdrawals,
 )
 
 #: Every router of the app; a new resource module adds its router here, nowhere else.
@@ -37,6 +38,7 @@ ROUTERS = [
     pins.router,
     cache.router,
     verification.router,
+    withdrawals.router,
     jobs.router,
     bundle.router,
 ]

@@ -8,8 +8,9 @@ Start-up order: open the database, refuse an out-of-date schema (a brand-new
 SQLite file is created at the head revision, so ``kcache serve`` works out of the
 box) or a lost one (blobs but no tables: ``--recreate-index``), refuse an unsafe
 bind, build the backends, the audit writer, the metrics and the audit retention;
-the lifespan then starts the compile workers, the audit writer and the retention
-worker, and stops them in the reverse order on shutdown.
+the lifespan then starts the compile workers, the audit writer, the retention
+worker, the evictor, the withdrawals follower and the verifier, and stops them in the
+reverse order on shutdown.
 
 Every request passes, outermost first: :class:`_RequestIds` (an id on every
 response; an unexpected exception becomes a 500 carrying only that id, its
@@ -60,6 +61,7 @@ from kcache_server.serving.resolve_fastpath import ResolveFastPath
 from kcache_server.settings import Settings
 from kcache_server.state import ServerState
 from kcache_server.verification import install_verification
+from kcache_server.withdrawals import install_withdrawals
 
 __all__ = ["SETTINGS_ENV", "check_bind", "create_app", "create_app_from_env", "serving_app"]
 
@@ -269,6 +271,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     evictor = install_eviction(state)  # refuses water marks that make no sense
     verifier, verify_pool = install_verification(state)
+    withdrawals = install_withdrawals(state)  # in every process, whatever else is on
     edge_log = install_edge_audit(state)
 
     @contextlib.asynccontextmanager
@@ -280,6 +283,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             edge_log.start()
         retention.start()
         evictor.start()
+        withdrawals.start()
         verifier.start()
         try:
             yield
@@ -287,6 +291,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await anyio.to_thread.run_sync(verifier.close)
             if verify_pool is not None:
                 await anyio.to_thread.run_sync(verify_pool.close)
+            await anyio.to_thread.run_sync(withdrawals.close)
             await anyio.to_thread.run_sync(evictor.close)
             await anyio.to_thread.run_sync(retention.close)
             if edge_log is not None:
@@ -309,6 +314,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.kcache = state
     app.state.evictor = evictor
     app.state.verifier = verifier
+    app.state.withdrawals = withdrawals
     install_openapi(app, state)
     for router in ROUTERS:
         app.include_router(router)

@@ -1,0 +1,154 @@
+"""Withdrawals: bindings that stopped holding, read by every process that keeps bindings.
+
+A binding (recipe key -> digest) holds while verification has not found it wrong. When
+it does, :meth:`SqlIndex.withdraw_binding <kcache_server.index.SqlIndex.withdraw_binding>`
+removes it from the index and writes a row of the ``withdrawals`` table in the same
+transaction (docs/design.md, "What a binding rests on"). This module is the reading side:
+
+- :class:`WithdrawalLog` reads the rows after a given id, in id order (withdrawals commit
+  one at a time, so ids commit in order), for the route ``GET /v1/withdrawals`` and for
+- :class:`WithdrawalFollower`, one thread per server process (every replica and every
+  worker process of ``kcache serve --workers N``, whether or not the store has a cap),
+  which reads the rows after the last it saw every ``poll_s`` (twice a second) and drops
+  each withdrawn key from the resolver's memory, which both fast paths answer from. So no
+  process answers a withdrawn binding from memory for more than about ``poll_s`` plus a
+  query after it was withdrawn; the index no longer has it.
+
+A thread of its own rather than a step of the evictor's loop: the evictor is about the
+store's size, and a withdrawal must reach memory even while an eviction pass runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import cast
+
+import sqlalchemy as sa
+from sqlalchemy.exc import DBAPIError
+
+from kcache_server.models import Withdrawal
+from kcache_server.state import ServerState
+
+__all__ = [
+    "MAX_READ",
+    "WithdrawalFollower",
+    "WithdrawalLog",
+    "WithdrawnBinding",
+    "install_withdrawals",
+]
+
+log = logging.getLogger(__name__)
+
+_withdrawals = cast(sa.Table, Withdrawal.__table__)
+#: Rows one read returns at most (a route's ``limit`` is capped at it too).
+MAX_READ = 10_000
+# Seconds between two log lines about a failing read (a database outage repeats).
+_COMPLAINT_EVERY_S = 60.0
+
+
+@dataclass(frozen=True)
+class WithdrawnBinding:
+    """One row of the ``withdrawals`` table."""
+
+    id: int
+    at: datetime
+    recipe_key: str
+    digest: str
+    reason: str
+
+
+class WithdrawalLog:
+    """Reading the ``withdrawals`` table of one database (rows are written by the index)."""
+
+    def __init__(self, db: sa.Engine) -> None:
+        self.db = db
+
+    def last_id(self) -> int:
+        """The newest row's id (0 when there is none)."""
+        with self.db.connect() as conn:
+            return int(conn.execute(sa.select(sa.func.max(_withdrawals.c.id))).scalar() or 0)
+
+    def after(self, last_id: int, limit: int = MAX_READ) -> list[WithdrawnBinding]:
+        """The rows after id ``last_id``, oldest first, at most ``limit`` (capped at :data:`MAX_READ`)."""
+        with self.db.connect() as conn:
+            rows = conn.execute(
+                sa.select(_withdrawals)
+                .where(_withdrawals.c.id > last_id)
+                .order_by(_withdrawals.c.id)
+                .limit(max(1, min(limit, MAX_READ)))
+            ).all()
+        return [WithdrawnBinding(int(r.id), r.at, r.recipe_key, r.digest, r.reason) for r in rows]
+
+
+class WithdrawalFollower:
+    """Reads new withdrawals every ``poll_s`` and hands each to ``forget(recipe_key, digest)``.
+
+    ``forget`` is the resolver's :meth:`~kcache_server.resolving.Resolver.withdraw`. The
+    first read starts after the newest row at :meth:`start` (memory is empty then); a
+    process that could not read it then starts from the first row (each is cheap to
+    forget). A failed read is retried at the next poll, from the same id.
+    """
+
+    def __init__(
+        self,
+        withdrawals: WithdrawalLog,
+        forget: Callable[[str, str], None],
+        *,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.withdrawals = withdrawals
+        self.forget = forget
+        self.poll_s = poll_s
+        #: The id of the newest withdrawal this process has acted on.
+        self.last_id = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._complained_at = -_COMPLAINT_EVERY_S
+
+    def start(self) -> None:
+        """Follow in a background thread until :meth:`close`."""
+        try:
+            self.last_id = self.withdrawals.last_id()
+        except DBAPIError:
+            self.last_id = 0
+        self._thread = threading.Thread(target=self._loop, name="kcache-withdrawals", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def poll(self) -> int:
+        """Act on the withdrawals after the last one seen; how many there were."""
+        rows = self.withdrawals.after(self.last_id)
+        for row in rows:
+            self.forget(row.recipe_key, row.digest)
+            self.last_id = row.id
+        if rows:
+            log.info("forgot %d withdrawn binding(s), up to withdrawal %d", len(rows), self.last_id)
+        return len(rows)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except Exception as exc:  # never take the server down; say so once a minute
+                now = time.monotonic()
+                if now - self._complained_at >= _COMPLAINT_EVERY_S:
+                    self._complained_at = now
+                    if isinstance(exc, DBAPIError):
+                        log.warning("reading withdrawals failed (%s); retrying", exc.orig or exc)
+                    else:
+                        log.exception("reading withdrawals failed; retrying")
+
+
+def install_withdrawals(state: ServerState) -> WithdrawalFollower:
+    """The process's follower of the withdrawals, forgetting in ``state``'s resolver; start it in the lifespan."""
+    return WithdrawalFollower(WithdrawalLog(state.backends.db), state.resolver.withdraw)
