@@ -11,8 +11,12 @@ A compile reads exactly its inputs (see :mod:`kcache.deps`):
   the ``-I`` directories. For the program itself "next to" means the compiling
   process's working directory, which is no input: a file read from there is a
   relative path in the trace that no input has (refused), or has the name of an
-  in-memory header but prints no read marker (refused). Server workers run in an
-  empty working directory, where nothing is found.
+  in-memory header but prints no read marker (refused). Server workers, and fresh
+  compile processes for outputs that would record the directory
+  (:func:`reads_working_directory`), run in a working directory that was removed,
+  where nothing is found.
+- Every compile passes ``-frandom-seed`` derived from the recipe's base key
+  (:func:`compile_seed`), so a recipe compiles to the same bytes in every process.
 - After a successful compile every file in the dependency trace must be an input,
   otherwise :class:`UnlistedIncludeError`, and the trace must be proven complete,
   otherwise :class:`DependencyTraceError`; nothing is stored either way.
@@ -46,6 +50,7 @@ failure and is replaced (``kcache_server.compile_pool``).
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
 import threading
@@ -62,8 +67,10 @@ from kcache.errors import (
     RecipeError,
     ToolchainError,
     UnlistedIncludeError,
+    UnresolvedRecipeError,
 )
 from kcache.include_sets import IncludeSets
+from kcache.keys import encode_base_key, sha256_hex
 from kcache.recipe import Recipe
 from kcache.toolchain import Toolchain
 
@@ -73,8 +80,11 @@ __all__ = [
     "check_kernels_emitted",
     "compile_in_this_process",
     "compile_recipe",
+    "compile_seed",
+    "enter_removed_directory",
     "kernel_name",
     "nvrtc_untrusted",
+    "reads_working_directory",
     "recipe_log",
 ]
 
@@ -125,6 +135,103 @@ _process_nvrtc = _ProcessNvrtc()
 def nvrtc_untrusted() -> str | None:
     """Why this process's NVRTC no longer traces compiles reliably, or None while it does."""
     return _process_nvrtc.untrusted
+
+
+def compile_seed(recipe: Recipe) -> int:
+    """The ``-frandom-seed`` every compile of ``recipe`` passes: its base key's first 32 bits.
+
+    NVRTC tags internal-linkage names (anonymous namespaces, and every internal symbol
+    of a program with no external non-template definition to name it by, such as one
+    of template kernels) with a random number and the compiling process's id, so two
+    compiles of one recipe differ in bytes. With ``-frandom-seed=S`` the tag is S
+    (``_GLOBAL__N__00000000_4_k_cu_<S as 8 hex>``, the process id gone) and the output is
+    a function of the inputs. Measured with NVRTC 13.5 across separate processes, a
+    template kernel beside an anonymous-namespace ``__device__`` variable and
+    ``__global__``:
+
+    - unseeded, cubin, ``-G`` cubin, LTO-IR and PTX differ in every process; seeded,
+      all four are byte-identical. A program whose every symbol is external
+      (``extern "C"`` kernels) compiles to the same bytes with any seed or none.
+    - the form: a decimal number below 2**32 is used as it is (``12345`` tags
+      ``00003039``) and is deterministic; ``0x1234567890abcdef`` and ``99999999999`` (past
+      32 bits) were *not* (another tag in each process), and a string that is no number
+      is hashed (a 64-hex-digit key was deterministic, but a key that happened to be all
+      decimal digits would be read as an overflowing number). Hence a decimal of 32 bits.
+    - lowered names: a template kernel's (``scale<2>`` -> ``_Z5scaleILi2EEvPf``) does not
+      depend on the seed; an anonymous-namespace kernel's does, through the tag
+      (``hidden`` -> ``_ZN36_GLOBAL__N__00000000_4_k_cu_000030396hiddenEPf`` with seed
+      12345, and a new random one in every unseeded process). What
+      ``nvrtcGetLoweredName`` reports is the name in the output of the same compile (the
+      artifact stores both), now the same in every compile of the recipe.
+    - linking: nvJitLink output is a function of its inputs (identical across
+      processes). Each NVRTC program is seeded by its own recipe's base key (a linked
+      recipe is resolved and compiled as a recipe of its own). Two LTO-IR inputs with
+      the *same* seed and program name carry identical internal names; nvJitLink keeps
+      them apart (``counter`` and ``counter$2``, two local symbols), as it already had to
+      for two programs compiled unseeded in one process, which share a tag too.
+
+    The base key (the key without header contents) and not the recipe key: a recipe
+    served through a manifest match has the base key of the recipe compiled, so the
+    bytes a manifest entry names are what a compile of the matching recipe makes.
+    Users cannot pass the option (:data:`kcache.recipe.ALLOWED_FLAGS`): the seed is
+    kcache's own. The key schema records it (``kcache.keys.KEY_SCHEMA`` 2). A recipe
+    compiled with include sets named but not yet pinned to their contents (no key yet)
+    gets the same seed as once pinned: the base key has the sets by name alone.
+    """
+    try:
+        base = recipe.base_key()
+    except UnresolvedRecipeError:
+        base = sha256_hex(encode_base_key(recipe))  # what base_key() gives once pinned
+    return int(base[:8], 16)
+
+
+#: Options whose output records the compiling process's working directory (DWARF's
+#: ``DW_AT_comp_dir``, for line information).
+_DEBUG_INFO_FLAGS = frozenset({"-G", "--device-debug", "-lineinfo", "--generate-line-info"})
+
+
+def reads_working_directory(recipe: Recipe) -> bool:
+    """Whether the bytes of ``recipe``'s own NVRTC program depend on the working directory.
+
+    Measured with NVRTC 13.5 (the same seeded recipe, run from three directories):
+    LTO-IR differs with the directory (always: its size too), and so do cubins with
+    ``-G`` or ``-lineinfo`` (they hold the path); a plain cubin and PTX do not. From a
+    working directory that no longer exists NVRTC records none, and the bytes are the
+    same whichever removed directory it was: so server workers work in one
+    (:func:`enter_removed_directory`), and :func:`compile_recipe` sends such a recipe to
+    a fresh process, which enters one, unless this process works in one already.
+    """
+    return (
+        recipe.lto
+        or recipe.output == "ltoir"
+        or any(flag in _DEBUG_INFO_FLAGS for flag in recipe.flags)
+    )
+
+
+def enter_removed_directory() -> None:
+    """Make this process's working directory an empty one that no longer exists.
+
+    For processes that only compile (they use absolute paths): NVRTC then records no
+    working directory in any output (:func:`reads_working_directory`), and a quoted
+    include looked up "next to" the program finds nothing, since nothing can be
+    created in a removed directory.
+    """
+    import sys
+
+    if _in_removed_directory():
+        return
+    sys.path[:] = [os.path.abspath(entry) for entry in sys.path]  # "" meant the old directory
+    place = os.path.abspath(tempfile.mkdtemp(prefix="kcache-cwd-"))
+    os.chdir(place)
+    os.rmdir(place)
+
+
+def _in_removed_directory() -> bool:
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return True
+    return False
 
 
 def kernel_name(recipe: Recipe) -> str:
@@ -334,9 +441,12 @@ def compile_recipe(
 
     ``link_inputs`` are the bytes of the recipe's ``link`` entries, in order (LTO-IR
     or cubins), fetched by the caller. Raises :class:`CompileError` with the log.
-    Runs in this process while its NVRTC is trusted, else in a fresh one.
+    Runs in this process while its NVRTC is trusted, else in a fresh one; so does a
+    recipe whose bytes would record this process's working directory
+    (:func:`reads_working_directory`), unless that is a removed one.
     """
-    if _process_nvrtc.untrusted is None:
+    here = not reads_working_directory(recipe) or _in_removed_directory()
+    if here and _process_nvrtc.untrusted is None:
         generation = _process_nvrtc.generation
         try:
             output = compile_in_this_process(recipe, toolchain, include_sets, link_inputs)
@@ -386,6 +496,7 @@ def compile_in_this_process(
             *(f"-I{item.root}" for item in set_dirs),
             *recipe.macro_flags(),
             *recipe.flags,
+            f"-frandom-seed={compile_seed(recipe)}",
             # NVRTC appends ".json". Never a PCH option: automatic PCH ignores header edits.
             f"--fdevice-time-trace={trace_base}",
         ]
@@ -470,6 +581,9 @@ def answer_one_compile() -> None:
     from kcache.toolchain import load_toolchain
 
     request = pickle.loads(sys.stdin.buffer.read())
+    recipe = Recipe.from_dict(request["recipe"])
+    if reads_working_directory(recipe):
+        enter_removed_directory()  # every path in the request is absolute
     toolchain = load_toolchain(Path(request["toolchain_dir"]))
 
     def compile() -> CompileOutput:
@@ -479,7 +593,7 @@ def answer_one_compile() -> None:
                 f"not {request['toolchain_id']}"
             )
         return compile_in_this_process(
-            Recipe.from_dict(request["recipe"]),
+            recipe,
             toolchain,
             IncludeSets(request["include_sets"]),
             request["link_inputs"],

@@ -6,8 +6,11 @@ no tokens: ``os.environ`` and ``/proc/self/environ`` of the worker never held th
 not a ``multiprocessing`` child, which inherits the server's environment and cannot
 be given another. One end of a socket pair is its only link to the server.
 
-Then, in the worker (:func:`main`): address-space limit, ``chdir`` into its own empty
-scratch directory (which is also ``TMPDIR``: NVRTC's trace files live there), load
+Then, in the worker (:func:`main`): address-space limit, ``chdir`` into an empty
+directory made in its own scratch directory (which is also ``TMPDIR``: NVRTC's trace
+files live there) and removed at once, so that no output of NVRTC records the
+directory (:func:`kcache.nvrtc.reads_working_directory`: LTO-IR and line information
+would, and then differ between workers), load
 the toolchain, compile and link one tiny program so that every library NVRTC and
 nvJitLink load lazily is mapped, and only then Landlock
 (:func:`kcache.sandbox.confine`): reads limited to the toolchain, the include-set
@@ -196,6 +199,9 @@ def main(conn: Connection, config: WorkerConfig) -> None:
     os.chdir(config.scratch)
     tempfile.tempdir = config.scratch
     try:
+        from kcache.nvrtc import enter_removed_directory
+
+        enter_removed_directory()  # one inside the scratch directory: see the docstring
         from kcache.compile_replies import reply_of
         from kcache.include_sets import IncludeSets
         from kcache.nvrtc import nvrtc_untrusted

@@ -117,7 +117,7 @@ class ServerMetrics:
         self.verified = Counter(
             "kcache_verified",
             "Served artifacts compiled again and compared, by result "
-            "(same_bytes, same_code, diverged, inconclusive, failed)",
+            "(same_bytes, diverged, failed)",
             ["result"],
             registry=r,
         )

@@ -14,9 +14,9 @@ output. The :class:`Verifier` checks both continuously, in production:
   never takes a worker, a queue place or a lock a real compile needs, and the kernel
   gives real compiles the CPU first. Between verifications the verifier sleeps so
   that it is busy at most ``cpu_share`` of the time. The fresh output is compared with
-  the stored artifact by :func:`kcache.equivalence.compare_outputs` (the same bytes,
-  or the same code once NVRTC's random symbol tags are unified), and so are the
-  dependency list and the lowered names.
+  the stored artifact **by its bytes**, and so are the lowered names: every compile is
+  seeded from its recipe's base key (:func:`kcache.nvrtc.compile_seed`), so a compile
+  of a recipe is the same bytes in any process, cubin, ``-G`` cubin and LTO-IR alike.
 - **A divergence is an incident.** The stored artifact stops being served at once
   (:meth:`~kcache_server.index.SqlIndex.withdraw`: no alias or manifest entry names
   it any more; the server's memory forgets it), the fresh compile is published for
@@ -26,11 +26,28 @@ output. The :class:`Verifier` checks both continuously, in production:
   shown in ``GET /v1/verification`` and on the dashboard.
 
 A recipe that no longer compiles (an include set changed under it, a toolchain
-problem) is recorded as ``failed``, never as a divergence. Nor is LTO-IR that differs
-in its bytes alone: its payload is scrambled, so a program whose internal names NVRTC
-tags at random compiles to other bytes every time, and no comparison can tell that from
-other code (:mod:`kcache.equivalence`). Such a check is ``inconclusive``: recorded and
-counted, the artifact kept; differing dependencies or lowered names still diverge.
+problem) is recorded as ``failed``, never as a divergence.
+
+**A divergence is different code, nothing else.** Bytes (or lowered names) that differ
+diverge; the dependency lists are listed beside them, as a clue. The same bytes and
+names never diverge, whatever the lists say: an artifact row keeps the metadata of the
+first compile of its bytes, so another recipe with the same bytes (the same source
+with an in-memory header of comments on top: a "padded twin") reads more files than the
+row lists. Calling that a divergence let a compile token withdraw another team's
+kernel. Such a list is *learned* instead: the fresh output is published for the
+recipe, which records a manifest entry under its base key with its own list (the
+artifact row and the alias stay as they are), and the verdict is ``same_bytes`` with
+a note of what was learned. A manifest entry that lacks a file the compile reads (only
+a broken proof could write one) stays until a match through it gives other bytes:
+every answer served through a manifest match is verified, and that one diverges.
+
+Why no "seeded" mark on artifacts (and no migration): the seed came with key schema 2
+(:data:`kcache.keys.KEY_SCHEMA`), and a schema-2 key is bound only by a compile of this
+release (the engine's publish, a manifest entry recorded by one, ``kcache db rekey``),
+so every binding the verifier meets rests on seeded bytes, and differing bytes are
+different code. An artifact compiled unseeded is served only under schema-1 keys, which
+are never looked up again; ``kcache db verify --recompile`` skips the recipes recorded
+under such a key (:func:`verify_offline`), so none is compared with a seeded compile.
 """
 
 from __future__ import annotations
@@ -48,7 +65,6 @@ import sqlalchemy as sa
 
 from kcache.artifact import ArtifactMeta, CompileOutput
 from kcache.engine import Resolution, Via
-from kcache.equivalence import compare_outputs
 from kcache.errors import KCacheError
 from kcache.nvrtc import kernel_name
 from kcache.recipe import Recipe
@@ -71,7 +87,9 @@ log = logging.getLogger(__name__)
 
 _events = cast(sa.Table, VerificationEvent.__table__)
 
-Result = Literal["same_bytes", "same_code", "diverged", "inconclusive", "failed"]
+#: Events recorded before compiles were seeded may also say ``same_code`` (equal once
+#: NVRTC's random tags were unified) or ``inconclusive`` (LTO-IR differing in bytes).
+Result = Literal["same_bytes", "diverged", "failed"]
 #: Lines of differences kept per event, and characters per line.
 _MAX_DIFFERENCES = 12
 _MAX_LINE = 300
@@ -267,7 +285,7 @@ class Verifier:
         differences: list[str] = []
         try:
             fresh = self._compile(candidate.recipe)
-            result, differences = self._compare(meta, fresh)
+            result, differences = self._compare(candidate, meta, fresh)
         except KCacheError as exc:  # no longer compiles, or the stored copy is damaged
             result = "failed"
             differences = [f"could not compare: {exc}"]
@@ -298,30 +316,44 @@ class Verifier:
             )
         return verdict
 
-    def _compare(self, meta: ArtifactMeta, fresh: CompileOutput) -> tuple[Result, list[str]]:
-        differences: list[str] = []
+    def _compare(
+        self, candidate: _Candidate, meta: ArtifactMeta, fresh: CompileOutput
+    ) -> tuple[Result, list[str]]:
+        """Bytes and lowered names decide; a different dependency list alone is learned.
+
+        (The module docstring says why.) Returns the result and what differed, or for
+        ``same_bytes`` what was learned.
+        """
         stored = self._read(meta)
-        comparison = compare_outputs(stored, fresh.data, meta.kind)
-        if not comparison.same:
-            differences.append(f"code: {comparison.detail}")
-        stored_deps = {(d.name, d.sha256) for d in meta.dependencies}
-        fresh_deps = {(d.name, d.sha256) for d in fresh.dependencies}
-        for name, digest in sorted(fresh_deps - stored_deps):
-            differences.append(f"dependency {name} ({digest[:8]}..) read but not recorded")
-        for name, digest in sorted(stored_deps - fresh_deps):
-            differences.append(f"dependency {name} ({digest[:8]}..) recorded but not read")
-        if set(meta.lowered_names) != set(fresh.lowered_names) or (
-            comparison.how == "bytes" and dict(meta.lowered_names) != dict(fresh.lowered_names)
-        ):
+        differences: list[str] = []
+        if stored != fresh.data:
+            differences.append(f"code: {_byte_difference(stored, fresh.data)}")
+        if dict(meta.lowered_names) != dict(fresh.lowered_names):
             differences.append(
                 f"lowered names {sorted(meta.lowered_names.items())[:4]} -> "
                 f"{sorted(fresh.lowered_names.items())[:4]}"
             )
-        if differences == [f"code: {comparison.detail}"] and meta.kind == "ltoir":
-            return "inconclusive", differences  # the module docstring says why
+        stored_deps = {(d.name, d.sha256) for d in meta.dependencies}
+        fresh_deps = {(d.name, d.sha256) for d in fresh.dependencies}
+        lists = [
+            f"dependency {name} ({digest[:8]}..) read but not recorded"
+            for name, digest in sorted(fresh_deps - stored_deps)
+        ] + [
+            f"dependency {name} ({digest[:8]}..) recorded but not read"
+            for name, digest in sorted(stored_deps - fresh_deps)
+        ]
         if differences:
-            return "diverged", differences
-        return ("same_bytes" if comparison.how == "bytes" else "same_code"), []
+            return "diverged", differences + lists
+        if not lists:
+            return "same_bytes", []
+        try:  # a manifest entry under this recipe's base key with the list it read
+            self._publish(candidate.recipe, fresh)
+        except Exception:  # the bytes agree whether or not the list is recorded now
+            log.warning(
+                "could not record the dependencies of %s", candidate.recipe_key, exc_info=True
+            )
+            return "same_bytes", ["same bytes, other dependencies (not recorded):", *lists]
+        return "same_bytes", ["same bytes, other dependencies (learned into the manifest):", *lists]
 
     def _quarantine(self, candidate: _Candidate, meta: ArtifactMeta, fresh: CompileOutput) -> str:
         """Withdraw the stored artifact everywhere and publish the fresh one for this recipe."""
@@ -420,6 +452,15 @@ class Verifier:
         )
 
 
+def _byte_difference(stored: bytes, fresh: bytes) -> str:
+    """Where two outputs part: their sizes and the first byte that differs."""
+    at = next(
+        (i for i, (a, b) in enumerate(zip(stored, fresh, strict=False)) if a != b),
+        min(len(stored), len(fresh)),
+    )
+    return f"{len(stored)} bytes stored, {len(fresh)} compiled, the first difference at byte {at}"
+
+
 def install_verification(state: ServerState) -> tuple[Verifier, ProcessPoolCompiler | None]:
     """The process's verifier over ``state``, and its one-worker pool; start both in the lifespan.
 
@@ -504,7 +545,9 @@ def verify_offline(
     The recipes the server recorded whole (``recipe_records``), ``sample`` of them drawn
     at random or all, are compiled in this process and compared with what their keys
     serve, exactly as the server's verifier does, divergences withdrawn and replaced
-    and recorded the same way. A key whose recipe was not kept is not verified.
+    and recorded the same way. A key whose recipe was not kept is not verified, nor one
+    the recipe no longer has (recorded under an older key schema: compiled unseeded, and
+    never looked up again).
     """
     from kcache.nvrtc import compile_recipe
     from kcache_server.models import RecipeAlias, RecipeRecord
@@ -544,9 +587,17 @@ def verify_offline(
     for recipe_key, base_key in keys:
         recipe = records.recipe(recipe_key)
         meta = lookup(recipe_key)
-        if recipe is None or meta is None:
+        if recipe is None or meta is None or not _keyed_alike(recipe, recipe_key):
             continue
         verdict = verifier.verify(_Candidate(recipe, recipe_key, base_key, meta.digest, "key"))
         if verdict is not None:
             verdicts.append(verdict)
     return verdicts
+
+
+def _keyed_alike(recipe: Recipe, recipe_key: str) -> bool:
+    """Whether ``recipe`` has the key it was recorded under (not so for an older key schema)."""
+    try:
+        return recipe.key() == recipe_key
+    except KCacheError:  # no longer keyable as it was recorded
+        return False

@@ -25,7 +25,7 @@ from kcache.engine import Engine
 from kcache.errors import CompileError, DependencyTraceError, RecipeError, UnlistedIncludeError
 from kcache.include_sets import IncludeSets
 from kcache.local_engine import open_local_engine
-from kcache.nvrtc import compile_in_this_process, compile_recipe, nvrtc_untrusted
+from kcache.nvrtc import compile_in_this_process, compile_recipe, compile_seed, nvrtc_untrusted
 from kcache.recipe import Recipe
 from kcache.toolchain import Toolchain
 from tests.deps_workload import SET_NAME, run_sequence
@@ -160,9 +160,17 @@ def test_threads_compiling_while_another_fails_record_complete_lists(
 
 
 def test_the_read_markers_change_no_byte_of_the_output(
-    toolchain: Toolchain, tmp_path: Path
+    toolchain: Toolchain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Markers are appended to each in-memory header: plain NVRTC, same bytes (-G, -lineinfo)."""
+    """Markers are appended to each in-memory header: plain NVRTC, same bytes (-G, -lineinfo).
+
+    Both seeded alike, and both in a removed working directory, which -G and -lineinfo
+    output would record otherwise (kcache compiles such a recipe in one).
+    """
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
     headers = {
         "a.cuh": "#ifndef A\n#define A\n__device__ int fa(int x) { return x + 1; }\n#endif",
         "vals.inc": "1, 2, 3,",  # included inside an initializer: a pragma there is fine
@@ -177,7 +185,11 @@ def test_the_read_markers_change_no_byte_of_the_output(
         assert [d.name for d in ours.dependencies] == ["a.cuh", "vals.inc"]
         assert "kcache-read" not in ours.log
         # Traced as kcache traces (under -G the trace option itself moves bytes, markers do not).
-        traced = (*flags, f"--fdevice-time-trace={tmp_path / 'trace'}")
+        traced = (
+            *flags,
+            f"-frandom-seed={compile_seed(recipe)}",
+            f"--fdevice-time-trace={tmp_path / 'trace'}",
+        )
         assert ours.data == _plain_nvrtc(toolchain, source, headers, traced)
 
 

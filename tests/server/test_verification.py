@@ -184,22 +184,75 @@ def test_a_kernel_met_first_as_a_compile_and_then_served_from_memory_is_sampled(
     assert _results(server, compiled["recipe_key"]) == ["same_bytes"]
 
 
-def test_ltoir_whose_bytes_differ_by_random_tags_alone_is_inconclusive_not_diverged(
-    server: ServerThread,
-) -> None:
-    """A template kernel draws a random module id; as LTO-IR (scrambled) its bytes differ
-    every compile, which no comparison can tell from other code: never withdrawn."""
+def test_ltoir_with_randomly_tagged_names_verifies_as_the_same_bytes(server: ServerThread) -> None:
+    """A template kernel's internal names drew a random tag (and the pid) in every compile
+    before compiles were seeded, so LTO-IR (scrambled) could not be verified at all; now
+    the verification worker, another process, compiles the same bytes."""
     source = (
-        "// ltoir random tags\ntemplate <int N> __global__ void k(int* o) { o[0] = N; }\n"
+        "// ltoir random tags\nnamespace { __device__ int n; }\n"
+        "template <int N> __global__ void k(int* o) { o[0] = N + n++; }\n"
         "template __global__ void k<3>(int*);\n"
     )
     recipe = {"source": source, "target": "sm_90", "output": "ltoir"}
     with server.client(ADMIN) as client:
         first = _resolve(client, recipe)
-        # The verification worker is another process: another pid in the id, other bytes.
-        assert _results(server, first["recipe_key"]) == ["inconclusive"]
+        assert _results(server, first["recipe_key"]) == ["same_bytes"]
         again = _resolve(client, recipe, compile=False)
         assert again["artifact"]["digest"] == first["artifact"]["digest"]  # still served
+
+
+def test_padded_twins_with_the_same_bytes_never_withdraw_anything(server: ServerThread) -> None:
+    """The attack: the victim's source with an in-memory header of comments on top makes
+    the same bytes, so the same artifact row, whose dependency list is the victim's. The
+    twin read a header that row does not list: the same bytes are no divergence, and the
+    twin's list is learned into the manifest under its base key."""
+    from kcache_server.models import ManifestRow, VerificationEvent
+
+    victim = _kernel("twins-victim", 8)
+    twins = [
+        {
+            **victim,
+            "source": f'#include "pad{i % 2}.cuh"\n' + victim["source"],
+            "headers": {f"pad{i % 2}.cuh": f"// padding {i}\n"},
+        }
+        for i in range(5)
+    ]
+    with server.client(ADMIN) as client:
+        right = _resolve(client, victim)
+        digest = right["artifact"]["digest"]
+        answered = [_resolve(client, twin) for twin in twins]
+        assert {a["artifact"]["digest"] for a in answered} == {digest}  # one row for all six
+        for answer in [right, *answered]:
+            assert _results(server, answer["recipe_key"]) == ["same_bytes"]
+        with server.state.backends.db.connect() as conn:
+            notes = (
+                conn.execute(
+                    sa.select(VerificationEvent.differences).where(
+                        VerificationEvent.recipe_key == answered[0]["recipe_key"]
+                    )
+                )
+                .scalars()
+                .one()
+            )
+            learned = (
+                conn.execute(
+                    sa.select(ManifestRow.dependencies).where(
+                        ManifestRow.base_key == answered[0]["base_key"],
+                        ManifestRow.digest == digest,
+                    )
+                )
+                .scalars()
+                .all()
+            )
+        assert any("pad0.cuh" in line and "read but not recorded" in line for line in notes)
+        assert any("pad0.cuh" in {d["name"] for d in deps} for deps in learned)
+        report = client.get("/v1/verification").raise_for_status().json()
+        keys = {a["recipe_key"] for a in [right, *answered]}
+        assert not [d for d in report["divergences"] if d["recipe_key"] in keys]
+        for recipe in [victim, *twins]:
+            served = _resolve(client, recipe, compile=False)  # nothing was withdrawn
+            assert served["status"] == "hit"
+            assert served["artifact"]["digest"] == digest
 
 
 def test_the_report_needs_an_admin_token(server: ServerThread) -> None:

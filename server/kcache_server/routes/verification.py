@@ -30,7 +30,7 @@ class VerificationBody(BaseModel):
 
     enabled: bool
     verified: dict[str, int] = Field(
-        description="verifications by result: same_bytes, same_code, diverged, inconclusive (LTO-IR whose bytes differ: no comparison can tell), failed"
+        description="verifications by result: same_bytes, diverged, failed (events from before compiles were seeded may say same_code or inconclusive)"
     )
     served_recipes: int = Field(description="recipes this process saw served (candidates)")
     verified_recipes: int = Field(description="of those, verified by this process")

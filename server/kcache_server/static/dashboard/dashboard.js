@@ -336,8 +336,7 @@
     const total = Object.values(counts).reduce((a, b) => a + b, 0);
     summary.textContent = v.enabled
       ? `${int(total)} verified in 30 d · ${int(counts.same_bytes)} same bytes · ` +
-        `${int(counts.same_code)} same code · ${int(counts.diverged)} diverged · ` +
-        `${int(counts.inconclusive)} inconclusive · ` +
+        `${int(counts.diverged)} diverged · ${int(counts.failed)} failed · ` +
         `coverage ${pct(v.coverage)} of ${int(v.served_recipes)} served recipes`
       : "verification is off (KCACHE_VERIFY_ENABLED)";
     summary.dataset.diverged = String(counts.diverged || 0);
