@@ -17,10 +17,14 @@ output. The :class:`Verifier` checks both continuously, in production:
   the stored artifact **by its bytes**, and so are the lowered names: every compile is
   seeded from its recipe's base key (:func:`kcache.nvrtc.compile_seed`), so a compile
   of a recipe is the same bytes in any process, cubin, ``-G`` cubin and LTO-IR alike.
-- **A divergence is an incident.** The stored artifact stops being served at once
-  (:meth:`~kcache_server.index.SqlIndex.withdraw`: no alias or manifest entry names
-  it any more; the server's memory forgets it), the fresh compile is published for
-  the recipe, so callers get it, and the event is recorded with what differed and
+- **A divergence is an incident.** The binding of the recipe that diverged (its key
+  and the digest it answered) is withdrawn at once
+  (:meth:`~kcache_server.index.SqlIndex.withdraw_binding`: the key's alias and its base
+  key's manifest entries naming the digest go, and a ``withdrawals`` row says so, which
+  every replica and worker process reads within a second and clients read from
+  ``GET /v1/withdrawals``; this process forgets the key at once). The digest itself is
+  not withdrawn: other recipes bound to the same bytes are right to be. The fresh
+  compile is published for the recipe, so callers get it, and the event is recorded with what differed and
   how the artifact had been served (``verification_events``), counted
   (``kcache_verified_total{result}``, ``kcache_verification_divergences_total``), and
   shown in ``GET /v1/verification`` and on the dashboard.
@@ -59,7 +63,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import sqlalchemy as sa
 
@@ -93,6 +97,14 @@ Result = Literal["same_bytes", "diverged", "failed"]
 #: Lines of differences kept per event, and characters per line.
 _MAX_DIFFERENCES = 12
 _MAX_LINE = 300
+
+
+class _Withdraw(Protocol):
+    """:meth:`SqlIndex.withdraw_binding <kcache_server.index.SqlIndex.withdraw_binding>`'s shape."""
+
+    def __call__(self, recipe_key: str, digest: str, reason: str, *, base_key: str) -> object:
+        """Withdraw the binding ``recipe_key`` -> ``digest`` (``base_key`` the recipe's)."""
+        ...
 
 
 @dataclass
@@ -153,8 +165,9 @@ class Verifier:
     """Samples served artifacts, compiles them again in its own worker and compares.
 
     ``compile`` runs a recipe in the verification pool; ``publish`` stores a fresh
-    output for a recipe (the engine's publish); ``withdraw`` stops a digest being
-    served; ``forget`` drops it from the server's memory; ``read`` gives a stored
+    output for a recipe (the engine's publish); ``withdraw`` withdraws a binding
+    (:meth:`~kcache_server.index.SqlIndex.withdraw_binding`); ``forget`` drops a withdrawn
+    binding (recipe key, digest) from the server's memory; ``read`` gives a stored
     artifact's verified bytes; ``count`` is called with each result for the metrics.
     """
 
@@ -166,8 +179,8 @@ class Verifier:
         read: Callable[[ArtifactMeta], bytes],
         lookup: Callable[[str], ArtifactMeta | None],
         publish: Callable[[Recipe, CompileOutput], ArtifactMeta],
-        withdraw: Callable[[str], object],
-        forget: Callable[[str], None],
+        withdraw: _Withdraw,
+        forget: Callable[[str, str], None],
         count: Callable[[str], None] = lambda result: None,
         enabled: bool = True,
         sample_rate: float = 0.05,
@@ -290,7 +303,7 @@ class Verifier:
             result = "failed"
             differences = [f"could not compare: {exc}"]
         if result == "diverged":
-            fresh_digest = self._quarantine(candidate, meta, fresh)
+            fresh_digest = self._quarantine(candidate, meta, fresh, differences)
         verdict = Verdict(
             candidate.recipe_key,
             candidate.base_key,
@@ -355,11 +368,18 @@ class Verifier:
             return "same_bytes", ["same bytes, other dependencies (not recorded):", *lists]
         return "same_bytes", ["same bytes, other dependencies (learned into the manifest):", *lists]
 
-    def _quarantine(self, candidate: _Candidate, meta: ArtifactMeta, fresh: CompileOutput) -> str:
-        """Withdraw the stored artifact everywhere and publish the fresh one for this recipe."""
-        self._withdraw(meta.digest)
+    def _quarantine(
+        self,
+        candidate: _Candidate,
+        meta: ArtifactMeta,
+        fresh: CompileOutput,
+        differences: list[str],
+    ) -> str:
+        """Withdraw this recipe's binding to the stored digest everywhere; publish the fresh compile."""
+        reason = "verification: " + "; ".join(differences)
+        self._withdraw(candidate.recipe_key, meta.digest, reason, base_key=candidate.base_key)
         published = self._publish(candidate.recipe, fresh)
-        self._forget(meta.digest)
+        self._forget(candidate.recipe_key, meta.digest)
         with self._lock:
             candidate.digest = published.digest
         return published.digest
@@ -518,7 +538,7 @@ def install_verification(state: ServerState) -> tuple[Verifier, ProcessPoolCompi
         read=engine.read,
         lookup=lookup,
         publish=publish,
-        withdraw=backends.index.withdraw,
+        withdraw=backends.index.withdraw_binding,
         forget=state.resolver.withdraw,
         count=count,
         enabled=options.enabled,
@@ -579,9 +599,9 @@ def verify_offline(
         publish=lambda recipe, output: engine.publish(
             recipe, recipe.key(), recipe.base_key(), output
         ),
-        withdraw=backends.index.withdraw,
-        forget=lambda digest: None,  # no server memory here; a running server's verifier
-        enabled=True,  # checks again what it serves
+        withdraw=backends.index.withdraw_binding,
+        forget=lambda recipe_key, digest: None,  # no server memory here: running servers
+        enabled=True,  # read the withdrawal like any other
     )
     verdicts = []
     for recipe_key, base_key in keys:
