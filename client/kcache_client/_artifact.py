@@ -9,7 +9,6 @@ driver's bare ``CUDA_ERROR_NO_BINARY_FOR_GPU``.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import warnings
 from collections.abc import Callable
@@ -188,7 +187,8 @@ def _cuda_core() -> Any:
 class Artifact:
     """A compiled kernel whose bytes have been checked against ``digest``.
 
-    :attr:`path` is the blob in the node-local tier (read-only; copy it to modify it),
+    :attr:`data` are the bytes that were checked (read once, hashed), :attr:`path` a file
+    holding exactly them (read-only; copy it to modify it),
     ``metadata`` the server's record (target, toolchain, lowered names, dependencies),
     ``recipe`` the concrete recipe (``auto`` and the toolchain filled in) it was keyed from,
     ``origin`` where this call found it (:data:`ArtifactOrigin`).
@@ -206,20 +206,24 @@ class Artifact:
     origin: ArtifactOrigin
     #: The server's signature of ``recipe_key`` -> ``metadata`` (None: compiled locally).
     signature: Signature | None = field(default=None, repr=False)
-    #: What the signature was checked against when it was found (checked again on load).
+    #: What the signature was checked against when it was found (checked again on load):
+    #: the keys of the server this cache looks up through (kcache_client._trust).
     trust: Trust | None = field(default=None, repr=False, compare=False)
-    #: Writes the bytes to a file of their own and returns its path, for an artifact the
-    #: node tier holds in a pack (kcache_client._packs) that has no blob file yet.
+    #: Returns the path of a file holding exactly the checked bytes (written from them
+    #: where the tier's own file is not one: a pack entry, a shared tier); see :attr:`path`.
     materialize: Callable[[], str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def path(self) -> Path:
-        """The blob in the node-local tier (read-only; copy it to modify it).
+        """A file holding exactly the checked bytes (read-only; copy it to modify it).
 
-        A kernel a prefetch left in one of the tier's packs gets its file when this is
-        first asked for (most callers only read ``data``).
+        The blob in the node-local tier when that tier is this user's own and the file is
+        the one verified; otherwise (a kernel held in a pack, a shared tier whose files
+        others could rewrite after the check) a file written from the checked bytes into
+        this user's private tier, when this is first asked for (most callers only read
+        ``data``).
         """
-        if self.materialize is not None and not os.path.isfile(self.blob_path):
+        if self.materialize is not None:
             return Path(self.materialize())
         return Path(self.blob_path)
 
@@ -260,7 +264,7 @@ class Artifact:
         if self.signature is not None and self.trust is not None:
             problem = self.trust.entry_problem(self.recipe_key, self.metadata, self.signature)
             if problem is not None:
-                raise UntrustedArtifactError(f"artifact {self.recipe_key}", problem)
+                raise UntrustedArtifactError(f"the artifact of recipe {self.recipe_key}", problem)
 
     def load_module(self, device: int | None = None) -> Any:
         """Load into ``device`` (default: the current one, else 0) and return cuda.core's ObjectCode.

@@ -148,8 +148,11 @@ class KernelCache:
             settings = settings.located(url, token, cache_dir)
         self.settings = settings
         self.url = settings.url
-        #: Whose signatures artifacts must carry (given keys, or pins per server).
-        self.trust = Trust.from_settings(settings.trusted_keys, settings.known_servers)
+        #: Whose signatures artifacts must carry (given keys, or the keys pinned for this
+        #: cache's server: a key pinned for another URL vouches for nothing here).
+        self.trust = Trust.from_settings(
+            settings.trusted_keys, settings.known_servers, settings.url
+        )
         self.tier = NodeTier(
             settings.cache_dir,
             lock_timeout=settings.lock_timeout_s,
@@ -593,10 +596,20 @@ class KernelCache:
             origin=origin,
             signature=signature,
             trust=self.trust,
-            materialize=functools.partial(self.tier.materialize, meta.digest, data)
-            if origin == "node"
-            else None,
+            materialize=functools.partial(self._checked_file, meta.digest, data),
         )
+
+    def _checked_file(self, digest: str, data: bytes) -> str:
+        """A file holding exactly ``data`` (bytes of ``digest`` checked when they were found),
+        for ``Artifact.path``: the node tier's blob where the tier is private to this user,
+        else a file written from ``data`` into this user's own private tier (a shared tier's
+        file could be rewritten by its owner between a check and a load)."""
+        found = self.tier.checked_file(digest, data)
+        if found is None:
+            found = self._local.tier.checked_file(digest, data)
+        if found is None:
+            raise KCacheError(f"no private directory to write the kernel {digest} into")
+        return found
 
     def _remember(self, art: Artifact) -> Artifact:
         """Keep ``art`` in memory, where later calls find it (as from ``memory``), and in the

@@ -291,7 +291,7 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
     settings = ClientSettings.from_env(cache_dir=args.cache_dir)
     if not settings.layers:
         return []
-    trust = Trust.from_settings(settings.trusted_keys, settings.known_servers)
+    trust = Trust.from_settings(settings.trusted_keys, settings.known_servers, settings.url)
     rows: list[dict[str, Any]] = []
     for path in settings.layers:
         row: dict[str, Any] = {"source": str(path), "location": None, "entries": 0, "bytes_used": 0}

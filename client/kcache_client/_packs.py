@@ -17,7 +17,13 @@ in place: removing entries writes a new pack and renames it over. The descriptor
 kept, so a pack evicted by another process stays readable here until the next
 :meth:`TierPacks.refresh` (as an unlinked blob stays readable by whoever opened it).
 Which entries may be used (signatures where the tier's standing asks for them) is the
-tier's check (:class:`~kcache_client._tier.NodeTier`), made once per entry per process.
+tier's check (:class:`~kcache_client._tier.NodeTier`), made once per entry of each pack
+*file* this process indexed: a pack is known by its file's identity (device, inode, size,
+mtime, ctime), its verdicts are kept with it and dropped with it, and a refresh that finds
+another file under a pack's name (deleted and written again, renamed over, written into)
+indexes that file afresh and judges its entries again. The bytes an entry hands out are
+read from the descriptor of the file that was judged, once, and checked against the
+digest its judged header names (:meth:`TierPacks.read`).
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -43,11 +49,18 @@ from kcache.bundle_format import (
     header_line,
     index_bundle,
 )
-from kcache.fsutil import TMP_PREFIX, UnsafeFileError, open_regular, regular_files
+from kcache.fsutil import (
+    TMP_PREFIX,
+    FileIdentity,
+    UnsafeFileError,
+    identity,
+    open_regular,
+    regular_files,
+)
 from kcache.keys import sha256_hex
 from kcache.signing import Signature
 
-__all__ = ["PACKS_DIR", "PackFile", "PackWriter", "TierPacks"]
+__all__ = ["PACKS_DIR", "PackEntry", "PackFile", "PackWriter", "TierPacks"]
 
 _log = logging.getLogger("kcache_client")
 
@@ -78,6 +91,43 @@ class _Pack:
     path: str
     fd: int
     entries: dict[str, IndexedEntry]
+    #: The identity of the file ``fd`` opened (what a refresh compares the name's file with).
+    identity: FileIdentity
+    #: recipe key -> why its entry may not be used here, or None: judged once, for this file.
+    verdicts: dict[str, str | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    """One entry of one indexed pack file: what its header says, where its bytes lie, and
+    the verdict remembered for it (kept with that file's pack, dropped with it)."""
+
+    pack: _Pack
+    indexed: IndexedEntry
+
+    @property
+    def name(self) -> str:
+        return self.pack.name
+
+    @property
+    def recipe_key(self) -> str:
+        return self.indexed.head.recipe_key
+
+    @property
+    def meta(self) -> ArtifactMeta:
+        return self.indexed.head.meta
+
+    @property
+    def signature(self) -> Signature:
+        return self.indexed.head.signature
+
+    def verdict(self, judge: Callable[[ArtifactMeta, Signature], str | None]) -> str | None:
+        """Why this entry may not be used (``judge``'s answer, asked once per pack file)."""
+        verdicts = self.pack.verdicts
+        key = self.recipe_key
+        if key not in verdicts:
+            verdicts[key] = judge(self.meta, self.signature)
+        return verdicts[key]
 
 
 @dataclass(frozen=True)
@@ -216,12 +266,17 @@ class TierPacks:
         with self._lock:
             self._seen_ns = mtime_ns
             names = {}
+            replaced = []
             for entry in regular_files(self.directory):
                 name = _pack_name(entry.name)
-                if name is not None:
-                    names[name] = entry.path
+                if name is None:
+                    continue
+                names[name] = entry.path
+                held = self._packs.get(name)
+                if held is not None and not _same_file(entry.path, held.identity):
+                    replaced.append(name)  # another file under the name: indexed and judged afresh
             changed = False
-            for gone in self._packs.keys() - names.keys():
+            for gone in (self._packs.keys() - names.keys()) | set(replaced):
                 self._drop(gone)
                 changed = True
             for name in sorted(names.keys() - self._packs.keys()):
@@ -243,7 +298,13 @@ class TierPacks:
             os.close(fd)
             self.refresh()
             return
-        pack = _Pack(written.name, written.path, fd, {e.head.recipe_key: e for e in written.index})
+        pack = _Pack(
+            written.name,
+            written.path,
+            fd,
+            {e.head.recipe_key: e for e in written.index},
+            identity(st),
+        )
         with self._lock:
             self._packs[pack.name] = pack
             for key, indexed in pack.entries.items():
@@ -269,7 +330,7 @@ class TierPacks:
             self._refused.add(marker)
             _log.warning("kcache: not using the pack %s: %s", path, exc)
             return None
-        return _Pack(name, path, fd, {e.head.recipe_key: e for e in found})
+        return _Pack(name, path, fd, {e.head.recipe_key: e for e in found}, identity(st))
 
     def _drop(self, name: str) -> None:
         pack = self._packs.pop(name, None)
@@ -286,28 +347,27 @@ class TierPacks:
         with contextlib.suppress(OSError):
             os.close(pack.fd)
 
-    def entry(self, recipe_key: str) -> tuple[str, ArtifactMeta, Signature] | None:
-        """The pack holding ``recipe_key`` and what its entry says; nothing is read."""
+    def entry(self, recipe_key: str) -> PackEntry | None:
+        """The entry of ``recipe_key`` in the pack holding it; nothing is read."""
         held = self._by_key.get(recipe_key)
-        if held is None:
-            return None
-        head = held[1].head
-        return held[0].name, head.meta, head.signature
+        return None if held is None else PackEntry(*held)
 
-    def read(self, recipe_key: str) -> bytes | None:
-        """The entry's bytes, checked against its digest; None when they cannot be had."""
-        held = self._by_key.get(recipe_key)
-        if held is None:
-            return None
-        pack, entry = held
+    def read(self, found: PackEntry) -> bytes | None:
+        """The bytes of entry ``found`` (of the pack file it was found in, not whatever holds
+        its recipe key now), read once and checked against its digest; None when they
+        cannot be had."""
+        pack, entry = found.pack, found.indexed
+        recipe_key = found.recipe_key
         size = entry.head.size
         try:
             data = os.pread(pack.fd, size, entry.offset)
         except OSError:
             data = b""
         if len(data) != size:  # the file is shorter than when indexed: none of it is used
-            _log.warning("kcache: not using the pack %s: it was cut short", pack.path)
             with self._lock:
+                if self._packs.get(pack.name) is not pack:
+                    return None  # dropped meanwhile (replaced, removed): not this file's fault
+                _log.warning("kcache: not using the pack %s: it was cut short", pack.path)
                 self._drop(pack.name)
             return None
         if sha256_hex(data) != entry.head.meta.digest:  # this entry's bytes, not the others'
@@ -412,8 +472,16 @@ class TierPacks:
                 yield key, data
 
     def close(self) -> None:
-        """Let go of every descriptor."""
+        """Let go of every descriptor (and with the packs, every verdict on their entries)."""
         with self._lock:
             for name in list(self._packs):
                 self._drop(name)
             self._seen_ns = -1
+
+
+def _same_file(path: str, known: FileIdentity) -> bool:
+    """Whether ``path`` is still the file of identity ``known`` (not replaced, not written)."""
+    try:
+        return identity(os.stat(path, follow_symlinks=False)) == known
+    except OSError:
+        return False

@@ -83,7 +83,7 @@ class Remote:
         self.url = transport.url
         self._stats = stats
         self.trust = trust or Trust.from_settings(
-            os.environ.get("KCACHE_TRUSTED_KEYS"), default_known_servers()
+            os.environ.get("KCACHE_TRUSTED_KEYS"), default_known_servers(), self.url
         )
         self.max_artifact_bytes = (
             max_artifact_bytes if max_artifact_bytes is not None else max_artifact_bytes_from_env()

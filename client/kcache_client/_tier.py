@@ -72,13 +72,22 @@ identity, as above), so a repeated hit pays nothing for it.
 A prefetch keeps its bundle whole, as one pack under ``packs/``
 (:mod:`kcache_client._packs`): a lookup finds a key there first, then by its alias; a
 pack's entries are checked as an alias's are (their digest on every read, their signature
-once per process where the standing asks for signed entries); a pack is one unit of the
-LRU (its mtime), and removing some of its entries writes a new pack without them.
+once per pack file this process indexed, where the standing asks for signed entries: a
+pack replaced under the same name is another file, judged again); a pack is one unit of
+the LRU (its mtime), and removing some of its entries writes a new pack without them.
+
+A caller that wants a file rather than bytes (``Artifact.path``: the CuPy adapter loads
+``RawModule(path=...)``) gets one holding the bytes that were checked
+(:meth:`NodeTier.checked_file`): the blob of a private tier when it is the file this
+process verified (else rewritten from the checked bytes), and otherwise a file written
+from the checked bytes into this user's own private tier, never a file of a shared tier,
+which its owner could rewrite between the check and the load.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -112,7 +121,7 @@ from kcache.lru import LruCache
 from kcache.signing import Signature, SignatureError
 from kcache.standing import Standing, directory_standing
 from kcache.store.local import LocalArtifactStore
-from kcache_client._packs import PACKS_DIR, PackFile, TierPacks
+from kcache_client._packs import PACKS_DIR, PackEntry, PackFile, TierPacks
 from kcache_client._trust import Trust
 
 __all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_dir"]
@@ -142,8 +151,6 @@ _PARSED_ENTRIES = 4096
 _SETTLED_NS = 2_000_000_000
 # A pack half written this long ago was left by a writer that died (a prefetch takes seconds).
 _PARTIAL_PACK_S = 3600.0
-# Pack entries whose standing this process remembers (kcache_client._packs), at most.
-_VERDICTS_MAX = 100_000
 # Publishes whose record and manifest entry wait for a moment the process is idle, at most.
 _PENDING_MAX = 32
 # A process rescans the tier's size after a publish at least this often (or 20 scans' time).
@@ -239,10 +246,9 @@ class NodeTier:
         self.store = LocalArtifactStore(self.root, durable=False, flat=flat)
         self.index = FileIndex(self.root, durable=False, flat=flat)
         self.lock = SingleFlight(FileKeyLock(self.root))
-        #: Bundles kept whole (kcache_client._packs): what a prefetch writes.
+        #: Bundles kept whole (kcache_client._packs): what a prefetch writes. Each entry's
+        #: verdict is kept with the pack file it judged (PackEntry.verdict).
         self.packs = TierPacks(self.root)
-        # (pack name, recipe key) -> why the entry may not be used here, or None (checked once).
-        self._pack_verdicts: dict[tuple[str, str], str | None] = {}
         self.lock_timeout = lock_timeout
         #: The cap and its water marks (``max_bytes`` None: the default; 0: unbounded).
         self.marks = WaterMarks(default_tier_cap(self.root) if max_bytes is None else max_bytes)
@@ -336,21 +342,16 @@ class NodeTier:
         self._touch(entry.digest)
         return entry, data, signature
 
-    def _pack_entry(self, recipe_key: str) -> tuple[str, ArtifactMeta, Signature] | None:
+    def _pack_entry(self, recipe_key: str) -> PackEntry | None:
         """The pack entry of ``recipe_key`` this tier may use (its signature checked where the
-        standing asks, once per entry per process), or None; its bytes are not read."""
+        standing asks, once per entry of the pack file it is in), or None; its bytes are not
+        read."""
         found = self.packs.entry(recipe_key)
         if found is None:
             return None
-        name, meta, signature = found
-        verdict_key = (name, recipe_key)
-        if verdict_key not in self._pack_verdicts:
-            if len(self._pack_verdicts) >= _VERDICTS_MAX:  # bounded: checked again after
-                self._pack_verdicts.clear()
-            self._pack_verdicts[verdict_key] = self._trust_problem(recipe_key, meta, signature)
-        problem = self._pack_verdicts[verdict_key]
+        problem = found.verdict(functools.partial(self._trust_problem, recipe_key))
         if problem is not None:
-            self._refuse(f"the entry of recipe {recipe_key} in pack {name}", problem)
+            self._refuse(f"the entry of recipe {recipe_key} in pack {found.name}", problem)
             return None
         return found
 
@@ -358,12 +359,11 @@ class NodeTier:
         found = self._pack_entry(recipe_key)
         if found is None:
             return None
-        name, meta, signature = found
-        data = self.packs.read(recipe_key)
+        data = self.packs.read(found)  # the judged entry's own bytes, checked by its digest
         if data is None:
             return None
-        self._touch_pack(name)
-        return meta, data, signature
+        self._touch_pack(found.name)
+        return found.meta, data, found.signature
 
     def _touch_pack(self, name: str) -> None:
         if self.read_only:
@@ -375,24 +375,33 @@ class NodeTier:
             self._touched.put(stamp, now)
             self.packs.touch(name)
 
-    def materialize(self, digest: str, data: bytes) -> str:
-        """Put ``data`` (verified, of ``digest``) at :meth:`location` when only a pack holds it,
-        so that a caller wanting a file (``Artifact.path``) has one; its path."""
+    def checked_file(self, digest: str, data: bytes) -> str | None:
+        """A file of this tier holding exactly ``data`` (checked bytes of ``digest``), for a
+        caller that wants a path (``Artifact.path``); None where this tier cannot give one
+        that stays what was checked (it is not private to this user, or a read-only layer).
+
+        The blob at :meth:`location` is used when it is the file this process verified (its
+        identity unchanged), or when it reads back as ``digest``; else (absent, damaged,
+        not a regular file) it is written from ``data``.
+        """
+        if self.read_only or self.standing.kind != "private":
+            return None
+        if sha256_hex(data) != digest:  # a caller's mistake; never write such a file
+            raise CorruptArtifactError(digest, sha256_hex(data), None)
         location = self.location(digest)
-        if os.path.isfile(location):
-            return location
-        if not self.standing.writable or self.read_only:
-            raise KCacheError(
-                f"the kernel {digest} is held in a pack of the node tier {self.root}, which is "
-                "not writable here, so it has no file of its own: use the artifact's bytes"
-            )
-        self.store.put(data)
+        try:
+            if self._verified.get(digest) == identity(os.lstat(location)):
+                return location
+            if self._blob(digest, len(data)) == data:
+                return location
+        except (OSError, KCacheError):
+            pass  # absent, quarantined, not a regular file: written afresh below
+        atomic_write(location, data, durable=False)
         return location
 
     def close(self) -> None:
-        """Let go of the descriptors of the packs this process read."""
+        """Let go of the descriptors of the packs this process read (and their verdicts)."""
         self.packs.close()
-        self._pack_verdicts.clear()
 
     def _forget(self, recipe_key: str) -> None:
         if self.standing.writable:
@@ -878,7 +887,7 @@ class NodeTier:
         """
         packed = self._pack_entry(recipe_key)
         if packed is not None:
-            return packed[1].digest
+            return packed.meta.digest
         found = self._entry(recipe_key)
         if found is None or not os.path.isfile(self.location(found[0].digest)):
             return None
@@ -889,7 +898,7 @@ class NodeTier:
         nothing is parsed, hashed or checked: for entries verified before), or a pack this
         process indexed holds it."""
         packed = self.packs.entry(recipe_key)
-        if packed is not None and packed[1].digest == digest:
+        if packed is not None and packed.meta.digest == digest:
             return True
         return os.path.isfile(self.index.alias_path(recipe_key)) and os.path.isfile(
             self.location(digest)

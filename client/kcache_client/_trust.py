@@ -16,9 +16,19 @@ trusts:
   intended. Whoever answers for a URL at its first contact is believed: give keys
   where that is not good enough.
 
-Node-tier entries carry the signature they were fetched with; where the tier is not
-private (:mod:`kcache.standing`) only entries that verify by a given or pinned key
-(any server's) are used.
+Trust is per server: a key vouches only for the server it belongs to. A ``Trust`` is made
+for the server its cache is configured with (``url``), and a node-tier, pack or layer entry
+(:meth:`Trust.entry_problem`, what ``Artifact.check()`` runs too) is used only when it
+verifies by one of that server's keys: the keys pinned for that URL (those a pinned key
+endorsed included), or the given keys, which are the fleet's and vouch for whichever server
+this client is configured with. A key pinned for another URL vouches for nothing here: a
+second server this user once talked to could otherwise sign, under the first server's
+recipe key, a kernel of its choosing into a shared tier. Without a server, only given keys
+vouch (and a private tier's entries are used as they are: :mod:`kcache.standing`).
+
+Which server vouched is decided by the key, checked against the keys of the server looked
+up through now, never by anything an entry says of itself (whoever planted an entry would
+write what it says); a refusal names the URL the key is pinned for when it is one.
 """
 
 from __future__ import annotations
@@ -84,15 +94,15 @@ class KnownServers:
         except SignatureError:
             return None
 
-    def every_key(self) -> TrustedKeys:
-        """The keys pinned for any URL (what node-tier entries may be signed by)."""
-        found: list[str] = []
-        for entry in self.load().values():
-            if isinstance(entry, dict) and isinstance(entry.get("keys"), dict):
-                found.extend(str(k) for k in entry["keys"].values())
-        with contextlib.suppress(SignatureError):
-            return TrustedKeys(found)
-        return TrustedKeys()
+    def pinned_for(self, key_id: str) -> list[str]:
+        """The URLs ``key_id`` is pinned for (what a refusal names; it vouches for nothing else)."""
+        return sorted(
+            url
+            for url, entry in self.load().items()
+            if isinstance(entry, dict)
+            and isinstance(entry.get("keys"), dict)
+            and key_id in entry["keys"]
+        )
 
     def pin(self, url: str, keys: TrustedKeys) -> None:
         """Add ``keys`` to ``url``'s pins (atomically; the file private to this user)."""
@@ -122,20 +132,27 @@ class KnownServers:
 class Trust:
     """The keys answers and tier entries are checked against; see the module docstring."""
 
-    def __init__(self, given: TrustedKeys, known: KnownServers) -> None:
+    def __init__(self, given: TrustedKeys, known: KnownServers, url: str | None = None) -> None:
         load_backend()  # while the cache is made, not during a rank's first fetch
         self.given = given
         self.known = known
+        #: The server this client looks up through (its configured URL, as the transport
+        #: spells it); tier entries must be signed by its keys. None: no server.
+        self.url = url.rstrip("/") if url else None
         self._lock = threading.Lock()
         self._pinned: dict[str, TrustedKeys] = {}
-        self._every: TrustedKeys | None = None
-        self._every_read = float("-inf")
+        # The pins of ``url`` as tier entries are checked against, and when last read.
+        self._entry_keys: TrustedKeys | None = None
+        self._entry_keys_read = float("-inf")
 
     @classmethod
-    def from_settings(cls, trusted_keys: str | None, known_servers: Path) -> Trust:
-        """Given keys parsed from a setting (SignatureError names a bad one), and the pin file."""
+    def from_settings(
+        cls, trusted_keys: str | None, known_servers: Path, url: str | None = None
+    ) -> Trust:
+        """Given keys parsed from a setting (SignatureError names a bad one), the pin file,
+        and the server entries are checked for (``url``; None: no server, given keys only)."""
         given = TrustedKeys.parse(trusted_keys) if trusted_keys else TrustedKeys()
-        return cls(given, KnownServers(known_servers))
+        return cls(given, KnownServers(known_servers), url)
 
     # ------------------------------------------------------------ server answers
     def check_answer(
@@ -261,24 +278,58 @@ class Trust:
     def entry_problem(
         self, recipe_key: str, meta: ArtifactMeta, signature: Signature | None
     ) -> str | None:
-        """Why a tier entry may not be used where only signed entries are, or None when it may."""
+        """Why a tier, pack or layer entry (or an artifact being checked) may not be used for
+        this client's server, or None when it may: it must verify by one of that server's
+        keys (the module docstring), never by a key that belongs to another server."""
         if signature is None:
             return "it is not signed"
-        keys = self.given or self._every_key(signature.key_id)
+        keys = self.given or self._entry_keys_of(signature.key_id)
+        if signature.key_id not in keys:
+            return self._foreign_key(signature.key_id)
         try:
             keys.verify(recipe_key, meta, signature)
         except SignatureError as exc:
             return str(exc)
         return None
 
-    def _every_key(self, key_id: str) -> TrustedKeys:
+    def _foreign_key(self, key_id: str) -> str:
+        """Why an entry signed by ``key_id``, not a key of this client's server, is refused."""
+        elsewhere = [u for u in self.known.pinned_for(key_id) if u != self.url]
+        whose = (
+            f"pinned for {', '.join(elsewhere)} in {self.known.path}"
+            if elsewhere
+            else "a key this client does not know"
+        )
+        if self.given:
+            why = "it is not one of the given keys (KCACHE_TRUSTED_KEYS)"
+        elif self.url is None:
+            why = (
+                "no server is configured (KCACHE_URL), and without one only given keys "
+                "(KCACHE_TRUSTED_KEYS) vouch for entries"
+            )
+        else:
+            why = f"it is not one of the keys of {self.url} ({self.known.path})"
+        return (
+            f"it is signed by key {key_id} ({whose}), which is not trusted here: {why}; a key "
+            "vouches only for the server it belongs to"
+        )
+
+    def _entry_keys_of(self, key_id: str) -> TrustedKeys:
+        """The keys pinned for this client's server (none without one), read again from the
+        pin file for an unknown ``key_id`` at most every :data:`_REREAD_S` (another process
+        may have pinned it, or followed a rotation)."""
+        if self.url is None:
+            return TrustedKeys()
         with self._lock:
-            every, read = self._every, self._every_read
-        if every is None or (key_id not in every and time.monotonic() - read >= _REREAD_S):
-            every = self.known.every_key()
+            keys, read = self._entry_keys, self._entry_keys_read
+            answered = self._pinned.get(self.url)  # what this process pinned or followed
+        if answered is not None and key_id in answered:
+            return answered
+        if keys is None or (key_id not in keys and time.monotonic() - read >= _REREAD_S):
+            keys = self.known.keys(self.url) or TrustedKeys()
             with self._lock:
-                self._every, self._every_read = every, time.monotonic()
-        return every
+                self._entry_keys, self._entry_keys_read = keys, time.monotonic()
+        return keys
 
 
 def _valid_keys(found: Any) -> dict[str, str]:

@@ -95,6 +95,7 @@ def object_code(artifact: Artifact, name: str) -> Any:
     core = cuda_core()
     if artifact.kind in ("cubin", "ptx"):
         return artifact.load_module()  # checks the architecture against the device first
+    artifact.check()  # its bytes and signature, as load_module checks them
     mapping = {expr: mangled.encode() for expr, mangled in artifact.lowered_names.items()}
     return core.ObjectCode.from_ltoir(artifact.data, name=name, symbol_mapping=mapping or None)
 

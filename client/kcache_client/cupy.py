@@ -273,6 +273,9 @@ class RawModule:
             _bypass.check(bypass, cache)
             self.bypass = bypass
             return self._compile_bypassed(bypass, device, log_stream), None
+        # CuPy reads a file: one holding exactly the bytes that were checked (Artifact.path),
+        # and those, with the signature, checked again as Artifact.load() does.
+        artifact.check()
         return _cupy().RawModule(path=str(artifact.path)), artifact
 
     def artifact(self) -> Artifact | None:

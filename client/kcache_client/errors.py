@@ -169,13 +169,14 @@ class MetadataError(ClientError):
 
 
 class UntrustedArtifactError(ClientError, SignatureError):
-    """An artifact from ``url`` (a server's answer, a node-tier entry) is not signed by a key
-    this client trusts; ``problem`` says why (no signature, an unknown key, one that does
+    """An artifact (a server's answer from ``url``, or what ``url`` names: a node-tier entry,
+    an artifact being checked) is not signed by a key trusted for this client's server;
+    ``problem`` says why (no signature, an unknown key, another server's key, one that does
     not verify) and how to fix it where that is a configuration. Nothing was used or stored.
     """
 
     def __init__(self, url: str, problem: str) -> None:
-        super().__init__(f"artifact from {url} refused: {problem}")
+        super().__init__(f"refused {url}: {problem}")
         self.url = url
         self.problem = problem
 

@@ -2,7 +2,9 @@
 
 Real servers (threads with their own keys) behind a counting proxy whose URL stays
 while the server behind it changes; a real other user (uid 65534, forked as root) for
-the planted entry; FIFOs, links and devices for the tier's own checks.
+the planted entry; FIFOs, links and devices for the tier's own checks. Trust is per
+server (a key pinned for one URL vouches for nothing looked up through another), and a
+verdict is kept with the file it judged (a pack replaced under its name is judged again).
 """
 
 from __future__ import annotations
@@ -20,21 +22,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from client_harness import Proxy, kernels
+from client_harness import Proxy, artifact_meta, kernels
 from kcache_client import (
     ClientSettings,
     KernelCache,
     UntrustedArtifactError,
 )
 from kcache_client._tier import NodeTier
-from kcache_client._trust import KnownServers
+from kcache_client._trust import KnownServers, Trust
 from kcache_server.settings import Settings
 
 from kcache.artifact import ArtifactMeta
 from kcache.errors import KCacheError
 from kcache.index.file import FileIndex
 from kcache.keys import sha256_hex
-from kcache.signing import SigningKey
+from kcache.signing import SigningKey, TrustedKeys
 from kcache.store.local import LocalArtifactStore
 from tests.support import FAST, ServerThread
 
@@ -474,10 +476,186 @@ def test_a_hostile_keys_answer_or_pin_file_pins_nothing(
         known.path.write_bytes(garbage)
         with caplog.at_level(logging.WARNING, "kcache_client"):
             assert known.keys("http://x") is None  # as never contacted: pinned afresh
-        assert known.every_key().key_ids == []
+        assert known.pinned_for(good.key_id) == []
     known.pin(
         "http://x",
         _published({"keys": [{"key_id": good.key_id, "public_key": good.public_key}]}, "http://x"),
     )
     pinned = known.keys("http://x")
     assert pinned is not None and pinned.key_ids == [good.key_id]
+
+
+# ------------------------------------------------------------------ trust per server, verdicts per file
+X_URL, Y_URL = "http://x.invalid:1", "http://y.invalid:2"
+PLANTED_KEY = "5e" * 32
+
+
+def _shared_dir() -> Path:
+    """A tier directory as a team shares it (sticky, writable by all)."""
+    shared = Path(tempfile.mkdtemp(prefix="kcache-shared-tier-"))
+    os.chmod(shared, 0o1777)
+    return shared
+
+
+def _pinned_two(path: Path) -> tuple[SigningKey, SigningKey, KnownServers]:
+    """Server X's key and server Y's, each pinned for its own URL (this user talked to both)."""
+    x, y = SigningKey.generate(), SigningKey.generate()
+    known = KnownServers(path)
+    known.pin(X_URL, TrustedKeys([x.public_key]))
+    known.pin(Y_URL, TrustedKeys([y.public_key]))
+    return x, y, known
+
+
+def test_a_shared_tier_entry_signed_by_another_servers_key_is_refused_for_this_server(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    x, y, known = _pinned_two(tmp_path / "known.json")
+    shared = _shared_dir()
+    try:
+        # Y's operator plants, under a recipe key of X's, a kernel of their choosing signed by Y.
+        foreign = b"\x7fELF a kernel of Y's choosing" * 10
+        meta = artifact_meta(foreign)
+        signed_by_y = y.sign(PLANTED_KEY, meta)
+        planter = NodeTier(shared, max_bytes=0, trust=Trust(TrustedKeys(), known, Y_URL))
+        assert planter.standing.kind == "shared"
+        assert planter.publish(PLANTED_KEY, None, meta, foreign, signed_by_y) is not None
+
+        def through(url: str | None, *given: str) -> object:
+            trust = Trust(TrustedKeys(given), known, url)
+            return NodeTier(shared, max_bytes=0, trust=trust).lookup(PLANTED_KEY)
+
+        with caplog.at_level(logging.WARNING, "kcache_client"):
+            assert through(X_URL) is None  # Y's key vouches for nothing looked up through X
+            assert through(None) is None  # without a server, only given keys vouch
+        assert (
+            f"signed by key {y.key_id} (pinned for {Y_URL} in {known.path}), which is not "
+            f"trusted here: it is not one of the keys of {X_URL}"
+        ) in caplog.text
+        assert "no server is configured" in caplog.text
+        assert through(Y_URL) == (meta, foreign)  # the entry is sound, for the server it is Y's
+        # Given keys are the fleet's: they vouch for whichever server this client uses.
+        assert through(X_URL, y.public_key) == (meta, foreign)
+        assert through(X_URL, x.public_key) is None
+
+        # What Artifact.check() runs: the same rule.
+        for_x = Trust(TrustedKeys(), known, X_URL + "/")  # spelled with a slash, as a user may
+        problem = for_x.entry_problem(PLANTED_KEY, meta, signed_by_y)
+        assert problem is not None and "not trusted here" in problem
+        assert for_x.entry_problem(PLANTED_KEY, meta, x.sign(PLANTED_KEY, meta)) is None
+        # A key X rotates to, pinned by another process since: read from the pin file.
+        rotated = SigningKey.generate()
+        known.pin(X_URL, TrustedKeys([rotated.public_key]))
+        for_x._entry_keys_read = float("-inf")  # as after the reread interval
+        assert for_x.entry_problem(PLANTED_KEY, meta, rotated.sign(PLANTED_KEY, meta)) is None
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_second_servers_answer_in_a_shared_tier_is_not_served_through_the_first(
+    tmp_path: Path,
+    server_a: ServerThread,
+    keys: dict[str, Path],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))  # this user's own files
+    known = tmp_path / "known.json"
+    server_b = _server(tmp_path / "b", keys["b"])
+    shared = _shared_dir()
+    given = f"{_key(keys['a']).public_key},{_key(keys['b']).public_key}"
+    try:
+        (recipe,) = kernels(1, "scoped", target="sm_80")
+        with _cache(server_b.url, shared, trusted=None, known=known) as via_b:
+            planted = via_b.get(recipe)  # B's answer, signed by B's key (pinned for B's URL)
+        assert planted.origin == "compiled" and planted.signature is not None
+        assert planted.signature.key_id == _key(keys["b"]).key_id
+
+        # Given keys vouch for the configured server: B's entry serves a lookup through A.
+        with _cache(server_a.url, shared, trusted=given, known=known) as fleet:
+            assert fleet.key(recipe) == planted.recipe_key
+            assert fleet.get(recipe).origin == "node"
+
+        # Pinned keys do not: through A, B's entry is refused, and A answers.
+        with (
+            caplog.at_level(logging.WARNING, "kcache_client"),
+            _cache(server_a.url, shared, trusted=None, known=known) as via_a,
+        ):
+            art = via_a.get(recipe)
+            assert art.origin in ("server", "compiled")
+            assert art.signature is not None
+            assert art.signature.key_id == _key(keys["a"]).key_id
+            art.check()
+            with pytest.raises(UntrustedArtifactError, match="not trusted here") as refused:
+                dataclasses.replace(planted, trust=via_a.trust).check()
+            assert str(refused.value).startswith(
+                f"refused the artifact of recipe {planted.recipe_key}: it is signed by key"
+            )
+            # A path is a file of the checked bytes that only this user can write, never
+            # the shared tier's own file (its owner could rewrite it after the check).
+            assert shared not in art.path.parents and art.path.read_bytes() == art.data
+            assert (tmp_path / "user-cache") in art.path.parents
+        assert f"(pinned for {server_b.url} in {known})" in caplog.text
+    finally:
+        server_b.stop()
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.parametrize("how", ["deleted-then-written", "renamed-over"])
+def test_a_pack_replaced_under_its_name_while_a_process_runs_is_judged_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    x, _, known = _pinned_two(tmp_path / "known.json")
+    shared = _shared_dir()
+    try:
+        tier = NodeTier(shared, max_bytes=0, trust=Trust(TrustedKeys(), known, X_URL))
+        good, foreign = b"\x7fELF X's kernel" * 10, b"\x7fELF another kernel" * 10
+        good_meta, foreign_meta = artifact_meta(good), artifact_meta(foreign)
+        with tier.packs.writer() as first:
+            first.add(PLANTED_KEY, good_meta, good, x.sign(PLANTED_KEY, good_meta))
+        pack = Path(first.path)
+        absent = "6f" * 32
+        assert tier.lookup(absent) is None  # a miss lists the packs: this one indexed
+        assert tier.lookup(PLANTED_KEY) == (good_meta, good)  # judged (and remembered)
+
+        # The pack's owner puts another file under its name: the key -> another kernel.
+        with tier.packs.writer() as second:
+            second.add(
+                PLANTED_KEY,
+                foreign_meta,
+                foreign,
+                SigningKey.generate().sign(PLANTED_KEY, foreign_meta),
+            )
+        if how == "deleted-then-written":
+            pack.unlink()
+            assert tier.lookup(absent) is None  # this process sees it gone
+        os.rename(second.path, pack)
+        with caplog.at_level(logging.WARNING, "kcache_client"):
+            assert tier.lookup(absent) is None  # ... and then the new file under the name
+            assert tier.lookup(PLANTED_KEY) is None  # judged again: refused
+            assert tier.held_digest(PLANTED_KEY) is None  # no foreign digest either
+        assert f"the entry of recipe {PLANTED_KEY} in pack {pack.stem}" in caplog.text
+        assert "which is not trusted here" in caplog.text
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_path_is_a_file_of_the_checked_bytes(tmp_path: Path) -> None:
+    """``NodeTier.checked_file``: a private tier's blob when it still holds the checked bytes,
+    rewritten from them when not; from a shared tier, nothing (the caller writes its own)."""
+    tier, _, meta = _published_tier(tmp_path / "tier")
+    data = b"kernel" * 100
+    blob = Path(tier.location(meta.digest))
+    assert tier.checked_file(meta.digest, data) == str(blob)
+    blob.chmod(0o644)
+    blob.write_bytes(b"X" * len(data))  # written in place after the check
+    assert tier.checked_file(meta.digest, data) == str(blob)
+    assert blob.read_bytes() == data
+    blob.unlink()
+    blob.symlink_to(tmp_path / "elsewhere")
+    assert tier.checked_file(meta.digest, data) == str(blob)
+    assert not blob.is_symlink() and blob.read_bytes() == data
+    shared = _shared_dir()
+    try:
+        assert NodeTier(shared, max_bytes=0).checked_file(meta.digest, data) is None
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
