@@ -87,6 +87,10 @@ class BundleCache(Protocol):
         """Who is asking, for the server's audit."""
         ...
 
+    def check_withdrawals(self) -> None:
+        """Read the server's withdrawals now (kcache_client._withdrawals); never raises for it."""
+        ...
+
 
 @dataclass(frozen=True)
 class PrefetchResult:
@@ -133,6 +137,8 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
     started = time.monotonic()
     tiers = _tiers(cache)
     tier = cache.tier
+    if any(_held(tiers, key) is not None for key in manifest.recipe_keys):
+        cache.check_withdrawals()  # what the tiers hold of it and the server withdrew: not held
 
     def result(held: int, fetched: int, missing: Sequence[str], requests: int) -> PrefetchResult:
         return PrefetchResult(

@@ -37,6 +37,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -61,6 +62,7 @@ from kcache_client._stats import CacheStats
 from kcache_client._tier import NodeTier
 from kcache_client._trust import Trust
 from kcache_client._warmup import WarmupResult, warmup
+from kcache_client._withdrawals import Pair, WithdrawalWatch
 from kcache_client.errors import RemoteNotFoundError, ServerUnavailableError
 
 __all__ = ["OFFLINE_LOGGER", "KernelCache"]
@@ -199,6 +201,24 @@ class KernelCache:
             settings.cache_dir,
             self.trust,
             max_entry_bytes=settings.max_artifact_bytes,
+        )
+        for layer in self.layers:  # the layers refuse what the node tier knows withdrawn
+            layer.withdrawals = self.tier.withdrawals
+        #: When the server's withdrawals are read, and what is done with them
+        #: (kcache_client._withdrawals); None without a server.
+        self._withdrawal_watch = (
+            WithdrawalWatch(
+                self._remote,
+                self.tier,
+                settings.withdrawal_check_s,
+                self.stats,
+                self._forget_withdrawn,
+                retry=replace(
+                    settings.retry, attempts=1, deadline_s=min(settings.retry.deadline_s, 10.0)
+                ),
+            )
+            if self._remote is not None
+            else None
         )
         # What this process was served, by recipe key: its manifest (KernelCache.manifest).
         self._used: dict[str, ManifestKernel] = {}
@@ -481,9 +501,12 @@ class KernelCache:
         word, else nothing changes). A warmup thaws the cache for its own lookups.
         """
         mode = after_warmup_mode(then, self.settings.after_warmup)
+        watch = self._withdrawal_watch
         before = self._freezer.mode
         self._freezer.set("allow")
         try:
+            if watch is not None:  # a job start: its first local answer reads withdrawals first
+                watch.expire(True)
             if manifest is not None:
                 self.prefetch(manifest)
             result = warmup(
@@ -497,6 +520,8 @@ class KernelCache:
             )
         finally:
             self._freezer.set(before)  # a failed warmup leaves the cache as it was
+            if watch is not None:  # what the server answered needs no read; nor what follows
+                watch.expire(False)
         if mode is not None:
             self._freezer.set(mode)
         return result
@@ -543,6 +568,19 @@ class KernelCache:
         return prefetch(self, manifest)
 
     # ------------------------------------------------------------------ tiers
+    def check_withdrawals(self) -> None:
+        """Read the server's withdrawals now and drop what they name from memory and the node
+        tier (:mod:`~kcache_client._withdrawals`); a prefetch does it first when the tiers hold
+        some of its manifest. Never raises for the server's sake; nothing without a server."""
+        if self._withdrawal_watch is not None:
+            self._withdrawal_watch.check(force=True)
+
+    def _forget_withdrawn(self, pairs: Sequence[Pair]) -> None:
+        for key, digest in pairs:
+            art = self._memory.get(key)
+            if art is not None and art.digest == digest:
+                self._memory.discard(key)
+
     def forget_memory(self) -> None:
         """Drop the in-process copies (the node tier keeps its own)."""
         self._memory.clear()
@@ -550,6 +588,10 @@ class KernelCache:
     def _local_hit(self, key: str, concrete: Recipe, started: float) -> Artifact | None:
         """Memory, then the node tier, audited as a ``local_hit``; None when neither holds it."""
         art = self._memory.get(key)
+        watch = self._withdrawal_watch
+        if art is not None and watch is not None and not watch.memory_holds(key, art.digest):
+            self._memory.discard(key)
+            art = None
         if art is not None:
             self.stats.add("memory_hits")
         else:
@@ -571,6 +613,9 @@ class KernelCache:
                     break
             else:
                 return None
+        watch = self._withdrawal_watch  # what the server withdrew, read first when due
+        if watch is not None and not watch.tier_holds(key, found[0].digest):
+            return None
         self.stats.add("node_hits")
         meta, data, signature = found
         return self._remember(self._artifact(key, concrete, meta, data, "node", signature, tier))

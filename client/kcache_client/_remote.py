@@ -38,9 +38,10 @@ from kcache.recipe import Recipe
 from kcache.signing import HEADER as SIGNATURE_HEADER
 from kcache.signing import BundleDigest, Signature, SignatureError
 from kcache_client._http import Limit, Transport, batch_item_error
-from kcache_client._settings import max_artifact_bytes_from_env
+from kcache_client._settings import RetryPolicy, max_artifact_bytes_from_env
 from kcache_client._stats import CacheStats
 from kcache_client._trust import Trust, default_known_servers
+from kcache_client._withdrawals import PAGE, WithdrawalPage, parse_page
 from kcache_client.errors import (
     ClientError,
     DigestMismatchError,
@@ -99,6 +100,23 @@ class Remote:
     def keys(self) -> Any:
         """``GET /v1/keys``: the keys the server signs with (checked by :class:`Trust`)."""
         return self.transport.request_json("GET", "/v1/keys")
+
+    def withdrawals(
+        self, *, after: int, limit: int = PAGE, retry: RetryPolicy | None = None
+    ) -> WithdrawalPage:
+        """``GET /v1/withdrawals``: the bindings withdrawn after id ``after``, at most ``limit``.
+
+        The answer is checked (:func:`~kcache_client._withdrawals.parse_page`: ids ints in
+        order above ``after``, keys and digests hex, ``last_id`` their last) or refused
+        with ResponseRefusedError; a server without the route raises RemoteNotFoundError.
+        ``retry``: this call's policy instead of the transport's.
+        """
+        path = f"/v1/withdrawals?after={int(after)}&limit={int(limit)}"
+        body = self.transport.request_json("GET", path, retry=retry)
+        try:
+            return parse_page(body, after, limit)
+        except ValueError as exc:
+            raise ResponseRefusedError(self.url + path, str(exc)) from None
 
     def fetch(self, concrete: Recipe, key: str) -> Fetched | None:
         """The artifact of ``key`` and its verified bytes in one round trip; None when unknown.

@@ -106,6 +106,7 @@ ENVIRONMENT: Mapping[str, str] = MappingProxyType(
         "bypass": "KCACHE_BYPASS",
         "memory_entries": "KCACHE_MEMORY_ENTRIES",
         "lock_timeout_s": "KCACHE_CLIENT_LOCK_TIMEOUT_S",
+        "withdrawal_check_s": "KCACHE_WITHDRAWAL_CHECK_S",
         "retry.attempts": "KCACHE_RETRY_ATTEMPTS",
         "retry.base_s": "KCACHE_RETRY_BASE_S",
         "retry.cap_s": "KCACHE_RETRY_CAP_S",
@@ -326,7 +327,9 @@ class ClientSettings:
     in memory), ``auto_target`` (what ``target="auto"`` means; default the device's
     ``sm_XY``), ``device`` (the CUDA device asked for it), ``host``, ``client_id``
     (``KCACHE_CLIENT_ID``) and ``job_id`` (``KCACHE_JOB_ID`` or the launcher's) for
-    the audit, ``send_events`` (report node-local hits to the server). Local compiles:
+    the audit, ``send_events`` (report node-local hits to the server),
+    ``withdrawal_check_s`` (``KCACHE_WITHDRAWAL_CHECK_S``, 60: how often the server's
+    withdrawals are read again, :mod:`~kcache_client._withdrawals`). Local compiles:
     ``local_compile`` (``KCACHE_LOCAL_COMPILE``; None: on exactly when there is no
     server, see :attr:`compiles_locally`) and ``include_sets`` (name -> directory they
     may read for the include sets a recipe names; a server has its own). Adapters:
@@ -364,6 +367,9 @@ class ClientSettings:
     #: Read-only layers under the node tier, looked up in order (``KCACHE_CACHE_LAYERS``,
     #: paths separated by ``os.pathsep``): tier directories or ``.kcb`` bundle files.
     layers: tuple[Path, ...] = ()
+    #: The longest a tier or memory answer rests on withdrawals read from the server this
+    #: many seconds ago (``KCACHE_WITHDRAWAL_CHECK_S``; kcache_client._withdrawals).
+    withdrawal_check_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.after_warmup not in (None, "warn", "error", "allow"):
@@ -378,6 +384,11 @@ class ClientSettings:
             raise KCacheError(f"memory_entries must be at least 1, not {self.memory_entries}")
         if not self.lock_timeout_s > 0:
             raise KCacheError(f"lock_timeout_s must be positive, not {self.lock_timeout_s}")
+        if not (self.withdrawal_check_s > 0 and math.isfinite(self.withdrawal_check_s)):
+            raise KCacheError(
+                f"withdrawal_check_s must be a positive number of seconds, not "
+                f"{self.withdrawal_check_s}"
+            )
         if self.cache_max_bytes is not None and self.cache_max_bytes < 0:
             raise KCacheError(f"cache_max_bytes must not be negative, not {self.cache_max_bytes}")
 
@@ -417,6 +428,7 @@ class ClientSettings:
         known_servers: str | os.PathLike[str] | None = None,
         after_warmup: str | None = None,
         layers: Sequence[str | os.PathLike[str]] | None = None,
+        withdrawal_check_s: float | None = None,
     ) -> ClientSettings:
         """Arguments first, then the environment, then the defaults.
 
@@ -464,6 +476,8 @@ class ClientSettings:
                 )
                 if str(p).strip()
             ),
+            withdrawal_check_s=withdrawal_check_s
+            or _env_seconds(ENVIRONMENT["withdrawal_check_s"], 60.0),
         )
 
     def located(

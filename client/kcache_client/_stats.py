@@ -26,6 +26,8 @@ class CacheStats:
     #: ``POST /v1/bundle`` requests a prefetch sent, and the entries they published.
     bundle_requests: int = 0
     bundle_entries: int = 0
+    #: ``GET /v1/withdrawals`` requests sent (kcache_client._withdrawals).
+    withdrawal_requests: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, n: int = 1) -> None:

@@ -123,6 +123,7 @@ from kcache.standing import Standing, directory_standing
 from kcache.store.local import LocalArtifactStore
 from kcache_client._packs import PACKS_DIR, PackEntry, PackFile, TierPacks
 from kcache_client._trust import Trust
+from kcache_client._withdrawals import Withdrawals
 
 __all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_dir"]
 
@@ -237,6 +238,9 @@ class NodeTier:
             mark_cache_dir(self.root)
         #: Whose signatures entries are checked against where only signed ones are used.
         self.trust = trust
+        #: The withdrawn bindings no lookup answers (kcache_client._withdrawals): this
+        #: tier's file, and what the process learnt (a cache gives its layers its tier's).
+        self.withdrawals = Withdrawals(self)
         # No fsync on publish: the tier is a cache, not a source of truth. An fsync per
         # file and directory was most of a cold rank's fetch time (B8). Renames stay
         # atomic, so running readers never see part of a file; after a power loss a
@@ -353,6 +357,8 @@ class NodeTier:
         if problem is not None:
             self._refuse(f"the entry of recipe {recipe_key} in pack {found.name}", problem)
             return None
+        if self._withdrawn(recipe_key, found.meta.digest, f"pack {found.name}"):
+            return None
         return found
 
     def _from_pack(self, recipe_key: str) -> tuple[ArtifactMeta, bytes, Signature] | None:
@@ -431,7 +437,7 @@ class NodeTier:
         known = self._parsed.get(recipe_key)
         try:
             if known is not None and identity(os.lstat(path)) == known[0]:
-                return known[1], known[2]
+                return None if self._withdrawn(recipe_key, known[1].digest) else known[1:]
             raw, alias = read_file_identified(path, MAX_ENTRY_BYTES)
         except FileNotFoundError:
             return None
@@ -452,9 +458,21 @@ class NodeTier:
         if problem is not None:
             self._refuse(f"the entry {path}", problem)
             return None
+        if self._withdrawn(recipe_key, entry.digest):
+            return None
         if _settled(alias, len(raw)):
             self._parsed.put(recipe_key, (alias, entry, signature))
         return entry, signature
+
+    def _withdrawn(self, recipe_key: str, digest: str, where: str = "its alias") -> bool:
+        """Whether ``recipe_key`` -> ``digest`` is withdrawn (warned about once): not answered."""
+        if not self.withdrawals.withdrawn(recipe_key, digest):
+            return False
+        self._refuse(
+            f"the entry of recipe {recipe_key} ({where})",
+            f"the server withdrew its binding to {digest} (kcache_client._withdrawals)",
+        )
+        return True
 
     def _trust_problem(
         self, recipe_key: str, entry: ArtifactMeta, signature: Signature | None
@@ -528,7 +546,11 @@ class NodeTier:
         entry is found by its recipe key only, and not offered to a local engine's
         manifest match under a base key it could not check.
         """
-        if not self.standing.writable or (signature is None and self.standing.signed_only):
+        if (
+            not self.standing.writable
+            or (signature is None and self.standing.signed_only)
+            or self.withdrawals.withdrawn(recipe_key, meta.digest)
+        ):
             self.lock.let_go(recipe_key)
             return None
         try:
@@ -896,7 +918,9 @@ class NodeTier:
     def present(self, recipe_key: str, digest: str) -> bool:
         """Whether the alias of ``recipe_key`` and the blob ``digest`` exist (two ``stat`` s;
         nothing is parsed, hashed or checked: for entries verified before), or a pack this
-        process indexed holds it."""
+        process indexed holds it. A withdrawn binding is not held."""
+        if self.withdrawals.withdrawn(recipe_key, digest):
+            return False
         packed = self.packs.entry(recipe_key)
         if packed is not None and packed.meta.digest == digest:
             return True

@@ -61,6 +61,7 @@ def _samples(tmp_path: Path) -> dict[str, tuple[str, Any]]:
         "send_events": ("0", False),
         "memory_entries": ("17", 17),
         "lock_timeout_s": ("12.5", 12.5),
+        "withdrawal_check_s": ("5", 5.0),
         "retry.attempts": ("2", 2),
         "retry.base_s": ("0.05", 0.05),
         "retry.cap_s": ("1.5", 1.5),
