@@ -20,9 +20,12 @@ usually answered with nothing, and costs nothing per entry.
 
 **When.** A ``KernelCache`` with a server asks (:class:`WithdrawalWatch`):
 
-- at every warmup and prefetch (the start of a job);
 - before the first answer a tier would give in a process (node tier, pack, layer): an
-  answer the server gives needs no feed, it is the server's own word now;
+  answer the server gives needs no feed, it is the server's own word now (so a cold tier
+  costs no request);
+- at every warmup (a job start), before its first answer from a tier or memory, however
+  recent the last check; and at every prefetch of a manifest the tiers hold some of
+  (what they hold of it may have been withdrawn);
 - again before a tier or memory answer once ``withdrawal_check_s``
   (``KCACHE_WITHDRAWAL_CHECK_S``, 60 s) has passed since the last check (for memory,
   since the cache was made if it never checked: what memory holds came from the server
