@@ -24,6 +24,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness
 from _harness import emit
 
+from kcache.deps import PROBE, files_read
 from kcache.errors import CompileError, RecipeError
 from kcache.local_engine import open_local_engine
 from kcache.recipe import Recipe
@@ -39,7 +40,7 @@ def _in_process(sequences: int, root: Path, base: int) -> tuple[int, float]:
             found = engine.resolve(Recipe.from_dict(recipe))
         except (CompileError, RecipeError):
             return "error", []
-        return found.status, [d.name for d in found.artifact.dependencies]
+        return found.status, [d.name for d in files_read(found.artifact.dependencies)]
 
     started = time.perf_counter()
     bad = 0
@@ -77,7 +78,9 @@ def _one_worker(sequences: int, root: Path, base: int) -> tuple[int, float]:
                 return "error", []
             answer.raise_for_status()
             body = answer.json()
-            return body["status"], [d["name"] for d in body["artifact"]["dependencies"]]
+            return body["status"], [
+                d["name"] for d in body["artifact"]["dependencies"] if PROBE not in d["name"]
+            ]
 
         started = time.perf_counter()
         bad = 0

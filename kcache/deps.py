@@ -60,20 +60,32 @@ from kcache.include_sets import IncludeSets
 from kcache.keys import sha256_hex
 
 __all__ = [
+    "ABSENT",
     "BUILTIN_HEADER",
     "DEPENDENCY_CHECK",
     "NVRTC_PSEUDO_FILES",
+    "PROBE",
+    "WHOLE_SET",
     "CompileInputs",
     "Dependency",
     "Origin",
     "ReadMarkers",
     "current_hash",
     "dependencies_from_trace",
+    "files_read",
     "include_set_files_unchanged",
     "proven",
+    "set_place",
     "unchanged",
 ]
 
+#: The hash an include probe (:mod:`kcache.include_probes`) records where no file was
+#: (no file's sha256 is 64 zeros).
+ABSENT = "0" * 64
+#: The path of a probe standing for a set's whole contents (a computed include).
+WHOLE_SET = "*"
+#: What separates a probe's set from its path (a file read has ":"; neither occurs in a name).
+PROBE = "?"
 #: The header NVRTC injects itself; it is part of the toolchain.
 BUILTIN_HEADER = "__nv_nvrtc_builtin_header.h"
 #: Files NVRTC makes up itself: the builtin header, and the translation unit in which it
@@ -367,14 +379,26 @@ def proven(dependency_check: int, *, manifest: bool, include_sets: IncludeSets) 
     return not manifest and not include_sets.names
 
 
+def files_read(dependencies: Iterable[Dependency]) -> tuple[Dependency, ...]:
+    """The dependencies that are files a compile read, without its include probes."""
+    return tuple(dep for dep in dependencies if PROBE not in dep.name)
+
+
+def set_place(name: str) -> tuple[str | None, str]:
+    """(set, relative path) of a dependency read in a set (``set:path``) or a probe
+    (``set?path``); (None, name) for an in-memory header."""
+    cut = min((i for i in (name.find(":"), name.find("?")) if i >= 0), default=-1)
+    if cut < 0:
+        return None, name
+    return name[:cut], name[cut + 1 :]
+
+
 def current_hash(include_sets: IncludeSets, set_name: str, relative: str) -> str | None:
     """What a set holds now where a dependency or probe was recorded (None: the set is gone).
 
     A file's sha256, :data:`~kcache.include_probes.ABSENT` where no file is, or the set's
     digest for a whole-set probe (:data:`~kcache.include_probes.WHOLE_SET`).
     """
-    from kcache.include_probes import ABSENT, WHOLE_SET
-
     if set_name not in include_sets.names:
         return None
     if relative == WHOLE_SET:
@@ -391,8 +415,8 @@ def unchanged(
     """True when every dependency and probe is as recorded for this recipe (and the include sets)."""
     usable = {entry.partition("@")[0] for entry in set_names}
     for dep in dependencies:
-        set_name, sep, relative = dep.name.partition(":")
-        if sep:
+        set_name, relative = set_place(dep.name)
+        if set_name is not None:
             if (
                 set_name not in usable
                 or current_hash(include_sets, set_name, relative) != dep.sha256
@@ -413,7 +437,7 @@ def include_set_files_unchanged(
     the files the compile read and the places it looked.
     """
     for dep in dependencies:
-        set_name, sep, relative = dep.name.partition(":")
-        if sep and current_hash(include_sets, set_name, relative) != dep.sha256:
+        set_name, relative = set_place(dep.name)
+        if set_name is not None and current_hash(include_sets, set_name, relative) != dep.sha256:
             return False
     return True

@@ -153,8 +153,22 @@ class Engine:
         """Return the artifact for ``recipe``, compiling it (once, across processes) if needed.
 
         Raises ArtifactNotFoundError when absent and ``compile`` is false, CompileError
-        when the compiler rejects it (now or in a recorded earlier attempt).
+        when the compiler rejects it (now or in a recorded earlier attempt), and
+        IncludeSetChangedError when the caller pinned an include set to contents it no
+        longer has. A set that *this side* pinned (the recipe named it without a digest)
+        and that changed within the second its digest is kept is pinned again, walked
+        now, and the recipe resolved once more.
         """
+        try:
+            return self._resolve(recipe, compile)
+        except IncludeSetChangedError:
+            origin = recipe.pinned_from() or recipe
+            if not origin.unpinned_include_sets():
+                raise  # the caller's own pin: its answer to give
+        fresh = self.compiler.include_sets.digests(max_age_s=0)
+        return self._resolve(origin.with_defaults(include_sets=fresh), compile)
+
+    def _resolve(self, recipe: Recipe, compile: bool) -> Resolution:
         started = time.perf_counter()
         recipe = self.prepare(recipe)
         key, base = recipe.key(), recipe.base_key()

@@ -21,9 +21,11 @@ serves a wrong one. A computed ``#include MACRO`` in any of them names no file t
 can see, so the compile then records each set's whole digest (``<set>:*``): any change
 in those sets misses.
 
-A probe is a :class:`~kcache.deps.Dependency` named ``<set>:<relative path>`` (as a file
-read is), whose hash is :data:`ABSENT` where no file was, or ``<set>:*`` with the set's
-digest; :func:`kcache.deps.unchanged` compares all three kinds against the sets now.
+A probe is a :class:`~kcache.deps.Dependency` named ``<set>?<relative path>`` (a file read
+is ``<set>:<relative path>``: the list still says exactly what was read), whose hash is the
+file's where one was, :data:`ABSENT` where none was, or ``<set>?*`` with the set's digest;
+a place whose file was read is not probed again. :func:`kcache.deps.unchanged` compares
+reads and probes alike against the sets now.
 """
 
 from __future__ import annotations
@@ -34,18 +36,18 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kcache.deps import Dependency
+from kcache.deps import ABSENT, PROBE, WHOLE_SET, Dependency
 from kcache.include_sets import IncludeSet, IncludeSets
 
 if TYPE_CHECKING:
     from kcache.recipe import Recipe
 
-__all__ = ["ABSENT", "WHOLE_SET", "include_probes", "named_includes", "with_include_probes"]
+__all__ = [
+    "include_probes",
+    "named_includes",
+    "with_include_probes",
+]
 
-#: The hash a probe records where no file was (no file's sha256 is 64 zeros).
-ABSENT = "0" * 64
-#: The relative path of a probe standing for a set's whole contents (a computed include).
-WHOLE_SET = "*"
 
 _INCLUDE_RE = re.compile(
     r'^[ \t]*#[ \t]*include(?:_next)?[ \t]*(?:"(?P<quoted>[^"\n]*)"|<(?P<angled>[^>\n]*)>|(?P<computed>[^\s/]))',
@@ -89,7 +91,7 @@ def include_probes(
     include_sets: IncludeSets,
     toolchain_include: Path,
 ) -> dict[str, str]:
-    """``<set>:<path>`` -> hash (or :data:`ABSENT`) of every place the compile looked in a set.
+    """``<set>?<path>`` -> hash (or :data:`ABSENT`) of every place the compile looked in a set.
 
     ``set_entries`` are the recipe's ``include_sets`` (names, pinned or not, in order);
     ``read`` the names of the dependencies the compile read (in-memory names, and
@@ -105,21 +107,23 @@ def include_probes(
             if name in headers:
                 texts.append((None, "", headers[name]))
             continue
-        item = include_sets.get(set_name)
-        path = item.resolve(relative)
+        read_set = include_sets.get(set_name)
+        path = read_set.resolve(relative)
         if path is None:
             continue
         try:
             text = path.read_bytes().decode("utf-8", errors="replace")
         except OSError:
             continue
-        texts.append((item, posixpath.dirname(relative), text))
+        texts.append((read_set, posixpath.dirname(relative), text))
     probes: dict[str, str] = {}
     for item, directory, text in texts:
         names, computed = named_includes(text)
         if computed:
             for each in sets:
-                probes[f"{each.name}:{WHOLE_SET}"] = include_sets.digest(each.name, max_age_s=0)
+                probes[f"{each.name}{PROBE}{WHOLE_SET}"] = include_sets.digest(
+                    each.name, max_age_s=0
+                )
         for name, quoted in names:
             if name in headers:
                 continue
@@ -127,11 +131,11 @@ def include_probes(
                 beside = _inside(posixpath.join(directory, name))
                 if beside is not None and _probe(probes, include_sets, item, beside):
                     continue
-            relative = _inside(name)
-            if relative is None or (toolchain_include / relative).is_file():
+            looked_for = _inside(name)
+            if looked_for is None or (toolchain_include / looked_for).is_file():
                 continue  # outside every set, or a bundled header (in the toolchain id)
             for each in sets:
-                if _probe(probes, include_sets, each, relative):
+                if _probe(probes, include_sets, each, looked_for):
                     break
     return probes
 
@@ -141,7 +145,7 @@ def _probe(
 ) -> bool:
     """Record what ``item`` holds at ``relative``; True when a file is there."""
     found = include_sets.file_hash(item.name, relative)
-    probes[f"{item.name}:{relative}"] = found or ABSENT
+    probes[f"{item.name}{PROBE}{relative}"] = found or ABSENT
     return found is not None
 
 
@@ -162,7 +166,10 @@ def with_include_probes(
     )
     if not probes:
         return dependencies
-    named = {dep.name: dep for dep in dependencies}
-    for name, digest in probes.items():
-        named.setdefault(name, Dependency(name, digest))
-    return tuple(sorted(named.values()))
+    read = {dep.name for dep in dependencies}
+    looked = [
+        Dependency(name, digest)
+        for name, digest in probes.items()
+        if name.replace(PROBE, ":", 1) not in read  # a read already records that file's hash
+    ]
+    return tuple(sorted((*dependencies, *looked)))

@@ -67,10 +67,9 @@ from kcache.errors import (
     RecipeError,
     ToolchainError,
     UnlistedIncludeError,
-    UnresolvedRecipeError,
 )
+from kcache.include_probes import with_include_probes
 from kcache.include_sets import IncludeSets
-from kcache.keys import encode_base_key, sha256_hex
 from kcache.recipe import Recipe
 from kcache.toolchain import Toolchain
 
@@ -178,11 +177,7 @@ def compile_seed(recipe: Recipe) -> int:
     compiled with include sets named but not yet pinned to their contents (no key yet)
     gets the same seed as once pinned: the base key has the sets by name alone.
     """
-    try:
-        base = recipe.base_key()
-    except UnresolvedRecipeError:
-        base = sha256_hex(encode_base_key(recipe))  # what base_key() gives once pinned
-    return int(base[:8], 16)
+    return int(recipe.base_key()[:8], 16)
 
 
 #: Options whose output records the compiling process's working directory (DWARF's
@@ -533,6 +528,7 @@ def compile_in_this_process(
             except DependencyTraceError as exc:
                 _process_nvrtc.spoil(str(exc))
                 raise
+            deps = with_include_probes(deps, recipe, include_sets, toolchain.include_dir)
             lowered: dict[str, str] = {}
             for expr in recipe.name_expressions:
                 res = nvrtc.nvrtcGetLoweredName(prog, expr.encode())

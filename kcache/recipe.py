@@ -466,7 +466,18 @@ class Recipe:
             target=new_target, toolchain=new_toolchain, link=link, include_sets=new_sets
         )
         _validate_target_and_toolchain(copy)
+        if new_sets != self.include_sets:
+            copy._memo["pinned_from"] = self.pinned_from() or self
         return copy
+
+    def pinned_from(self) -> Recipe | None:
+        """The recipe :meth:`with_defaults` pinned this one's include sets from, if it did.
+
+        Whoever pinned a set may pin it again when the set changed (an engine whose
+        kept digest was a moment old); a pin the recipe came with is its author's.
+        """
+        origin: Recipe | None = self._memo.get("pinned_from")
+        return origin
 
     def unpinned_include_sets(self) -> list[str]:
         """Names of the include sets this recipe (or a linked one) names without a digest."""
@@ -480,7 +491,7 @@ class Recipe:
     @property
     def parsed_target(self) -> Target:
         """The target, parsed (raises for ``auto``)."""
-        self._require_resolved()
+        self._require_resolved(include_sets=False)
         return _parse_target(self.target)
 
     @property
@@ -502,7 +513,7 @@ class Recipe:
 
     def key_material(self, *, with_header_contents: bool = True) -> dict[str, Any]:
         """The canonical object hashed into the keys (:func:`kcache.keys.key_material`)."""
-        self._require_resolved()
+        self._require_resolved(include_sets=with_header_contents)
         return keys.key_material(self, with_header_contents=with_header_contents)
 
     def _identity(self) -> str:
@@ -521,12 +532,13 @@ class Recipe:
         """``base_key``: the same without header contents (names only); indexes manifests."""
         key: str | None = self._memo.get("base_key")
         if key is None:
-            self._require_resolved()
+            self._require_resolved(include_sets=False)  # the base key names sets only
             key = self._memo["base_key"] = sha256_hex(encode_base_key(self))
         return key
 
-    def _require_resolved(self) -> None:
-        """Raise unless the target and toolchain are concrete here and in every linked recipe."""
+    def _require_resolved(self, *, include_sets: bool = True) -> None:
+        """Raise unless the target and toolchain are concrete here and in every linked recipe,
+        and (``include_sets``) every include set is pinned to its contents."""
         if self.target == "auto":
             raise UnresolvedRecipeError(
                 "target", '"auto" must be resolved to the device\'s sm_XX before keying'
@@ -535,7 +547,7 @@ class Recipe:
             raise UnresolvedRecipeError(
                 "toolchain", "must be resolved to a concrete toolchain id before keying"
             )
-        for i, entry in enumerate(self.include_sets):
+        for i, entry in enumerate(self.include_sets if include_sets else ()):
             if include_set_digest(entry) is None:
                 # A key names what a compile could read: a set by its contents, never by
                 # its name alone (an edited or added file must give another key).
@@ -546,7 +558,7 @@ class Recipe:
                 )
         for item in self.link:
             if item.recipe is not None:
-                item.recipe._require_resolved()
+                item.recipe._require_resolved(include_sets=include_sets)
 
 
 def _link_from_dict(index: int, item: object, depth: int) -> LinkInput:

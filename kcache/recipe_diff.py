@@ -104,6 +104,21 @@ def _sequence(data: Mapping[str, Any], name: str) -> list[Any]:
     return list(value) if isinstance(value, list | tuple) else []
 
 
+def _include_set_lines(old: list[Any], new: list[Any]) -> Iterable[str]:
+    """Sets added, removed or reordered by name; then a set whose pinned contents changed."""
+    names = [[str(entry).partition("@")[0] for entry in side] for side in (old, new)]
+    yield from _list_lines(names[0], names[1], "include set", "include sets")
+    pins = [
+        {n: str(e).partition("@")[2] for n, e in zip(ns, side, strict=True)}
+        for ns, side in zip(names, (old, new), strict=True)
+    ]
+    for name in names[1]:
+        was, now = pins[0].get(name), pins[1][name]
+        if was is not None and was != now:
+            shown = [_short(pin) if pin else "by name" for pin in (was, now)]
+            yield f"include set {name} changed ({shown[0]} -> {shown[1]})"
+
+
 def _header_lines(old: Mapping[str, Any], new: Mapping[str, Any]) -> Iterable[str]:
     for name in sorted(set(old) | set(new)):
         if name not in old:
@@ -178,12 +193,7 @@ def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     lines += _scalar("target", old, new, "target")
     lines += _scalar("toolchain", old, new, "toolchain")
     lines += _spec_lines(_mapping(old, "specialization"), _mapping(new, "specialization"))
-    lines += _list_lines(
-        _sequence(old, "include_sets"),
-        _sequence(new, "include_sets"),
-        "include set",
-        "include sets",
-    )
+    lines += _include_set_lines(_sequence(old, "include_sets"), _sequence(new, "include_sets"))
     if old.get("name_expressions") != new.get("name_expressions"):
         lines.append("name expressions changed")
     lines += _scalar("output", old, new, "output")

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from kcache.artifact import ArtifactMeta
 from kcache.artifact_header import ON_MISS_HEADER, ON_MISS_RESOLVE
-from kcache.errors import CompileError, KCacheError, ToolchainError
+from kcache.errors import CompileError, IncludeSetChangedError, KCacheError, ToolchainError
 from kcache.job_manifest import JobManifest, ManifestKernel
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
@@ -55,6 +55,7 @@ from kcache_client._bundle import PrefetchResult, open_layers, prefetch
 from kcache_client._events import EventSink, tally_key
 from kcache_client._freeze import FreezeMode, Freezer, after_warmup_mode, parse_mode
 from kcache_client._http import RetryNotice, Transport
+from kcache_client._include_pins import IncludeSetPins, server_set_digests
 from kcache_client._local import LocalCompiler
 from kcache_client._remote import Remote, ResolveAnswer
 from kcache_client._settings import ClientSettings
@@ -63,7 +64,12 @@ from kcache_client._tier import NodeTier
 from kcache_client._trust import Trust
 from kcache_client._warmup import WarmupResult, warmup
 from kcache_client._withdrawals import Pair, WithdrawalWatch
-from kcache_client.errors import RemoteNotFoundError, ServerUnavailableError
+from kcache_client.errors import (
+    RecipeRefusedError,
+    RemoteNotFoundError,
+    ServerResponseError,
+    ServerUnavailableError,
+)
 
 __all__ = ["OFFLINE_LOGGER", "KernelCache"]
 
@@ -75,6 +81,8 @@ _BATCH = 8
 OFFLINE_LOGGER = "kcache_client.offline"
 _offline_log = logging.getLogger(OFFLINE_LOGGER)
 _offline_told = threading.Lock()  # held for good once the line is logged: once per process
+#: The server's code for a recipe pinned to an include set's earlier contents (409).
+INCLUDE_SET_CHANGED = "include_set_changed"
 _ORIGIN_OF_STATUS: dict[str, ArtifactOrigin] = {
     "hit": "server",
     "compiled": "compiled",
@@ -225,6 +233,8 @@ class KernelCache:
         self._freezer = Freezer(self.stats, self._events, self.context)
         self._toolchain_default: str | None = None
         self._toolchain_lock = threading.Lock()
+        #: What include sets are pinned to before keying (kcache_client._include_pins).
+        self.include_pins = IncludeSetPins(settings.include_sets, self._server_set_digests)
         self.host = settings.hostname
         self.client_id = settings.client_id or f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.rank = int(os.environ.get("RANK", "0") or 0)
@@ -308,8 +318,30 @@ class KernelCache:
         """The server's ``GET /v1/toolchains`` answer (also saved in the tier for offline keying)."""
         remote = self._require_server()
         body = remote.toolchains()
-        self.tier.save_server_facts(remote.url, {"default_toolchain": body["default"]})
+        self.tier.save_server_facts(
+            remote.url,
+            {
+                "default_toolchain": body["default"],
+                "include_set_digests": server_set_digests(body),
+            },
+        )
         return body
+
+    def _server_set_digests(self) -> dict[str, str]:
+        """The server's include sets' digests now; offline, the last ones the tier kept."""
+        if self.url is None:
+            return {}  # no server: only this process's own sets can be pinned
+        try:
+            return server_set_digests(self.toolchains())
+        except ServerUnavailableError as exc:
+            facts = self.tier.load_server_facts(self.url) if self.url is not None else None
+            if facts and isinstance(facts.get("include_set_digests"), dict):
+                return server_set_digests(facts)
+            raise ServerUnavailableError(
+                exc.url,
+                f"{exc.cause}; the recipe names a server include set, whose contents are not "
+                f"known in {self.tier.root} yet",
+            ) from exc
 
     def _offline_toolchain(self, cause: ServerUnavailableError) -> str:
         if self.url is not None:
@@ -330,11 +362,14 @@ class KernelCache:
         ) from cause
 
     def prepare(self, recipe: Recipe) -> Recipe:
-        """The concrete recipe: ``auto`` resolved to this device, the toolchain to the server's."""
+        """The concrete recipe: ``auto`` resolved to this device, the toolchain to the server's,
+        and each include set pinned to its contents (:mod:`~kcache_client._include_pins`)."""
         auto, toolchain = _needs(recipe)
         target = self.auto_target() if auto else None
         tc = self.default_toolchain() if toolchain else None
-        return recipe.with_defaults(target=target, toolchain=tc)
+        unpinned = recipe.unpinned_include_sets()
+        sets = self.include_pins.digests(unpinned) if unpinned else None
+        return recipe.with_defaults(target=target, toolchain=tc, include_sets=sets)
 
     def key(self, recipe: Recipe) -> str:
         """The recipe key of the concrete recipe."""
@@ -356,6 +391,19 @@ class KernelCache:
         MetadataError or DigestMismatchError when the server's answer cannot be trusted,
         LateCompileError when the cache is frozen with ``error`` and its tiers lack the kernel.
         """
+        try:
+            return self._get(recipe, compile=compile, refresh=refresh)
+        except IncludeSetChangedError:
+            pass  # a local compile found one of this process's own sets edited since its pin
+        except ServerResponseError as exc:
+            if exc.code != INCLUDE_SET_CHANGED:
+                raise
+        # A set the recipe names changed on the server since this process pinned it:
+        # pin its contents now and ask once more.
+        self.include_pins.refresh()
+        return self._get(recipe, compile=compile, refresh=refresh)
+
+    def _get(self, recipe: Recipe, *, compile: bool, refresh: bool) -> Artifact:
         started = time.perf_counter()
         concrete = self.prepare(recipe)
         key = concrete.key()
@@ -415,6 +463,29 @@ class KernelCache:
         compiles are on, the rest are compiled here, one by one. ``context`` overrides
         fields of :meth:`context` in the requests (a warmup names its group rank).
         """
+        results = self._get_many(recipes, compile=compile, progress=progress, context=context)
+        stale = [
+            i
+            for i, result in enumerate(results)
+            if isinstance(result, RecipeRefusedError) and result.code == INCLUDE_SET_CHANGED
+        ]
+        if stale:  # sets edited on the server since they were pinned here: pin again, once
+            self.include_pins.refresh()
+            again = self._get_many(
+                [recipes[i] for i in stale], compile=compile, progress=False, context=context
+            )
+            for i, result in zip(stale, again, strict=True):
+                results[i] = result
+        return results
+
+    def _get_many(
+        self,
+        recipes: Sequence[Recipe],
+        *,
+        compile: bool,
+        progress: bool,
+        context: Mapping[str, Any] | None,
+    ) -> list[Artifact | KCacheError]:
         started = time.perf_counter()
         concrete = [self.prepare(r) for r in recipes]
         keys = [r.key() for r in concrete]
@@ -501,6 +572,7 @@ class KernelCache:
         word, else nothing changes). A warmup thaws the cache for its own lookups.
         """
         mode = after_warmup_mode(then, self.settings.after_warmup)
+        self.include_pins.refresh()  # a job start: the server's include sets as they are now
         watch = self._withdrawal_watch
         before = self._freezer.mode
         self._freezer.set("allow")

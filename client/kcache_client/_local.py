@@ -76,7 +76,9 @@ class LocalCompiler:
                     self.tier.store,
                     self.tier.index,
                     self.tier.lock,
-                    InProcessCompiler(load_toolchain(), IncludeSets(self.settings.include_sets)),
+                    InProcessCompiler(
+                        load_toolchain(), IncludeSets(self.settings.include_sets, max_age_s=0)
+                    ),
                 )
             return self._engine
 

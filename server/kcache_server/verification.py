@@ -69,7 +69,7 @@ import sqlalchemy as sa
 
 from kcache.artifact import ArtifactMeta, CompileOutput
 from kcache.engine import Resolution, Via
-from kcache.errors import KCacheError
+from kcache.errors import IncludeSetChangedError, KCacheError
 from kcache.nvrtc import kernel_name
 from kcache.recipe import Recipe
 from kcache_server.auditing.writer import AuditRecord
@@ -299,6 +299,12 @@ class Verifier:
         try:
             fresh = self._compile(candidate.recipe)
             result, differences = self._compare(candidate, meta, fresh)
+        except IncludeSetChangedError:
+            # Its include set was edited since: the key names contents that are gone, so
+            # nothing can be compared (and nothing will serve it: keys pin the contents).
+            with self._lock:
+                self._candidates.pop(candidate.recipe_key, None)
+            return None
         except KCacheError as exc:  # no longer compiles, or the stored copy is damaged
             result = "failed"
             differences = [f"could not compare: {exc}"]
@@ -514,11 +520,16 @@ def install_verification(state: ServerState) -> tuple[Verifier, ProcessPoolCompi
 
     def compile(recipe: Recipe) -> CompileOutput:
         assert pool is not None
+        # A recipe pinned to an include set's earlier contents cannot be compiled again
+        # (the files are gone): IncludeSetChangedError, before the compile and after it.
+        engine.check_include_sets(recipe)
         with starting:  # the worker starts with the first verification, not with the server
             if not started:
                 pool.start()
                 started.append(True)
-        return pool.compile(recipe, engine.link_inputs(recipe))
+        output = pool.compile(recipe, engine.link_inputs(recipe))
+        engine.check_include_sets(recipe, max_age_s=0)
+        return output
 
     def lookup(recipe_key: str) -> ArtifactMeta | None:
         entry = backends.index.lookup(recipe_key)

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from kcache.recipe import Recipe
 from kcache_client import ClientSettings, KernelCache
 from kcache_server.settings import Settings
+
+from kcache.recipe import Recipe
 from tests.support import FAST, ServerThread, wait_until
 
 SOURCE = '#include <tile.h>\nextern "C" __global__ void k(int* o) { o[0] = TILE; }\n'

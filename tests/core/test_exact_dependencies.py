@@ -20,7 +20,13 @@ from typing import Any
 
 import pytest
 
-from kcache.deps import BUILTIN_HEADER, CompileInputs, ReadMarkers, dependencies_from_trace
+from kcache.deps import (
+    BUILTIN_HEADER,
+    CompileInputs,
+    ReadMarkers,
+    dependencies_from_trace,
+    files_read,
+)
 from kcache.engine import Engine
 from kcache.errors import CompileError, DependencyTraceError, RecipeError, UnlistedIncludeError
 from kcache.include_sets import IncludeSets
@@ -67,7 +73,7 @@ def _engine_resolver(engine: Engine) -> Callable[[dict[str, Any]], tuple[str, li
             found = engine.resolve(Recipe.from_dict(recipe))
         except (CompileError, RecipeError):
             return "error", []
-        return found.status, [d.name for d in found.artifact.dependencies]
+        return found.status, [d.name for d in files_read(found.artifact.dependencies)]
 
     return resolve
 
@@ -126,7 +132,7 @@ def test_a_model_program_reads_in_a_fresh_process_what_the_model_says(
         program = work.program()
         recipe = Recipe.from_dict({**program.recipe, "toolchain": toolchain.id})
         output = compile_in_fresh_process(recipe, toolchain, sets)
-        assert {d.name for d in output.dependencies} == program.reads
+        assert {d.name for d in files_read(output.dependencies)} == program.reads
 
 
 def test_threads_compiling_while_another_fails_record_complete_lists(

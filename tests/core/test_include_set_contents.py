@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from kcache.deps import ABSENT
 from kcache.engine import Engine
 from kcache.errors import IncludeSetChangedError, UnresolvedRecipeError
-from kcache.include_probes import ABSENT, named_includes
+from kcache.include_probes import named_includes
 from kcache.include_sets import IncludeSets
 from kcache.local_engine import open_local_engine
 from kcache.recipe import Recipe
@@ -90,8 +91,9 @@ def test_an_edit_of_a_file_read_misses_and_an_unread_files_edit_still_hits(
     names = {d.name: d.sha256 for d in first.artifact.dependencies}
     assert "s2:tile.h" in names
     # Where it looked and found nothing: tile.h and extra.h in s1 and s2.
-    assert names["s1:tile.h"] == ABSENT and names["s1:extra.h"] == ABSENT
-    assert names["s2:extra.h"] == ABSENT
+    assert names["s1?tile.h"] == ABSENT and names["s1?extra.h"] == ABSENT
+    assert names["s2?extra.h"] == ABSENT
+    assert "s2?tile.h" not in names  # read: its hash is the read's
 
     (sets["s1"] / "unrelated.h").write_text("// edited, never included\n")
     unread = engine.resolve(_recipe())
@@ -146,12 +148,15 @@ def test_a_recipe_pinned_to_contents_a_set_no_longer_has_is_answered_by_its_key_
 ) -> None:
     engine, sets = layout
     first = engine.resolve(_recipe())
-    pinned = first.recipe
+    pinned = Recipe.from_dict(first.recipe.to_dict())  # as a client sends it: pinned by its author
     assert engine.resolve(pinned).status == "hit"  # its contents unchanged
     (sets["s2"] / "tile.h").write_text("#define TILE 10\n")
     with pytest.raises(IncludeSetChangedError) as caught:
         engine.resolve(pinned)  # neither matched against today's files nor compiled from them
     assert caught.value.name == "s2" and "changed" in str(caught.value)
+    # A recipe the engine pinned itself is pinned again, to the contents now.
+    again = engine.resolve(first.recipe)
+    assert again.status == "compiled" and again.recipe_key != first.recipe_key
 
 
 def test_a_computed_include_records_each_sets_whole_contents(tmp_path: Path) -> None:
@@ -165,7 +170,7 @@ def test_a_computed_include_records_each_sets_whole_contents(tmp_path: Path) -> 
     engine = open_local_engine(tmp_path / "data", include_sets=sets)
     recipe = Recipe(source=source, target="sm_80", include_sets=["s1", "s2"])
     first = engine.resolve(recipe)
-    assert {"s1:*", "s2:*"} <= {d.name for d in first.artifact.dependencies}
+    assert {"s1?*", "s2?*"} <= {d.name for d in first.artifact.dependencies}
     (sets["s2"] / "anything.h").write_text("")  # anywhere: the scan cannot say where it looked
     assert engine.resolve(recipe).status == "compiled"
 

@@ -110,6 +110,12 @@ def test_include_sets_and_name_expressions() -> None:
         fingerprint(_recipe(include_sets=["cutlass", "cub"])),
         fingerprint(_recipe(include_sets=["cub"])),
     ) == ["include set cutlass removed"]
+    # Pinned to its contents: a set is named by name, and new contents are said so.
+    old_pin, new_pin = "cutlass@" + "a" * 64, "cutlass@" + "b" * 64
+    assert differences(
+        fingerprint(_recipe(include_sets=[old_pin])), fingerprint(_recipe(include_sets=[new_pin]))
+    ) == ["include set cutlass changed (aaaaaaaa.. -> bbbbbbbb..)"]
+    assert _diff(include_sets=[new_pin]) == ["include set cutlass added"]
     assert _diff(name_expressions=["add"]) == ["name expressions changed"]
     assert differences(
         fingerprint(_recipe(name_expressions=["a", "b"])),

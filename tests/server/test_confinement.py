@@ -107,8 +107,14 @@ def _recipe(source: str, **fields: Any) -> dict[str, Any]:
     return {"source": f"// {unique()}\n{source}", "target": "sm_80", **fields}
 
 
-def _key(recipe: dict[str, Any]) -> str:
-    return Recipe.from_dict(recipe).with_defaults(toolchain=load_toolchain().id).key()
+def _key(recipe: dict[str, Any], roots: dict[str, Path]) -> str:
+    """The key the server gives ``recipe``: its toolchain, the set "lib" pinned to its contents."""
+    sets = IncludeSets({"lib": roots["library"]}, max_age_s=0).digests()
+    return (
+        Recipe.from_dict(recipe)
+        .with_defaults(toolchain=load_toolchain().id, include_sets=sets)
+        .key()
+    )
 
 
 def _assert_clean(body: str) -> None:
@@ -148,7 +154,7 @@ def test_probes_get_4xx_and_leave_nothing_for_later_callers(
         _assert_clean(response.text)
         if code == "unlisted_include":
             assert "give it in `headers` or register an include set" in response.json()["detail"]
-        key = _key(recipe)
+        key = _key(recipe, roots)
         for later in (
             client.post("/v1/resolve", json={"recipe": recipe, "compile": False}),
             client.get(f"/v1/recipes/{key}"),
@@ -238,7 +244,10 @@ def test_workers_start_with_a_scrubbed_environment(confined: tuple[ServerThread,
         assert MARKER.encode() not in b"\0".join(environ)
         assert not {name for name in names if name.startswith("KCACHE")}
         assert f"TMPDIR={worker.scratch}".encode() in environ
-        assert Path(f"/proc/{worker.process.pid}/cwd").resolve() == worker.scratch
+        # Its working directory: an empty one inside its scratch, removed (nothing a quoted
+        # include could find, and no directory recorded in -G or LTO-IR output).
+        cwd = os.readlink(f"/proc/{worker.process.pid}/cwd")
+        assert cwd.endswith(" (deleted)") and Path(cwd).parent == worker.scratch
 
 
 def test_degraded_mode_serves_and_says_so(degraded: tuple[ServerThread, _Records]) -> None:

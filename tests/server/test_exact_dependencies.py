@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kcache.deps import PROBE
 from tests.deps_workload import SET_NAME, run_sequence
 from tests.support import ServerThread
 
@@ -75,7 +76,9 @@ def _resolver(server: ServerThread) -> Callable[[dict[str, Any]], tuple[str, lis
             return "error", []
         assert answer.status_code == 200, answer.text
         body = answer.json()
-        return body["status"], [d["name"] for d in body["artifact"]["dependencies"]]
+        return body["status"], [
+            d["name"] for d in body["artifact"]["dependencies"] if PROBE not in d["name"]
+        ]
 
     return resolve
 

@@ -77,8 +77,8 @@ def kernel(name: str, **fields: Any) -> dict[str, Any]:
 
 
 def _key(server: ServerThread, recipe: dict[str, Any]) -> str:
-    toolchain = server.state.backends.engine.toolchain_id
-    return Recipe.from_dict(recipe).with_defaults(toolchain=toolchain).key()
+    """The key the server gives ``recipe``: its toolchain, its include sets pinned to their contents."""
+    return server.state.backends.engine.prepare(Recipe.from_dict(recipe)).key()
 
 
 def _resolve(http: httpx.Client, recipe: dict[str, Any], *, compile: bool = True) -> None:

@@ -422,7 +422,10 @@ def test_the_servers_own_toolchain_targets_and_include_sets_are_published(
     components = published_app.document["components"]["schemas"]
     toolchain = published_app.toolchain
     assert components["RecipeToolchain"]["enum"] == [toolchain.id, None]
-    assert components["RecipeIncludeSets"]["items"]["enum"] == ["cutlass"]
+    set_entry = published(components["RecipeIncludeSets"]["items"])
+    assert set_entry("cutlass") and set_entry("cutlass@" + "a" * 64)  # by name, or pinned
+    assert not set_entry("other") and not set_entry("cutlass@" + "A" * 64)
+    assert not set_entry("cutlass@" + "a" * 63) and not set_entry("cutlass@")
     valid = published({"type": "string", "pattern": components["Target"]["pattern"]})
     assert all(valid(f"sm_{sm}") and valid(f"compute_{sm}") for sm in toolchain.supported_sms)
     assert not valid("sm_10") and not valid("sm_80\n")
