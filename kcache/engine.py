@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from types import MappingProxyType
 from typing import Literal
 
 from kcache.artifact import ArtifactMeta, CompileFailure, CompileOutput
 from kcache.compilers import Compiler
-from kcache.deps import include_set_files_unchanged, proven, unchanged
+from kcache.deps import (
+    ABSENT,
+    WHOLE_SET,
+    include_set_files_unchanged,
+    proven,
+    set_place,
+    unchanged,
+)
 from kcache.errors import (
     ArtifactNotFoundError,
     ArtifactTooLargeError,
@@ -36,6 +44,9 @@ from kcache.recipe import Recipe, include_set_digest, include_set_name
 from kcache.store.base import ArtifactStore
 
 __all__ = ["Engine", "Resolution", "Via", "failure_error"]
+
+#: How many times a resolve pins again a set this side pinned, when it changed meanwhile.
+_REPINS = 3
 
 #: How a resolve found its artifact: by the recipe's own key, by a manifest match (an
 #: entry of another recipe with the same base key whose headers read are unchanged), or
@@ -159,14 +170,45 @@ class Engine:
         and that changed within the second its digest is kept is pinned again, walked
         now, and the recipe resolved once more.
         """
-        try:
-            return self._resolve(recipe, compile)
-        except IncludeSetChangedError:
-            origin = recipe.pinned_from() or recipe
-            if not origin.unpinned_include_sets():
-                raise  # the caller's own pin: its answer to give
-        fresh = self.compiler.include_sets.digests(max_age_s=0)
-        return self._resolve(origin.with_defaults(include_sets=fresh), compile)
+        origin = recipe.pinned_from() or recipe
+        repins = 0
+        while True:
+            try:
+                return self._resolve(recipe, compile)
+            except IncludeSetChangedError:
+                repins += 1
+                if not origin.unpinned_include_sets() or repins > _REPINS:
+                    raise  # the caller's own pin is its answer to give; or a set never still
+            fresh = self.compiler.include_sets.digests(max_age_s=0)
+            recipe = origin.with_defaults(include_sets=fresh)
+
+    def _pinned_contents(self, recipe: Recipe) -> dict[str, Mapping[str, str | None]]:
+        """Each set ``recipe`` pins, walked now: name -> its files' hashes; IncludeSetChangedError
+        when one no longer holds the pinned contents (a compile would read other files)."""
+        sets = self.compiler.include_sets
+        walked: dict[str, Mapping[str, str | None]] = {}
+        for i, entry in enumerate(recipe.include_sets):
+            name, pin = include_set_name(entry), include_set_digest(entry)
+            digest, files = sets.contents(name, max_age_s=0)
+            if digest != pin:
+                raise IncludeSetChangedError(f"include_sets[{i}]", name, str(pin), digest)
+            walked[name] = MappingProxyType({**files, WHOLE_SET: digest})
+        return walked
+
+    def _check_read_as_pinned(
+        self, recipe: Recipe, output: CompileOutput, pinned: Mapping[str, Mapping[str, str | None]]
+    ) -> None:
+        """IncludeSetChangedError unless every set file the compile read, and every place it
+        looked, is as the pinned contents hold it (files elsewhere in a set may change meanwhile)."""
+        for dep in output.dependencies:
+            name, relative = set_place(dep.name)
+            if name is None or name not in pinned:
+                continue
+            if dep.sha256 != (pinned[name].get(relative) or ABSENT):
+                i = [include_set_name(entry) for entry in recipe.include_sets].index(name)
+                pin = include_set_digest(recipe.include_sets[i]) or ""
+                now = self.compiler.include_sets.digest(name, max_age_s=0)
+                raise IncludeSetChangedError(f"include_sets[{i}]", name, pin, now)
 
     def _resolve(self, recipe: Recipe, compile: bool) -> Resolution:
         started = time.perf_counter()
@@ -273,6 +315,7 @@ class Engine:
         return inputs
 
     def _compile_and_publish(self, recipe: Recipe, key: str, base: str) -> ArtifactMeta:
+        pinned = self._pinned_contents(recipe)
         link_inputs = self.link_inputs(recipe)
         try:
             output: CompileOutput = self.compiler.compile(recipe, link_inputs)
@@ -285,7 +328,7 @@ class Engine:
             exc.recipe_key = key
             raise
         # A set edited while the compile ran: what it read may not be what the key pins.
-        self.check_include_sets(recipe, max_age_s=0)
+        self._check_read_as_pinned(recipe, output, pinned)
         return self.publish(recipe, key, base, output)
 
     def publish(self, recipe: Recipe, key: str, base: str, output: CompileOutput) -> ArtifactMeta:

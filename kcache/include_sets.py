@@ -33,6 +33,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from kcache.errors import RecipeError
 from kcache.recipe import include_set_name
@@ -87,7 +88,7 @@ class IncludeSets:
             if not item.root.is_dir():
                 raise ValueError(f"include set {item.name!r}: {item.root} is not a directory")
         self._memo: dict[Path, tuple[tuple[int, int, int, int], str]] = {}
-        self._digests: dict[str, tuple[float, str]] = {}
+        self._digests: dict[str, tuple[float, str, Mapping[str, str | None]]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -110,25 +111,31 @@ class IncludeSets:
     def digest(self, name: str, *, max_age_s: float | None = None) -> str:
         """sha256 of the set's contents: every regular file's relative path and hash, sorted.
 
-        Reused for ``max_age_s`` seconds (0: walked now; None: the registry's own). A file that cannot be read
-        enters as unreadable (it cannot be compiled from either); a link that leads out
-        of the root is not part of the set, as :meth:`IncludeSet.resolve` says.
+        Reused for ``max_age_s`` seconds (0: walked now; None: the registry's own). A file
+        that cannot be read enters as unreadable (it cannot be compiled from either); a
+        link that leads out of the root is not part of the set, as
+        :meth:`IncludeSet.resolve` says.
         """
+        return self.contents(name, max_age_s=max_age_s)[0]
+
+    def contents(
+        self, name: str, *, max_age_s: float | None = None
+    ) -> tuple[str, Mapping[str, str | None]]:
+        """The set's :meth:`digest` and the walk it hashes: relative path -> sha256 (None: unreadable)."""
         item = self.get(include_set_name(name))
         max_age_s = self.max_age_s if max_age_s is None else max_age_s
         now = time.monotonic()
         with self._lock:
             known = self._digests.get(item.name)
         if known is not None and max_age_s > 0 and now - known[0] < max_age_s:
-            return known[1]
-        lines = [
-            f"{relative}\0{self.file_hash(item.name, relative) or '-'}\n"
-            for relative in self._files(item)
-        ]
+            return known[1], known[2]
+        files = {relative: self.file_hash(item.name, relative) for relative in self._files(item)}
+        lines = [f"{relative}\0{digest or '-'}\n" for relative, digest in files.items()]
         digest = hashlib.sha256("".join(lines).encode()).hexdigest()
+        frozen = MappingProxyType(files)
         with self._lock:
-            self._digests[item.name] = (now, digest)
-        return digest
+            self._digests[item.name] = (now, digest, frozen)
+        return digest, frozen
 
     def digests(self, *, max_age_s: float | None = None) -> dict[str, str]:
         """name -> :meth:`digest` of every registered set (what ``GET /v1/toolchains`` lists)."""

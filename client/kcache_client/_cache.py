@@ -63,7 +63,8 @@ from kcache_client._stats import CacheStats
 from kcache_client._tier import NodeTier
 from kcache_client._trust import Trust
 from kcache_client._warmup import WarmupResult, warmup
-from kcache_client._withdrawals import Pair, WithdrawalWatch
+from kcache_client._withdrawal_watch import WithdrawalWatch
+from kcache_client._withdrawals import Pair
 from kcache_client.errors import (
     RecipeRefusedError,
     RemoteNotFoundError,

@@ -41,7 +41,7 @@ from kcache_client._http import Limit, Transport, batch_item_error
 from kcache_client._settings import RetryPolicy, max_artifact_bytes_from_env
 from kcache_client._stats import CacheStats
 from kcache_client._trust import Trust, default_known_servers
-from kcache_client._withdrawals import PAGE, WithdrawalPage, parse_page
+from kcache_client._withdrawal_feed import PAGE, WithdrawalPage, parse_page
 from kcache_client.errors import (
     ClientError,
     DigestMismatchError,
@@ -106,7 +106,7 @@ class Remote:
     ) -> WithdrawalPage:
         """``GET /v1/withdrawals``: the bindings withdrawn after id ``after``, at most ``limit``.
 
-        The answer is checked (:func:`~kcache_client._withdrawals.parse_page`: ids ints in
+        The answer is checked (:func:`~kcache_client._withdrawal_feed.parse_page`: ids ints in
         order above ``after``, keys and digests hex, ``last_id`` their last) or refused
         with ResponseRefusedError; a server without the route raises RemoteNotFoundError.
         ``retry``: this call's policy instead of the transport's.

@@ -26,12 +26,9 @@ from client_harness import Scripted, Seen, json_response, tier_entry
 from kcache_client import KernelCache, RemoteNotFoundError
 from kcache_client._bundle import load_bundle_file
 from kcache_client._tier import NodeTier
-from kcache_client._withdrawals import (
-    FILE_NAME,
-    Withdrawn,
-    drop_from_tier,
-    parse_page,
-)
+from kcache_client._withdrawal_feed import Withdrawn, parse_page
+from kcache_client._withdrawal_watch import drop_from_tier
+from kcache_client._withdrawals import FILE_NAME
 from kcache_client.errors import ResponseRefusedError
 
 from kcache import Recipe
