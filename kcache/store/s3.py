@@ -95,6 +95,8 @@ REFRESH_AFTER_S = 60.0
 #: The object :meth:`S3ArtifactStore.probe` asks for (it need not exist: "not found"
 #: is an answer). Outside ``blobs/``, so no listing ever takes it for a blob.
 PROBE_KEY = "kcache-readiness-probe"
+#: The S3 error code of a bucket that does not exist, in the body of every answer but a HEAD's.
+_NO_SUCH_BUCKET = "<Code>NoSuchBucket</Code>"
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -303,22 +305,25 @@ class S3ArtifactStore:
         return True
 
     def probe(self) -> None:
-        """Ask the bucket one cheap question (a HEAD of :data:`PROBE_KEY`); raise if it cannot answer.
+        """Ask the bucket one cheap question (a listing of at most one name under
+        :data:`PROBE_KEY`); raise if it cannot answer.
 
-        "Not found" is an answer: the bucket is reachable and takes the credentials.
-        Anything else (no connection, a timeout, refused credentials, a 5xx) raises
-        :class:`~kcache.errors.StoreUnavailableError`. Never retried, and bounded by the
-        probe's own timeout (:meth:`from_url`), so a readiness check can afford it.
+        An empty listing is an answer: the bucket exists and takes the credentials. A
+        listing, not a HEAD of one object: a HEAD's 404 carries no body, so a bucket
+        that does not exist (a typo in ``KCACHE_STORE_URL``) would read as reachable,
+        while a listing's 404 says ``NoSuchBucket``. (The collector lists the bucket
+        anyway, so the server's credentials need that right.) Anything else (no bucket,
+        no connection, a timeout, refused credentials, a 5xx) raises
+        :class:`~kcache.errors.StoreUnavailableError` saying which. Never retried, and
+        bounded by the probe's own timeout (:meth:`from_url`), so a readiness check can
+        afford it.
         """
         import obstore
 
         try:
-            obstore.head(self._probe_store, PROBE_KEY)
+            next(iter(obstore.list(self._probe_store, prefix=PROBE_KEY, chunk_size=1)), None)
         except Exception as exc:
-            try:
-                self._raise(exc, None, "reach")
-            except ArtifactNotFoundError:
-                return
+            self._raise(exc, None, "reach")
 
     def blob_info(self, digest: str) -> BlobInfo | None:
         """``(size, Last-Modified as unix seconds)`` of the object, None when it is absent."""
@@ -439,6 +444,13 @@ class S3ArtifactStore:
         """Translate an obstore error at the boundary (``from`` keeps the original)."""
         from obstore.exceptions import BaseError, NotFoundError
 
+        if _NO_SUCH_BUCKET in str(exc):  # every answer of a missing bucket but a HEAD's
+            _log.warning("%s: could not %s: %s", self.url, action, exc)
+            raise StoreUnavailableError(
+                self.url,
+                f"the bucket {parse_s3_url(self.url)[0]!r} does not exist: create it, or "
+                "correct the bucket in KCACHE_STORE_URL",
+            ) from exc
         if isinstance(exc, (NotFoundError, FileNotFoundError)):  # obstore raises either
             raise ArtifactNotFoundError(f"no blob {digest} in {self.url}") from exc
         if isinstance(exc, (BaseError, OSError, TimeoutError)):

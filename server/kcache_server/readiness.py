@@ -138,9 +138,11 @@ def _bucket(bucket: ArtifactStore, timeout_s: float) -> str:
     started = time.monotonic()
     try:
         bucket.probe()  # logs the bucket's error itself
-    except StoreUnavailableError:
+    except StoreUnavailableError as exc:
         if time.monotonic() - started >= timeout_s:
             return _no_answer("bucket", timeout_s)
+        if exc.detail.startswith("the bucket"):  # the store named the cause (no such bucket)
+            return f"failed: {exc.detail}; compiles and fetches of blobs this replica holds no copy of answer 503 until it does"
         return (
             "failed: the bucket cannot be reached or refuses this server's credentials "
             f"(the server log says why, near request id {current_request_id()}); fetches of "
