@@ -3,7 +3,7 @@
 Before: with moto's S3 server stopped (SIGSTOP: connections open, nothing answers)
 a fetch of a blob the replica held no copy of took 30 s to fail, and ``/readyz`` said
 ``store: ok`` throughout (it looked at the local directory only). Now readiness asks
-the bucket (one HEAD, bounded, its answer kept a few seconds) and a bucket request
+the bucket (one listing of at most one name, bounded, its answer kept a few seconds) and a bucket request
 gives up after ``store_timeout_s`` (5 s by default), so the fetch is a 503
 ``store_unavailable`` with ``Retry-After`` well within 30 s; killed, at once.
 
@@ -151,7 +151,8 @@ def test_a_hung_check_answers_failed_at_its_deadline_and_runs_once() -> None:
     check = BoundedCheck("bucket", hangs, timeout_s=0.2, ttl_s=10)
     started = time.monotonic()
     results = [check.status() for _ in range(3)]  # all while the first is out
-    assert time.monotonic() - started < 3 * 0.2 + 1
+    # Each at its 0.2 s deadline, not at the hung check's 30 s (10 s: room for a loaded machine).
+    assert time.monotonic() - started < 10
     assert all(r == "failed: the bucket did not answer within 0.2 s" for r in results)
     assert len(calls) == 1  # one check in flight, however many probes
     release.set()
