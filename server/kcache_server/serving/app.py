@@ -16,7 +16,9 @@ Every request passes, outermost first: :class:`_RequestIds` (an id on every
 response; an unexpected exception becomes a 500 carrying only that id, its
 traceback logged under it), the request metrics, :class:`~kcache_server.auth.AuthGate`
 (the token, checked before any body is read), :class:`_BodyLimit` (bodies counted
-against ``max_request_bytes`` as they stream in), then the routes.
+against ``max_request_bytes`` as they stream in),
+:class:`~kcache_server.serving.query_params.KnownQueryParameters` (a query parameter the
+route does not take is a 422), then the routes.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from kcache_server.security_headers import secure
 from kcache_server.serving.artifact_fastpath import ArtifactFastPath
 from kcache_server.serving.edge_audit import install_edge_audit
 from kcache_server.serving.openapi import install_openapi
+from kcache_server.serving.query_params import KnownQueryParameters
 from kcache_server.serving.resolve_fastpath import ResolveFastPath
 from kcache_server.settings import Settings
 from kcache_server.state import ServerState
@@ -318,8 +321,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_openapi(app, state)
     for router in ROUTERS:
         app.include_router(router)
-    # Middleware added first runs innermost: the body limit, then the token gate
-    # (before any body is read), then the request metrics, then request ids.
+    # Middleware added first runs innermost: unknown query parameters refused, the body
+    # limit, then the token gate (before any body is read), then the request metrics, then
+    # request ids.
+    app.add_middleware(KnownQueryParameters, router=app.router)
     app.add_middleware(_BodyLimit, limit=settings.max_request_bytes)
     app.add_middleware(AuthGate, tokens=tokens)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

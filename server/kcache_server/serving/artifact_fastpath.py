@@ -90,7 +90,8 @@ class ArtifactFastPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer from memory, or hand the request to the app."""
-        if scope["type"] == "http" and scope["method"] == "GET":
+        # A query string goes to the app, which refuses a parameter the route does not take.
+        if scope["type"] == "http" and scope["method"] == "GET" and not scope.get("query_string"):
             started = time.perf_counter()
             answer = self.prepare(scope["path"], scope["headers"])
             if answer is not None:

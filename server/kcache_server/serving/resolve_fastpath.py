@@ -102,6 +102,7 @@ class ResolveFastPath:
             scope["type"] == "http"
             and scope["method"] == "POST"
             and scope["path"] == ROUTE
+            and not scope.get("query_string")  # the app refuses a query parameter
             and DECLINED not in scope
         ):
             replayed = await self._serve(scope, receive, send)
