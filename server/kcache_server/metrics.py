@@ -12,8 +12,10 @@ What is measured:
 
 - ``kcache_build_info{version,toolchain}``: always 1; the release and the default toolchain
   id (NVRTC and nvJitLink versions, library and header hashes) this process serves with;
-- ``kcache_ready`` and ``kcache_readiness_check{check}``: 1 or 0, as this process's last
-  ``/readyz`` answered (absent until it answered one; the orchestrator's probes ask often);
+- ``kcache_ready`` and ``kcache_readiness_check{check}``: 1 or 0, what ``/readyz`` answers:
+  set by every ``/readyz`` and by every scrape, which runs the same checks first
+  (:func:`kcache_server.routes.health.install_readiness_gauges`), so a server nothing
+  probes still reads current;
 - ``kcache_http_requests_total{route,method,status}`` and a latency histogram, by
   route template (``/v1/recipes/{recipe_key}``), never by raw path, so label
   cardinality stays bounded whatever clients send;
@@ -92,12 +94,12 @@ class ServerMetrics:
         self.build_info.labels(version=__version__, toolchain=toolchain).set(1)
         self.ready = Gauge(
             "kcache_ready",
-            "1 when this process's last /readyz answer was ready, else 0",
+            "1 when this process is ready (the checks of /readyz, run at every scrape), else 0",
             registry=r,
         )
         self.readiness_checks = Gauge(
             "kcache_readiness_check",
-            "1 when the check passed (ok or degraded) in this process's last /readyz answer",
+            "1 when the /readyz check passed (ok or degraded), as of this scrape",
             ["check"],
             registry=r,
         )
@@ -199,7 +201,7 @@ class ServerMetrics:
             self.compile_seconds.observe(latency_ms / 1000.0)
 
     def readiness(self, ready: bool, checks: dict[str, bool]) -> None:
-        """Record a ``/readyz`` answer: ready or not, and which checks passed."""
+        """Record the readiness checks' result: ready or not, and which checks passed."""
         self.ready.set(1 if ready else 0)
         for name, passed in checks.items():
             self.readiness_checks.labels(check=name).set(1 if passed else 0)

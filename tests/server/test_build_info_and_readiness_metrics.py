@@ -2,8 +2,9 @@
 
 - ``/readyz`` names the release (``version``), and ``kcache_build_info{version,toolchain}``
   says the same with the default toolchain's id;
-- every ``/readyz`` answer sets ``kcache_ready`` and ``kcache_readiness_check{check}``, so a
-  replica that is not ready is seen as such by the ``KcacheReplicaNotReady`` alert;
+- ``kcache_ready`` and ``kcache_readiness_check{check}`` say what ``/readyz`` would answer at
+  every scrape, whether or not anything probes ``/readyz``, so the ``KcacheReplicaNotReady``
+  alert sees a replica that is not ready, and stays quiet on a healthy one nothing probes;
 - with several uvicorn workers every sample carries ``worker`` (the process id): a scrape
   reaches one process, and without it two processes' counters would read as one counter
   that keeps resetting.
@@ -22,7 +23,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kcache._version import __version__
-from tests.support import ServerProcess
+from tests.support import ServerProcess, wait_until
 
 
 def _samples(text: str) -> list[Any]:
@@ -68,6 +69,31 @@ def test_a_replica_that_is_not_ready_says_so_in_its_metrics(
     assert _value(text, "kcache_ready") == 0
     assert _value(text, "kcache_readiness_check", check="store") == 0
     assert _value(text, "kcache_readiness_check", check="database") == 1
+
+
+def test_readiness_gauges_are_current_without_a_probe(
+    make_settings: Callable[..., Any], serve: Callable[[Any], Any]
+) -> None:
+    """A healthy server nothing probes reads ready (it read 0 until a /readyz came); a broken
+    one reads not ready at the next scrape, with no /readyz asked at all."""
+    server = serve(make_settings())
+    with server.client() as client:
+        # The workers report their confinement as they start: ready from then on.
+        wait_until(
+            lambda: _value(client.get("/metrics").text, "kcache_ready") == 1,
+            "kcache_ready to read 1 without a /readyz",
+        )
+        text = client.get("/metrics").text
+        assert _value(text, "kcache_readiness_check", check="store") == 1
+        shutil.rmtree(server.app.state.kcache.backends.store.blobs)  # the store is gone
+        text = client.get("/metrics").text
+    assert _value(text, "kcache_ready") == 0
+    assert _value(text, "kcache_readiness_check", check="store") == 0
+    assert _value(text, "kcache_readiness_check", check="database") == 1
+    counted = [
+        s for s in _samples(text) if s.name == "kcache_http_requests_total" and "readyz" in str(s)
+    ]
+    assert counted == []  # nothing asked /readyz
 
 
 def test_each_uvicorn_worker_labels_its_samples(tmp_path: Path) -> None:

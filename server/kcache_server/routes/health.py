@@ -1,8 +1,11 @@
 """``GET /healthz`` (the process answers) and ``GET /readyz`` (database, bucket, store, workers, sandbox).
 
 ``/readyz`` also names the release this replica runs (``version``), so a rolling
-upgrade shows which replicas run which, and sets the ``kcache_ready`` gauges of
-:mod:`kcache_server.metrics` from its answer, for the "replica not ready" alert.
+upgrade shows which replicas run which. The ``kcache_ready`` gauges of
+:mod:`kcache_server.metrics` say what ``/readyz`` would answer now: every scrape of
+``/metrics`` runs the same checks (:func:`install_readiness_gauges`; the bucket's answer
+is kept a few seconds, as for probes), so the "replica not ready" alert reads a current
+value on a server nothing probes, not the 0 a gauge starts at.
 
 Both answer without a token, so what they say is for anyone who can reach the
 port: a failed check names what failed and what to do, never a driver's error
@@ -18,6 +21,7 @@ about that long whatever a backend does.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request, Response
@@ -49,6 +53,41 @@ def _readiness(request: Request, state: ServerState) -> Readiness:
         readiness = Readiness(state.backends, timeout_s=state.settings.readiness_timeout_s)
         request.app.state.readiness = readiness
     return readiness
+
+
+def install_readiness_gauges(app: Any, state: ServerState) -> None:
+    """Make every scrape of ``/metrics`` set ``kcache_ready`` from the checks ``/readyz`` runs.
+
+    The checks are the app's (one :class:`Readiness`, shared with ``/readyz``); the
+    scrape runs them on its own worker thread, each within ``readiness_timeout_s``.
+    """
+    readiness = Readiness(state.backends, timeout_s=state.settings.readiness_timeout_s)
+    app.state.readiness = readiness
+
+    def sample() -> None:
+        checks = {
+            check.name: check.status()
+            for check in (readiness.database, readiness.bucket)
+            if check is not None
+        }
+        _record(state, _merged(checks, _checks(state)))
+
+    state.metrics.add_sampler(sample)
+
+
+def _merged(checks: dict[str, str], local: dict[str, str]) -> dict[str, str]:
+    """The backends' checks and the local ones; a vanished SQLite file says more than SELECT 1."""
+    if "database" in local:
+        checks["database"] = local.pop("database")
+    checks.update(local)
+    return checks
+
+
+def _record(state: ServerState, checks: dict[str, str]) -> bool:
+    """Whether ``checks`` make the server ready, set in its ``kcache_ready`` gauges too."""
+    ready = all(v.startswith("ok") or v.startswith("degraded") for v in checks.values())
+    state.metrics.readiness(ready, {name: not v.startswith("failed") for name, v in checks.items()})
+    return ready
 
 
 async def _backends(readiness: Readiness) -> dict[str, str]:
@@ -132,10 +171,7 @@ async def readyz(request: Request, state: State, response: Response) -> ReadyBod
     checks = await _backends(_readiness(request, state))
     # Local checks on a thread outside the engine's limiter: a probe never queues behind compiles.
     local = await anyio.to_thread.run_sync(_checks, state)
-    if "database" in local:  # the SQLite file vanished: that says more than SELECT 1 did
-        checks["database"] = local.pop("database")
-    checks.update(local)
-    ready = all(v.startswith("ok") or v.startswith("degraded") for v in checks.values())
-    state.metrics.readiness(ready, {name: not v.startswith("failed") for name, v in checks.items()})
+    checks = _merged(checks, local)
+    ready = _record(state, checks)
     response.status_code = 200 if ready else 503
     return ReadyBody(status="ready" if ready else "not_ready", version=__version__, checks=checks)

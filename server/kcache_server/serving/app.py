@@ -54,6 +54,7 @@ from kcache_server.eviction import install_eviction
 from kcache_server.metrics import MetricsMiddleware, ServerMetrics, pool_sampler, store_sampler
 from kcache_server.request_ids import HEADER, new_request_id, request_id_var
 from kcache_server.routes import ROUTERS
+from kcache_server.routes.health import install_readiness_gauges
 from kcache_server.schemas import invalid_request
 from kcache_server.security_headers import secure
 from kcache_server.serving.artifact_fastpath import ArtifactFastPath
@@ -319,6 +320,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.verifier = verifier
     app.state.withdrawals = withdrawals
     install_openapi(app, state)
+    install_readiness_gauges(app, state)  # kcache_ready is current at every scrape
     for router in ROUTERS:
         app.include_router(router)
     # Middleware added first runs innermost: unknown query parameters refused, the body
