@@ -10,7 +10,7 @@ hands its work to another distribution's (``kcache gc`` on a server's directory 
 
 Every parser is a :class:`Parser`: its errors are two lines with a "did you mean"
 where one fits and no usage dump (``--help`` has it), and a value that begins with
-``-`` (``--flag -O3``), which argparse takes for an option, is shown joined by ``=``.
+``-`` (``--flag -lineinfo``), which argparse takes for an option, is shown joined by ``=``.
 Its help shows every option's default, unless the text already gives one.
 """
 

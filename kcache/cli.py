@@ -28,7 +28,7 @@ parser itself, its help and its errors are :mod:`kcache._cli_parser`'s.
 Errors a user can cause end in one or two lines on stderr that name the flag, file or
 variable and what to do (:class:`UsageError` and the other ``KCacheError``); a
 traceback is shown only with ``--debug`` or ``KCACHE_DEBUG=1``. That includes
-argparse's own: a value that begins with ``-`` (``--flag -O3``) is shown joined by
+argparse's own: a value that begins with ``-`` (``--flag -lineinfo``) is shown joined by
 ``=``, and a ``--spec`` value that starts as JSON must be JSON. This module runs the
 command and turns what it raised into those lines and the exit status.
 """

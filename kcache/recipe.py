@@ -205,7 +205,7 @@ ALLOWED_FLAGS = re.compile(
     r"-D\S.*|--define-macro=.+|-U\S+|--undefine-macro=\S+"
     r"|-std=c\+\+(?:03|11|14|17|20)|--std=c\+\+(?:03|11|14|17|20)"
     r"|-G|--device-debug|-lineinfo|--generate-line-info"
-    r"|-O[0-3]|--dopt=(?:on|off)|-dopt=(?:on|off)"
+    r"|--dopt=(?:on|off)|-dopt=(?:on|off)"
     r"|--?ftz=(?:true|false)|--?prec-div=(?:true|false)|--?prec-sqrt=(?:true|false)"
     r"|--?fmad=(?:true|false)|--?use_fast_math|--extra-device-vectorization|-extra-device-vectorization"
     r"|--?maxrregcount=\d{1,3}|-rdc=(?:true|false)|--relocatable-device-code=(?:true|false)"

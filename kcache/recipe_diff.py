@@ -7,7 +7,7 @@ name expressions by one hash), :func:`differences` names what differs between tw
 fingerprints, one line each, in words a person acts on::
 
     header add.cuh changed (3f2a1b2c.. -> 9c01d4e5..)
-    flag -O3 added
+    flag -lineinfo added
     flags reordered: -DA -DB -> -DB -DA
     target sm_80 -> sm_90
 

@@ -234,7 +234,7 @@ def test_get_slash_leads_to_the_dashboard(server: Server) -> None:
             ["key", "add.cu", "--target", "sm_90", "--spec", "foo=[4,4"],
             ["--spec", "not valid JSON"],
         ),
-        (["compile", "add.cu", "--target", "sm_90", "--flag", "-O3"], ["--flag=-O3"]),
+        (["compile", "add.cu", "--target", "sm_90", "--flag", "-lineinfo"], ["--flag=-lineinfo"]),
     ],
 )
 def test_a_mistake_is_one_or_two_lines_naming_what_to_fix(

@@ -3,7 +3,7 @@
 The server names the nearest recipe of the same kernel it recorded (same program
 name and source, or same base key) and what differs; this prints one line per
 difference on stdout (``header add.cuh changed (3f2a1b2c.. -> 9c01d4e5..)``,
-``flag -O3 added``) or ``never seen``, and the nearest recipe's key on stderr.
+``flag -lineinfo added``) or ``never seen``, and the nearest recipe's key on stderr.
 A recipe file (JSON, or a ``.cu`` source with the recipe options) is sent whole
 (``POST /v1/explain``); a recipe key the server recorded is asked by key
 (``GET /v1/recipes/{key}/explain``).
@@ -110,7 +110,7 @@ def register(subparsers: Any) -> None:
         description="Ask the server for the nearest recipe of the same kernel it recorded (same "
         "program name and source, or same base key) and print what this recipe differs in, one "
         'line per difference (e.g. "header add.cuh changed (3f2a1b2c.. -> 9c01d4e5..)", "flag '
-        '-O3 added"), or "never seen". RECIPE is a recipe JSON file, a .cu source with the '
+        '-lineinfo added"), or "never seen". RECIPE is a recipe JSON file, a .cu source with the '
         "options below, or the key of a recipe the server recorded.",
     )
     add_recipe_arguments(explain)

@@ -339,7 +339,7 @@ class ExplanationBody(BaseModel):
     )
     differences: list[str] = Field(
         description="one line per difference, e.g. 'header add.cuh changed (3f2a1b2c.. -> "
-        "9c01d4e5..)', 'flag -O3 added', 'target sm_80 -> sm_90'; at most 12, then "
+        "9c01d4e5..)', 'flag -lineinfo added', 'target sm_80 -> sm_90'; at most 12, then "
         "'... and N more'"
     )
     text: str = Field(description="'never seen', or 'nearest <key[:16]>: <d1>; <d2>'")

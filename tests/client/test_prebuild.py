@@ -334,7 +334,7 @@ def test_retarget_changes_the_target_only_as_the_recipe_says() -> None:
     from kcache.targets import parse_target
 
     sm100 = parse_target("sm_100")
-    cubin = Recipe(source="x", target="sm_90", flags=["-O3"], toolchain="tc-a")
+    cubin = Recipe(source="x", target="sm_90", flags=["-lineinfo"], toolchain="tc-a")
     moved = retarget(cubin, sm100)
     assert moved.to_dict() == {**cubin.to_dict(), "target": "sm_100"}
     ptx = Recipe(source="x", target="compute_90", output="ptx", toolchain="tc-a")

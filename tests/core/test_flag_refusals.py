@@ -16,6 +16,10 @@ from kcache.recipe import Recipe
     ("flag", "said"),
     [
         ("-O4", "-dopt=on|off"),
+        # NVRTC has no -O levels: -O0..-O3 were let in and failed in NVRTC ("unrecognized
+        # option -O3"), after a key had been made for them (README's own example).
+        ("-O0", "-dopt=on|off"),
+        ("-O3", "-dopt=on|off"),
         ("--use-fast-math", "did you mean '--use_fast_math'?"),
         ("-use-fast-math", "did you mean '-use_fast_math'?"),
         ("-lineinf", "did you mean '-lineinfo'?"),

@@ -234,7 +234,7 @@ def test_kcache_explain_prints_one_line_per_difference(
     name = f"k_{unique().replace('-', '_')}"
     base = kernel(name)
     _resolve(http, base)
-    variant = kernel(name, headers={"add.cuh": ADD2}, flags=["-DA", "-DB", "-O3"])
+    variant = kernel(name, headers={"add.cuh": ADD2}, flags=["-DA", "-DB", "-lineinfo"])
     path = tmp_path / "variant.json"
     path.write_text(json.dumps(variant))
 
@@ -251,7 +251,7 @@ def test_kcache_explain_prints_one_line_per_difference(
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         f"header add.cuh changed ({_sha8(ADD1)}.. -> {_sha8(ADD2)}..)",
-        "flag -O3 added",
+        "flag -lineinfo added",
     ]
     assert f"nearest {_key(server, base)}" in result.stderr
     # A .cu source with options builds the same recipe.
@@ -259,10 +259,10 @@ def test_kcache_explain_prints_one_line_per_difference(
     source.write_text(variant["source"])
     header = tmp_path / "add.cuh"
     header.write_text(ADD2)
-    flags = ["--flag=-DA", "--flag=-DB", "--flag=-O3", "--header", f"add.cuh={header}"]
+    flags = ["--flag=-DA", "--flag=-DB", "--flag=-lineinfo", "--header", f"add.cuh={header}"]
     result = explain(str(source), "--target", "sm_80", *flags)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[1:] == ["flag -O3 added"]
+    assert result.stdout.splitlines()[1:] == ["flag -lineinfo added"]
     # By key: the base recipe, which the server recorded; its nearest is nothing else yet.
     result = explain(_key(server, base))
     assert result.returncode == 0, result.stderr

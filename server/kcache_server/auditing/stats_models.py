@@ -119,7 +119,7 @@ class MissedKernel(BaseModel):
     last_miss_explanation: str | None = Field(
         default=None,
         description="what the last miss's recipe differs in from the nearest one seen before "
-        '(nearest <key>: header a.cuh changed (..); flag -O3 added), or "never seen"',
+        '(nearest <key>: header a.cuh changed (..); flag -lineinfo added), or "never seen"',
     )
     target: str | None = None
     recipe_key: str | None = None
