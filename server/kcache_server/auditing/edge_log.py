@@ -10,7 +10,10 @@ writes one ``kcache_edge`` line per such answer to a file (``edge_log``)::
 beside it picks which, so several workers do not count a line twice) and hands each
 well-formed line to ``on_hits`` in batches; the server records each as the fetch the
 route would have recorded (:meth:`~kcache_server.resolving.Resolver.record_fetch`), so
-the hit counts, ``/v1/stats`` and the dashboard count them.
+the hit counts, ``/v1/stats`` and the dashboard count them: only a line whose recipe key
+the index knows, bound to that very digest (``on_hits`` says how many it recorded; the
+rest are counted in ``unknown``). Lines in the format are easy to write for whoever can
+write the file, and a forged one must not move the server's own hit rate.
 
 nginx writes the file, but every line is checked as if anyone could have: a line that
 does not parse (wrong field count or version, a key or digest that is not 64 lower-case
@@ -215,7 +218,8 @@ class EdgeLogTailer:
     """Follows the edge log in one process; see the module docstring.
 
     ``on_hits`` gets each batch of hits, in the tailer's thread; it must be quick (the
-    audit writer queues). ``poll`` reads what is new once (the thread calls it every
+    audit writer queues), and returns how many lines of them it recorded (None: all); the
+    others are counted as ``unknown``. ``poll`` reads what is new once (the thread calls it every
     ``interval_s`` while it holds the lock; tests may call it directly).
     """
 
@@ -223,7 +227,7 @@ class EdgeLogTailer:
         self,
         path: Path,
         state_dir: Path,
-        on_hits: Callable[[list[EdgeHit]], None],
+        on_hits: Callable[[list[EdgeHit]], int | None],
         *,
         interval_s: float = 0.5,
         rotate_grace_s: float = 3.0,
@@ -237,8 +241,9 @@ class EdgeLogTailer:
         self.rotate_grace_s = rotate_grace_s
         self.lock_path = state_dir / "edge-log.lock"
         self.state_path = state_dir / "edge-log.offset"
-        #: Lines read, by what became of them: hit, ignored (no fetch), bad (skipped).
-        self.counts: dict[str, int] = {"hit": 0, "ignored": 0, "bad": 0}
+        #: Lines read, by what became of them: hit, ignored (no fetch), unknown (a key or
+        #: digest the index does not know: not recorded), bad (skipped).
+        self.counts: dict[str, int] = {"hit": 0, "ignored": 0, "unknown": 0, "bad": 0}
         #: Times a rotation or truncation was followed.
         self.reopened = 0
         #: Called with (what, n) as lines are counted (e.g. Prometheus counters); quick, never raising.
@@ -398,12 +403,16 @@ class EdgeLogTailer:
         bad = lines - matched
         if bad:
             self._log_first_bad(complete)
+        fetches = recorded = matched - ignored
         if hits:
             try:
-                self.on_hits(hits)
+                taken = self.on_hits(hits)
             except Exception:  # the audit's problem, not a reason to read the lines again
-                log.exception("edge log: recording %d fetches failed", matched - ignored)
-        self._count("hit", matched - ignored)
+                log.exception("edge log: recording %d fetches failed", fetches)
+            else:
+                recorded = fetches if taken is None else min(max(taken, 0), fetches)
+        self._count("hit", recorded)
+        self._count("unknown", fetches - recorded)
         self._count("ignored", ignored)
         self._count("bad", bad)
         self._offset += end + 1  # data starts at the old offset (the partial line's start)
