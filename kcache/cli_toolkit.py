@@ -119,7 +119,10 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "recipe", help="a recipe JSON file, or a .cu source file with the options below"
     )
-    parser.add_argument("--target", help="sm_XX, sm_XXa, sm_XXf (cubin) or compute_XX (PTX)")
+    parser.add_argument(
+        "--target",
+        help="sm_XX, sm_XXa (from sm_90a), sm_XXf (from sm_100f) (cubin) or compute_XX (PTX)",
+    )
     parser.add_argument(
         "--flag",
         action="append",

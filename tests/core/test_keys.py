@@ -31,7 +31,7 @@ BASE = {
     "source": VECTOR_ADD,
     "name": "kernel.cu",
     "headers": {"a.cuh": "#define A 1\n", "b.cuh": "#define B 2\n"},
-    "flags": ["-O3", "-DFOO=1"],
+    "flags": ["-dopt=on", "-DFOO=1"],
     "target": "sm_90",
     "output": "cubin",
     "name_expressions": ["add"],
@@ -68,8 +68,8 @@ VARIANTS = {
     "toolchain": _variant("toolchain", "nvrtc13.4-nvjitlink13.4-fedcba9876543210"),
     "target": _variant("target", "sm_80"),
     "output": _variant("output", "ptx"),
-    "flag text": _variant("flags", ["-O2", "-DFOO=1"]),
-    "flag order": _variant("flags", ["-DFOO=1", "-O3"]),
+    "flag text": _variant("flags", ["-dopt=off", "-DFOO=1"]),
+    "flag order": _variant("flags", ["-DFOO=1", "-dopt=on"]),
     "shape": _variant("specialization.shape", [4, 9]),
     "strides": _variant("specialization.strides", [8, 2]),
     "dtype": _variant("specialization.dtype", "float16"),
@@ -245,7 +245,7 @@ _EVERY_FIELD: dict[str, object] = {
     "target": "sm_90a",
     "name": "dir/k.cu",
     "headers": {"b/x.cuh": "2 é", "a.h": "1\n", "c+d-e_f.hpp": ""},
-    "flags": ["-O3", '-DNAME="a b"', "-lineinfo"],
+    "flags": ["-dopt=on", '-DNAME="a b"', "-lineinfo"],
     "name_expressions": ["k<float, 256>", "ns::k2"],
     "specialization": {
         "dtype": "fp16",
@@ -305,7 +305,7 @@ _FIELD_CHANGES: dict[str, tuple[dict[str, object], dict[str, object]]] = {
     "source": (_EVERY_FIELD, {"source": "other"}),
     "name": (_EVERY_FIELD, {"name": "other.cu"}),
     "headers": (_EVERY_FIELD, {"headers": {"a.h": "1\n"}}),
-    "flags": (_EVERY_FIELD, {"flags": ["-O3", "-lineinfo", '-DNAME="a b"']}),
+    "flags": (_EVERY_FIELD, {"flags": ["-dopt=on", "-lineinfo", '-DNAME="a b"']}),
     "target": (_EVERY_FIELD, {"target": "sm_90"}),
     "output": ({**_NO_LINK, "lto": False}, {"output": "ptx"}),
     "name_expressions": (_EVERY_FIELD, {"name_expressions": ["k<float, 256>"]}),
@@ -484,7 +484,7 @@ _REFERENCE: dict[str, Any] = {
     "source": 'extern "C" __global__ void k() {}\n// é "quoted" \\ back\tslash\x01',
     "name": "dir/k.cu",
     "headers": {f"h{i:02d}/x.cuh": f"#define H{i} {i}\n// é\n" * (i + 1) for i in range(12)},
-    "flags": ["-O3", '-DNAME="a b"'],
+    "flags": ["-dopt=on", '-DNAME="a b"'],
     "target": "sm_90",
     "output": "cubin",
     "name_expressions": ["k<float, 256>"],
@@ -496,7 +496,7 @@ _REFERENCE: dict[str, Any] = {
 }
 # The key of _REFERENCE as kcache computed it before the canonical JSON was kept in
 # pieces (commit 471d7c0): the bytes hashed must never change under a schema version.
-_REFERENCE_KEY = "d13e9693e53d1c4ab679bf86dbc86908dc4798922dc3dbf10f3a104d73390659"
+_REFERENCE_KEY = "27e72ab3c5dfd3f2cfaf3a530e2230c6fd4ed84b632edd75cc413b5847bbecce"
 
 
 def _reference_canonical(fields: dict[str, Any], *, with_header_contents: bool = True) -> bytes:
@@ -620,7 +620,7 @@ _GOLDEN: dict[str, tuple[dict[str, Any], str | None, str | None, str]] = {
             "target": "sm_90a",
             "name": "dir/k+1.cu",
             "headers": {"b/x.cuh": "2 \u00e9", "a.h": "1\n", "c+d-e_f.hpp": "", "Z.h": "\x1f"},
-            "flags": ["-O3", '-DNAME="a b"', "-lineinfo", "-DU=\u00e9"],
+            "flags": ["-dopt=on", '-DNAME="a b"', "-lineinfo", "-DU=\u00e9"],
             "name_expressions": ["k<float, 256>", "ns::k2", "\u00e9"],
             "specialization": {
                 "dtype": "torch.FP16",
@@ -655,9 +655,9 @@ _GOLDEN: dict[str, tuple[dict[str, Any], str | None, str | None, str]] = {
             "toolchain": "nvrtc-13.5+x_y.z",
             "include_sets": [_CUB, _LIB2],
         },
-        "761d42faec1fd72c936221e6826067e01589bd7b218e64ae493a9e0e70ed5421",
-        "cc02509eb3b8b56508d8fbe866619686b06c2a2f30243912d33ccad620fd444a",
-        "761d42faec1fd72c936221e6826067e01589bd7b218e64ae493a9e0e70ed5421",
+        "94eed3056e3255903a8383f604f5e74b18a1f5565ca50c41637673317ac5d2c4",
+        "6b706854742521772bfbc639d7918d758fa9c9c08e73b3f6804e7496bcde4246",
+        "94eed3056e3255903a8383f604f5e74b18a1f5565ca50c41637673317ac5d2c4",
     ),
     "nested links": (
         {

@@ -54,6 +54,12 @@ CASES: list[tuple[str, dict[str, Any], int, str, str]] = [
      "invalid_recipe", "at most 256 headers"),
     ("unsupported-target", resolve({"recipe": recipe(target="sm_20")}), 422, "invalid_recipe", "not supported"),
     ("malformed-target", resolve({"recipe": recipe(target="gfx90a")}), 422, "invalid_recipe", "not a target"),
+    # Schemathesis sent sm_75a with lto: NVRTC's "Compilation terminated" came back as a
+    # compile error hinting at files; no SM below 90 has an architecture-specific target.
+    ("arch-specific-target-too-old", resolve({"recipe": recipe(target="sm_75a", lto=True)}), 422,
+     "invalid_recipe", "begin at sm_90a"),
+    ("family-target-too-old", resolve({"recipe": recipe(target="sm_90f")}), 422, "invalid_recipe",
+     "begin at sm_100f"),
     ("auto-target", resolve({"recipe": recipe(target="auto")}), 400, "unresolved_recipe", "auto"),
     ("flag-include-path", resolve({"recipe": recipe(flags=["-I/etc"])}), 422, "invalid_recipe", "flags[0]"),
     ("flag-include-path-long", resolve({"recipe": recipe(flags=["-lineinfo", "--include-path=/root"])}), 422,

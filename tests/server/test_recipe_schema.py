@@ -167,6 +167,11 @@ _HOSTILE_TARGETS = [
     "sm_90",
     "sm_90a",
     "sm_90f",
+    "sm_75a",  # no architecture-specific target below sm_90a (schemathesis found it)
+    "compute_89a",
+    "sm_100f",
+    "sm_100a",
+    "compute_120f",
     "compute_90",
     "compute_90a",
     "sm_100",
