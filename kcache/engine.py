@@ -367,7 +367,8 @@ class Engine:
         until = now + self.failure_ttl_s
         noted = (
             f"{detail}\n(this recipe is answered with this error, without compiling, until "
-            f"{datetime.fromtimestamp(until, timezone.utc):%Y-%m-%d %H:%M:%S} UTC: failure_ttl_s)"
+            f"{datetime.fromtimestamp(until, timezone.utc):%Y-%m-%d %H:%M:%S} UTC: failure_ttl_s, "
+            "KCACHE_FAILURE_TTL_S where the server runs)"
         )
         try:
             self.index.record_failure(CompileFailure(key, noted, now, kind, until))

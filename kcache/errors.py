@@ -153,7 +153,16 @@ class CompileError(KCacheError):
 
 
 class CompileTimeoutError(CompileError, TimeoutError):
-    """The compile ran past its time limit and was killed."""
+    """The compile ran past its time limit and was killed.
+
+    Its message is the log's first line (what ran past which limit, and the setting):
+    that log has no compiler line with "error" in it to pick, and a remembered one's
+    note ("answered with this error ... until") is not the cause.
+    """
+
+    def __init__(self, recipe_key: str | None, log: str, *, cached: bool = False) -> None:
+        super().__init__(recipe_key, log, cached=cached)
+        self.args = (f"compile timed out: {log.strip().splitlines()[0] if log.strip() else ''}",)
 
 
 class ArtifactTooLargeError(CompileError):

@@ -146,6 +146,11 @@ def test_row7_a_caller_flooding_timeouts_cannot_starve_another(ops: Ops) -> None
         again = client.post("/v1/resolve", json={"recipe": x})
     assert again.status_code == 422 and again.json()["error"] == "compile_timeout"
     assert again.json()["cached"] is True and "failure_ttl_s" in again.json()["log"]
+    # The remembered answer names the cause and its setting, not the note about itself
+    # (it read "compile failed: (this recipe is answered with this error ...").
+    detail = again.json()["detail"]
+    assert detail.startswith("compile timed out: the compile ran past"), detail
+    assert "KCACHE_COMPILE_TIMEOUT_S" in detail and "KCACHE_FAILURE_TTL_S" in again.json()["log"]
     assert pool.restarts == restarts + 2  # answered at once: no worker ran (or was killed for) it
     _healthy(server, ops.baseline, ops.neighbour)
 
