@@ -295,11 +295,18 @@ class ProcessPoolCompiler:
         )
         if replacing:
             threading.Thread(
-                target=self._start_replacement, name="kcache-worker-restart", daemon=True
+                target=self._start_replacement,
+                args=(level,),
+                name="kcache-worker-restart",
+                daemon=True,
             ).start()
 
-    def _start_replacement(self) -> None:
-        """Start one worker (``_starting`` already counts it), retrying with backoff until it runs."""
+    def _start_replacement(self, level: int = logging.WARNING) -> None:
+        """Start one worker (``_starting`` already counts it), retrying with backoff until it runs.
+
+        Its start is logged at the level of why it was needed: a worker retiring after a
+        failed user compile (INFO) is routine, one that died or ran past its time is not.
+        """
         attempt = 0
         while True:
             try:
@@ -331,7 +338,7 @@ class ProcessPoolCompiler:
             if closed:
                 self._discard(fresh)
                 return
-            log.warning("compile worker pid %s started as a replacement", fresh.process.pid)
+            log.log(level, "compile worker pid %s started as a replacement", fresh.process.pid)
             self._queue.put(fresh)
             return
 

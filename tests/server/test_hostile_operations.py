@@ -234,6 +234,27 @@ def test_row11_dead_idle_workers_are_replaced_and_no_wait_is_unbounded(
     _healthy(server, ops.baseline, ops.neighbour)
 
 
+def test_a_failed_user_compile_logs_its_worker_replacement_at_info(
+    ops: Ops, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker retires after a failed compile (its NVRTC state is not trusted again):
+    routine, so neither the retirement nor its replacement is a WARNING (one WARNING per
+    failed user compile said "started as a replacement" with the reason at INFO)."""
+    caplog.set_level(logging.INFO, logger="kcache_server.compile_pool")
+    server, pool = ops.server, ops.server.state.backends.compiler
+    wait_until(lambda: pool.idle == 2, "two idle workers")
+    restarts = pool.restarts
+    broken = {**vector_add(unique("broken")), "source": "__global__ void k() { oops; }"}
+    with server.client(ops.neighbour) as client:
+        failed = client.post("/v1/resolve", json={"recipe": broken})
+    assert failed.status_code == 422 and failed.json()["error"] == "compile_error", failed.text
+    wait_until(lambda: pool.restarts == restarts + 1 and pool.idle == 2, "the replacement")
+    records = [r for r in caplog.records if r.name == "kcache_server.compile_pool"]
+    assert any("retires" in r.getMessage() for r in records)
+    assert any("started as a replacement" in r.getMessage() for r in records)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+
+
 # --------------------------------------------------------------------------- row 14
 def test_row14_gc_never_deletes_a_blob_a_row_names(ops: Ops, tmp_path: Path) -> None:
     from kcache.maintenance import collect_garbage
