@@ -15,13 +15,21 @@ fingerprints, one line each, in words a person acts on::
 recent on a tie) and bounds what it says (:class:`Explanation`). Pure: no database,
 no NVRTC; the server stores fingerprints and feeds candidates in
 (``kcache_server.recipe_records``).
+
+Values of macros (``-DNAME=VALUE``) and of specializations are another team's data as
+much as its source is, so what a caller may see is decided here, once: with ``values``
+false (a caller below the ``compile`` scope, which the recorded recipe itself needs,
+and every explanation stored with an audit row, which ``/v1/stats`` shows to any
+``read`` token) a line names the macro or the specialization key and what happened to
+it, never a value: ``flag -DTILE=… added``, ``specialization dtype changed``. The
+nearest recipe is chosen on the real values either way.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +37,7 @@ from kcache.keys import sha256_hex
 from kcache.recipe import Recipe
 
 __all__ = [
+    "HIDDEN",
     "MAX_LINES",
     "MAX_LINE_CHARS",
     "NEVER_SEEN",
@@ -37,6 +46,7 @@ __all__ = [
     "differences",
     "explain",
     "fingerprint",
+    "hide_value",
 ]
 
 #: Differences an explanation names; the rest are counted in one last line.
@@ -49,6 +59,9 @@ NEVER_SEEN = "never seen"
 _HASH_CHARS = 8
 #: Hex digits of the nearest recipe's key in :attr:`Explanation.text`.
 _KEY_CHARS = 16
+#: What stands for a value a caller may not see.
+HIDDEN = "…"
+_MACRO_PREFIXES = ("--define-macro=", "-D")
 
 
 def fingerprint(recipe: Recipe) -> dict[str, Any]:
@@ -129,24 +142,47 @@ def _header_lines(old: Mapping[str, Any], new: Mapping[str, Any]) -> Iterable[st
             yield f"header {name} changed ({_short(old[name])} -> {_short(new[name])})"
 
 
-def _list_lines(old: list[Any], new: list[Any], singular: str, plural: str) -> Iterable[str]:
-    """Items added, removed (counted, so a repeated flag counts), then a reorder of the rest."""
+def hide_value(flag: str) -> str:
+    """``flag`` as a caller without the ``compile`` scope sees it: a macro's value hidden.
+
+    ``-DTILE=64`` -> ``-DTILE=…``, ``--define-macro=TILE=64`` -> ``--define-macro=TILE=…``;
+    a macro without a value and every other flag as it is.
+    """
+    for prefix in _MACRO_PREFIXES:
+        if flag.startswith(prefix):
+            name, equals, _ = flag[len(prefix) :].partition("=")
+            return f"{prefix}{name}={HIDDEN}" if equals else flag
+    return flag
+
+
+def _list_lines(
+    old: list[Any],
+    new: list[Any],
+    singular: str,
+    plural: str,
+    show: Callable[[str], str] = str,
+) -> Iterable[str]:
+    """Items added, removed (counted, so a repeated flag counts), then a reorder of the rest.
+
+    Compared as they are; each shown as ``show`` gives it.
+    """
     before, after = Counter(map(str, old)), Counter(map(str, new))
     added, removed = after - before, before - after
     for item in map(str, new):
         if added[item] > 0:
             added[item] -= 1
-            yield f"{singular} {item} added"
+            yield f"{singular} {show(item)} added"
     for item in map(str, old):
         if removed[item] > 0:
             removed[item] -= 1
-            yield f"{singular} {item} removed"
+            yield f"{singular} {show(item)} removed"
     # The items both have, each in its own order: the key hashes them in order
     # (two macros defined in another order are another recipe).
     common = before & after
     kept_old, kept_new = _kept(old, common), _kept(new, common)
     if kept_old != kept_new:
-        yield f"{plural} reordered: {' '.join(kept_old)} -> {' '.join(kept_new)}"
+        shown_old, shown_new = (" ".join(map(show, kept)) for kept in (kept_old, kept_new))
+        yield f"{plural} reordered: {shown_old} -> {shown_new}"
 
 
 def _kept(items: list[Any], common: Counter[str]) -> list[str]:
@@ -159,14 +195,20 @@ def _kept(items: list[Any], common: Counter[str]) -> list[str]:
     return kept
 
 
-def _spec_lines(old: Mapping[str, Any], new: Mapping[str, Any]) -> Iterable[str]:
+def _spec_lines(
+    old: Mapping[str, Any], new: Mapping[str, Any], values: bool = True
+) -> Iterable[str]:
     for key in sorted(set(old) | set(new)):
         if key not in old:
-            yield f"specialization {key} added ({_value(new[key])})"
+            yield f"specialization {key} added" + (f" ({_value(new[key])})" if values else "")
         elif key not in new:
-            yield f"specialization {key} removed ({_value(old[key])})"
+            yield f"specialization {key} removed" + (f" ({_value(old[key])})" if values else "")
         elif old[key] != new[key]:
-            yield f"specialization {key} {_value(old[key])} -> {_value(new[key])}"
+            yield (
+                f"specialization {key} {_value(old[key])} -> {_value(new[key])}"
+                if values
+                else f"specialization {key} changed"
+            )
 
 
 def _scalar(name: str, old: Mapping[str, Any], new: Mapping[str, Any], label: str) -> Iterable[str]:
@@ -175,12 +217,16 @@ def _scalar(name: str, old: Mapping[str, Any], new: Mapping[str, Any], label: st
         yield f"{label} {'none' if a is None else a} -> {'none' if b is None else b}"
 
 
-def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+def differences(
+    old: Mapping[str, Any], new: Mapping[str, Any], *, values: bool = True
+) -> list[str]:
     """What changed from fingerprint ``old`` to fingerprint ``new``, one line each (empty: alike).
 
     Lines are at most :data:`MAX_LINE_CHARS` long; every difference is listed
-    (:func:`bounded` cuts the list for display).
+    (:func:`bounded` cuts the list for display). ``values`` false: no macro or
+    specialization value is shown (see the module docstring).
     """
+    show: Callable[[str], str] = str if values else hide_value
     lines: list[str] = []
     if old.get("source_sha256") != new.get("source_sha256"):
         lines.append(
@@ -189,10 +235,10 @@ def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
         )
     lines += _scalar("name", old, new, "name")
     lines += _header_lines(_mapping(old, "headers"), _mapping(new, "headers"))
-    lines += _list_lines(_sequence(old, "flags"), _sequence(new, "flags"), "flag", "flags")
+    lines += _list_lines(_sequence(old, "flags"), _sequence(new, "flags"), "flag", "flags", show)
     lines += _scalar("target", old, new, "target")
     lines += _scalar("toolchain", old, new, "toolchain")
-    lines += _spec_lines(_mapping(old, "specialization"), _mapping(new, "specialization"))
+    lines += _spec_lines(_mapping(old, "specialization"), _mapping(new, "specialization"), values)
     lines += _include_set_lines(_sequence(old, "include_sets"), _sequence(new, "include_sets"))
     if old.get("name_expressions") != new.get("name_expressions"):
         lines.append("name expressions changed")
@@ -230,18 +276,23 @@ class Explanation:
 
 
 def explain(
-    new: Mapping[str, Any], candidates: Iterable[tuple[str, Mapping[str, Any]]]
+    new: Mapping[str, Any],
+    candidates: Iterable[tuple[str, Mapping[str, Any]]],
+    *,
+    values: bool = True,
 ) -> Explanation:
     """The nearest of ``candidates`` (recipe key, fingerprint), most recent first, to ``new``.
 
     Fewest differences wins; on a tie the earlier candidate (the more recent one).
-    No candidate: :data:`NEVER_SEEN`.
+    No candidate: :data:`NEVER_SEEN`. ``values`` false: its lines show no macro or
+    specialization value (the same nearest recipe is chosen).
     """
-    best: tuple[str, list[str]] | None = None
+    best: tuple[str, Mapping[str, Any], list[str]] | None = None
     for key, old in candidates:
         lines = differences(old, new)
-        if best is None or len(lines) < len(best[1]):
-            best = (key, lines)
+        if best is None or len(lines) < len(best[2]):
+            best = (key, old, lines)
     if best is None:
         return Explanation()
-    return Explanation(best[0], bounded(best[1]))
+    key, old, lines = best
+    return Explanation(key, bounded(lines if values else differences(old, new, values=False)))

@@ -194,18 +194,20 @@ class RecipeRecords:
             log.warning("recipe records: the body of %s is unreadable: %s", recipe_key, exc)
             return None
 
-    def nearest(self, recipe: Recipe) -> Explanation:
+    def nearest(self, recipe: Recipe, *, values: bool = True) -> Explanation:
         """The nearest recorded recipe of ``recipe``'s kernel, and what differs ("never seen": none).
 
         Candidates are the :data:`CANDIDATES` most recently seen recipes of the same
         program name and source and as many of the same base key, ``recipe`` itself
         excluded; the nearest has the fewest differences (the most recent on a tie).
+        ``values`` false: no macro or specialization value in what it says
+        (:mod:`kcache.recipe_diff`).
         """
         key = recipe.key()
         candidates = self._candidates(
             key, recipe.base_key(), recipe.name, sha256_hex(recipe.source.encode())
         )
-        return explain(fingerprint(recipe), candidates)
+        return explain(fingerprint(recipe), candidates, values=values)
 
     def _recorded(self, recipe_key: str) -> bool:
         with self.engine.connect() as conn:
@@ -214,7 +216,7 @@ class RecipeRecords:
             ).first()
         return found is not None
 
-    def nearest_to_key(self, recipe_key: str) -> Explanation | None:
+    def nearest_to_key(self, recipe_key: str, *, values: bool = True) -> Explanation | None:
         """:meth:`nearest` for a recorded recipe key (from its fingerprint); None if not recorded."""
         c = _records.c
         with self.engine.connect() as conn:
@@ -226,7 +228,7 @@ class RecipeRecords:
         if row is None:
             return None
         candidates = self._candidates(recipe_key, row.base_key, row.name, row.source_sha256)
-        return explain(row.fingerprint, candidates)
+        return explain(row.fingerprint, candidates, values=values)
 
     def _candidates(
         self, recipe_key: str, base_key: str, name: str, source_sha256: str
@@ -298,7 +300,8 @@ class RecipeRecords:
             if self._recent.get(key) is not None or self._recorded(key):
                 reason = SEEN_BEFORE
             else:
-                reason = miss_reason(self.nearest(recipe))
+                # Stored for /v1/stats, which any read token may ask: no values.
+                reason = miss_reason(self.nearest(recipe, values=False))
             explained[key] = reason
         except Exception as exc:  # the row is written without its reason
             self._failed("explain", exc)

@@ -7,6 +7,7 @@ from typing import Any
 
 from kcache.recipe import LinkInput, Recipe
 from kcache.recipe_diff import (
+    HIDDEN,
     MAX_LINE_CHARS,
     MAX_LINES,
     NEVER_SEEN,
@@ -15,6 +16,7 @@ from kcache.recipe_diff import (
     differences,
     explain,
     fingerprint,
+    hide_value,
 )
 
 SOURCE = '#include "add.cuh"\nextern "C" __global__ void add(float* x) { x[0] = ADD; }\n'
@@ -188,3 +190,38 @@ def test_a_fingerprint_is_json_and_small() -> None:
     assert data == fingerprint(recipe)
     assert "add<float>" not in json.dumps(data)  # name expressions by their hash
     assert SOURCE not in json.dumps(data)
+
+
+def test_without_values_macros_and_specializations_are_named_never_valued() -> None:
+    """What a caller below the compile scope sees: which macro or key, never its value."""
+    old = _recipe(flags=["-DA", "-DKEY=hunter2", "-DM=1"], specialization={"T": 4})
+    new = _recipe(
+        flags=["-DKEY=swordfish", "-DM=1", "-DA"], specialization={"T": 8, "dtype": "bfloat16"}
+    )
+    shown = differences(fingerprint(old), fingerprint(new))
+    hidden = differences(fingerprint(old), fingerprint(new), values=False)
+    assert shown == [
+        "flag -DKEY=swordfish added",
+        "flag -DKEY=hunter2 removed",
+        "flags reordered: -DA -DM=1 -> -DM=1 -DA",
+        "specialization T 4 -> 8",
+        "specialization dtype added (bfloat16)",
+    ]
+    assert hidden == [
+        f"flag -DKEY={HIDDEN} added",
+        f"flag -DKEY={HIDDEN} removed",
+        f"flags reordered: -DA -DM={HIDDEN} -> -DM={HIDDEN} -DA",
+        "specialization T changed",
+        "specialization dtype added",
+    ]
+    text = " ".join(hidden)
+    for secret in ("hunter2", "swordfish", "bfloat16", "4", "8", "=1"):
+        assert secret not in text, secret
+    assert hide_value("-DN=4") == f"-DN={HIDDEN}" and hide_value("-DA") == "-DA"
+    assert hide_value("--define-macro=N=4") == f"--define-macro=N={HIDDEN}"
+    assert hide_value("-lineinfo") == "-lineinfo"
+    # The nearest is chosen on the real values: the same recipe either way.
+    candidates = [("k1", fingerprint(old)), ("k2", fingerprint(_recipe()))]
+    assert explain(fingerprint(new), candidates, values=False).nearest_key == (
+        explain(fingerprint(new), candidates).nearest_key
+    )

@@ -129,10 +129,10 @@ def test_candidates_are_bounded_and_the_most_recent(
         records.record(recipe)
     seen: list[int] = []
 
-    def counting(new: Any, candidates: Any) -> Any:
+    def counting(new: Any, candidates: Any, **options: Any) -> Any:
         listed = list(candidates)
         seen.append(len(listed))
-        return real(new, listed)
+        return real(new, listed, **options)
 
     monkeypatch.setattr("kcache_server.recipe_records.explain", counting)
     got = records.nearest(_recipe(flags=["-DA", "-DV=x"]))

@@ -6,6 +6,11 @@ name and source, or same base key) and what differs from it, one line per differ
 one never compiled included (the usual miss); the key form explains a recipe the
 server recorded, from its stored fingerprint. Both read the database on a worker
 thread, never the event loop.
+
+The nearest recipe may be another team's: a caller below the ``compile`` scope (which
+the recorded recipe itself needs, ``GET /v1/recipes/{key}/recipe``) is told which
+macros and specialization keys differ, never their values (``flag -DTILE=… added``,
+``specialization dtype changed``); a ``compile`` token sees them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from fastapi import APIRouter, Request
 from kcache.errors import ArtifactNotFoundError
 from kcache.recipe import Recipe
 from kcache.recipe_diff import Explanation
+from kcache_server.auth import Principal
 from kcache_server.routes._deps import ERRORS, Reader, State, body_doc, read_body
 from kcache_server.schemas import (
     ExplainRequest,
@@ -36,14 +42,19 @@ def _body(explanation: Explanation) -> ExplanationBody:
     )
 
 
-def _explain_recipe(state: ServerState, recipe: Recipe) -> ExplanationBody:
+def _values(principal: Principal) -> bool:
+    """Whether ``principal`` may see macro and specialization values (the ``compile`` scope)."""
+    return principal.allows("compile")
+
+
+def _explain_recipe(state: ServerState, recipe: Recipe, values: bool) -> ExplanationBody:
     state.audit.flush()  # recipes this process noted lately are recorded first
-    return _body(state.recipe_records.nearest(recipe))
+    return _body(state.recipe_records.nearest(recipe, values=values))
 
 
-def _explain_key(state: ServerState, recipe_key: str) -> ExplanationBody:
+def _explain_key(state: ServerState, recipe_key: str, values: bool) -> ExplanationBody:
     state.audit.flush()
-    explanation = state.recipe_records.nearest_to_key(recipe_key)
+    explanation = state.recipe_records.nearest_to_key(recipe_key, values=values)
     if explanation is None:
         raise ArtifactNotFoundError(
             f"this server never recorded recipe {recipe_key}; explain the recipe itself "
@@ -58,20 +69,21 @@ def _explain_key(state: ServerState, recipe_key: str) -> ExplanationBody:
     responses=ERRORS,
     openapi_extra=body_doc(ExplainRequest),
 )
-async def explain_recipe(request: Request, _: Reader, state: State) -> ExplanationBody:
-    """The nearest recorded recipe of the same kernel and what this recipe differs in."""
+async def explain_recipe(request: Request, caller: Reader, state: State) -> ExplanationBody:
+    """The nearest recorded recipe of the same kernel and what this recipe differs in (macro and
+    specialization values only for a ``compile`` token)."""
 
     def parse(raw: bytes) -> Recipe:
         return state.recipes.prepare(load_json_model(ExplainRequest, raw).recipe)
 
     recipe = await read_body(request, state, parse)
-    result: ExplanationBody = await state.run(_explain_recipe, state, recipe)
+    result: ExplanationBody = await state.run(_explain_recipe, state, recipe, _values(caller))
     return result
 
 
 @router.get("/v1/recipes/{recipe_key}/explain", response_model=ExplanationBody, responses=ERRORS)
-async def explain_key(recipe_key: RecipeKeyPath, _: Reader, state: State) -> ExplanationBody:
+async def explain_key(recipe_key: RecipeKeyPath, caller: Reader, state: State) -> ExplanationBody:
     """The same for a recipe this server recorded (compiled or served), by its key; 404 if none."""
     check_key(recipe_key, "recipe_key")
-    result: ExplanationBody = await state.run(_explain_key, state, recipe_key)
+    result: ExplanationBody = await state.run(_explain_key, state, recipe_key, _values(caller))
     return result
