@@ -319,7 +319,7 @@ class BundleReader:
         head = _entry_head(item, self.entries + 1, self.max_entry_bytes, self.where)
         data = self._read_exact(head.size)
         if self._read_exact(1) != b"\n":
-            raise BundleError(f"{self.where}: entry {self.entries + 1} is longer than its size")
+            raise BundleError(f"{self.where}: {_misframed(self.entries + 1, head.size, data)}")
         check_entry_bytes(head, data, self.where)
         self.entries += 1
         return BundleEntry(head.recipe_key, head.meta, head.signature, data, line)
@@ -364,11 +364,27 @@ def index_bundle(handle: BinaryIO, *, max_entry_bytes: int, where: str) -> list[
         handle.seek(head.size, 1)
         end = handle.read(1)
         if end != b"\n":
-            raise BundleError(
-                f"{where}: entry {len(found) + 1} "
-                + ("is truncated" if not end else "is longer than its size")
-            )
+            if not end:
+                raise BundleError(f"{where}: entry {len(found) + 1} is truncated")
+            handle.seek(offset)
+            data = handle.read(head.size)
+            raise BundleError(f"{where}: {_misframed(len(found) + 1, head.size, data)}")
         found.append(IndexedEntry(head, offset))
+
+
+def _misframed(number: int, size: int, data: bytes) -> str:
+    """Why entry ``number``'s ``size`` bytes (``data``) are not followed by its newline.
+
+    Its bytes ran short when the next entry's header line begins inside them (a
+    newline, then a JSON object): the reader took that line for the entry's tail.
+    """
+    cut = data.find(b'\n{"')
+    if cut >= 0:
+        return (
+            f"entry {number} is shorter than its size ({size} bytes): the next header line "
+            f"begins after {cut} of them"
+        )
+    return f"entry {number} is longer than its size ({size} bytes)"
 
 
 def _file_line(handle: BinaryIO, where: str) -> bytes | None:
