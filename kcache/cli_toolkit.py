@@ -135,7 +135,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=FILE",
-        help='an in-memory header: #include "NAME" reads FILE (repeatable)',
+        help='an in-memory header: #include "NAME" reads FILE; FILE alone names it by its '
+        "file name (repeatable)",
     )
     parser.add_argument(
         "--define", action="append", default=[], metavar="NAME[=VALUE]", help="adds -DNAME=VALUE"
@@ -164,11 +165,21 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _split(option: str, text: str) -> tuple[str, str]:
+def _split(option: str, text: str, form: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name:
-        raise UsageError(f"{option} {text!r} must look like NAME=VALUE")
+        raise UsageError(f"{option} {text!r} must look like {form}")
     return name, value
+
+
+def _header_item(item: str) -> tuple[str, str]:
+    """``--header NAME=FILE``, or ``--header FILE``: the header named by its file name."""
+    if "=" not in item:
+        name = Path(item).name
+        if not name:
+            raise UsageError(f"--header {item!r} must look like NAME=FILE or FILE")
+        return name, item
+    return _split("--header", item, "NAME=FILE or FILE")
 
 
 def include_set_dirs(args: argparse.Namespace) -> dict[str, Path]:
@@ -218,11 +229,11 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
         data = {"source": text, "name": path.name}
     headers = dict(data.get("headers") or {})
     for item in args.header:
-        name, file = _split("--header", item)
+        name, file = _header_item(item)
         headers[name] = _read(f"--header {item}", Path(file).expanduser())
     spec = dict(data.get("specialization") or {})
     for item in args.spec:
-        key, value = _split("--spec", item)
+        key, value = _split("--spec", item, "KEY=JSON")
         try:
             spec[key] = json.loads(value)
         except ValueError as exc:

@@ -1,0 +1,38 @@
+"""``--header FILE`` names the header by its file name, as ``--header NAME=FILE`` would.
+
+The help said NAME=FILE and ``--header mytile.h`` was refused ("must look like
+NAME=VALUE"); the common case, a header beside the source, now needs no NAME.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.cli_harness import assert_user_error, kcache, user_env
+
+SOURCE = '#include "mytile.h"\n__global__ void k(float* x) { x[0] = TILE; }\n'
+
+
+def _key(home: Path, *header: str) -> str:
+    result = kcache("key", "k.cu", "--target", "sm_90", *header, env=user_env(home), cwd=home)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_a_header_given_as_a_file_is_named_by_its_file_name(tmp_path: Path) -> None:
+    (tmp_path / "k.cu").write_text(SOURCE)
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "mytile.h").write_text("#define TILE 8\n")
+    by_file = _key(tmp_path, "--header", "inc/mytile.h")
+    assert by_file == _key(tmp_path, "--header", "mytile.h=inc/mytile.h")
+    assert by_file != _key(tmp_path, "--header", "other.h=inc/mytile.h")
+    assert re.fullmatch("[0-9a-f]{64}", by_file), by_file
+
+
+def test_a_spec_without_a_value_names_its_own_form(tmp_path: Path) -> None:
+    (tmp_path / "k.cu").write_text(SOURCE)
+    result = kcache(
+        "key", "k.cu", "--target", "sm_90", "--spec", "dtype", env=user_env(tmp_path), cwd=tmp_path
+    )
+    assert_user_error(result, "--spec", "KEY=JSON")
