@@ -4,9 +4,18 @@ A digest check proves that a blob matches the digest its alias names; nothing in
 ties a *recipe key* to that digest, and anyone can compute a key. The server signs
 what makes an artifact trustworthy for a key, :func:`signed_message`: the recipe key,
 the digest, size, kind, target, toolchain, lowered names and dependency list, as
-canonical JSON. Ed25519 (``cryptography``, the maintained binding of OpenSSL's):
-small keys and signatures (32 and 64 bytes), deterministic, about 50 us to sign and
-100 us to verify.
+canonical JSON. Ed25519: small keys and signatures (32 and 64 bytes), deterministic,
+about 50 us to sign and 60-110 us to verify.
+
+Signing (the server) uses ``cryptography``. Checking (every client) needs no import of
+it: a key is its 32 raw bytes (parsed with base64 and named with sha256), and a signature
+is checked by :func:`verifier`, OpenSSL's own Ed25519 called through ``ctypes`` in the
+``libcrypto`` that Python's ``hashlib`` already loaded (about 0.4 ms for the first check
+of a process, against 7-9 ms to import ``cryptography`` and 0.9 ms for its first check:
+bench/RESULTS.md, 2026-12-04), or ``cryptography`` where that library cannot be had (a
+Python with OpenSSL linked in statically, a libcrypto without Ed25519). The OpenSSL path
+proves itself at first use: a known signature with one bit flipped must be refused, and
+a signature it refuses is refused only once ``cryptography`` agrees.
 
 A key is named by its id, the first 16 hex digits of the sha256 of its raw public
 bytes; a signature is ``{"key_id", "signature"}`` (base64url, no padding), or in one
@@ -31,6 +40,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +60,7 @@ __all__ = [
     "key_id_of",
     "load_backend",
     "signed_message",
+    "verifier",
 ]
 
 ALGORITHM = "ed25519"
@@ -81,13 +92,176 @@ def _unb64(text: str, what: str) -> bytes:
 
 
 def load_backend() -> None:
-    """Import the Ed25519 implementation now (about 9 ms), so a first check does not pay it.
+    """Make the Ed25519 verifier now (:func:`verifier`: well under a millisecond), so that a
+    first check does not pay it."""
+    verifier()
 
-    ``cryptography`` is imported on first use, so that importing kcache does not; a
-    client calls this when its cache is made, before a rank's first fetch is timed.
-    """
-    import cryptography.exceptions  # noqa: F401
-    from cryptography.hazmat.primitives.asymmetric import ed25519  # noqa: F401
+
+class Ed25519Verifier:
+    """Checks Ed25519 signatures by raw public keys (see :func:`verifier`)."""
+
+    name = "none"
+
+    def verify(self, public_raw: bytes, signature: bytes, message: bytes) -> bool:
+        """Whether ``signature`` by the key ``public_raw`` (32 bytes) covers ``message``."""
+        raise NotImplementedError
+
+
+class _CryptographyVerifier(Ed25519Verifier):
+    """``cryptography``'s Ed25519 (its import costs 7-9 ms)."""
+
+    name = "cryptography"
+
+    def __init__(self) -> None:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        self._invalid = InvalidSignature
+        self._load = Ed25519PublicKey.from_public_bytes
+        self._keys: dict[bytes, Any] = {}
+
+    def verify(self, public_raw: bytes, signature: bytes, message: bytes) -> bool:
+        key = self._keys.get(public_raw)
+        if key is None:
+            key = self._keys.setdefault(public_raw, self._load(public_raw))
+        try:
+            key.verify(signature, message)
+        except self._invalid:
+            return False
+        return True
+
+
+#: OpenSSL's EVP_PKEY_ED25519 (NID_ED25519), the same in 1.1.1 and 3.x.
+_NID_ED25519 = 1087
+#: RFC 8032, section 7.1, TEST 2: a public key, its signature of the one byte 0x72.
+_KAT_KEY = bytes.fromhex("3d4017c3e843895a92b70aa74d1b7ebc9c982ccf2ec4968cc0cd55f12af4660c")
+_KAT_SIGNATURE = bytes.fromhex(
+    "92a009a9f0d4cab8720e820b5f642540a2b27b5416503f8fb3762223ebdb69da"
+    "085ac1e43e15996e458f3613d0f11d8c387b2eaeb4302aeeb00d291612bb0c00"
+)
+
+
+class _OpenSSLVerifier(Ed25519Verifier):
+    """OpenSSL's Ed25519 through ``ctypes``, in the libcrypto this process already loaded."""
+
+    name = "openssl"
+
+    def __init__(self, lib: Any) -> None:
+        import ctypes
+
+        pointer, size = ctypes.c_void_p, ctypes.c_size_t
+        new_key = lib.EVP_PKEY_new_raw_public_key
+        new_key.restype, new_key.argtypes = pointer, [ctypes.c_int, pointer, ctypes.c_char_p, size]
+        new_ctx = lib.EVP_MD_CTX_new
+        new_ctx.restype, new_ctx.argtypes = pointer, []
+        free_ctx = lib.EVP_MD_CTX_free
+        free_ctx.restype, free_ctx.argtypes = None, [pointer]
+        init = lib.EVP_DigestVerifyInit
+        init.restype, init.argtypes = ctypes.c_int, [pointer, pointer, pointer, pointer, pointer]
+        check = lib.EVP_DigestVerify
+        check.restype = ctypes.c_int
+        check.argtypes = [pointer, ctypes.c_char_p, size, ctypes.c_char_p, size]
+        clear = lib.ERR_clear_error
+        clear.restype, clear.argtypes = None, []
+        self._new_key, self._new_ctx, self._free_ctx = new_key, new_ctx, free_ctx
+        self._init, self._check, self._clear = init, check, clear
+        # raw public key -> its EVP_PKEY, kept for the process (a fleet has a handful of keys).
+        self._keys: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+
+    def _key(self, public_raw: bytes) -> int:
+        key = self._keys.get(public_raw)
+        if key is None:
+            with self._lock:
+                key = self._keys.get(public_raw)
+                if key is None:
+                    key = self._new_key(_NID_ED25519, None, public_raw, len(public_raw))
+                    if not key:
+                        self._clear()
+                        raise SignatureError("OpenSSL refused an Ed25519 public key")
+                    self._keys[public_raw] = key
+        return key
+
+    def verify(self, public_raw: bytes, signature: bytes, message: bytes) -> bool:
+        key = self._key(public_raw)
+        ctx = self._new_ctx()
+        if not ctx:
+            raise MemoryError("EVP_MD_CTX_new")
+        try:
+            if self._init(ctx, None, None, None, key) != 1:
+                self._clear()
+                raise SignatureError("OpenSSL could not start an Ed25519 check")
+            good = bool(self._check(ctx, signature, len(signature), message, len(message)) == 1)
+        finally:
+            self._free_ctx(ctx)
+        if not good:
+            self._clear()  # nothing left on this thread's error queue for the ssl module to find
+        return good
+
+
+def _openssl() -> _OpenSSLVerifier | None:
+    """OpenSSL's verifier, if this process's libcrypto has one that refuses a forged signature."""
+    try:
+        import _hashlib
+        import ctypes
+    except ImportError:
+        return None
+    for name in (getattr(_hashlib, "__file__", None), "libcrypto.so.3", "libcrypto.so.1.1"):
+        if not name:
+            continue
+        try:
+            candidate = _OpenSSLVerifier(ctypes.CDLL(name))
+            forged = bytes([_KAT_SIGNATURE[0] ^ 1]) + _KAT_SIGNATURE[1:]
+            if candidate.verify(_KAT_KEY, forged, b"\x72"):
+                continue  # a binding that accepts what it must refuse is never used
+        except (OSError, AttributeError, SignatureError, MemoryError):
+            continue
+        return candidate
+    return None
+
+
+class _Confirmed(Ed25519Verifier):
+    """The fast verifier, whose refusals ``cryptography`` confirms (a refusal is rare: an
+    attack or a misconfiguration; a binding that refused good signatures would show here)."""
+
+    def __init__(self, fast: Ed25519Verifier) -> None:
+        self.fast = fast
+        self.name = fast.name
+        self._slow: Ed25519Verifier | None = None
+
+    def verify(self, public_raw: bytes, signature: bytes, message: bytes) -> bool:
+        if self.fast.verify(public_raw, signature, message):
+            return True
+        if self._slow is None:
+            try:
+                self._slow = _CryptographyVerifier()
+            except ImportError:
+                return False
+        return self._slow.verify(public_raw, signature, message)
+
+
+_verifier: Ed25519Verifier | None = None
+_verifier_lock = threading.Lock()
+
+
+def verifier(name: str | None = None) -> Ed25519Verifier:
+    """The process's Ed25519 verifier (module docstring): OpenSSL's through ``ctypes`` where
+    it proves itself, else ``cryptography``'s. ``name`` (``openssl``, ``cryptography``) asks
+    for one of them (tests, benchmarks); ValueError when it cannot be had."""
+    global _verifier
+    if name == "cryptography":
+        return _CryptographyVerifier()
+    if name == "openssl":
+        found = _openssl()
+        if found is None:
+            raise ValueError("no usable libcrypto with Ed25519 in this process")
+        return found
+    if _verifier is None:
+        with _verifier_lock:
+            if _verifier is None:
+                fast = _openssl()
+                _verifier = _Confirmed(fast) if fast is not None else _CryptographyVerifier()
+    return _verifier
 
 
 def key_id_of(public_raw: bytes) -> str:
@@ -257,12 +431,14 @@ class SigningKey:
 
 
 class TrustedKeys:
-    """The public keys a client accepts signatures by, by key id."""
+    """The public keys a client accepts signatures by, by key id.
+
+    A key is kept as its 32 raw bytes: parsing and naming keys need base64 and sha256
+    only, and nothing is imported for Ed25519 until a signature is checked (:func:`verifier`).
+    """
 
     def __init__(self, public_keys: Iterable[str] = ()) -> None:
-        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-        self._keys: dict[str, Any] = {}
+        self._keys: dict[str, bytes] = {}
         #: key id -> the public key as given (base64url of its 32 raw bytes).
         self.public_keys: dict[str, str] = {}
         for text in public_keys:
@@ -272,7 +448,7 @@ class TrustedKeys:
                     f"a trusted public key must be 32 bytes of Ed25519, base64url: {text[:60]!r}"
                 )
             key_id = key_id_of(raw)
-            self._keys[key_id] = Ed25519PublicKey.from_public_bytes(raw)
+            self._keys[key_id] = raw
             self.public_keys[key_id] = _b64(raw)
 
     @classmethod
@@ -301,23 +477,18 @@ class TrustedKeys:
 
     def verify_endorsement(self, public_key: str, endorsement: Signature) -> None:
         """Raise :class:`SignatureError` unless a trusted key endorsed ``public_key``."""
-        from cryptography.exceptions import InvalidSignature
-
         endorser = self._keys.get(endorsement.key_id)
         if endorser is None:
             raise SignatureError(
                 f"the endorsement of key {key_id_of(_unb64(public_key, 'a public key'))} is by key "
                 f"{endorsement.key_id}, which is not trusted here"
             )
-        try:
-            endorser.verify(
-                _unb64(endorsement.signature, "the endorsement"),
-                _ENDORSEMENT + _unb64(public_key, "the endorsed public key"),
-            )
-        except InvalidSignature as exc:
-            raise SignatureError(
-                f"the endorsement by key {endorsement.key_id} does not verify"
-            ) from exc
+        if not verifier().verify(
+            endorser,
+            _unb64(endorsement.signature, "the endorsement"),
+            _ENDORSEMENT + _unb64(public_key, "the endorsed public key"),
+        ):
+            raise SignatureError(f"the endorsement by key {endorsement.key_id} does not verify")
 
     def verify(self, recipe_key: str, meta: ArtifactMeta, signature: Signature | None) -> None:
         """Raise :class:`SignatureError` unless ``signature`` by a trusted key covers ``recipe_key`` -> ``meta``."""
@@ -332,18 +503,14 @@ class TrustedKeys:
         self._verify(signature, entries.message(), f"the bundle of {entries.count} entries")
 
     def _verify(self, signature: Signature, message: bytes, what: str) -> None:
-        from cryptography.exceptions import InvalidSignature
-
         public = self._keys.get(signature.key_id)
         if public is None:
             raise SignatureError(
                 f"{what} is signed by key {signature.key_id}, which is not trusted here "
                 f"(trusted: {', '.join(self.key_ids) or 'none'})"
             )
-        try:
-            public.verify(_unb64(signature.signature, "the signature"), message)
-        except InvalidSignature as exc:
+        if not verifier().verify(public, _unb64(signature.signature, "the signature"), message):
             raise SignatureError(
                 f"the signature of {what} by key {signature.key_id} does not verify: the "
                 "metadata or the key-to-digest binding was changed"
-            ) from exc
+            )

@@ -31,7 +31,7 @@ from kcache_client.errors import (
     UntrustedArtifactError,
 )
 
-__all__ = ["Artifact", "ArtifactOrigin", "check_loadable"]
+__all__ = ["Artifact", "ArtifactOrigin", "Judgement", "check_loadable"]
 
 #: Where ``KernelCache.get`` found an artifact: this process's ``memory``, the ``node``
 #: tier, a ``server`` hit, a compile on the server (``compiled`` by this request, or
@@ -183,6 +183,41 @@ def _cuda_core() -> Any:
     return experimental
 
 
+@dataclass(frozen=True, eq=False)
+class Judgement:
+    """The one check that found an artifact usable, made where it was found (a node-tier or
+    pack entry judged by the tier's standing and this client's trust, a server's answer whose
+    signature verified, a local compile), with the exact objects it judged.
+
+    :meth:`Artifact.check` (what ``load()`` runs first) accepts an artifact that still holds
+    them without checking again: ``get`` and ``load`` give one verdict, and a kernel's
+    signature is verified once per file, not once per ``get`` and again per ``load``. An
+    artifact whose bytes, metadata, signature, recipe key or trust were replaced since
+    (``dataclasses.replace``) no longer holds them and is checked in full.
+    """
+
+    trust: Trust | None
+    recipe_key: str
+    meta: ArtifactMeta
+    signature: Signature | None
+    data: bytes
+    #: How it was judged (``signed``: a signature verified here; ``private tier``: this
+    #: user's own entry, used as it is; ``compiled here``: a local compile).
+    how: str
+
+    def holds_for(self, art: Artifact) -> bool:
+        """Whether ``art`` is what was judged: the same objects (bytes are immutable)."""
+        return (
+            art.data is self.data
+            and type(art.data) is bytes
+            and art.metadata is self.meta
+            and art.signature is self.signature
+            and art.trust is self.trust
+            and art.recipe_key == self.recipe_key
+            and art.digest == self.meta.digest
+        )
+
+
 @dataclass(frozen=True)
 class Artifact:
     """A compiled kernel whose bytes have been checked against ``digest``.
@@ -212,6 +247,9 @@ class Artifact:
     #: Returns the path of a file holding exactly the checked bytes (written from them
     #: where the tier's own file is not one: a pack entry, a shared tier); see :attr:`path`.
     materialize: Callable[[], str] | None = field(default=None, repr=False, compare=False)
+    #: The check that found it usable (:class:`Judgement`), which :meth:`check` relies on
+    #: while the artifact holds what it judged; None: checked in full by :meth:`check`.
+    judged: Judgement | None = field(default=None, repr=False, compare=False)
 
     @property
     def path(self) -> Path:
@@ -253,11 +291,17 @@ class Artifact:
     def check(self) -> None:
         """Refuse an artifact whose bytes or signature no longer hold (what loading runs first).
 
-        The bytes must hash to the metadata's digest (DigestMismatchError), and a
+        An artifact as ``get`` found it is accepted on the verdict made then
+        (:class:`Judgement`): one check, one verdict, so ``load()`` never refuses what
+        ``get`` returned, and pays no second verification. Otherwise (built by hand, or
+        altered after it was found: its metadata replaced, its bytes swapped, another
+        ``trust``) the bytes must hash to the metadata's digest (DigestMismatchError), and a
         signature must verify for ``recipe_key`` -> ``metadata`` by a key trusted here
-        (UntrustedArtifactError, naming why): an artifact altered after it was found
-        (its metadata replaced, its bytes swapped) is never loaded.
+        (UntrustedArtifactError, naming the missing trust and the setting that gives it).
         """
+        judged = self.judged
+        if judged is not None and judged.holds_for(self):
+            return
         actual = hashlib.sha256(self.data).hexdigest()
         if actual != self.metadata.digest or self.digest != self.metadata.digest:
             raise DigestMismatchError(self.blob_path, self.metadata.digest, actual)

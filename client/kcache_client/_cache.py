@@ -50,7 +50,7 @@ from kcache.job_manifest import JobManifest, ManifestKernel
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
 from kcache.signing import Signature
-from kcache_client._artifact import Artifact, ArtifactOrigin
+from kcache_client._artifact import Artifact, ArtifactOrigin, Judgement
 from kcache_client._bundle import PrefetchResult, open_layers, prefetch
 from kcache_client._events import EventSink, tally_key
 from kcache_client._freeze import FreezeMode, Freezer, after_warmup_mode, parse_mode
@@ -213,6 +213,16 @@ class KernelCache:
         )
         for layer in self.layers:  # the layers refuse what the node tier knows withdrawn
             layer.withdrawals = self.tier.withdrawals
+        if self._remote is not None:
+            # A tier entry signed by a key not pinned yet, met before this user ever talked to
+            # the server, is looked up there first (its first contact pins it): one try, short.
+            contact_retry = replace(
+                settings.retry, attempts=1, deadline_s=min(settings.retry.deadline_s, 10.0)
+            )
+            transport = self._remote.transport
+            self.trust.contact = functools.partial(
+                transport.request_json, "GET", "/v1/keys", retry=contact_retry
+            )
         #: When the server's withdrawals are read, and what is done with them
         #: (kcache_client._withdrawals); None without a server.
         self._withdrawal_watch = (
@@ -703,6 +713,16 @@ class KernelCache:
         signature: Signature | None,
         tier: NodeTier | None = None,
     ) -> Artifact:
+        """The artifact found, with the verdict of the one check that found it usable (its
+        digest and, where asked, its signature: the tier's lookup, the server answer's check,
+        a local compile), which ``load()`` relies on (:class:`Judgement`)."""
+        trust = self.trust
+        if origin == "local_compile":
+            how = "compiled here"
+        elif origin in ("node", "memory"):
+            how = f"{(tier or self.tier).standing.kind} tier"
+        else:
+            how = "signed"
         return Artifact(
             recipe_key=key,
             base_key=concrete.base_key(),
@@ -713,8 +733,9 @@ class KernelCache:
             recipe=concrete,
             origin=origin,
             signature=signature,
-            trust=self.trust,
+            trust=trust,
             materialize=functools.partial(self._checked_file, meta.digest, data),
+            judged=Judgement(trust, key, meta, signature, data, how),
         )
 
     def _checked_file(self, digest: str, data: bytes) -> str:

@@ -370,8 +370,10 @@ def register(subparsers: Any) -> None:
     from kcache_client._config_cli import register as register_config
     from kcache_client._explain_cli import register as register_explain
     from kcache_client._job_cli import register as register_jobs
+    from kcache_client._trust_cli import register as register_trust
 
     register_cache_commands(subparsers)  # kcache cache info|ls|rm|clear, kcache pin|unpin
     register_explain(subparsers)  # kcache explain RECIPE|KEY
     register_config(subparsers)  # kcache config
     register_jobs(subparsers)  # kcache manifest|prefetch|bundle|layers
+    register_trust(subparsers)  # kcache trust list|forget|pin

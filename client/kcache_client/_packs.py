@@ -59,6 +59,7 @@ from kcache.fsutil import (
 )
 from kcache.keys import sha256_hex
 from kcache.signing import Signature
+from kcache_client._trust import Verdict
 
 __all__ = ["PACKS_DIR", "PackEntry", "PackFile", "PackWriter", "TierPacks"]
 
@@ -93,8 +94,9 @@ class _Pack:
     entries: dict[str, IndexedEntry]
     #: The identity of the file ``fd`` opened (what a refresh compares the name's file with).
     identity: FileIdentity
-    #: recipe key -> why its entry may not be used here, or None: judged once, for this file.
-    verdicts: dict[str, str | None] = field(default_factory=dict)
+    #: recipe key -> whether its entry may be used here: judged once for this file (a verdict
+    #: that is not lasting, a key not trusted *yet*, is judged again at the next use).
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -121,13 +123,17 @@ class PackEntry:
     def signature(self) -> Signature:
         return self.indexed.head.signature
 
-    def verdict(self, judge: Callable[[ArtifactMeta, Signature], str | None]) -> str | None:
-        """Why this entry may not be used (``judge``'s answer, asked once per pack file)."""
+    def verdict(self, judge: Callable[[ArtifactMeta, Signature], Verdict]) -> Verdict:
+        """Whether this entry may be used (``judge``'s answer, asked once per pack file; a
+        refusal that is not lasting is not kept)."""
         verdicts = self.pack.verdicts
         key = self.recipe_key
-        if key not in verdicts:
-            verdicts[key] = judge(self.meta, self.signature)
-        return verdicts[key]
+        found = verdicts.get(key)
+        if found is None:
+            found = judge(self.meta, self.signature)
+            if found.lasting:
+                verdicts[key] = found
+        return found
 
 
 @dataclass(frozen=True)
@@ -351,6 +357,19 @@ class TierPacks:
         """The entry of ``recipe_key`` in the pack holding it; nothing is read."""
         held = self._by_key.get(recipe_key)
         return None if held is None else PackEntry(*held)
+
+    def entries(self, recipe_key: str) -> Iterator[PackEntry]:
+        """Every indexed pack's entry of ``recipe_key``, :meth:`entry`'s first: a caller that
+        may not use the first (signed by a key not trusted here: another user's prefetch
+        through another server) finds the one its own prefetch wrote."""
+        held = self._by_key.get(recipe_key)
+        if held is None:
+            return
+        yield PackEntry(*held)
+        for pack in list(self._packs.values()):
+            indexed = pack.entries.get(recipe_key)
+            if pack is not held[0] and indexed is not None:
+                yield PackEntry(pack, indexed)
 
     def read(self, found: PackEntry) -> bytes | None:
         """The bytes of entry ``found`` (of the pack file it was found in, not whatever holds

@@ -122,7 +122,7 @@ from kcache.signing import Signature, SignatureError
 from kcache.standing import Standing, directory_standing
 from kcache.store.local import LocalArtifactStore
 from kcache_client._packs import PACKS_DIR, PackEntry, PackFile, TierPacks
-from kcache_client._trust import Trust
+from kcache_client._trust import ACCEPTED, Trust, Verdict
 from kcache_client._withdrawals import Withdrawals
 
 __all__ = ["NodeTier", "TierEntry", "TierRemoval", "TierUsage", "default_cache_dir"]
@@ -141,6 +141,10 @@ _DIRS = (
     "locks",
     "packs",
 )
+#: The lock files under ``locks/`` (kcache.locks.FileKeyLock's, and the eviction lock).
+_LOCK_FILES = ("keys.lock", "evict.lock")
+#: Where a server's facts are kept (its default toolchain, include sets' digests).
+_SERVERS_DIR = "servers"
 #: Entries refused here are warned about once each, up to this many per process.
 _WARNED_MAX = 10_000
 
@@ -297,20 +301,44 @@ class NodeTier:
         return found
 
     def _share_dirs(self) -> None:
-        """In a shared tier (root sticky, writable by others), give the tier's directories this
-        process made the root's mode, so the other users can publish into them too."""
+        """Make the tier's directories now, with the tier's standing: in a shared tier (root
+        sticky, writable by others) each gets the root's mode (``1777``, ``1775``), so the
+        other users can publish into it too and find it shared, not another user's private
+        directory (untrusted). A directory made later, on first use (``packs/`` by the first
+        prefetch, ``index/complete/``, ``servers/``), made with the umask's ``0755``, turned
+        the tier untrusted for every other user until its creator opened it again. This
+        user's directories made before are given the mode too."""
         try:
             st = os.lstat(self.root)
         except OSError:
             return
         mode = st.st_mode & 0o7777
-        if not (mode & 0o1000 and mode & 0o022):
-            return
-        for sub in _DIRS:
+        sticky = bool(mode & 0o1000)
+        shared = sticky and bool(mode & 0o022)
+        if (mode & 0o022 and not sticky) or (not shared and st.st_uid != os.geteuid()):
+            return  # untrusted, or another user's private tier: nothing here is ours to make
+        for sub in (*_DIRS, _SERVERS_DIR):
             path = self.root / sub
             with contextlib.suppress(OSError):
-                if os.lstat(path).st_uid == os.geteuid():
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path)  # the umask's mode; a shared tier's is set below
+                if shared and os.lstat(path).st_uid == os.geteuid():
                     os.chmod(path, mode, follow_symlinks=False)
+        if shared:
+            # The lock files every user's processes open for writing (the per-key download
+            # lock, the eviction lock): made writable by all here, or the first user's 0644
+            # files would stop every other user's lookups (a sticky directory keeps them).
+            for name in _LOCK_FILES:
+                with contextlib.suppress(OSError):
+                    fd = os.open(
+                        self.root / "locks" / name,
+                        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                        0o666,
+                    )
+                    try:
+                        os.fchmod(fd, 0o666)
+                    finally:
+                        os.close(fd)
 
     def lookup(self, recipe_key: str) -> tuple[ArtifactMeta, bytes] | None:
         """The artifact and its verified bytes, or None (:meth:`lookup_signed` without the signature)."""
@@ -350,16 +378,18 @@ class NodeTier:
         """The pack entry of ``recipe_key`` this tier may use (its signature checked where the
         standing asks, once per entry of the pack file it is in), or None; its bytes are not
         read."""
-        found = self.packs.entry(recipe_key)
-        if found is None:
-            return None
-        problem = found.verdict(functools.partial(self._trust_problem, recipe_key))
-        if problem is not None:
-            self._refuse(f"the entry of recipe {recipe_key} in pack {found.name}", problem)
-            return None
-        if self._withdrawn(recipe_key, found.meta.digest, f"pack {found.name}"):
-            return None
-        return found
+        judge = functools.partial(self.verdict, recipe_key)
+        for found in self.packs.entries(recipe_key):  # another pack's when the first's refused
+            verdict = found.verdict(judge)
+            if verdict.problem is not None:
+                self._refuse(
+                    f"the entry of recipe {recipe_key} in pack {found.name}", verdict.problem
+                )
+                continue
+            if self._withdrawn(recipe_key, found.meta.digest, f"pack {found.name}"):
+                return None
+            return found
+        return None
 
     def _from_pack(self, recipe_key: str) -> tuple[ArtifactMeta, bytes, Signature] | None:
         found = self._pack_entry(recipe_key)
@@ -454,7 +484,7 @@ class NodeTier:
             except SignatureError as exc:
                 self._refuse(f"the entry {path}", str(exc))
                 return None
-        problem = self._trust_problem(recipe_key, entry, signature)
+        problem = self.verdict(recipe_key, entry, signature).problem
         if problem is not None:
             self._refuse(f"the entry {path}", problem)
             return None
@@ -474,23 +504,30 @@ class NodeTier:
         )
         return True
 
-    def _trust_problem(
-        self, recipe_key: str, entry: ArtifactMeta, signature: Signature | None
-    ) -> str | None:
-        """Why this tier may not use an entry, or None (module docstring).
+    def verdict(self, recipe_key: str, entry: ArtifactMeta, signature: Signature | None) -> Verdict:
+        """Whether this tier may use an entry (module docstring), judged once per file.
 
-        Where only signed entries are used, it must verify by a trusted key. In a private
-        tier an unsigned entry is this user's own (a local compile); a signed one is
-        checked where keys were given (KCACHE_TRUSTED_KEYS), which are the rule.
+        Where only signed entries are used (a shared or untrusted tier, a layer), it must
+        verify by a key trusted for this client's server (:meth:`Trust.entry_verdict`). A
+        private tier's entries are this user's own: used as they are, with no signature
+        checked and nothing imported for one (an unsigned entry is a local compile; a signed
+        one was checked when this user's process stored it). Where keys are given
+        (``KCACHE_TRUSTED_KEYS``, the fleet's), a signed entry's key must still be one of
+        them, by its id (a set lookup): a key the fleet stopped trusting vouches for nothing.
         """
         trust = self.trust
         if self.standing.signed_only:
             if trust is None:
-                return "no trusted keys to check its signature by"
-            return trust.entry_problem(recipe_key, entry, signature)
-        if signature is not None and trust is not None and trust.given:
-            return trust.entry_problem(recipe_key, entry, signature)
-        return None
+                return Verdict("no trusted keys to check its signature by")
+            return trust.entry_verdict(recipe_key, entry, signature)
+        if (
+            signature is not None
+            and trust is not None
+            and trust.given
+            and signature.key_id not in trust.given
+        ):
+            return Verdict(trust.foreign_key(signature.key_id))
+        return ACCEPTED
 
     def _blob(self, digest: str, size: int) -> bytes:
         """The verified bytes of ``digest`` (``size`` of them), hashed once per blob file read.
@@ -880,17 +917,18 @@ class NodeTier:
 
     # ---------------------------------------------------------------- server facts
     def _facts_path(self, url: str) -> Path:
-        return self.root / "servers" / f"{sha256_hex(url)[:32]}.json"
+        return self.root / _SERVERS_DIR / f"{sha256_hex(url)[:32]}.json"
 
     def save_server_facts(self, url: str, facts: dict[str, Any]) -> None:
         """Remember what a server said (its default toolchain), so keys can be computed offline."""
         if not self.standing.writable:
             return
-        atomic_write(
-            self._facts_path(url),
-            json.dumps({"url": url, "saved_at": time.time(), **facts}).encode(),
-            durable=False,  # a cache too: load_server_facts reads garbage as absent
-        )
+        with contextlib.suppress(PermissionError):  # another user's file in a shared tier
+            atomic_write(
+                self._facts_path(url),
+                json.dumps({"url": url, "saved_at": time.time(), **facts}).encode(),
+                durable=False,  # a cache too: load_server_facts reads garbage as absent
+            )
 
     def load_server_facts(self, url: str) -> dict[str, Any] | None:
         """The last facts saved for ``url``, or None."""
@@ -916,16 +954,20 @@ class NodeTier:
         return found[0].digest
 
     def present(self, recipe_key: str, digest: str) -> bool:
-        """Whether the alias of ``recipe_key`` and the blob ``digest`` exist (two ``stat`` s;
-        nothing is parsed, hashed or checked: for entries verified before), or a pack this
-        process indexed holds it. A withdrawn binding is not held."""
-        if self.withdrawals.withdrawn(recipe_key, digest):
-            return False
-        packed = self.packs.entry(recipe_key)
+        """Whether this process may use the entry ``recipe_key`` -> ``digest`` here: a pack
+        entry this tier accepts (its verdict kept with its pack file), or an alias it
+        accepts (parsed and judged once per alias file) whose blob exists (a ``stat``: a
+        lookup verifies the bytes when it reads them). What a prefetch asks of a completeness
+        marker's entries: an entry this process cannot use (a key not trusted here) is not
+        held, whatever another user's marker says. A withdrawn binding is not held."""
+        packed = self._pack_entry(recipe_key)
         if packed is not None and packed.meta.digest == digest:
             return True
-        return os.path.isfile(self.index.alias_path(recipe_key)) and os.path.isfile(
-            self.location(digest)
+        found = self._entry(recipe_key)
+        return (
+            found is not None
+            and found[0].digest == digest
+            and os.path.isfile(self.location(digest))
         )
 
     def complete_dir(self) -> str:
@@ -946,7 +988,10 @@ class NodeTier:
         if not self.standing.writable or self.read_only:
             return
         body = {"manifest": manifest_digest, "at": time.time(), "kernels": sorted(entries)}
-        atomic_write(self._complete_path(manifest_digest), json.dumps(body).encode(), durable=False)
+        with contextlib.suppress(PermissionError):  # another user's marker in a shared tier
+            atomic_write(
+                self._complete_path(manifest_digest), json.dumps(body).encode(), durable=False
+            )
 
     def marked(self, manifest_digest: str) -> list[tuple[str, str]] | None:
         """The entries :meth:`mark_complete` noted for the manifest, or None (no readable marker)."""

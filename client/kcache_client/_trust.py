@@ -40,22 +40,47 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import filelock
 
 from kcache.artifact import ArtifactMeta
+from kcache.errors import KCacheError
 from kcache.fsutil import atomic_write
-from kcache.signing import BundleDigest, Signature, SignatureError, TrustedKeys, load_backend
+from kcache.signing import BundleDigest, Signature, SignatureError, TrustedKeys
 from kcache_client.errors import UntrustedArtifactError
 
-__all__ = ["KnownServers", "Trust", "default_known_servers"]
+__all__ = ["ACCEPTED", "KnownServers", "Trust", "Verdict", "default_known_servers"]
 
 _log = logging.getLogger("kcache_client")
 
 #: Reread the pin file for an unknown key id at most this often (another process pinned).
 _REREAD_S = 1.0
+#: After a first contact that failed (the server unreachable), try again at most this often.
+_CONTACT_AGAIN_S = 5.0
+#: What a refusal tells the user to run to drop a URL's pins (the ``kcache trust`` command).
+FORGET = "kcache trust forget"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether an entry may be used here (``problem`` None) or why not, and whether that holds
+    for as long as the file judged stays the same (``lasting``): a signature that does not
+    verify, or none, does; a key not trusted *yet* does not (a pin may come: a first contact,
+    another process, a rotation), so such a refusal is never remembered."""
+
+    problem: str | None
+    lasting: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+#: The verdict of an entry that may be used.
+ACCEPTED = Verdict(None)
 
 
 def default_known_servers() -> Path:
@@ -93,6 +118,19 @@ class KnownServers:
             return TrustedKeys(str(k) for k in entry["keys"].values())
         except SignatureError:
             return None
+
+    def entries(self) -> dict[str, tuple[list[str], float | None]]:
+        """URL -> (the ids of its pinned keys, when it was first pinned), for ``kcache trust list``."""
+        listed: dict[str, tuple[list[str], float | None]] = {}
+        for url, entry in sorted(self.load().items()):
+            if not isinstance(entry, dict):
+                continue
+            at = entry.get("pinned_at")
+            listed[url] = (
+                sorted(_valid_keys(entry.get("keys"))),
+                float(at) if isinstance(at, (int, float)) else None,
+            )
+        return listed
 
     def pinned_for(self, key_id: str) -> list[str]:
         """The URLs ``key_id`` is pinned for (what a refusal names; it vouches for nothing else)."""
@@ -133,7 +171,8 @@ class Trust:
     """The keys answers and tier entries are checked against; see the module docstring."""
 
     def __init__(self, given: TrustedKeys, known: KnownServers, url: str | None = None) -> None:
-        load_backend()  # while the cache is made, not during a rank's first fetch
+        # Nothing is imported or made for Ed25519 here: a process that checks no signature
+        # (a private tier's hits) pays nothing for it (kcache.signing.verifier).
         self.given = given
         self.known = known
         #: The server this client looks up through (its configured URL, as the transport
@@ -144,6 +183,10 @@ class Trust:
         # The pins of ``url`` as tier entries are checked against, and when last read.
         self._entry_keys: TrustedKeys | None = None
         self._entry_keys_read = float("-inf")
+        #: How to ask ``url``'s ``GET /v1/keys`` when an entry signed by a key not pinned yet
+        #: is met before this user ever contacted it (set by the cache; None: never asked).
+        self.contact: Callable[[], Any] | None = None
+        self._contact_failed: tuple[float, str] | None = None  # when, and why
 
     @classmethod
     def from_settings(
@@ -269,8 +312,9 @@ class Trust:
             where,
             f"it is signed by key {key_id}, not by a key pinned for {url} "
             f"({', '.join(pinned.key_ids)} in {self.known.path}), and no pinned key endorses it. "
-            f"Another server may be answering for {url}. If its key was replaced on purpose, "
-            f"remove the entry for {url} from {self.known.path}, or give the new key in "
+            f"Another server may be answering for {url}. If its key was replaced on purpose "
+            f"(a server started with a new data directory or signing key), run: {FORGET} {url} "
+            "(the next contact pins the key it signs with now), or give the fleet's key in "
             "KCACHE_TRUSTED_KEYS",
         )
 
@@ -279,21 +323,60 @@ class Trust:
         self, recipe_key: str, meta: ArtifactMeta, signature: Signature | None
     ) -> str | None:
         """Why a tier, pack or layer entry (or an artifact being checked) may not be used for
-        this client's server, or None when it may: it must verify by one of that server's
-        keys (the module docstring), never by a key that belongs to another server."""
+        this client's server, or None when it may (:meth:`entry_verdict`'s problem)."""
+        return self.entry_verdict(recipe_key, meta, signature).problem
+
+    def entry_verdict(
+        self, recipe_key: str, meta: ArtifactMeta, signature: Signature | None
+    ) -> Verdict:
+        """Whether a tier, pack or layer entry (or an artifact being checked) may be used for
+        this client's server: it must verify by one of that server's keys (the module
+        docstring), never by a key that belongs to another server.
+
+        A key not pinned for the server yet, met before this user ever contacted it, is
+        looked up there first (``GET /v1/keys``, pinned on first contact, as an answer
+        would be); a refusal for want of a pin is not :attr:`Verdict.lasting`.
+        """
         if signature is None:
-            return "it is not signed"
+            return Verdict("it is not signed")
         keys = self.given or self._entry_keys_of(signature.key_id)
+        if signature.key_id not in keys and not self.given:
+            keys = self._first_contact() or keys
         if signature.key_id not in keys:
-            return self._foreign_key(signature.key_id)
+            return Verdict(self.foreign_key(signature.key_id), lasting=False)
         try:
             keys.verify(recipe_key, meta, signature)
         except SignatureError as exc:
-            return str(exc)
-        return None
+            return Verdict(str(exc))
+        return ACCEPTED
 
-    def _foreign_key(self, key_id: str) -> str:
-        """Why an entry signed by ``key_id``, not a key of this client's server, is refused."""
+    def _first_contact(self) -> TrustedKeys | None:
+        """The keys of this client's server, pinned now if it was never contacted (and can
+        be reached: a failure is tried again after :data:`_CONTACT_AGAIN_S`); else None."""
+        url, contact = self.url, self.contact
+        if url is None or contact is None:
+            return None
+        with self._lock:
+            if url in self._pinned or self._entry_keys:
+                return None  # contacted, or pinned when the pin file was last read
+            failed = self._contact_failed
+        if failed is not None and time.monotonic() - failed[0] < _CONTACT_AGAIN_S:
+            return None
+        if self.known.keys(url) is not None:
+            return None  # pinned (by another process meanwhile): _entry_keys_of rereads it
+        try:
+            keys = self._server_keys(url, contact)
+        except KCacheError as exc:  # unreachable, refused, a malformed answer
+            with self._lock:
+                self._contact_failed = (time.monotonic(), str(exc))
+            return None
+        with self._lock:
+            self._entry_keys, self._entry_keys_read = keys, time.monotonic()
+        return keys
+
+    def foreign_key(self, key_id: str) -> str:
+        """Why an entry signed by ``key_id``, not a key of this client's server, is refused,
+        and which setting would trust it."""
         elsewhere = [u for u in self.known.pinned_for(key_id) if u != self.url]
         whose = (
             f"pinned for {', '.join(elsewhere)} in {self.known.path}"
@@ -301,14 +384,30 @@ class Trust:
             else "a key this client does not know"
         )
         if self.given:
-            why = "it is not one of the given keys (KCACHE_TRUSTED_KEYS)"
+            why = (
+                "it is not one of the given keys (KCACHE_TRUSTED_KEYS); if it is your fleet's "
+                "signing key, add its public key there"
+            )
         elif self.url is None:
             why = (
-                "no server is configured (KCACHE_URL), and without one only given keys "
-                "(KCACHE_TRUSTED_KEYS) vouch for entries"
+                "no server is configured (KCACHE_URL), and without one only given keys vouch "
+                "for entries: give the fleet's public key in KCACHE_TRUSTED_KEYS (what "
+                "`kcache trust list` shows pinned, or the server's GET /v1/keys)"
+            )
+        elif self.known.keys(self.url) is None:
+            failed = self._contact_failed
+            cause = f" ({failed[1]})" if failed else ""
+            why = (
+                f"this user has not pinned the keys of {self.url} yet ({self.known.path}) and it "
+                f"could not be asked for them{cause}: reach it once (its first contact pins its "
+                "key), or give the fleet's public key in KCACHE_TRUSTED_KEYS"
             )
         else:
-            why = f"it is not one of the keys of {self.url} ({self.known.path})"
+            why = (
+                f"it is not one of the keys pinned for {self.url} ({self.known.path}); if that "
+                f"server's key was replaced on purpose, run: {FORGET} {self.url} (its next "
+                "contact pins the new key), or give the fleet's public key in KCACHE_TRUSTED_KEYS"
+            )
         return (
             f"it is signed by key {key_id} ({whose}), which is not trusted here: {why}; a key "
             "vouches only for the server it belongs to"

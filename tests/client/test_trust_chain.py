@@ -15,6 +15,8 @@ import logging
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import traceback
@@ -53,6 +55,15 @@ def _server(data: Path, key: Path | None, previous: Path | None = None) -> Serve
             audit={"flush_s": 0.05},
         )
     )
+
+
+def _kcache(argv: list[str], env: dict[str, str]) -> str:
+    """The real ``kcache`` command, as a user runs it; its standard output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kcache.cli", *argv], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def _key(path: Path) -> SigningKey:
@@ -127,10 +138,19 @@ def test_first_contact_pins_the_key_and_another_server_on_the_url_is_refused(
             assert cache.tier.lookup(cache.key(third)) is None  # nothing stored
         message = str(refused.value)
         assert _key(keys["b"]).key_id in message and str(known) in message
-        assert (
-            "Another server may be answering" in message
-            and f"remove the entry for {proxy.url}" in message
-        )
+        assert "Another server may be answering" in message
+        # The key was replaced on purpose (a server restarted with a new data directory on
+        # the same port): the refusal says what to run, and running it is enough.
+        command = f"kcache trust forget {proxy.url}"
+        assert command in message
+        env = {**os.environ, "KCACHE_KNOWN_SERVERS": str(known)}
+        listed = _kcache(["trust", "list", "--json"], env)
+        assert [s["url"] for s in json.loads(listed)["servers"]] == [proxy.url]
+        _kcache(command.split()[1:], env)
+        with _cache(proxy.url, tmp_path / "t3", trusted=None, known=known) as cache:
+            assert cache.get(third).origin in ("server", "compiled")  # B's key, pinned now
+        repinned = KnownServers(known).keys(proxy.url)
+        assert repinned is not None and repinned.key_ids == [_key(keys["b"]).key_id]
     finally:
         proxy.close()
         server_b.stop()
@@ -529,7 +549,7 @@ def test_a_shared_tier_entry_signed_by_another_servers_key_is_refused_for_this_s
             assert through(None) is None  # without a server, only given keys vouch
         assert (
             f"signed by key {y.key_id} (pinned for {Y_URL} in {known.path}), which is not "
-            f"trusted here: it is not one of the keys of {X_URL}"
+            f"trusted here: it is not one of the keys pinned for {X_URL}"
         ) in caplog.text
         assert "no server is configured" in caplog.text
         assert through(Y_URL) == (meta, foreign)  # the entry is sound, for the server it is Y's
