@@ -221,6 +221,32 @@ def enter_removed_directory() -> None:
     os.rmdir(place)
 
 
+def _works_in_an_include_set(recipe: Recipe, include_sets: IncludeSets) -> bool:
+    """Whether this process's working directory is a directory of one of ``recipe``'s sets.
+
+    NVRTC looks a quoted include of the program up in the working directory before the
+    ``-I`` directories: from inside a set it reads the working directory's copy, which
+    is no input (refused), where a server reads the set's. ``kcache compile k.cu
+    --include-set local=.`` beside ``tile.h`` asked for exactly that set, and was
+    refused with the advice to pass that set; a fresh process in a removed directory
+    reads what a server reads.
+    """
+    if not recipe.include_sets:
+        return False
+    try:
+        here = os.path.realpath(os.getcwd())
+    except FileNotFoundError:
+        return False
+    for entry in recipe.include_sets:
+        try:
+            root = os.path.realpath(include_sets.get(entry).root)
+        except RecipeError:
+            continue  # the compile itself says what is wrong with it
+        if here == root or here.startswith(root + os.sep):
+            return True
+    return False
+
+
 def _in_removed_directory() -> bool:
     try:
         os.getcwd()
@@ -438,9 +464,12 @@ def compile_recipe(
     or cubins), fetched by the caller. Raises :class:`CompileError` with the log.
     Runs in this process while its NVRTC is trusted, else in a fresh one; so does a
     recipe whose bytes would record this process's working directory
-    (:func:`reads_working_directory`), unless that is a removed one.
+    (:func:`reads_working_directory`), and one that names an include set this process
+    works in (:func:`_works_in_an_include_set`), unless that is a removed one.
     """
-    here = not reads_working_directory(recipe) or _in_removed_directory()
+    here = _in_removed_directory() or not (
+        reads_working_directory(recipe) or _works_in_an_include_set(recipe, include_sets)
+    )
     if here and _process_nvrtc.untrusted is None:
         generation = _process_nvrtc.generation
         try:
@@ -578,8 +607,9 @@ def answer_one_compile() -> None:
 
     request = pickle.loads(sys.stdin.buffer.read())
     recipe = Recipe.from_dict(request["recipe"])
-    if reads_working_directory(recipe):
-        enter_removed_directory()  # every path in the request is absolute
+    # Every path in the request is absolute. A removed directory reads as a server's
+    # worker does: nothing found "next to" the program, no directory in the bytes.
+    enter_removed_directory()
     toolchain = load_toolchain(Path(request["toolchain_dir"]))
 
     def compile() -> CompileOutput:

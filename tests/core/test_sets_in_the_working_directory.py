@@ -1,0 +1,60 @@
+"""A compile from inside one of its include sets reads the set, as a server would.
+
+NVRTC looks a quoted include of the program up in the working directory first. With
+``k.cu`` and ``tile.h`` side by side, ``kcache compile k.cu`` rightly refuses ``tile.h``
+(no input) and advises ``--include-set NAME=DIR``; given ``--include-set local=.`` from
+that directory it refused again with the same advice (the working directory's copy was
+read, not the set's). Such a compile now runs where a server's worker does, in a removed
+directory: it succeeds, recording ``local:tile.h``, and misses once the header changes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kcache.errors import UnlistedIncludeError
+from kcache.include_sets import IncludeSets
+from kcache.nvrtc import compile_recipe
+from kcache.recipe import Recipe
+from kcache.toolchain import Toolchain
+from tests.cli_harness import kcache, user_env
+
+SOURCE = '#include "tile.h"\n__global__ void k(float* x) { x[0] = TILE; }\n'
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "k.cu").write_text(SOURCE)
+    (tmp_path / "tile.h").write_text("#define TILE 8\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _recipe(toolchain: Toolchain, sets: IncludeSets, *names: str) -> Recipe:
+    recipe = Recipe(source=SOURCE, name="k.cu", target="sm_90", include_sets=list(names))
+    return recipe.with_defaults(toolchain=toolchain.id, include_sets=sets.digests())
+
+
+def test_a_set_rooted_at_the_working_directory_is_read_as_the_set(
+    toolchain: Toolchain, project: Path
+) -> None:
+    none = IncludeSets()
+    with pytest.raises(UnlistedIncludeError, match=r"tile\.h"):
+        compile_recipe(_recipe(toolchain, none), toolchain, none)
+    sets = IncludeSets({"local": "."})
+    output = compile_recipe(_recipe(toolchain, sets, "local"), toolchain, sets)
+    assert [d.name for d in output.dependencies] == ["local:tile.h"]
+
+
+def test_the_cli_takes_its_own_advice(project: Path) -> None:
+    env = user_env(project)
+    refused = kcache("compile", "k.cu", "--target", "sm_90", "--local", env=env, cwd=project)
+    assert refused.returncode != 0 and "--include-set NAME=DIR" in refused.stderr
+    args = ("compile", "k.cu", "--target", "sm_90", "--local", "--include-set", "local=.")
+    first = kcache(*args, env=env, cwd=project)
+    assert first.returncode == 0 and '"compiled"' in first.stdout, first.stderr
+    (project / "tile.h").write_text("#define TILE 9\n")
+    edited = kcache(*args, env=env, cwd=project)
+    assert edited.returncode == 0 and '"compiled"' in edited.stdout, edited.stderr
