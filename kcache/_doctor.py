@@ -19,6 +19,7 @@ the standard library is used (the core does not depend on httpx).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -70,6 +71,17 @@ def _toolchain() -> list[Check]:
     try:
         toolchain = load_toolchain()
     except KCacheError as exc:
+        if _compiler_absent(exc) and importlib.util.find_spec("kcache_server") is None:
+            # A client-only install (the README's): kernels come from a server; only
+            # local compiles (no server, or --local) need NVRTC here.
+            return [
+                Check(
+                    "toolchain",
+                    "warn",
+                    f"no NVRTC here: kernels are fetched from a server, and a local compile "
+                    f"(no server configured, or --local) fails until it is installed: {exc}",
+                )
+            ]
         return [Check("toolchain", "fail", f"unusable: {exc}")]
     described = toolchain.describe()
     targets = [f"sm_{sm}" for sm in toolchain.supported_sms]
@@ -95,6 +107,13 @@ def _toolchain() -> list[Check]:
             )
         )
     return checks
+
+
+def _compiler_absent(exc: KCacheError) -> bool:
+    """Whether ``exc`` says NVRTC is not installed at all (rather than installed and broken)."""
+    return isinstance(exc.__cause__, ImportError) or str(exc).startswith(
+        "cannot locate the NVRTC/nvJitLink libraries"
+    )
 
 
 def _sandbox() -> Check:

@@ -601,6 +601,11 @@ def test_wheels_serve_and_a_client_only_venv_compiles_and_fetches(
     work = tmp_path / "work"
     work.mkdir()
     env = _user_env()
+    # The doctor of a client-only install passes: NVRTC is only for local compiles (it
+    # said "FAIL toolchain unusable"); a warning says what is missing and for what.
+    doctor = _kcache_run(client_bin, "doctor", env=env, cwd=work)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert re.search(r"^warn\s+toolchain\s+no NVRTC here", doctor.stdout, re.M), doctor.stdout
     env["KCACHE_CACHE_DIR"] = str(tmp_path / "node-tier")
     env["XDG_CONFIG_HOME"] = str(tmp_path / "config")  # pinned server keys stay in this test
     data = tmp_path / "data"
