@@ -11,10 +11,10 @@ A compile reads exactly its inputs (see :mod:`kcache.deps`):
   the ``-I`` directories. For the program itself "next to" means the compiling
   process's working directory, which is no input: a file read from there is a
   relative path in the trace that no input has (refused), or has the name of an
-  in-memory header but prints no read marker (refused). Server workers, and fresh
-  compile processes for outputs that would record the directory
-  (:func:`reads_working_directory`), run in a working directory that was removed,
-  where nothing is found.
+  in-memory header but prints no read marker (refused). Server workers and fresh
+  compile processes (used for outputs that would record the directory,
+  :func:`reads_working_directory`, and from inside an include set) run in a working
+  directory that was removed, where nothing is found.
 - Every compile passes ``-frandom-seed`` derived from the recipe's base key
   (:func:`compile_seed`), so a recipe compiles to the same bytes in every process.
 - After a successful compile every file in the dependency trace must be an input,
