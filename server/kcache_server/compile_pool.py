@@ -412,7 +412,9 @@ class ProcessPoolCompiler:
             raise ToolchainError("the compile pool is shut down")
         try:
             check_free_space(
-                self.tmp_dir, self.min_free_bytes, "the compile scratch directory (min_free_bytes)"
+                self.tmp_dir,
+                self.min_free_bytes,
+                "the compile scratch directory (min_free_bytes, KCACHE_MIN_FREE_BYTES)",
             )
         except StoreFullError as exc:
             log.warning("compile refused: %s", exc)

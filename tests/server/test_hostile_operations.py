@@ -531,12 +531,15 @@ def test_row13_a_full_disk_is_507_store_full_everywhere(small_disk: Path) -> Non
 
             _fill(filler, leave=4 << 20)  # below min_free_bytes, not yet full
             ready = client.get("/readyz")
-            assert ready.status_code == 503 and "min_free_bytes" in ready.json()["checks"]["disk"]
+            assert (
+                ready.status_code == 503
+                and "KCACHE_MIN_FREE_BYTES" in ready.json()["checks"]["disk"]
+            )
             precheck = client.post("/v1/resolve", json={"recipe": vector_add(unique())})
             assert precheck.status_code == 507 and precheck.json()["error"] == "store_full", (
                 precheck.text
             )
-            assert "min_free_bytes" in precheck.json()["detail"]
+            assert "KCACHE_MIN_FREE_BYTES" in precheck.json()["detail"]
             _healthy(server, baseline)
 
             _fill(filler)  # now truly full

@@ -137,7 +137,10 @@ def _disk(state: ServerState) -> str:
     except OSError as exc:
         return f"failed: cannot read the data directory's free space ({exc.strerror})"
     if free < minimum:
-        return f"failed: {free} bytes free under the data directory, below min_free_bytes={minimum}"
+        return (
+            f"failed: {free} bytes free under the data directory, below min_free_bytes={minimum} "
+            "(KCACHE_MIN_FREE_BYTES): free some space (kcache db gc removes unreferenced blobs)"
+        )
     return f"ok ({free} bytes free)"
 
 
