@@ -237,7 +237,7 @@ class LinkInput:
 
 @dataclass(frozen=True, eq=False)
 class Recipe:
-    """Everything that changes the generated code of one kernel (ARCHITECTURE section 3).
+    """Everything that changes the generated code of one kernel (docs/design.md, section 3).
 
     Construct it directly or with :meth:`from_dict` / :meth:`from_json`; every field
     is validated, and a bad one raises :class:`RecipeError` naming it.

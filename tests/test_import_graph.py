@@ -4,7 +4,7 @@ Every ``import`` of every module of ``kcache``, ``kcache_client`` and
 ``kcache_server`` counts, wherever it is written: at the top, inside a function
 (an import there hides a cycle from Python, not from this test) or under
 ``TYPE_CHECKING``. The core imports neither the client nor the server, and the
-client never imports the server (ARCHITECTURE section 1).
+client never imports the server (docs/design.md, section 1).
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ SETTING_MARK = "x-kcache-setting"
 RECIPE_MARK = "x-kcache-recipe"
 
 _RECIPE_DOC = (
-    "A recipe (ARCHITECTURE section 3): source, name, headers, flags, target (sm_XX; "
+    "A recipe (docs/design.md, section 3): source, name, headers, flags, target (sm_XX; "
     '"auto" must be resolved by the client), output, name_expressions, specialization, '
     "link, lto, toolchain (omitted: the server's default), include_sets."
 )

@@ -1,6 +1,6 @@
 """Multi-rank warmup with real processes: torch.distributed on gloo (CPU) against a real server.
 
-ARCHITECTURE section 8: the union of all ranks' recipes is resolved once by the leader,
+docs/design.md, section 8: the union of all ranks' recipes is resolved once by the leader,
 its broadcast is the barrier, every rank ends with the same artifacts, and a failing
 leader makes every rank raise the same error within the timeout.
 
