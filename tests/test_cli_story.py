@@ -595,6 +595,11 @@ def test_config_shows_each_setting_and_where_it_came_from(home: Path) -> None:
     assert rows["memory_entries"]["source"] == "default"
     text = kcache("config", env=env, cwd=home).stdout
     assert "retry.budget_s" in text and "environment (KCACHE_RETRY_BUDGET_S)" in text
+    # Each row names the variable that sets it, a default one too (the table had none).
+    lines = text.splitlines()
+    assert lines[0].split() == ["SETTING", "VARIABLE", "VALUE", "SOURCE"]
+    memory = next(line for line in lines if line.startswith("memory_entries "))
+    assert memory.split()[:2] == ["memory_entries", "KCACHE_MEMORY_ENTRIES"], memory
 
 
 def test_stats_of_a_cache_directory_needs_no_server(home: Path) -> None:

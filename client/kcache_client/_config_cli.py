@@ -144,9 +144,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
         json.dump(rows, sys.stdout, indent=2)
         print()
         return 0
-    widths = [max(len(r[k]) for r in rows) for k in ("setting", "value")]
-    for r in rows:
-        print(f"{r['setting']:<{widths[0]}}  {r['value']:<{widths[1]}}  {r['source']}".rstrip())
+    # The variable that sets each one, whatever set it this time: what to export to change it.
+    columns = ("setting", "variable", "value", "source")
+    table = [{c: c.upper() for c in columns}, *rows]
+    widths = [max(len(r[c]) for r in table) for c in columns[:-1]]
+    for r in table:
+        cells = [f"{r[c]:<{w}}" for c, w in zip(columns, widths, strict=False)]
+        print("  ".join([*cells, r["source"]]).rstrip())
     return 0
 
 
