@@ -112,7 +112,10 @@ def _report(exc: BaseException) -> int:
             print(f"kcache: {line}", file=sys.stderr)
         if getattr(exc, "code", None) == "unlisted_include":
             print(f"kcache: hint: {HEADER_HINT}", file=sys.stderr)
-        failed = isinstance(exc, ConnectionError | TimeoutError | FileNotFoundError)
+        # 1: it could not be done (a server or store out of reach, nothing found), also
+        # when a command's own message wraps that cause; 2: what was asked is wrong.
+        unavailable = ConnectionError | TimeoutError | FileNotFoundError
+        failed = isinstance(exc, unavailable) or isinstance(exc.__cause__, unavailable)
         return 1 if failed else 2
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""

@@ -240,10 +240,12 @@ def _remote(url: str, token: str | None, params: dict[str, str]) -> dict[str, An
         raise KCacheError(f"{url} answered {exc.code}: {printable(str(detail))}{hint}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
+        # Chained to the socket's own error, which says what kind of failure it was: a
+        # server out of reach exits 1 like every other command's (kcache.cli).
         raise KCacheError(
             f"server unreachable at {url} ({reason})\nstart it, check --server / $KCACHE_URL, "
             "or read a server's database directly with --data-dir DIR or --db-url URL"
-        ) from None
+        ) from (reason if isinstance(reason, BaseException) else exc)
 
 
 def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:

@@ -1,13 +1,19 @@
-"""``--header FILE`` names the header by its file name, as ``--header NAME=FILE`` would.
+"""Conventions every ``kcache`` command keeps.
 
-The help said NAME=FILE and ``--header mytile.h`` was refused ("must look like
-NAME=VALUE"); the common case, a header beside the source, now needs no NAME.
+- ``--header FILE`` names the header by its file name, as ``--header NAME=FILE`` would
+  (the help said NAME=FILE and ``--header mytile.h`` was refused, "must look like
+  NAME=VALUE").
+- Exit status 1 when what was asked could not be done (a server out of reach), 2 when
+  what was asked is wrong: ``cache info --server`` exited 1 and ``get``/``compile``/
+  ``stats`` 2 for the same unreachable server.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import pytest
 
 from tests.cli_harness import assert_user_error, kcache, user_env
 
@@ -36,3 +42,23 @@ def test_a_spec_without_a_value_names_its_own_form(tmp_path: Path) -> None:
         "key", "k.cu", "--target", "sm_90", "--spec", "dtype", env=user_env(tmp_path), cwd=tmp_path
     )
     assert_user_error(result, "--spec", "KEY=JSON")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["get", "k.cu", "--target", "sm_90"],
+        ["compile", "k.cu", "--target", "sm_90"],
+        ["stats"],
+        ["cache", "info"],
+    ],
+    ids=" ".join,
+)
+def test_a_server_out_of_reach_exits_1_for_every_command(
+    tmp_path: Path, command: list[str]
+) -> None:
+    (tmp_path / "k.cu").write_text(SOURCE.replace('#include "mytile.h"', "#define TILE 1"))
+    unreachable = "http://127.0.0.1:1"
+    result = kcache(*command, "--server", unreachable, env=user_env(tmp_path), cwd=tmp_path)
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    assert unreachable in result.stderr and "Traceback" not in result.stderr
