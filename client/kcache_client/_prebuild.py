@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlencode
@@ -305,39 +305,49 @@ def prebuild(
     context["job_id"] = cache.settings.job_id or f"prebuild-{manifest.digest[:16]}"
     total = len(manifest) * len(chosen)
     results: dict[tuple[str, str], PrebuildItem] = {}
+    done = 0
+
+    def finished(item: PrebuildItem) -> None:
+        nonlocal done
+        results[(item.kernel.recipe_key, item.target)] = item
+        done += 1
+        if progress is not None:
+            progress(item, done, total)
+
+    # A window of work in flight, kernels read as it drains: the first line comes after
+    # the first kernel, not after every recorded recipe of a 100,000-kernel manifest was
+    # fetched (and held: 300 MB), as it did.
+    window = jobs * 4
+    kernels = iter(manifest.kernels)
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="kcache-prebuild") as pool:
+        pending: dict[Future[Any], ManifestKernel | None] = {}
+
+        def refill() -> None:
+            while len(pending) < window:
+                kernel = next(kernels, None)
+                if kernel is None:
+                    return
+                pending[pool.submit(_recorded, remote, kernel.recipe_key)] = kernel
+
         try:
-            recipes = {
-                kernel.recipe_key: recipe
-                for kernel, recipe in zip(
-                    manifest.kernels,
-                    pool.map(lambda k: _recorded(remote, k.recipe_key), manifest.kernels),
-                    strict=True,
-                )
-            }
-            pending: dict[Future[PrebuildItem], None] = {}
-            for kernel in manifest.kernels:
-                recorded = recipes[kernel.recipe_key]
-                for target in chosen:
-                    if isinstance(recorded, str):  # the server's reason it holds none
-                        item = PrebuildItem(kernel, target.text, "missing", reason=recorded)
-                        results[(kernel.recipe_key, target.text)] = item
+            refill()
+            while pending:
+                ready, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for job in ready:
+                    kernel = pending.pop(job)
+                    if kernel is None:  # one (kernel, target) ended
+                        finished(job.result())
                         continue
-                    job = pool.submit(
-                        _one, remote, kernel, recorded, target, toolchain, context, dry_run
-                    )
-                    pending[job] = None
-            done = 0
-            for item in results.values():
-                done += 1
-                if progress is not None:
-                    progress(item, done, total)
-            for job in as_completed(pending):
-                item = job.result()
-                results[(item.kernel.recipe_key, item.target)] = item
-                done += 1
-                if progress is not None:
-                    progress(item, done, total)
+                    recorded = job.result()
+                    for target in chosen:
+                        if isinstance(recorded, str):  # the server's reason it holds none
+                            finished(PrebuildItem(kernel, target.text, "missing", reason=recorded))
+                        else:
+                            item = pool.submit(
+                                _one, remote, kernel, recorded, target, toolchain, context, dry_run
+                            )
+                            pending[item] = None
+                refill()
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise

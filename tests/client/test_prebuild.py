@@ -366,3 +366,36 @@ def test_retarget_changes_the_target_only_as_the_recipe_says() -> None:
         "sm_100",
         "compute_90",
     ]
+
+
+def test_a_large_manifest_reports_its_first_kernel_before_reading_every_recipe(
+    fleet: Fleet,
+) -> None:
+    """A 100,000-kernel dry run printed nothing for 180 s (and held 300 MB): every recorded
+    recipe was fetched before the first (kernel, target) ran. Now a window of kernels is in
+    flight, so the first progress line comes while most recipes are still unread."""
+    from kcache_client._prebuild import prebuild
+
+    from tests.support import requests_counted
+
+    route = "/v1/recipes/{recipe_key}/recipe"
+
+    def recipes_read() -> float:
+        metrics = httpx.get(f"{fleet.server.url}/metrics", timeout=30).text
+        return sum(requests_counted(metrics, route, "GET", s) for s in ("200", "404"))
+
+    unknown = [ManifestKernel(f"{i:064x}", "ab" * 32, f"k{i}") for i in range(40)]
+    manifest = JobManifest.of([*fleet.manifest.kernels, *unknown])
+    before = recipes_read()
+    at_first: list[float] = []
+
+    def progress(item: object, done: int, total: int) -> None:
+        if not at_first:
+            at_first.append(recipes_read() - before)
+
+    settings = ClientSettings.from_env(retry=FAST, send_events=False)
+    with KernelCache(fleet.server.url, cache_dir=fleet.home / "dry", settings=settings) as cache:
+        result = prebuild(cache, manifest, ["sm_80"], jobs=1, dry_run=True, progress=progress)
+    assert len(result.items) == 43 and result.counts["missing"] == 40
+    assert recipes_read() - before == 43  # each read once
+    assert at_first and at_first[0] <= 8, at_first  # jobs=1: a window of 4 kernels, not 43
