@@ -183,7 +183,6 @@ def _cuda_core() -> Any:
     return experimental
 
 
-@dataclass(frozen=True, eq=False)
 class Judgement:
     """The one check that found an artifact usable, made where it was found (a node-tier or
     pack entry judged by the tier's standing and this client's trust, a server's answer whose
@@ -196,14 +195,26 @@ class Judgement:
     (``dataclasses.replace``) no longer holds them and is checked in full.
     """
 
-    trust: Trust | None
-    recipe_key: str
-    meta: ArtifactMeta
-    signature: Signature | None
-    data: bytes
-    #: How it was judged (``signed``: a signature verified here; ``private tier``: this
-    #: user's own entry, used as it is; ``compiled here``: a local compile).
-    how: str
+    __slots__ = ("data", "how", "meta", "recipe_key", "signature", "trust")
+
+    def __init__(
+        self,
+        trust: Trust | None,
+        recipe_key: str,
+        meta: ArtifactMeta,
+        signature: Signature | None,
+        data: bytes,
+        how: str,
+    ) -> None:
+        # A plain class, not a frozen dataclass: one is made per node-tier hit (B3).
+        self.trust = trust
+        self.recipe_key = recipe_key
+        self.meta = meta
+        self.signature = signature
+        self.data = data
+        #: How it was judged (``signed``: a signature verified here or at publish; ``private
+        #: tier``: this user's own entry, used as it is; ``compiled here``: a local compile).
+        self.how = how
 
     def holds_for(self, art: Artifact) -> bool:
         """Whether ``art`` is what was judged: the same objects (bytes are immutable)."""
@@ -230,6 +241,9 @@ class Artifact:
     """
 
     recipe_key: str
+    #: The recipe's base key (what manifests are indexed by). Given as ``""`` (what ``get``
+    #: does), it is the recipe's, computed when first read: most callers never read it, and
+    #: keying costs a rank 4 us per kernel it loads (B12).
     base_key: str
     digest: str
     data: bytes = field(repr=False)
@@ -365,3 +379,20 @@ class Artifact:
                 else self.metadata.kernel
             )
         return self.load_module(device).get_kernel(name)
+
+
+def _base_key(self: Artifact) -> str:
+    known: str = self.__dict__.get("_base_key", "")
+    if not known:
+        known = self.recipe.base_key()
+        self.__dict__["_base_key"] = known  # frozen fields stay; this is a memo of one
+    return known
+
+
+def _set_base_key(self: Artifact, value: str) -> None:
+    self.__dict__["_base_key"] = value  # what the dataclass's __init__ sets
+
+
+# ``base_key`` stays a field (the constructor, replace(), equality and repr see it) whose
+# value, when given as "", is the recipe's own, computed on first read.
+Artifact.base_key = property(_base_key, _set_base_key)  # type: ignore[assignment]

@@ -137,6 +137,8 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
     started = time.monotonic()
     tiers = _tiers(cache)
     tier = cache.tier
+    for each in tiers:  # the packs first: a key they hold is not looked for as an alias file
+        each.packs.refresh()
     if any(_held(tiers, key) is not None for key in manifest.recipe_keys):
         cache.check_withdrawals()  # what the tiers hold of it and the server withdrew: not held
 

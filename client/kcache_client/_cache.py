@@ -376,9 +376,11 @@ class KernelCache:
         """The concrete recipe: ``auto`` resolved to this device, the toolchain to the server's,
         and each include set pinned to its contents (:mod:`~kcache_client._include_pins`)."""
         auto, toolchain = _needs(recipe)
+        unpinned = recipe.unpinned_include_sets()
+        if not (auto or toolchain or unpinned):
+            return recipe  # concrete already (what with_defaults would answer, built first)
         target = self.auto_target() if auto else None
         tc = self.default_toolchain() if toolchain else None
-        unpinned = recipe.unpinned_include_sets()
         sets = self.include_pins.digests(unpinned) if unpinned else None
         return recipe.with_defaults(target=target, toolchain=tc, include_sets=sets)
 
@@ -725,7 +727,7 @@ class KernelCache:
             how = "signed"
         return Artifact(
             recipe_key=key,
-            base_key=concrete.base_key(),
+            base_key="",  # the recipe's, computed when first read (Artifact.base_key)
             digest=meta.digest,
             data=data,
             blob_path=(tier or self.tier).location(meta.digest),

@@ -87,7 +87,6 @@ which its owner could rewrite between the check and the load.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -378,9 +377,15 @@ class NodeTier:
         """The pack entry of ``recipe_key`` this tier may use (its signature checked where the
         standing asks, once per entry of the pack file it is in), or None; its bytes are not
         read."""
-        judge = functools.partial(self.verdict, recipe_key)
-        for found in self.packs.entries(recipe_key):  # another pack's when the first's refused
-            verdict = found.verdict(judge)
+        found = self.packs.entry(recipe_key)
+        if found is None:
+            return None
+        if found.verdict(self.verdict).ok:
+            if self._withdrawn(recipe_key, found.meta.digest, f"pack {found.name}"):
+                return None
+            return found
+        for found in self.packs.entries(recipe_key):  # another pack's, the first's refused
+            verdict = found.verdict(self.verdict)
             if verdict.problem is not None:
                 self._refuse(
                     f"the entry of recipe {recipe_key} in pack {found.name}", verdict.problem
