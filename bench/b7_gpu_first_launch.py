@@ -1,8 +1,12 @@
 """B7 (GPU): first launch of a kernel in a fresh process, ms from "I need this kernel" to
 its first launch finished, with the CUDA context already up in every variant.
 
-    ours            KernelCache(cache_dir=tier).get(recipe).load(), then launch (the node tier
-                    was filled by a warmup against a real server on the build machine)
+    ours            KernelCache(cache_dir=tier).get(recipe).load(), then launch: a private node
+                    tier (this user's, used as it is: no signature checked, no crypto imported),
+                    filled by a warmup against a real server on the build machine and copied
+    ours_shared     the same from a shared node tier (a copy of it, mode 1777): only entries
+                    whose signature verifies by the fleet key (KCACHE_TRUSTED_KEYS, saved at
+                    prepare from the server's GET /v1/keys) are used; a fresh home, no server
     nvrtc           NVRTC in-process (the GPU machine's own), cuModuleLoadData, launch
     cupy_cold       cupy.RawModule with an empty CUPY_CACHE_DIR (compiles)
     cupy_cached     cupy.RawModule with its disk cache already warm
@@ -12,19 +16,22 @@ Two phases, since the server and NVRTC 13.5 run on the build machine, the GPU el
     python bench/b7_gpu_first_launch.py prepare DIR    # here: real server + warmup into DIR/tier
     python bench/b7_gpu_first_launch.py run DIR        # on the GPU machine (PYTHONPATH=.:client)
 
-Each variant runs in ROUNDS fresh processes; the median is reported. Goals: ours >= 20 x
-faster than compiling (nvrtc), and <= CuPy's cached path.
+Each variant runs in ROUNDS fresh processes; the median is reported. Goals: ours (and
+ours_shared) >= 20 x faster than compiling (nvrtc), and <= CuPy's cached path. Ours also
+reports its phases (median ms): ``KernelCache()``, ``get``, ``load``, the launch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
@@ -68,16 +75,26 @@ if variant == "ours":
     from kcache import Recipe
     from kcache_client import ClientSettings, KernelCache
     from cuda.core import launch, LaunchConfig, Device
+    TIER = os.environ["B7_TIER"]
+    RECIPE = Recipe.from_dict(json.load(open(os.path.join(where, "recipe.json"))))
 elif variant == "nvrtc":
     from cuda.bindings import nvrtc
 started = time.perf_counter()
 if variant == "ours":
     quiet = ClientSettings.from_env(send_events=False)
-    cache = KernelCache(cache_dir=os.path.join(where, "..", "tier"), settings=quiet)
-    kernel = cache.get(Recipe.from_dict(json.load(open(os.path.join(where, "recipe.json"))))).load()
+    cache = KernelCache(cache_dir=TIER, settings=quiet)
+    t_made = time.perf_counter()
+    art = cache.get(RECIPE)
+    t_got = time.perf_counter()
+    kernel = art.load()
+    t_loaded = time.perf_counter()
     stream = Device().create_stream()
     launch(stream, LaunchConfig(grid=4, block=256), kernel, *[int(b) for b in bufs], ctypes.c_int(n))
     stream.sync()
+    phases = {"cache": (t_made - started) * 1e3, "get": (t_got - t_made) * 1e3,
+              "load": (t_loaded - t_got) * 1e3, "launch": (time.perf_counter() - t_loaded) * 1e3,
+              "origin": art.origin, "standing": cache.tier.standing.kind,
+              "cryptography": "cryptography" in sys.modules}
 elif variant == "nvrtc":
     _, prog = nvrtc.nvrtcCreateProgram(SRC.encode(), b"kernel.cu", 0, [], [])
     options = [b"-arch=sm_90", b"-std=c++17", *(o.encode() for o in INCLUDES)]
@@ -99,6 +116,7 @@ else:
     cupy.cuda.Device(0).synchronize()
 elapsed_ms = (time.perf_counter() - started) * 1e3
 exact = None
+phases = None
 if variant == "ours":
     # After timing: the tier's kernel, launched again on known data, must be exact.
     import struct
@@ -110,7 +128,7 @@ if variant == "ours":
     out = bytearray(n * 4)
     driver.cuMemcpyDtoH(out, bufs[2], n * 4)
     exact = struct.unpack(f"{n}f", bytes(out)) == tuple(3.0 * i for i in range(n))
-print(json.dumps({"ms": elapsed_ms, "exact": exact}))
+print(json.dumps({"ms": elapsed_ms, "exact": exact, "phases": phases}))
 """
 
 
@@ -126,6 +144,12 @@ def prepare(where: Path) -> None:
         for name, source in KERNELS.items()
     }
     with kcache_server() as url:
+        import httpx
+
+        keys = httpx.get(f"{url}/v1/keys", timeout=10).json()
+        # The key the server signed with: what a fleet's images carry (KCACHE_TRUSTED_KEYS).
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "fleet_key").write_text(keys["keys"][0]["public_key"] + "\n")
         quiet = ClientSettings.from_env(send_events=False)
         cache = KernelCache(url, cache_dir=where / "tier", settings=quiet)
         cache.warmup(list(recipes.values()))
@@ -140,8 +164,19 @@ def prepare(where: Path) -> None:
 
 def _first_launch(variant: str, where: Path, env: dict[str, str]) -> float:
     """One fresh process; its first-launch time (and, for ours, an exactness check)."""
+    return _launch(variant, where, env)[0]
+
+
+def _launch(variant: str, where: Path, env: dict[str, str]) -> tuple[float, dict[str, Any] | None]:
+    """One fresh process: its first-launch ms, and ours' phases."""
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, variant, str(where)],
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            "ours" if variant.startswith("ours") else variant,
+            str(where),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -152,7 +187,7 @@ def _first_launch(variant: str, where: Path, env: dict[str, str]) -> float:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if result["exact"] is False:
         raise RuntimeError(f"{variant}: the kernel from the tier computed wrong results")
-    return float(result["ms"])
+    return float(result["ms"]), result.get("phases")
 
 
 def _cuda_includes() -> str:
@@ -169,17 +204,35 @@ def _cuda_includes() -> str:
 
 def run(where: Path) -> None:
     """Time each kernel's variants in fresh processes (GPU machine)."""
-    for name in KERNELS:
-        _run_kernel(name, where / name)
+    with tempfile.TemporaryDirectory() as scratch:
+        # The shared tier: a copy of the prepared one, mode 1777 (a team's), signed entries
+        # only; the private one is the prepared tier as this user has it.
+        shared = Path(scratch) / "shared-tier"
+        shutil.copytree(where / "tier", shared, symlinks=True)
+        os.chmod(shared, 0o1777)
+        fresh_home = Path(scratch) / "home"
+        fresh_home.mkdir()
+        tiers = {"ours": str(where / "tier"), "ours_shared": str(shared)}
+        for name in KERNELS:
+            _run_kernel(name, where / name, tiers, where, fresh_home)
 
 
-def _run_kernel(name: str, where: Path) -> None:
+def _run_kernel(name: str, where: Path, tiers: dict[str, str], prepared: Path, home: Path) -> None:
     base = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in ("KCACHE_URL", "KCACHE_TRUSTED_KEYS")},
         "PYTHONPATH": f"{Path.cwd()}:{Path.cwd() / 'client'}",
         "B7_INCLUDES": _cuda_includes(),
+        # A fresh home: nothing pinned, nothing configured but what each variant says.
+        "KCACHE_KNOWN_SERVERS": str(home / "known_servers.json"),
+        "XDG_CONFIG_HOME": str(home / "config"),
+    }
+    fleet_key = (prepared / "fleet_key").read_text().strip()
+    ours_env = {
+        "ours": {"B7_TIER": tiers["ours"]},
+        "ours_shared": {"B7_TIER": tiers["ours_shared"], "KCACHE_TRUSTED_KEYS": fleet_key},
     }
     medians: dict[str, float] = {}
+    phases: dict[str, list[dict[str, Any]]] = {"ours": [], "ours_shared": []}
     with tempfile.TemporaryDirectory() as cupy_warm:
         warm_env = {**base, "CUPY_CACHE_DIR": cupy_warm}
         errors: dict[str, str] = {}
@@ -187,7 +240,7 @@ def _run_kernel(name: str, where: Path) -> None:
             _first_launch("cupy_cached", where, warm_env)  # fills CuPy's disk cache once
         except RuntimeError as exc:
             errors["cupy"] = str(exc)[-300:]
-        for variant in ("ours", "nvrtc", "cupy_cold", "cupy_cached"):
+        for variant in ("ours", "ours_shared", "nvrtc", "cupy_cold", "cupy_cached"):
             if variant.startswith("cupy") and "cupy" in errors:
                 continue
             times = []
@@ -197,17 +250,35 @@ def _run_kernel(name: str, where: Path) -> None:
                         times.append(
                             _first_launch(variant, where, {**base, "CUPY_CACHE_DIR": empty})
                         )
+                elif variant in ours_env:
+                    ms, seen = _launch(variant, where, {**warm_env, **ours_env[variant]})
+                    times.append(ms)
+                    if seen is not None:
+                        phases[variant].append(seen)
                 else:
                     times.append(_first_launch(variant, where, warm_env))
             medians[variant] = statistics.median(times)
-    emit(
-        f"B7.{name}.first_launch.vs_nvrtc_ms",
-        medians["ours"],
-        medians["nvrtc"],
-        "ms",
-        speedup=round(medians["nvrtc"] / medians["ours"], 1),
-        goal=">= 20 x faster",
-    )
+    for variant, tier in (("ours", "private"), ("ours_shared", "shared")):
+        seen = phases[variant]
+        emit(
+            f"B7.{name}.first_launch.vs_nvrtc_ms"
+            + ("" if variant == "ours" else ".shared_signed_tier"),
+            medians[variant],
+            medians["nvrtc"],
+            "ms",
+            speedup=round(medians["nvrtc"] / medians[variant], 1),
+            goal=">= 20 x faster",
+            tier=tier,
+            phases_ms={
+                phase: round(statistics.median(p[phase] for p in seen), 3)
+                for phase in ("cache", "get", "load", "launch")
+            }
+            if seen
+            else None,
+            origins=sorted({p["origin"] for p in seen}),
+            standing=sorted({p["standing"] for p in seen}),
+            imported_cryptography=any(p["cryptography"] for p in seen),
+        )
     for variant, goal in (("cupy_cold", None), ("cupy_cached", "ours <= cupy cached")):
         if variant in medians:
             emit(
@@ -216,6 +287,7 @@ def _run_kernel(name: str, where: Path) -> None:
                 medians[variant],
                 "ms",
                 goal=goal,
+                ours_shared_ms=round(medians["ours_shared"], 3),
             )
         else:
             emit(
