@@ -18,7 +18,8 @@ Hierarchy (the core's errors are in :mod:`kcache.errors`)::
         ├── CompileWorkerCrashedError (ToolchainError)  500: the worker died mid-compile
         ├── SchemaOutOfDateError                    start-up refusal: run `kcache db upgrade`
         ├── IndexMissingError                       start-up refusal: blobs but no database
-        └── InsecureBindError                       start-up refusal: tokens or loopback
+        ├── InsecureBindError                       start-up refusal: tokens or loopback
+        └── SigningKeyConflictError                 start-up refusal: the database names another signing key
 
 The core never imports FastAPI; status codes live here only (:data:`ERROR_TABLE`).
 """
@@ -66,6 +67,7 @@ __all__ = [
     "ReportLimitError",
     "SchemaOutOfDateError",
     "ServerError",
+    "SigningKeyConflictError",
     "UnauthenticatedError",
     "error_body",
     "error_info",
@@ -199,6 +201,11 @@ class IndexMissingError(ServerError):
 
 class InsecureBindError(ServerError):
     """A non-loopback bind with no tokens configured and no ``--force-insecure``."""
+
+
+class SigningKeyConflictError(ServerError):
+    """The database names a signing key this server cannot sign beside (another key in use,
+    or its own key retired): replicas sharing a database sign with one key."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ token reported per minute, for its bound), and for bounded storage ``pins``
 (recipe keys eviction keeps), ``evictions`` (what was evicted, when),
 ``compile_charges`` (who caused each compile, for quotas), ``quota_accounts`` and
 ``quota_reservations`` (bytes promised to compiles in progress, per caller), and
-``withdrawals`` (bindings verification found wrong, read by every replica and client). Alembic
+``withdrawals`` (bindings verification found wrong, read by every replica and client), and
+``signing_keys`` (the keys the servers sharing the database sign with, checked at start-up). Alembic
 migrations under ``kcache_server/migrations/`` must agree with these; a test checks it
 on SQLite and PostgreSQL.
 """
@@ -55,6 +56,7 @@ __all__ = [
     "QuotaReservation",
     "RecipeAlias",
     "RecipeRecord",
+    "SigningKeyRow",
     "Token",
     "UTCDateTime",
     "VerificationEvent",
@@ -507,3 +509,32 @@ class Withdrawal(Base):
     recipe_key: Mapped[Hex64]
     digest: Mapped[Hex64]
     reason: Mapped[str] = mapped_column(String(WITHDRAWAL_REASON_LENGTH))
+
+
+#: Characters of a signing key's ``note`` kept (why it was retired).
+SIGNING_KEY_NOTE_LENGTH = 256
+
+
+class SigningKeyRow(Base):
+    """A public key the servers sharing this database sign answers with, or once did.
+
+    Written at start-up by :mod:`kcache_server.signing_keys`: a server records its own
+    key, and refuses to start when another key is the one in use (``active``), since
+    clients given the fleet's key would refuse its answers. ``active`` is true for the
+    key in use and NULL for every other (a unique column: at most one key is in use,
+    which the database itself holds to when two replicas start at once). A rotation
+    (a server started with the key before it as ``signing_previous_key_file``) retires
+    the previous key (``retired_by`` ``rotation``); ``kcache db signing-keys retire``
+    retires one for good (``operator``: a lost or compromised key never signs again).
+    """
+
+    __tablename__ = "signing_keys"
+
+    key_id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    public_key: Mapped[str] = mapped_column(String(64))  # base64url of the 32 raw bytes
+    active: Mapped[bool | None] = mapped_column(Boolean, nullable=True, unique=True)
+    recorded_at: Mapped[Stamp]
+    last_started_at: Mapped[OptStamp]
+    retired_at: Mapped[OptStamp]
+    retired_by: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    note: Mapped[str | None] = mapped_column(String(SIGNING_KEY_NOTE_LENGTH), nullable=True)

@@ -291,7 +291,8 @@ class Settings(BaseSettings):
         default=None,
         description="the Ed25519 private key (PEM, mode 0600) that signs artifact metadata; unset: "
         "<data_dir>/signing-key.pem, made at first start. Replicas behind one URL: give every one "
-        "the same key (a secret file), since clients pin the keys a URL signs with",
+        "the same key (a secret file; `kcache signing-key create` makes one), whose public half "
+        "clients are given; a server refuses to start when its database names another key in use",
     )
     signing_previous_key_file: Path | None = Field(
         default=None,

@@ -9,7 +9,8 @@ contact (``GET /v1/keys``), before they use or store an artifact.
 
 The key is read at start-up from ``signing_key_file``, or made at first start as
 ``<data_dir>/signing-key.pem`` (mode 0600). Replicas behind one URL must share one key:
-give them the same secret file. A rotation: start with the new key as
+give them the same secret file (a server refuses to start beside another key its database
+names: :mod:`kcache_server.signing_keys`). A rotation: start with the new key as
 ``signing_key_file`` and the old one as ``signing_previous_key_file``; the old key's
 endorsement of the new one is published with it, so clients that pinned the old key
 follow (they check the endorsement); clients given keys explicitly need the new one

@@ -25,6 +25,7 @@ from kcache_server.recipe_records import RecipeRecords
 from kcache_server.resolving import Resolver
 from kcache_server.settings import Settings
 from kcache_server.signer import ArtifactSigner
+from kcache_server.signing_keys import record_at_start
 
 __all__ = ["ServerState"]
 
@@ -61,6 +62,8 @@ class ServerState:
             settings.signing_previous_key_file,
             create=settings.signing_key_file is None,
         )
+        # Refuses to start beside another key in use on this database (kcache_server.signing_keys).
+        record_at_start(self.backends.db, self.signer, settings)
         self.resolver = Resolver(
             self.backends,
             self.audit,

@@ -1,4 +1,5 @@
-"""``kcache serve``, ``kcache db upgrade|current|gc|verify|rekey`` and ``kcache token create|list|revoke``.
+"""``kcache serve``, ``kcache db upgrade|current|gc|verify|rekey`` and ``kcache token create|list|revoke``;
+``kcache signing-key`` and ``kcache db signing-keys`` are :mod:`.signing_cli`'s.
 
 Registered on the core's ``kcache`` command through the ``kcache.commands`` entry
 point group (see :mod:`kcache.cli`). Flags override the ``KCACHE_*`` environment.
@@ -351,7 +352,7 @@ def _cmd_token_revoke(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``serve``, ``db`` and ``token`` to the ``kcache`` command."""
+    """Add ``serve``, ``db``, ``token`` and ``signing-key`` to the ``kcache`` command."""
     serve = subparsers.add_parser("serve", help="run the kcache server")
     serve.add_argument("--host", help="address to bind (default $KCACHE_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default $KCACHE_PORT or 8470)")
@@ -496,6 +497,10 @@ def register(subparsers: Any) -> None:
     _add_db_options(revoke)
     revoke.set_defaults(func=_cmd_token_revoke)
 
+    from kcache_server.serving import signing_cli
+
+    signing = signing_cli.register(subparsers, db_sub)
+
     from kcache_server.serving._cli_support import guard_commands
 
-    guard_commands([serve, *db_sub.choices.values(), *token_sub.choices.values()])
+    guard_commands([serve, *db_sub.choices.values(), *token_sub.choices.values(), *signing])
