@@ -249,6 +249,22 @@ def database(kind: str, tmp: Path, kept: str | None = None) -> Iterator[str]:
         admin.dispose()
 
 
+def kept_signing_key(kind: str, kept: str) -> Path:
+    """The signing key of the servers on a kept database, kept for its next runs.
+
+    A database records the key its servers sign with and refuses another one
+    (kcache_server.signing_keys): a run's server must sign with the key of the first run.
+    """
+    from kcache.signing import SigningKey
+
+    if kind == "sqlite":
+        path = Path(kept).resolve().with_name(Path(kept).name + ".signing-key.pem")
+    else:
+        path = Path.home() / ".cache" / "kcache-bench" / f"{kept}.signing-key.pem"
+    SigningKey.load_or_create(path)
+    return path
+
+
 def events_in(url: str) -> tuple[int, float | None]:
     """How many events the database at ``url`` holds, and the unix time of its last (None: none).
 
@@ -381,6 +397,8 @@ def run(
         fill_s = events_s + counts_s
         floor = floor_scan_s(url, rounds)
         env = {**os.environ, "KCACHE_AUDIT_RETENTION_DAYS": "0"}  # keep every row raw
+        if kept:  # the server of a reused database signs with the key it recorded there
+            env["KCACHE_SIGNING_KEY_FILE"] = str(kept_signing_key(kind, kept))
         with ServerProcess(Path(tmp) / "data", db_url=url, workers=1, env=env) as server:
             now = as_of
             shapes: dict[str, dict[str, str]] = {

@@ -39,6 +39,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness (puts the root on sys.path)
 from _harness import emit, wrk
 
+from kcache.signing import SigningKey
 from tests.s3_server import s3_server
 from tests.server.test_load_balancer import Nginx
 from tests.support import ServerProcess, pg_database, unique, upgrade, vector_add
@@ -91,11 +92,15 @@ def main() -> None:
     with pg_database("kcache_b11") as db_url, tempfile.TemporaryDirectory(prefix="b11-") as tmp:
         root = Path(tmp)
         upgrade(db_url)
+        # The replicas of one fleet sign with one key (a database refuses a second key).
+        signing_key = root / "signing-key.pem"
+        SigningKey.load_or_create(signing_key)
         env = {
             **os.environ,
             **server.env,
             "KCACHE_STORE_URL": f"s3://{server.new_bucket('kcache-b11')}/kcache",
             "KCACHE_COMPILE_WORKERS": "1",
+            "KCACHE_SIGNING_KEY_FILE": str(signing_key),
         }
         a, b, cold = (
             ServerProcess(root / n, db_url=db_url, env=env, workers=WORKERS)

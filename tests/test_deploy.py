@@ -20,12 +20,22 @@
   a token and answers Prometheus' token, and the image's HEALTHCHECK command passes.
 - The secret files compose reads (``deploy/secrets/``) are ignored by git and kept out of
   the image's build context (``.dockerignore``).
+- One fleet signing key: every replica (compose's and the Kubernetes Deployment's) reads
+  the same private key file from one secret (``KCACHE_SIGNING_KEY_FILE``: compose's
+  ``kcache-signing-key`` file, the ``kcache-signing-key`` Secret mounted read-only with a
+  mode only its owner reads), never a key of its own data directory; the commands that
+  make it, as the files' headers write them, run here and make a key a server loads.
 - ``deploy/build-image`` (run here with a stand-in ``docker`` that records its commands)
   builds the image from the repository root and tags it ``kcache-server:VERSION``, the tag
-  Kubernetes (``imagePullPolicy: IfNotPresent``) and compose run; ``--push`` pushes it.
+  Kubernetes (``imagePullPolicy: IfNotPresent``) and compose run; ``--push`` pushes it;
+  ``--fleet-key PUBFILE`` passes the fleet's public key(s), which the Dockerfile's steps
+  (run here in a scratch root) write to ``/etc/kcache/fleet-key.pub`` and name in
+  ``KCACHE_TRUSTED_KEYS``, as a client reads them.
 - ``deploy/install-systemd`` runs here for real, in a copy of the clone, with stand-ins for
   ``useradd``/``id``/``systemctl``: it creates the user the unit names and the venv its
-  commands live in, installs the unit, and the unit's ``ExecStartPre`` runs from that venv.
+  commands live in, keeps the signing key an earlier install made in its data directory
+  as the unit's credential (``LoadCredential``, mode 0600) with its public half beside it,
+  installs the unit, and the unit's ``ExecStartPre`` runs from that venv.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import json
 import os
 import re
 import shlex
+import stat
 import subprocess
 import sys
 import urllib.error
@@ -45,13 +56,20 @@ from typing import Any
 import pytest
 
 from kcache._version import __version__ as VERSION
+from kcache.signing import SigningKey, TrustedKeys
 from tests.cli_harness import user_env
 from tests.support import ROOT, ServerProcess, copy_sources
 
 yaml = pytest.importorskip("yaml")
 
 DEPLOY = ROOT / "deploy"
+#: The venv's ``kcache`` (what an operator runs).
+KCACHE_CMD = str(Path(sys.executable).with_name("kcache"))
 TOKEN_PATH = "/run/secrets/kcache-metrics-token"
+#: The fleet's signing key: the Kubernetes Secret's name and compose's secret's.
+SIGNING_SECRET = "kcache-signing-key"
+#: Where an image carries the fleet's public key (KCACHE_TRUSTED_KEYS=@FILE).
+FLEET_KEY_FILE = "/etc/kcache/fleet-key.pub"
 
 
 def _yaml(name: str) -> Any:
@@ -297,6 +315,104 @@ def test_kubernetes_pods_keep_their_own_data_and_reach_the_bucket() -> None:
         assert "emptyDir" in volumes[data["name"]], "the data directory must be the pod's own"
 
 
+def _comment_commands(name: str) -> list[list[str]]:
+    """The command lines a deploy file's comments show (``#   cmd \\`` continued), as words."""
+    lines = [
+        line.lstrip("#").strip()
+        for line in (DEPLOY / name).read_text().splitlines()
+        if line.startswith("#")
+    ]
+    joined: list[str] = []
+    for line in lines:
+        if joined and joined[-1].endswith("\\"):
+            joined[-1] = joined[-1][:-1] + " " + line
+        else:
+            joined.append(line)
+    found = []
+    for line in joined:
+        try:
+            found.append(shlex.split(line))
+        except ValueError:  # prose with an apostrophe
+            continue
+    return found
+
+
+def _signing_key_commands(name: str) -> list[list[str]]:
+    """The ``kcache signing-key ...`` commands a deploy file's comments tell an operator to
+    run (on a line of their own, or through ``docker compose run``)."""
+    return [
+        words[words.index("kcache") :]
+        for words in _comment_commands(name)
+        if words[:1] == ["kcache"] or words[:3] == ["docker", "compose", "run"]
+        if "kcache" in words and words[words.index("kcache") :][1:2] == ["signing-key"]
+    ]
+
+
+def test_every_replica_reads_the_one_fleet_signing_key() -> None:
+    k8s = _k8s()
+    header = (DEPLOY / "kubernetes.yaml").read_text().split("apiVersion", 1)[0]
+    pod = k8s["Deployment/kcache"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for container in _kcache_containers(pod):
+        env = {e["name"]: e for e in container["env"]}
+        key = PurePosixPath(env["KCACHE_SIGNING_KEY_FILE"]["value"])
+        assert not key.is_relative_to(env["KCACHE_DATA_DIR"]["value"])  # not a pod's own
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(key.parent)]
+        assert mount["readOnly"] is True
+        secret = volumes[mount["name"]]["secret"]
+        assert secret["secretName"] == SIGNING_SECRET
+        assert secret["defaultMode"] & 0o077 == 0, "the server refuses a key others may read"
+        # The Secret as the header makes it: its one key is the file the replica reads.
+        assert f"kubectl create secret generic {SIGNING_SECRET} --from-file={key.name}" in header
+    (init,) = pod["initContainers"]  # the migrate step signs nothing: no private key there
+    assert all(
+        volumes[m["name"]].get("secret", {}).get("secretName") != SIGNING_SECRET
+        for m in init["volumeMounts"]
+    )
+    assert f"KCACHE_TRUSTED_KEYS=@{FLEET_KEY_FILE}" in header
+
+    compose = _yaml("compose.yaml")
+    replicas = _compose_replicas()
+    for name in replicas:
+        svc = compose["services"][name]
+        assert svc["environment"]["KCACHE_SIGNING_KEY_FILE"] == f"/run/secrets/{SIGNING_SECRET}"
+        assert SIGNING_SECRET in svc["secrets"], name
+    for name, svc in compose["services"].items():  # the private key: the replicas' alone
+        if name not in replicas:
+            assert SIGNING_SECRET not in svc.get("secrets", []), name
+    assert compose["secrets"][SIGNING_SECRET]["file"].startswith("./secrets/")
+
+
+@pytest.mark.parametrize("deploy_file", ["kubernetes.yaml", "compose.yaml"])
+def test_the_documented_key_commands_make_a_key_a_server_loads(
+    deploy_file: str, tmp_path: Path
+) -> None:
+    from kcache.cli import build_parser
+
+    commands = _signing_key_commands(deploy_file)
+    (create,) = [c for c in commands if c[2] == "create"]
+    build_parser().parse_args(create[1:])
+    # Paths as written (compose's run in a container with secrets/ at /out), made here.
+    out = "/out/"
+    words = [w.replace(out, f"{tmp_path}/") if w.startswith(out) else w for w in create]
+    done = subprocess.run(
+        [KCACHE_CMD, *words[1:]], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    private = tmp_path / PurePosixPath(create[3]).name
+    public = tmp_path / PurePosixPath(create[create.index("--public") + 1]).name
+    key = SigningKey.load(private)  # the server's own check: mode 0600, an Ed25519 PEM
+    assert oct(private.stat().st_mode & 0o777) == oct(0o600)
+    assert done.stdout.strip() == key.public_key
+    assert TrustedKeys.parse(f"@{public}").key_ids == [key.key_id]  # KCACHE_TRUSTED_KEYS=@FILE
+    if deploy_file == "compose.yaml":  # the file compose's secret names, under deploy/secrets
+        secret = _yaml("compose.yaml")["secrets"][SIGNING_SECRET]["file"]
+        assert PurePosixPath(secret).name == private.name
+    again = subprocess.run([KCACHE_CMD, *words[1:]], cwd=tmp_path, capture_output=True, text=True)
+    assert again.returncode != 0 and "never replaces a key" in again.stderr
+    assert SigningKey.load(private).key_id == key.key_id
+
+
 # ---------------------------------------------------------------------------- run them here
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
@@ -308,7 +424,10 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[
     for name, spec in compose["secrets"].items():  # compose: /run/secrets/NAME from a file
         path = root / "compose-secrets" / Path(spec["file"]).name
         path.parent.mkdir(exist_ok=True)
-        path.write_text(tokens["admin" if "admin" in name else "metrics"] + "\n")
+        if name == SIGNING_SECRET:
+            SigningKey.load_or_create(path)
+        else:
+            path.write_text(tokens["admin" if "admin" in name else "metrics"] + "\n")
         secret_files[f"/run/secrets/{name}"] = path
     pod = _k8s()["Deployment/kcache"]["spec"]["template"]["spec"]
     mount = next(m for m in pod["initContainers"][0]["volumeMounts"] if m["name"] == "tokens")
@@ -448,6 +567,83 @@ def test_build_image_tags_the_release_that_kubernetes_and_compose_run(tmp_path: 
         assert services[name]["image"] == image, name
 
 
+def _dockerfile_fleet_steps() -> tuple[str, str]:
+    """The Dockerfile's step that writes the fleet's public key, and the value its ENV gives
+    KCACHE_TRUSTED_KEYS (the build argument KCACHE_FLEET_KEY, which it declares, in both)."""
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    assert re.search(r"^ARG KCACHE_FLEET_KEY$", text, re.M), "no ARG KCACHE_FLEET_KEY"
+    (run,) = [
+        line[len("RUN ") :]
+        for line in text.splitlines()
+        if line.startswith("RUN ") and FLEET_KEY_FILE in line
+    ]
+    match = re.search(r"^ENV KCACHE_TRUSTED_KEYS=(\S+)$", text, re.M)
+    assert match, "no ENV KCACHE_TRUSTED_KEYS"
+    return run, match.group(1)
+
+
+def test_the_image_carries_the_fleet_public_key_it_is_built_with(tmp_path: Path) -> None:
+    fake, log = _fake_docker(tmp_path)
+    env = {**os.environ, "DOCKER": str(fake)}
+    old, new = (SigningKey.load_or_create(tmp_path / f"{n}.pem") for n in ("old", "new"))
+    caller = tmp_path / "ops"
+    caller.mkdir()
+    # During a rotation the file holds both keys, one a line, as KCACHE_TRUSTED_KEYS=@FILE reads.
+    (caller / "fleet-key.pub").write_text(
+        f"# the fleet's keys\n{old.public_key}\n\n{new.public_key}  # since the rotation\n"
+    )
+    built = subprocess.run(
+        [str(DEPLOY / "build-image"), "--fleet-key", "fleet-key.pub"],  # the caller's path
+        cwd=caller,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr
+    (call,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert call[:5] == [str(ROOT), "build", "--file", "deploy/Dockerfile", "--build-arg"]
+    assert call[6:] == ["--tag", f"kcache-server:{VERSION}", "."]
+    name, value = call[5].split("=", 1)
+    assert name == "KCACHE_FLEET_KEY"
+
+    # The Dockerfile's steps with that argument, /etc/kcache in a scratch root: the file a
+    # client reads through KCACHE_TRUSTED_KEYS trusts exactly the given keys.
+    run, trusted = _dockerfile_fleet_steps()
+    scratch = tmp_path / "image-root"
+    moved = {"PATH": os.environ["PATH"], "KCACHE_FLEET_KEY": value}
+    step = run.replace("/etc/kcache", f"{scratch}/etc/kcache")
+    subprocess.run(["sh", "-c", step], env=moved, check=True)
+    # Docker's ${NAME:+word} is the shell's: word when the argument is given, else empty.
+    given = subprocess.run(
+        ["sh", "-c", f'printf %s "{trusted}"'], env=moved, capture_output=True, text=True
+    ).stdout
+    assert given == f"@{FLEET_KEY_FILE}"
+    parsed = TrustedKeys.parse(given.replace("/etc/kcache", f"{scratch}/etc/kcache"))
+    assert set(parsed.key_ids) == {old.key_id, new.key_id}
+    unset = subprocess.run(
+        ["sh", "-c", f'printf %s "{trusted}"'],
+        env={"PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert unset == ""  # no --fleet-key: the variable is empty, clients pin on first contact
+
+    (caller / "empty.pub").write_text("# no key here\n")
+    (caller / "private.pub").write_text((tmp_path / "old.pem").read_text())
+    for wrong, said in (("empty.pub", "holds no public key"), ("private.pub", "not a public key")):
+        refused = subprocess.run(
+            [str(DEPLOY / "build-image"), "--fleet-key", wrong],
+            cwd=caller,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+    assert len(log.read_text().splitlines()) == 1  # nothing built for them
+
+
 # ---------------------------------------------------------------------------- systemd
 def _unit() -> dict[str, list[str]]:
     """deploy/kcache.service's keys (each may repeat) -> values."""
@@ -469,7 +665,12 @@ def test_the_systemd_units_commands_parse() -> None:
         assert words[0] == "/opt/kcache/.venv/bin/kcache", line
         build_parser().parse_args(words[1:])
     assert unit["User"] == ["kcache"] and unit["StateDirectory"] == ["kcache"]
-    assert unit["Environment"] == ["KCACHE_DATA_DIR=/var/lib/kcache"]
+    assert unit["Environment"] == [
+        "KCACHE_DATA_DIR=/var/lib/kcache",
+        "KCACHE_SIGNING_KEY_FILE=/run/credentials/kcache.service/signing-key",
+    ]
+    # systemd hands the root-only key to the service as the credential the variable names.
+    assert unit["LoadCredential"] == ["signing-key:/etc/kcache/signing-key.pem"]
 
 
 STAND_INS = {
@@ -491,6 +692,9 @@ def test_install_systemd_makes_the_user_and_venv_the_unit_needs(tmp_path: Path) 
         (stand_ins / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (stand_ins / name).chmod(0o755)
     prefix, units = tmp_path / "opt" / "kcache", tmp_path / "units"
+    config, data = tmp_path / "etc-kcache", tmp_path / "var-lib-kcache"
+    # An earlier install's server made its key at its first start, in its data directory.
+    earlier = SigningKey.load_or_create(data / "signing-key.pem")
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("KCACHE_", "PYTHON", "VIRTUAL"))
     }
@@ -499,6 +703,8 @@ def test_install_systemd_makes_the_user_and_venv_the_unit_needs(tmp_path: Path) 
         STATE=str(state),
         KCACHE_PREFIX=str(prefix),
         KCACHE_UNIT_DIR=str(units),
+        KCACHE_CONFIG_DIR=str(config),
+        KCACHE_STATE_DIR=str(data),
         PYTHON=sys.executable,
     )
     done = subprocess.run(
@@ -510,6 +716,12 @@ def test_install_systemd_makes_the_user_and_venv_the_unit_needs(tmp_path: Path) 
         timeout=540,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    # The key clients pinned is kept, as the unit's credential: root's alone, its public half beside.
+    key = config / "signing-key.pem"
+    assert SigningKey.load(key).key_id == earlier.key_id
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert TrustedKeys.parse(f"@{config / 'fleet-key.pub'}").key_ids == [earlier.key_id]
+    assert stat.S_IMODE((config / "fleet-key.pub").stat().st_mode) == 0o644
     useradd = (state / "useradd.log").read_text().split()
     assert useradd[-1] == "kcache" and "--system" in useradd, useradd
     assert useradd[useradd.index("--home-dir") + 1] == "/var/lib/kcache"  # the StateDirectory
@@ -520,9 +732,9 @@ def test_install_systemd_makes_the_user_and_venv_the_unit_needs(tmp_path: Path) 
     installed = (units / "kcache.service").read_text()
     assert installed == (DEPLOY / "kcache.service").read_text().replace(
         "/opt/kcache/", f"{prefix}/"
-    )
+    ).replace("/etc/kcache/", f"{config}/")
+    assert f"LoadCredential=signing-key:{key}" in installed.splitlines()
     kcache = prefix / ".venv" / "bin" / "kcache"
-    data = tmp_path / "var-lib-kcache"
     run_env = {k: v for k, v in env.items() if k not in ("KCACHE_PREFIX", "KCACHE_UNIT_DIR")}
     run_env["KCACHE_DATA_DIR"] = str(data)  # the unit's Environment=, moved here
     (pre,) = [
@@ -548,3 +760,19 @@ def test_install_systemd_makes_the_user_and_venv_the_unit_needs(tmp_path: Path) 
         check=True,
     ).stdout.split()
     assert versions[:3] == [VERSION] * 3, versions
+
+    # On a host with no key yet (a first install), one is made.
+    fresh = tmp_path / "etc-2"
+    again = subprocess.run(
+        [str(clone / "deploy" / "install-systemd")],
+        env={**env, "KCACHE_CONFIG_DIR": str(fresh), "KCACHE_STATE_DIR": str(state)},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=540,
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
+    made = SigningKey.load(fresh / "signing-key.pem")
+    assert made.key_id != earlier.key_id
+    assert stat.S_IMODE((fresh / "signing-key.pem").stat().st_mode) == 0o600
+    assert TrustedKeys.parse(f"@{fresh / 'fleet-key.pub'}").key_ids == [made.key_id]
