@@ -76,6 +76,15 @@ _MISSING = (
     "no S3 server: moto_server is not installed (scripts/ensure-services installs it "
     "into .venv/s3-server; or set KCACHE_TEST_MOTO_SERVER)"
 )
+_NO_CLIENT = "no S3 client: obstore is not installed (pip install 'kcache-core[s3]')"
+
+
+def _skip_without_client() -> None:
+    """Skip, saying why, where the store's S3 client is missing: every test of a bucket needs it."""
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        pytest.skip(_NO_CLIENT)
 
 
 @functools.cache
@@ -91,6 +100,7 @@ def own_s3_server() -> S3Server:
 
     The caller stops it (:func:`stop_s3_server`); the session's server is never touched.
     """
+    _skip_without_client()
     exe = _executable()
     if exe is None:
         pytest.skip(_MISSING)
@@ -140,6 +150,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 def s3_server() -> S3Server:
     """The session's S3 server (started on first use), or skip the test saying why."""
+    _skip_without_client()
     started = _start()
     if isinstance(started, str):
         pytest.skip(started)

@@ -63,7 +63,7 @@ def test_retry_budget_bounds_a_long_retry_after() -> None:
         started = time.monotonic()
         with pytest.raises(ServerBusyError):
             Transport(server.url, retry=policy).request("GET", "/x")
-        assert time.monotonic() - started < 1.0  # did not sleep an hour, nor 30 s
+        assert time.monotonic() - started < 10.0  # did not sleep an hour, nor 30 s
         assert server.count() == 1
     finally:
         server.close()
@@ -239,18 +239,21 @@ def test_retry_after_parses_seconds_and_http_dates() -> None:
 
 def test_events_are_batched_in_the_background_and_flushed_on_close() -> None:
     release = threading.Event()
+    answered: list[int] = []
 
     def route(seen: Seen) -> tuple[int, dict[str, str], bytes]:
-        release.wait(5)  # a slow server must not slow the recording side
+        release.wait(30)  # a slow server must not slow the recording side
+        answered.append(len(seen.json()["events"]))
         return json_response(202, {"accepted": len(seen.json()["events"])})
 
     server = Scripted(route)
     try:
         sink = EventSink(Transport(server.url, retry=FAST), batch_size=100, interval_s=0.05)
-        started = time.perf_counter()
         for i in range(250):
             sink.record({"outcome": "local_hit", "i": i})
-        assert time.perf_counter() - started < 0.5  # recording never waited on the slow server
+        # Recording never waited on the slow server: it held every post it got meanwhile
+        # (one that waited would have waited until the server's 30 s ran out).
+        assert answered == []
         release.set()
         sink.close(timeout=10)
         posted = [e["i"] for s in server.seen for e in s.json()["events"]]

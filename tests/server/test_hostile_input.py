@@ -301,14 +301,22 @@ def test_row2_specialization_limits_name_the_field(sqlite: Harness) -> None:
 
 
 # Probes /healthz every 10 ms from its own process (a prober thread in this process
-# would stall with the server's GIL and never see the stall), until stdin closes.
+# would stall with the server's GIL and never see the stall), until stdin closes; first
+# 50 times with nothing else sent, and says the slowest of those with "ready": what a
+# loaded machine costs every answer, stall or not.
 _PROBE = """
 import sys, threading, time, httpx
 url, done, worst, count = sys.argv[1], threading.Event(), 0.0, 0
 threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
 with httpx.Client(base_url=url, timeout=30) as http:
     http.get("/healthz")
-    print("ready", flush=True)
+    idle = 0.0
+    for _ in range(50):
+        started = time.monotonic()
+        assert http.get("/healthz").status_code == 200
+        idle = max(idle, time.monotonic() - started)
+        time.sleep(0.01)
+    print("ready", idle, flush=True)
     while not done.is_set():
         started = time.monotonic()
         assert http.get("/healthz").status_code == 200
@@ -330,7 +338,9 @@ def test_row2_a_maximal_recipe_never_stalls_the_event_loop(sqlite: Harness) -> N
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert prober.stdout is not None and prober.stdout.readline().strip() == "ready"
+    assert prober.stdout is not None
+    ready, idle = prober.stdout.readline().split()
+    assert ready == "ready"
     time.sleep(0.05)
     with sqlite.client("read") as http:
         r = http.post("/v1/resolve", content=body, headers={"content-type": "application/json"})
@@ -341,8 +351,10 @@ def test_row2_a_maximal_recipe_never_stalls_the_event_loop(sqlite: Harness) -> N
     assert "max_request_values" in r.json()["detail"]
     print(
         f"\n/healthz during a 17 MiB recipe: {probes} probes, slowest {float(worst) * 1000:.0f} ms"
+        f" ({float(idle) * 1000:.0f} ms with nothing else sent)"
     )
-    assert float(worst) < LIVENESS_S
+    # LIVENESS_S, or on a loaded machine 10 x the slowest answer with nothing else sent.
+    assert float(worst) < max(LIVENESS_S, 10 * float(idle)), (worst, idle)
     still_serving(sqlite)
 
 

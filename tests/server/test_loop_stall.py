@@ -7,9 +7,11 @@ over a second even quiet). Now every body's values are counted as it arrives and
 body of more than ``max_request_values`` is refused (413) unparsed; what is parsed is
 bounded by that count.
 
-CI asserts "no stall over 1 s" (a loaded machine); ``bench/b_loop_stall.py`` measures
-the largest stall on a quiet one (goal 100 ms). A real ``kcache serve`` in its own
-process, a ``/healthz`` poller in this one (:mod:`tests.loop_stall`).
+CI asserts "no stall over 1 s", or over 10 x the longest answer the same poller sees
+with nothing posted just after, whichever is more: a loaded machine slows every
+answer, stall or not. ``bench/b_loop_stall.py`` measures the largest stall on a quiet
+machine (goal 100 ms). A real ``kcache serve`` in its own process, a ``/healthz`` poller
+in this one (:mod:`tests.loop_stall`).
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import httpx
 import pytest
 from kcache_server.json_budget import JsonValueCounter
 
-from tests.loop_stall import SHAPES, body_of, measure
+from tests.loop_stall import SHAPES, HealthPoller, body_of, measure
 from tests.support import ServerProcess
 
-#: The CI bound (the bench's goal on a quiet machine is 100 ms).
+#: The CI bound on a quiet machine (the bench's goal there is 100 ms).
 MAX_STALL_S = 1.0
+#: ... and on a loaded one: this many times the longest answer with nothing posted.
+LOADED_FACTOR = 10
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +46,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def test_no_body_stalls_the_loop(server: ServerProcess, shape: str) -> None:
     path, body = body_of(shape)
     results = list(measure(server.url, path, body, rounds=2))
+    with HealthPoller(server.url) as quiet:  # nothing posted: what the machine costs now
+        pass
     worst = max(stall for stall, _ in results)
-    assert worst < MAX_STALL_S, (shape, results)
+    bound = max(MAX_STALL_S, LOADED_FACTOR * quiet.worst)
+    assert worst < bound, (shape, results, f"bound {bound:.2f}s, quiet {quiet.worst:.3f}s")
     assert all(status < 500 for _, status in results), results
 
 
