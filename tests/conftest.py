@@ -13,7 +13,37 @@ from pathlib import Path
 import pytest
 
 from kcache.toolchain import Toolchain, load_toolchain
-from tests.support import pg_database
+from tests.support import SLOW_RUNS, pg_database
+
+#: Why a ``slow`` test did not run (the scheduled CI run is documented in the README).
+SLOW_SKIPPED = "slow: runs with --slow (`scripts/test --slow`, CI's nightly run)"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        default=False,
+        help="also run the tests marked slow (CCCL/cub compiles, many processes) and the "
+        "property runs at full size; without it each property run is a bounded, seeded sample",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``--slow`` is told to the tests (tests.support.full_runs) and the processes they start."""
+    if config.getoption("--slow"):
+        os.environ[SLOW_RUNS] = "1"
+    else:
+        os.environ.pop(SLOW_RUNS, None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason=SLOW_SKIPPED)
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
 
 
 def _one_signing_key() -> None:

@@ -15,6 +15,7 @@ syntax error or a ``static_assert`` in a header, a name-expression typo).
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,29 @@ from pathlib import Path
 from typing import Any
 
 SET_NAME = "deplib"
+
+#: The sequences a default test run checks, seeded: between them every kind of failure
+#: in FAILURES comes before good compiles and their edits (4: a fatal error in a header,
+#: twice, then good compiles; 7: an include a header cannot open, a name-expression typo,
+#: a static_assert; 8: an include the source cannot open, a syntax error in a header).
+SAMPLE_SEEDS = (4, 7, 8)
+#: Another such sample, for a second test sharing an include set with the first (the
+#: same seed makes the same files): 3, 5, 13 and 14 between them fail in every way too.
+OTHER_SAMPLE_SEEDS = (3, 5, 13, 14)
+
+
+def sequence_seeds(full: int, sample: tuple[int, ...] = SAMPLE_SEEDS) -> list[int]:
+    """The seeds of a test's sequences: ``sample`` by default; in a ``--slow`` run (or with
+    ``KCACHE_DEPS_SEQUENCES``), that many (else ``full``) fresh random ones, printed by
+    the caller so that a failure can be run again."""
+    from tests.support import full_runs
+
+    count = os.environ.get("KCACHE_DEPS_SEQUENCES")
+    if count is None and not full_runs():
+        return list(sample)
+    base = random.SystemRandom().randrange(1 << 32)
+    return list(range(base, base + (int(count) if count else full)))
+
 
 #: How a failing recipe fails: what it adds to a program that would otherwise compile.
 FAILURES = (

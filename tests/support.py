@@ -54,8 +54,10 @@ __all__ = [
     "answers_200",
     "audit_rows",
     "free_port",
+    "full_runs",
     "never_finishes",
     "pg_database",
+    "sample_size",
     "tracebacks",
     "unique",
     "upgrade",
@@ -71,6 +73,24 @@ KCACHE = str(Path(sys.executable).with_name("kcache"))
 PG_ADMIN_URL = os.environ.get(
     "KCACHE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
+
+
+# ------------------------------------------------------------------------------ full runs
+#: Set to "1" by ``pytest --slow`` (tests/conftest.py), before any test module is imported,
+#: and so seen by the workers and commands the tests start as well.
+SLOW_RUNS = "KCACHE_TESTS_SLOW"
+
+
+def full_runs() -> bool:
+    """Whether this is a ``--slow`` run: the tests marked ``slow`` and the property runs at
+    their full size (CI runs it nightly). Otherwise each property run is a bounded,
+    seeded sample that still fails where the property does."""
+    return os.environ.get(SLOW_RUNS) == "1"
+
+
+def sample_size(default: int, full: int) -> int:
+    """``full`` in a ``--slow`` run, else ``default`` (a sample of the same property)."""
+    return full if full_runs() else default
 
 
 # ------------------------------------------------------------------------------ ports, names

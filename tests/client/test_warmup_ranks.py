@@ -8,6 +8,9 @@ Issue 18: warmups repeated in one job, on WORLD, None and subgroups, with ranks 
 in any order (seeded random skews of up to 3 s), never fail or hang; a rank that does
 not arrive, or a leader that dies, makes every other rank raise the same
 WarmupTimeoutError naming it.
+
+The many-rank and many-repetition runs are seeded samples by default (four ranks, four
+repetitions); ``pytest --slow`` runs them in full (eight ranks, twenty repetitions).
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ import pytest
 from client_harness import Proxy, kernels
 
 from kcache import Recipe
-from tests.support import free_port
+from tests.support import free_port, sample_size
 
 dist = pytest.importorskip("torch.distributed")
 
 WORKER = Path(__file__).with_name("warmup_worker.py")
 RETRY = {"attempts": 3, "base_s": 0.05, "cap_s": 0.2, "budget_s": 2.0}
+#: Ranks of the many-rank tests: eight in a --slow run, four (two per subgroup) otherwise.
+MANY = sample_size(4, 8)
+#: Repetitions of three skewed warmups in the two-rank test (the issue's case comes first).
+REPETITIONS = sample_size(4, 20)
 
 
 def run_ranks(
@@ -116,29 +123,33 @@ def run_ranks(
     return reports
 
 
-@pytest.mark.slow
-def test_eight_ranks_twelve_recipes_compile_once_and_download_once(
+def test_many_ranks_compile_each_recipe_once_and_download_it_once(
     proxy: Proxy, tmp_path: Path
 ) -> None:
-    recipes = kernels(12, "eight")
-    # Every rank asks for an overlapping share: ranks r and r+4 ask for the same six.
-    per_rank = [[recipes[(r % 4 * 3 + j) % 12] for j in range(6)] for r in range(8)]
-    reports = run_ranks(tmp_path, proxy.url, per_rank, targets=["sm_80"] * 8)
+    """Eight ranks and twelve recipes in a --slow run; four ranks and six recipes otherwise."""
+    count, half = 3 * MANY // 2, MANY // 2
+    recipes = kernels(count, f"many{MANY}")
+    # Every rank asks for an overlapping share: ranks r and r + MANY/2 ask for the same
+    # half of the recipes (eight ranks: r and r + 4 the same six of twelve).
+    per_rank = [
+        [recipes[(r % half * 3 + j) % count] for j in range(count // 2)] for r in range(MANY)
+    ]
+    reports = run_ranks(tmp_path, proxy.url, per_rank, targets=["sm_80"] * MANY)
     assert all(r["ok"] for r in reports), reports
-    assert [r["leader"] for r in reports] == [True] + [False] * 7
-    assert {r["union"] for r in reports} == {12}
+    assert [r["leader"] for r in reports] == [True] + [False] * (MANY - 1)
+    assert {r["union"] for r in reports} == {count}
     assert all(r["verified"] for r in reports)
-    # Each recipe compiled on the server exactly once: one batch pass, and "compiled" for all 12.
+    # Each recipe compiled on the server exactly once: one batch pass, and "compiled" for all.
     batches = [s.json() for s in proxy.seen if s.path == "/v1/resolve/batch"]
     sent = [json.dumps(rec, sort_keys=True) for body in batches for rec in body["recipes"]]
-    assert len(sent) == 12 and len(set(sent)) == 12
+    assert len(sent) == count and len(set(sent)) == count
     assert proxy.count("POST", "/v1/resolve") == len(batches)  # nobody resolved on their own
     digest_of: dict[str, str] = {}
     for report in reports:
         assert set(report["statuses"]) == {"compiled"}
         for key, digest in zip(report["keys"], report["digests"], strict=True):
             assert digest_of.setdefault(key, digest) == digest  # identical digests on every rank
-    assert len(digest_of) == 12
+    assert len(digest_of) == count
     # The node downloaded each blob once, however many ranks wanted it.
     downloads = proxy.paths("GET", "/v1/blobs/") + proxy.paths("GET", "/v1/recipes/")
     per_digest = {d: sum(n for p, n in downloads.items() if d in p) for d in digest_of.values()}
@@ -277,15 +288,16 @@ def check_schedule(
     assert proxy.count("POST", "/v1/resolve") == 1
 
 
-def test_two_ranks_twenty_repetitions_of_three_skewed_warmups(proxy: Proxy, tmp_path: Path) -> None:
+def test_two_ranks_repetitions_of_three_skewed_warmups(proxy: Proxy, tmp_path: Path) -> None:
+    """Twenty repetitions in a --slow run; four otherwise (the first of each of the kinds)."""
     rng = random.Random(1802)
     # The issue's exact case first (WORLD, the last rank 2 s late before the later
-    # calls), then 19 repetitions of 3 warmups with fresh random delays, on WORLD,
-    # None and a subgroup in turn, all in one pair of processes.
+    # calls), then repetitions of 3 warmups with fresh random delays, on None, a
+    # subgroup and WORLD in turn, all in one pair of processes.
     schedule = [{"group": "world", "delays": d} for d in ([0, 0], [0, 2.0], [0, 2.0])]
-    for rep in range(1, 20):
+    for rep in range(1, REPETITIONS):
         schedule += skewed(rng, [("world", "none", "sub")[rep % 3]] * 3, 2)
-    recipes = per_rank_recipes(2, "twenty")
+    recipes = per_rank_recipes(2, f"repeated{REPETITIONS}")
     subgroups = [[0, 1]]
     reports = run_ranks(
         tmp_path,
@@ -300,20 +312,22 @@ def test_two_ranks_twenty_repetitions_of_three_skewed_warmups(proxy: Proxy, tmp_
     check_schedule(reports, schedule, subgroups, proxy)
 
 
-@pytest.mark.slow
-def test_eight_ranks_three_skewed_warmups_on_world_none_and_subgroups(
+def test_many_ranks_skewed_warmups_on_world_none_and_subgroups(
     proxy: Proxy, tmp_path: Path
 ) -> None:
+    """Eight ranks, three warmups of each kind in a --slow run; four ranks, one of each otherwise."""
     rng = random.Random(1808)
-    schedule = skewed(rng, ["world"] * 3 + ["none"] * 3 + ["sub"] * 3, 8)
-    recipes = per_rank_recipes(8, "eight18")
-    # Two disjoint subgroups warm up at the same time; one's leader is global rank 1.
-    subgroups = [[1, 3, 4, 6], [0, 2, 5, 7]]
+    each = sample_size(1, 3)
+    schedule = skewed(rng, ["world"] * each + ["none"] * each + ["sub"] * each, MANY)
+    recipes = per_rank_recipes(MANY, f"skewed{MANY}")
+    # Two disjoint subgroups warm up at the same time; one's leader is global rank 1
+    # (each holds both parities, as check_schedule expects).
+    subgroups = [[1, 3, 4, 6], [0, 2, 5, 7]] if MANY == 8 else [[1, 2], [0, 3]]
     reports = run_ranks(
         tmp_path,
         proxy.url,
         recipes,
-        targets=["sm_80"] * 8,
+        targets=["sm_80"] * MANY,
         timeout=30,
         wait_s=sum(max(c["delays"]) for c in schedule) + 150,
         schedule=schedule,

@@ -34,10 +34,11 @@ from kcache.local_engine import open_local_engine
 from kcache.nvrtc import compile_in_this_process, compile_recipe, compile_seed, nvrtc_untrusted
 from kcache.recipe import Recipe
 from kcache.toolchain import Toolchain
-from tests.deps_workload import SET_NAME, run_sequence
+from tests.deps_workload import SET_NAME, run_sequence, sequence_seeds
 
-#: Sequences per run here; bench/bdeps_exact_dependencies.py runs thousands.
-SEQUENCES = int(os.environ.get("KCACHE_DEPS_SEQUENCES", "6"))
+#: Random sequences in a --slow run (tests.deps_workload.SAMPLE_SEEDS otherwise);
+#: bench/bdeps_exact_dependencies.py runs thousands.
+SEQUENCES = 6
 
 ADD = "__device__ float add(float a, float b) { return a + b; }\n"
 MUL = "__device__ float mul(float a, float b) { return a * b; }\n"
@@ -109,12 +110,10 @@ def test_random_sequences_in_one_process_record_exactly_what_was_read(
     tmp_path: Path, set_root: Path
 ) -> None:
     engine = open_local_engine(tmp_path / "data", include_sets={SET_NAME: set_root})
-    base = random.SystemRandom().randrange(1 << 32)
-    print(f"exact-dependency sequences: seeds {base}..{base + SEQUENCES - 1}")
+    seeds = sequence_seeds(SEQUENCES)
+    print(f"exact-dependency sequences: seeds {seeds}")
     mismatches = [
-        m
-        for seed in range(base, base + SEQUENCES)
-        for m in run_sequence(seed, set_root, _engine_resolver(engine))
+        m for seed in seeds for m in run_sequence(seed, set_root, _engine_resolver(engine))
     ]
     assert not mismatches, mismatches
 
@@ -299,7 +298,15 @@ BUNDLED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(BUNDLED))
+#: CCCL's headers each cost seconds to compile: by default cub stands for them, and a
+#: --slow run compiles the others too.
+CCCL_MORE = {"cuda_barrier", "cuda_std", "thrust"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in CCCL_MORE else n for n in sorted(BUNDLED)],
+)
 def test_bundled_header_kernels_compile_as_plain_nvrtc_compiles_them(
     toolchain: Toolchain, tmp_path: Path, name: str
 ) -> None:

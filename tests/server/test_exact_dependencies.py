@@ -9,8 +9,6 @@ every edit of a header it read is a miss.
 
 from __future__ import annotations
 
-import os
-import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,10 +18,11 @@ import httpx
 import pytest
 
 from kcache.deps import PROBE
-from tests.deps_workload import SET_NAME, run_sequence
+from tests.deps_workload import OTHER_SAMPLE_SEEDS, SET_NAME, run_sequence, sequence_seeds
 from tests.support import ServerThread
 
-SEQUENCES = int(os.environ.get("KCACHE_DEPS_SEQUENCES", "6"))
+#: Random sequences in a --slow run (tests.deps_workload.SAMPLE_SEEDS otherwise).
+SEQUENCES = 6
 
 ADD = "__device__ float add(float a, float b) { return a + b; }\n"
 MUL = "__device__ float mul(float a, float b) { return a * b; }\n"
@@ -106,27 +105,21 @@ def test_the_issue_case_a_typo_then_a_header_edit_is_a_miss(one_worker: ServerTh
 def test_random_sequences_in_one_worker_record_exactly_what_was_read(
     one_worker: ServerThread, root: Path
 ) -> None:
-    base = random.SystemRandom().randrange(1 << 32)
-    print(f"exact-dependency sequences (one worker): seeds {base}..{base + SEQUENCES - 1}")
+    seeds = sequence_seeds(SEQUENCES)
+    print(f"exact-dependency sequences (one worker): seeds {seeds}")
     resolve = _resolver(one_worker)
-    mismatches = [
-        m
-        for seed in range(base, base + SEQUENCES)
-        for m in run_sequence(seed, root / "set", resolve)
-    ]
+    mismatches = [m for seed in seeds for m in run_sequence(seed, root / "set", resolve)]
     assert not mismatches, mismatches
 
 
 def test_two_workers_interleaving_failures_and_good_compiles(
     two_workers: ServerThread, root: Path
 ) -> None:
-    base = random.SystemRandom().randrange(1 << 32)
-    print(f"exact-dependency sequences (two workers): seeds {base}..{base + 3}")
+    seeds = sequence_seeds(4, OTHER_SAMPLE_SEEDS)  # not the other test's: the set is shared
+    print(f"exact-dependency sequences (two workers): seeds {seeds}")
     resolve = _resolver(two_workers)
     with ThreadPoolExecutor(2) as pool:
-        found = pool.map(
-            lambda seed: list(run_sequence(seed, root / "set", resolve)), range(base, base + 4)
-        )
+        found = pool.map(lambda seed: list(run_sequence(seed, root / "set", resolve)), seeds)
         mismatches = [m for batch in found for m in batch]
     assert not mismatches, mismatches
 

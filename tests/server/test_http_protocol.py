@@ -487,10 +487,12 @@ def test_shutdown_while_the_protocol_reads_a_resolve_body_answers_it_then_closes
     server.stop()
 
 
+@pytest.mark.slow
 def test_uvicorns_own_protocol_tests_pass_on_kcaches_protocol() -> None:
     """uvicorn's tests/protocols/test_http.py (its sdist of the installed version) with kcache's
     protocol in place of uvicorn's: every test that applies passes (scripts/uvicorn-protocol-suite
-    names the few that cannot apply, and why)."""
+    names the few that cannot apply, and why). A minute of downloading and of uvicorn's own
+    suite: a --slow run's; the tests above cover the protocol by default."""
     script = Path(__file__).resolve().parents[2] / "scripts" / "uvicorn-protocol-suite"
     run = subprocess.run(
         [str(script), "-q"], capture_output=True, text=True, timeout=600, check=False
