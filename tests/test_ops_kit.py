@@ -134,7 +134,10 @@ def test_every_dashboard_query_parses(tmp_path: Path) -> None:
             {
                 "name": "dashboard",
                 "rules": [
-                    {"record": f"dashboard:query{i}", "expr": e.replace("$__rate_interval", "5m")}
+                    {
+                        "record": f"dashboard:query{i}",
+                        "expr": e.replace("$__rate_interval", "5m").replace("$__range", "6h"),
+                    }
                     for i, e in enumerate(exprs)
                 ],
             }

@@ -20,7 +20,14 @@ What is measured:
   route template (``/v1/recipes/{recipe_key}``), never by raw path, so label
   cardinality stays bounded whatever clients send;
 - ``kcache_lookups_total{outcome,tier}``: every audit event (server lookups and
-  client-reported local hits);
+  client-reported local hits), repeats included: requests, not the hit rate;
+- ``kcache_kernel_lookups_total{result,source}``, ``kcache_compiles_avoided_total{source}``,
+  ``kcache_compile_seconds_saved_total{source}``: kernel lookups (a process's first lookup
+  of a recipe, :mod:`kcache_server.auditing.lookups`) as this process records them,
+  ``result`` hit (needed no compile anywhere) or miss, ``source`` server (observed here) or
+  client (reported); the compiles they avoided and their compile time. The hit rate is
+  ``result="hit"`` over all, the figure ``/v1/stats`` gives for the same window. Every
+  label set exists from the start (at 0), so ``increase()`` counts a window's first ones;
 - ``kcache_compile_duration_seconds``: wall time of lookups that compiled;
 - ``kcache_compiles_in_flight``, ``kcache_compile_queue_depth``: the compile pool, read at
   scrape time;
@@ -134,6 +141,32 @@ class ServerMetrics:
             ["outcome", "tier"],
             registry=r,
         )
+        self.kernel_lookups_total = Counter(
+            "kcache_kernel_lookups",
+            "Kernel lookups (a process's first lookup of a recipe) this process recorded, by "
+            "result (hit: needed no compile anywhere; miss) and source (server: observed; "
+            "client: reported)",
+            ["result", "source"],
+            registry=r,
+        )
+        self.compiles_avoided = Counter(
+            "kcache_compiles_avoided",
+            "Kernel lookups whose process got the kernel without compiling or waiting for a "
+            "compile, by source (server, client)",
+            ["source"],
+            registry=r,
+        )
+        self.compile_seconds_saved = Counter(
+            "kcache_compile_seconds_saved",
+            "Compile time avoided by those kernel lookups (their kernels' compile times), by source",
+            ["source"],
+            registry=r,
+        )
+        for source in ("server", "client"):  # at 0 from the start: increase() sees the first
+            self.compiles_avoided.labels(source=source)
+            self.compile_seconds_saved.labels(source=source)
+            for result in ("hit", "miss"):
+                self.kernel_lookups_total.labels(result=result, source=source)
         self.compile_seconds = Histogram(
             "kcache_compile_duration_seconds",
             "Wall time of lookups that compiled (queueing, NVRTC/nvJitLink, publishing)",
@@ -199,6 +232,18 @@ class ServerMetrics:
         child.inc(n)
         if outcome == "compiled":
             self.compile_seconds.observe(latency_ms / 1000.0)
+
+    def kernel_lookups(self, lookups: list[dict[str, Any]]) -> None:
+        """Count kernel lookups as recorded (``audit_lookups`` rows: ``hit``, ``tier``, ``count``,
+        ``saved``, ``outcome``); quick, never raising."""
+        for row in lookups:
+            source = "server" if row.get("tier") == "server" else "client"
+            n = int(row.get("count") or 1)
+            result = "hit" if row.get("hit") else "miss"
+            self.kernel_lookups_total.labels(result=result, source=source).inc(n)
+            if row.get("outcome") in ("hit", "local_hit"):
+                self.compiles_avoided.labels(source=source).inc(n)
+                self.compile_seconds_saved.labels(source=source).inc(float(row.get("saved") or 0))
 
     def readiness(self, ready: bool, checks: dict[str, bool]) -> None:
         """Record the readiness checks' result: ready or not, and which checks passed."""

@@ -45,6 +45,8 @@ __all__ = [
     "AuditDigest",
     "AuditDivergence",
     "AuditEvent",
+    "AuditJobBuild",
+    "AuditLookup",
     "AuditReportWindow",
     "Base",
     "CompileCharge",
@@ -353,6 +355,66 @@ class AuditDivergence(Base):
     job_id: Mapped[str] = mapped_column(String(256), primary_key=True)
     base_key: Mapped[str] = mapped_column(String(64), primary_key=True)
     target: Mapped[str] = mapped_column(String(33), primary_key=True)
+
+
+#: Characters of a kernel lookup's miss reason (``audit_lookups.reason``).
+LOOKUP_REASON_LENGTH = 96
+
+
+class AuditLookup(Base):
+    """A kernel lookup: one process's first lookup of one recipe, what it needed (0016).
+
+    What the hit rate and the compile time saved count everywhere
+    (:mod:`kcache_server.auditing.lookups`): a process's later lookups of the recipe
+    (memory re-reads, repeated fetches) are repeats, in ``audit_events`` only.
+    ``process`` is a hash of the lookup's job, rank, host, pid and client id (NULL when
+    it named none: each such row is its own lookup, ``count`` of them); ``identity`` the
+    recipe key (else a hash of what names the kernel). ``hit``: it needed no compile
+    anywhere (the first lookup found the kernel, and no rank of its job compiled it);
+    ``saved``: the compile time it avoided (its process got the kernel without compiling
+    or waiting for a compile). Both are decided when the lookup is recorded.
+    """
+
+    __tablename__ = "audit_lookups"
+    __table_args__ = (
+        Index(None, "process", "identity", unique=True),
+        Index(None, "job_id", "at"),
+        Index(None, "kernel", "at"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    at: Mapped[Stamp] = mapped_column(index=True)
+    process: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    identity: Mapped[str] = mapped_column(String(64))
+    outcome: Mapped[str] = mapped_column(String(16))
+    tier: Mapped[str] = mapped_column(String(16))
+    hit: Mapped[bool] = mapped_column(Boolean)
+    reason: Mapped[str | None] = mapped_column(String(LOOKUP_REASON_LENGTH), nullable=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+    saved: Mapped[float]
+    recipe_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    base_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    kernel: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    target: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    client_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    job_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    rank: Mapped[int | None]
+    reporter: Mapped[str | None] = mapped_column(String(REPORTER_LENGTH), nullable=True)
+
+
+class AuditJobBuild(Base):
+    """A recipe (by its lookup ``identity``) that some rank of a job compiled or joined a compile of.
+
+    A later lookup of it by the same job needed that compile: it is no hit, whatever tier
+    answered it (:mod:`kcache_server.auditing.lookups`). Kept as the compiles are recorded.
+    """
+
+    __tablename__ = "audit_job_builds"
+
+    job_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    identity: Mapped[str] = mapped_column(String(64), primary_key=True)
+    at: Mapped[Stamp] = mapped_column(index=True)
 
 
 class Pin(Base):

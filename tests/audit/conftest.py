@@ -1,12 +1,18 @@
-"""Fixtures for the auditing tests: one real server after the scripted workload, per module.
+"""Fixtures for the auditing tests: one real server after the scripted workload, per module,
+and one headless Chromium per module for the dashboard's tests.
 
-The workload and its account are in :mod:`tests.audit.workload`.
+The workloads and their accounts are in :mod:`tests.audit.workload` and
+:mod:`tests.audit.kernel_workload`. Chromium is Debian's (``apt-get install chromium``),
+driven by Playwright's Python package; Playwright never downloads a browser here.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -51,3 +57,53 @@ def artifacts_dir() -> Path:
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
     return artifacts
+
+
+CHROMIUM = os.environ.get("KCACHE_TEST_CHROMIUM", "/usr/bin/chromium")
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+def chromium_installed() -> bool:
+    """Whether the dashboard's tests can run (a module skips without it)."""
+    return os.path.exists(CHROMIUM) or shutil.which("chromium") is not None
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Chromium for the module."""
+    os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def console_errors() -> list[str]:
+    """What the page logs as errors; a test that provokes one removes it."""
+    return []
+
+
+@pytest.fixture
+def page(browser: Any, console_errors: list[str]) -> Iterator[Any]:
+    """A fresh page at a desktop size; fails the test on any script error."""
+    context = browser.new_context(viewport={"width": 1440, "height": 1100}, device_scale_factor=1)
+    page = context.new_page()
+    errors = console_errors
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    yield page
+    context.close()
+    assert errors == [], f"the dashboard logged errors: {errors}"

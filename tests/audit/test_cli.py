@@ -20,9 +20,16 @@ def _run(*args: str) -> str:
 
 def test_stats_from_a_server_prints_the_summary(workload: Workload) -> None:
     out = _run("--server", workload.server.url)
-    assert "hit rate      25.0%  (server-observed; with client reports 45.5%, 5 hits)" in out
+    # Kernel lookups (tests/audit/test_stats_api.py counts them): job-a compiled every kernel
+    # it found, job-b compiled both of its own.
+    assert (
+        "hit rate      0.0%  (0 of 9 kernel lookups needed no compile anywhere: 0 answered by "
+        "the server, 0 reported by clients)"
+    ) in out
+    assert "misses        9: 3 another rank of this job compiled it, 2 compile error, " in out
+    assert "compile saved " in out and "(3 compiles avoided, at most one per process" in out
     assert "reported by   client:127.0.0.1 3" in out
-    assert "lookups       11  (8 seen by the server, 3 reported by clients)" in out
+    assert "requests      11  (8 seen by the server, 3 reported by clients; repeats included" in out
     tiers = {
         line.split()[0]: line.split()[1:]
         for line in out.splitlines()
@@ -44,6 +51,7 @@ def test_stats_from_a_server_prints_the_summary(workload: Workload) -> None:
 def test_json_output_is_the_api_answer(workload: Workload) -> None:
     data = json.loads(_run("--server", workload.server.url, "--json", "--job", "job-b"))
     assert data["totals"]["compiled"] == 2 and data["lookups"] == 2
+    assert data["kernel_lookups"] == 2 and data["hit_rate"] == 0.0
     assert data["divergence"][0]["ranks"] == workload.divergent
 
 

@@ -12,6 +12,7 @@ read from what happened before the waiter started.
 
 from __future__ import annotations
 
+import itertools
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -22,6 +23,8 @@ from kcache_server.auditing.stats_models import StatsQuery
 
 NOW = datetime.now(timezone.utc).replace(microsecond=0)
 JOINED = "joined a compile another request had started"
+#: Each row a process of its own (as the story's client and its rerun are): its own kernel lookup.
+_PIDS = itertools.count(1000)
 
 
 def _row(
@@ -39,6 +42,7 @@ def _row(
         "target": "sm_80",
         "job_id": "job",
         "rank": 0,
+        "pid": next(_PIDS),
         "latency_ms": latency_ms,
         "compile_seconds_saved": 0.0,
         "count": 1,

@@ -1,4 +1,8 @@
-"""Retention: old events become hourly roll-ups, and every count in ``/v1/stats`` survives.
+"""Retention: old events become hourly roll-ups, and every request count in ``/v1/stats`` survives.
+
+Kernel lookups (the hit rate, the compile time saved, the missed kernels) cover the
+retention window: a roll-up drops those first made before its cutoff, as it drops the
+raw events they were made from.
 
 Runs on SQLite and, where it is running, PostgreSQL (the series bucketing and the
 DELETE ... RETURNING differ between them).
@@ -120,13 +124,19 @@ def _summary(db: sa.Engine, **kw: object) -> dict:
         out[group_by] = {
             "totals": stats["totals"],
             "by_tier": stats["by_tier"],
-            "saved": round(stats["compile_seconds_saved"], 6),
-            "groups": [
-                (g["key"], g["outcomes"], [(r["rank"], r["outcomes"]) for r in g["ranks"] or []])
-                for g in stats["groups"]
-            ],
+            # In any order: groups come most kernel lookups first, which the roll-up drops.
+            "groups": sorted(
+                (
+                    (
+                        g["key"],
+                        g["outcomes"],
+                        [(r["rank"], r["outcomes"]) for r in g["ranks"] or []],
+                    )
+                    for g in stats["groups"]
+                ),
+                key=repr,
+            ),
             "series": sum(p["total"] for p in stats["series"]),
-            "missed": [(m["kernel"], m["misses"], m["errors"]) for m in stats["top_missed"]],
         }
     return out
 
@@ -136,6 +146,12 @@ def test_roll_up_keeps_every_count(engine: sa.Engine) -> None:
     window = {"since": NOW - timedelta(days=7), "until": NOW + timedelta(hours=1)}
     before = _summary(engine, **window)
     assert before[None]["totals"]["hit"] == 7 and before[None]["series"] == 13
+    lookups_before = compute_stats(engine, StatsQuery(**window))
+    # One process per (job, rank) here: j-old's k1 by ranks 0 and 1, k2 by ranks 0 and 1,
+    # k3 by rank 1; j-new's k2 by ranks 0 and 1 (its reported k1 names a digest no artifact
+    # has: the client's word alone, no kernel lookup).
+    assert lookups_before.kernel_lookups == 7
+    assert {m.kernel for m in lookups_before.top_missed} == {"k2", "k3"}
     divergent_before = compute_stats(engine, StatsQuery(**window)).divergence
     assert {d.job_id for d in divergent_before} == {"j-old", "j-new"}
 
@@ -148,9 +164,11 @@ def test_roll_up_keeps_every_count(engine: sa.Engine) -> None:
     assert _summary(engine, **window) == before
     # Divergence needs single events: only the recent job is still reported.
     assert [d.job_id for d in compute_stats(engine, StatsQuery(**window)).divergence] == ["j-new"]
-    # A kernel whose misses are all rolled up still says why it missed last.
-    missed = {m.kernel: m for m in compute_stats(engine, StatsQuery(**window)).top_missed}
-    assert missed["k3"].last_miss_reason == "compile timed out"
+    # Kernel lookups first made before the cutoff went with their events: the recent
+    # job's two are left, and k3, whose misses are all rolled up, is no missed kernel.
+    after = compute_stats(engine, StatsQuery(**window))
+    assert after.kernel_lookups == 2 and after.totals["error"] == 1
+    assert "k3" not in {m.kernel for m in after.top_missed}
 
     # Rolling up again changes nothing, and the window still filters rolled-up hours.
     assert roll_up(engine, NOW - timedelta(days=1)) == 0

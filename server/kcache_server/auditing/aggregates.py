@@ -1,11 +1,13 @@
 """The sections of ``/v1/stats`` that sum the window: totals, reporters, groups, series, store.
 
-Each is one ``GROUP BY`` over the window's relation
-(:func:`~kcache_server.auditing.window_source.source`: count rows where they can
-answer, raw events elsewhere), plus a job's ranks and world sizes read by key
-(``group_by=job``) and the store's size with the window's evictions. The sections
-that need single events (the top missed kernels, rank divergence) have modules of
-their own; :func:`~kcache_server.auditing.stats.compute_stats` reads them all.
+The requests of each (every lookup, repeats included) are one ``GROUP BY`` over the
+window's relation (:func:`~kcache_server.auditing.window_source.source`: count rows
+where they can answer, raw events elsewhere), plus a job's ranks and world sizes read
+by key (``group_by=job``) and the store's size with the window's evictions; a group's,
+a rank's and a bucket's kernel lookups (the hit rate) are read beside them from
+``audit_lookups`` (:mod:`~kcache_server.auditing.lookup_stats`). The sections that need
+single events (the top missed kernels, rank divergence) have modules of their own;
+:func:`~kcache_server.auditing.stats.compute_stats` reads them all.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ import sqlalchemy as sa
 
 from kcache.outcomes import OUTCOMES, SERVER_OUTCOMES
 from kcache_server.auditing.counts import LEVELS, decode
+from kcache_server.auditing.lookup_stats import (
+    Figures,
+    read_lookup_groups,
+    read_lookup_ranks,
+    read_lookup_series,
+)
 from kcache_server.auditing.stats_models import (
     GROUP_BY,
     REPORTED_OUTCOMES,
@@ -104,21 +112,28 @@ def read_reporters(conn: sa.Connection, query: StatsQuery) -> list[tuple[str, in
 def reported_by_rows(
     named: list[tuple[str, int, float]],
     reported: int,
-    reported_saved: float,
+    saved: dict[str | None, float],
     lookups: int,
     limit: int,
 ) -> list[ReportedBy]:
-    """``named`` most first, with what no reporter is named for (reports before 0013) as ``None``."""
-    rows: list[tuple[str | None, int, float]] = list(named)
+    """``named`` most first, with what no reporter is named for (reports before 0013) as ``None``.
+
+    ``saved``: the compile time each reporter's kernel lookups avoided
+    (:func:`~kcache_server.auditing.lookup_stats.read_reporter_savings`).
+    """
+    rows: list[tuple[str | None, int]] = [(r, n) for r, n, _ in named]
     attributed = sum(n for _, n, _ in named)
     if reported > attributed:
-        rows.append((None, reported - attributed, reported_saved - sum(s for *_, s in named)))
+        rows.append((None, reported - attributed))
     ranked = sorted(rows, key=lambda r: (-r[1], r[0] is None, r[0] or ""))[:limit]
     return [
         ReportedBy(
-            reporter=r, lookups=n, share=n / lookups if lookups else 0.0, compile_seconds_saved=s
+            reporter=r,
+            lookups=n,
+            share=n / lookups if lookups else 0.0,
+            compile_seconds_saved=saved.get(r, 0.0),
         )
-        for r, n, s in ranked
+        for r, n in ranked
     ]
 
 
@@ -134,13 +149,17 @@ def read_groups(conn: sa.Connection, query: StatsQuery, present: Present) -> lis
         .having(sa.func.sum(src.c.n) != 0)
     ).all()
     outcomes: dict[Any, dict[str, int]] = defaultdict(dict)
-    saved: dict[Any, float] = defaultdict(float)
-    for key, outcome, n, s in rows:
+    for key, outcome, n, _ in rows:
         outcomes[key][outcome] = int(n)
-        saved[key] += float(s or 0.0)
-    keys = sorted(outcomes, key=lambda k: (-sum(outcomes[k].values()), str(k)))[: query.limit]
+    figures = read_lookup_groups(conn, query)
+    empty = Figures()
+
+    def order(k: Any) -> tuple[int, int, str]:
+        return (-figures.get(k, empty).lookups, -sum(outcomes.get(k, {}).values()), str(k))
+
+    keys = sorted(set(outcomes) | set(figures), key=order)[: query.limit]
     groups = [
-        GroupStats(key=k, compile_seconds_saved=saved[k], **outcome_fields(outcomes[k]))
+        GroupStats(key=k, **outcome_fields(outcomes.get(k, {})), **figures.get(k, empty).fields())
         for k in keys
     ]
     if query.group_by == "job":
@@ -164,6 +183,10 @@ def _add_ranks(
     for job, rank, outcome, n in rows:
         if n:  # 0: nothing of it in the window, a day's row less its hours (source)
             per[job][rank][outcome] = int(n)
+    lookups = read_lookup_ranks(conn, query, jobs)
+    for job, rank in lookups:
+        per[job].setdefault(rank, {})
+    empty = Figures()
     c = _counts_t.c
     sizes = dict(
         conn.execute(
@@ -181,7 +204,11 @@ def _add_ranks(
             continue
         ranks = per.get(group.key, {})
         group.ranks = [
-            RankStats(rank=r, **outcome_fields(ranks[r]))
+            RankStats(
+                rank=r,
+                **outcome_fields(ranks[r]),
+                **lookups.get((group.key, r), empty).fields(),
+            )
             for r in sorted(ranks, key=lambda r: (r is None, r or 0))
         ]
         group.world_size = sizes.get(group.key)
@@ -217,8 +244,12 @@ def read_series(conn: sa.Connection, query: StatsQuery) -> tuple[int, list[Serie
     for b, outcome, n in rows:
         per[int(b)][outcome] = per[int(b)].get(outcome, 0) + int(n)
     first_b, last_b = int(lo // step), math.ceil(hi / step) - 1
+    lookups = read_lookup_series(conn, query, step)
+    empty = Figures()
     points = [
-        SeriesPoint(t=float(b * step), **outcome_fields(per.get(b, {})))
+        SeriesPoint(
+            t=float(b * step), **outcome_fields(per.get(b, {})), **lookups.get(b, empty).fields()
+        )
         for b in range(first_b, max(last_b, first_b) + 1)
     ]
     return step, points

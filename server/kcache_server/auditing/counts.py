@@ -39,6 +39,7 @@ from typing import Any, cast
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
+from kcache_server.auditing.lookups import record_lookups
 from kcache_server.models import (
     AuditCount,
     AuditDigest,
@@ -205,21 +206,24 @@ def _upsert_digests(conn: sa.Connection) -> Any:
     )
 
 
-def write_events(conn: sa.Connection, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Insert ``rows`` into ``audit_events`` and add them to the counts, in ``conn``'s transaction.
+def write_events(conn: sa.Connection, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Insert ``rows`` into ``audit_events``, add them to the counts and record the kernel
+    lookups they start, in ``conn``'s transaction; returns those kernel lookups.
 
     Each row names every column of ``audit_events`` but ``id``. Upserts go in key
     order, so concurrent writers on PostgreSQL lock count rows in one order and
-    cannot deadlock each other.
+    cannot deadlock each other. The kernel lookups (:mod:`~kcache_server.auditing.lookups`)
+    are what every hit rate counts; the caller counts the new ones in its metrics.
     """
     if not rows:
-        return
+        return []
     conn.execute(sa.insert(_events), list(rows))
     conn.execute(_upsert_counts(conn), _count_rows(rows))
     digests = _digest_rows(rows)
     if digests:
         conn.execute(_upsert_digests(conn), digests)
         mark_divergences(conn, sorted({tuple(d[k] for k in _RECIPE_KEY) for d in digests}))
+    return record_lookups(conn, rows)
 
 
 def mark_divergences(conn: sa.Connection, recipes: Sequence[tuple[Any, ...]] | None) -> None:

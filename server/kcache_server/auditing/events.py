@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, cast
 
@@ -267,12 +267,14 @@ def ingest_events(
     reporter: str | None = None,
     max_per_minute: int | None = None,
     now: float | None = None,
+    on_lookups: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> int:
     """Insert ``events`` in one transaction; returns how many rows were written.
 
     ``reporter`` is stored with each event; with ``max_per_minute`` too, the batch is
     charged to the reporter's minute of ``now`` (:class:`ReportLimitError` past it,
-    nothing written).
+    nothing written). ``on_lookups`` gets the kernel lookups the batch started
+    (:mod:`~kcache_server.auditing.lookups`) once it is committed.
     """
     if not events:
         return 0
@@ -282,8 +284,10 @@ def ingest_events(
         saved = _compile_seconds(conn, {e.digest for e in events if e.digest})
     with engine.begin() as conn:  # events and their counts together, as the writer does
         if reporter is not None and max_per_minute is not None:
-            lookups = sum(e.count for e in events)
+            reported = sum(e.count for e in events)
             at = time.time() if now is None else now
-            _charge(conn, reporter, lookups, len(events), max_per_minute, at)
-        write_events(conn, [_row(e, saved, reporter) for e in events])
+            _charge(conn, reporter, reported, len(events), max_per_minute, at)
+        kernel_lookups = write_events(conn, [_row(e, saved, reporter) for e in events])
+    if kernel_lookups and on_lookups is not None:
+        on_lookups(kernel_lookups)
     return len(events)

@@ -9,7 +9,11 @@ rows cover disjoint events and simply add up in :mod:`~kcache_server.auditing.st
 
 What a roll-up keeps: counts, compile time saved, latency sums, the time and
 error code of the last event of each group. What it drops: digests and keys of
-single events, so rank divergence is only reported inside the retention window.
+single events, so rank divergence is only reported inside the retention window, and
+the kernel lookups (``audit_lookups``, :mod:`~kcache_server.auditing.lookups`) first
+made before the cutoff, with the jobs' compiles recorded before it: the hit rate, the
+compiles avoided and the miss reasons cover the retention window, as raw events do
+(older windows still show their requests, from the counts).
 
 The counts ``/v1/stats`` sums (:mod:`~kcache_server.auditing.counts`) already hold
 every event, raw or rolled up, so a roll-up leaves them alone; stats reads roll-ups
@@ -29,7 +33,14 @@ from typing import Any, cast
 import sqlalchemy as sa
 
 from kcache_server.auditing.counts import decode
-from kcache_server.models import AuditDigest, AuditDivergence, AuditEvent, AuditRollup
+from kcache_server.models import (
+    AuditDigest,
+    AuditDivergence,
+    AuditEvent,
+    AuditJobBuild,
+    AuditLookup,
+    AuditRollup,
+)
 
 __all__ = ["RetentionWorker", "roll_up"]
 
@@ -39,6 +50,8 @@ _events = cast(sa.Table, AuditEvent.__table__)
 _rollups = cast(sa.Table, AuditRollup.__table__)
 _digests = cast(sa.Table, AuditDigest.__table__)
 _divergences = cast(sa.Table, AuditDivergence.__table__)
+_lookups = cast(sa.Table, AuditLookup.__table__)
+_builds = cast(sa.Table, AuditJobBuild.__table__)
 _KEYS = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank", "reporter")
 # Events rolled up per transaction: bounds the transaction's size and lock time.
 _CHUNK = 50_000
@@ -104,7 +117,21 @@ def roll_up(engine: sa.Engine, older_than: datetime) -> int:
         if n < _CHUNK:
             break
     _forget_digests(engine, older_than)
+    _forget_lookups(engine, older_than)
     return total
+
+
+def _forget_lookups(engine: sa.Engine, older_than: datetime) -> None:
+    """Delete kernel lookups and job compiles recorded before ``older_than``, a chunk a transaction."""
+    lk, jb = _lookups.c, _builds.c
+    while True:
+        with engine.begin() as conn:
+            oldest = sa.select(lk.id).where(lk.at < older_than).order_by(lk.id).limit(_CHUNK)
+            gone = conn.execute(sa.delete(_lookups).where(lk.id.in_(oldest.scalar_subquery())))
+        if gone.rowcount < _CHUNK:
+            break
+    with engine.begin() as conn:
+        conn.execute(sa.delete(_builds).where(jb.at < older_than))
 
 
 def _forget_digests(engine: sa.Engine, older_than: datetime) -> None:

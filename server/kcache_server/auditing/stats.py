@@ -1,15 +1,22 @@
 """``GET /v1/stats``: aggregates over audit events (and the hourly roll-ups of old ones).
 
-What the server observed itself (tier ``server``) and what clients reported through
-``POST /v1/events`` (tiers ``memory`` and ``node``) are kept apart, so that no token can
-move the fleet's headline: ``hit_rate`` (the answer's, and every group's, rank's and
-series bucket's), ``totals`` and ``compile_seconds_saved`` are the server's own
-figures; ``reported``, ``reported_compile_seconds_saved`` and ``reported_by`` (the
-reporting tokens, each with its lookups and its share of all of them) the clients'
-word, beside them; ``combined_hit_rate``, ``lookups`` and ``hits`` add both. Clients
-report only ``local_hit``, which the server never records, so a group's outcomes tell
-the two apart. Rank divergence is a row built from the server's events alone, or a
-row of its own marked ``reported`` that names the tokens whose reports make it.
+The headline is the one hit rate (:mod:`~kcache_server.auditing.lookups`): the share of
+kernel lookups (each process's first lookup of each recipe) that needed no compile
+anywhere, in the answer and in every group, rank and series bucket, with the compiles
+that avoided and their compile time. It is read from ``audit_lookups``
+(:mod:`~kcache_server.auditing.lookup_stats`), decided as each lookup was written, the
+figure ``/metrics`` counts. Its parts stay visible: the hits the server answered itself
+(``observed_hits``, ``server_hit_rate``) and those clients reported (``reported_hits``,
+``reported_compile_seconds_saved``, ``reported_by``: the tokens, each with its requests
+and its share). A client report is one kernel lookup at most per process and recipe,
+and only for a digest the index knows. Requests (every lookup, repeats included) are
+the rest of the answer: ``lookups``, ``totals`` (the server's), ``reported`` (the
+clients'), ``by_tier`` and each group's ``total`` and ``outcomes``. Rank divergence is a
+row built from the server's events alone, or a row of its own marked ``reported`` that
+names the tokens whose reports make it.
+
+Requests come from the counts below; kernel lookups from their own table, one range
+scan of its time index per section.
 
 Counts come from ``audit_counts`` (:mod:`~kcache_server.auditing.counts`), kept by
 every audit write per minute, hour and day and per dimension, so an unfiltered query
@@ -57,7 +64,6 @@ from typing import TypeVar
 
 import sqlalchemy as sa
 
-from kcache.outcomes import HIT_OUTCOMES
 from kcache_server.auditing.aggregates import (
     read_groups,
     read_reporters,
@@ -67,7 +73,8 @@ from kcache_server.auditing.aggregates import (
     reported_by_rows,
 )
 from kcache_server.auditing.divergence import read_divergence
-from kcache_server.auditing.stats_models import Stats, StatsQuery
+from kcache_server.auditing.lookup_stats import read_lookup_totals, read_reporter_savings
+from kcache_server.auditing.stats_models import MissReason, Stats, StatsQuery
 from kcache_server.auditing.top_missed import read_top_missed
 from kcache_server.auditing.window_source import present_buckets
 from kcache_server.auditing.windows import epoch_of
@@ -122,8 +129,10 @@ def compute_stats(engine: sa.Engine, query: StatsQuery, store_cap: int | None = 
         present = present_buckets(conn)
         groups_read = _beside(engine, lambda lane: read_groups(lane, query, present))
         top_read = _beside(engine, lambda lane: read_top_missed(lane, query))
-        totals, reported, by_tier, saved, reported_saved = read_totals(conn, query)
+        totals, reported, by_tier, _, _ = read_totals(conn, query)
+        figures = read_lookup_totals(conn, query)
         reporters = read_reporters(conn, query) if sum(reported.values()) else []
+        savings = read_reporter_savings(conn, query) if reporters else {}
         divergence = read_divergence(conn, query, present)
         step, series = read_series(conn, query)
         store = read_store(engine, conn, query, store_cap)
@@ -132,27 +141,28 @@ def compute_stats(engine: sa.Engine, query: StatsQuery, store_cap: int | None = 
         divergent_jobs = {d.job_id for d in divergence if not d.reported}
         for group in groups:
             group.divergent = group.key is not None and group.key in divergent_jobs
-    server_lookups = sum(totals.values())
-    lookups = server_lookups + sum(reported.values())
-    hits = sum(v for k, v in (*totals.items(), *reported.items()) if k in HIT_OUTCOMES)
-    server_hits = sum(v for k, v in totals.items() if k in HIT_OUTCOMES)
-    server_hit_rate = server_hits / server_lookups if server_lookups else None
+    requests = sum(totals.values()) + sum(reported.values())
     return Stats(
         since=epoch_of(query.since),
         until=epoch_of(query.until),
-        lookups=lookups,
-        hits=hits,
+        hit_rate=figures.hit_rate,
+        kernel_lookups=figures.lookups,
+        kernel_hits=figures.hits,
+        kernel_misses=figures.misses,
+        observed_hits=figures.observed_hits,
+        reported_hits=figures.reported_hits,
+        server_hit_rate=figures.observed_hits / figures.observed if figures.observed else None,
+        compiles_avoided=figures.avoided,
+        compile_seconds_saved=figures.saved,
+        reported_compile_seconds_saved=figures.reported_saved,
+        miss_reasons=[MissReason(**r) for r in figures.miss_reasons()],
+        lookups=requests,
         totals=totals,
         reported=reported,
         reported_by=reported_by_rows(
-            reporters, sum(reported.values()), reported_saved, lookups, query.limit
+            reporters, sum(reported.values()), savings, requests, query.limit
         ),
         by_tier=by_tier,
-        hit_rate=server_hit_rate,
-        server_hit_rate=server_hit_rate,
-        combined_hit_rate=hits / lookups if lookups else None,
-        compile_seconds_saved=saved,
-        reported_compile_seconds_saved=reported_saved,
         group_by=query.group_by,
         groups=groups,
         top_missed=top_missed,

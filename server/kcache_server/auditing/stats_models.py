@@ -1,8 +1,17 @@
 """What ``GET /v1/stats`` is asked (:class:`StatsQuery`) and what it answers (:class:`Stats`).
 
-The answer's models are its JSON and OpenAPI schema; :func:`outcome_fields` fills the
-fields every counted group shares (:class:`OutcomeCounts`). How the figures are read
-is :mod:`~kcache_server.auditing.stats`'s.
+The answer's models are its JSON and OpenAPI schema. Two kinds of figure, named apart:
+
+- **kernel lookups** (:mod:`~kcache_server.auditing.lookups`): one per process and
+  recipe, a hit when it needed no compile anywhere. The hit rate, the hits and misses,
+  the compiles avoided and the compile time saved are these, in the answer and in every
+  group, rank and series bucket (:class:`~kcache_server.auditing.lookup_stats.Figures`
+  fills them), with the hits the server observed and those clients reported as parts;
+- **requests**: every lookup the server answered or a client reported, repeats
+  included (``lookups``, ``totals``, ``reported``, ``by_tier``, a group's ``total`` and
+  ``outcomes``, :func:`outcome_fields`): the load, not the hit rate.
+
+How the figures are read is :mod:`~kcache_server.auditing.stats`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from kcache.outcomes import CLIENT_OUTCOMES, HIT_OUTCOMES, MISS_OUTCOMES
+from kcache.outcomes import CLIENT_OUTCOMES
 
 __all__ = [
     "GROUP_BY",
@@ -23,6 +32,7 @@ __all__ = [
     "Divergence",
     "GroupBy",
     "GroupStats",
+    "MissReason",
     "MissedKernel",
     "OutcomeCounts",
     "RankStats",
@@ -69,21 +79,37 @@ class StatsQuery:
 
 
 class OutcomeCounts(BaseModel):
-    """Counts of one group (or bucket) by outcome, with its hit rate."""
+    """One group (or rank, or bucket): its kernel lookups and hit rate, and its requests."""
 
-    total: int = Field(default=0, description="lookups: server-observed plus client-reported")
-    hits: int = Field(default=0, description="hit + local_hit")
-    misses: int = 0
-    reported: int = Field(default=0, description="client-reported lookups (local_hit)")
+    kernel_lookups: int = Field(
+        default=0, description="kernel lookups: each process's first lookup of each recipe"
+    )
+    kernel_hits: int = Field(
+        default=0, description="kernel lookups that needed no compile anywhere"
+    )
+    kernel_misses: int = Field(default=0, description="kernel lookups that needed a compile")
     hit_rate: float | None = Field(
-        default=None,
-        description="hit / server-observed lookups (no client-reported figure in it); null "
-        "with none",
+        default=None, description="kernel_hits / kernel_lookups; null with none"
     )
-    combined_hit_rate: float | None = Field(
-        default=None, description="(hit + local_hit) / all lookups, client reports included"
+    observed_hits: int = Field(default=0, description="of kernel_hits: answered by the server")
+    reported_hits: int = Field(
+        default=0, description="of kernel_hits: reported by clients (node-tier hits)"
     )
-    outcomes: dict[str, int] = Field(default_factory=dict)
+    compiles_avoided: int = Field(
+        default=0,
+        description="kernel lookups whose process got the kernel without compiling or waiting "
+        "(at most one per process and kernel)",
+    )
+    compile_seconds_saved: float = Field(
+        default=0.0, description="the compile time of those kernels: what the cache saved"
+    )
+    total: int = Field(
+        default=0,
+        description="requests: every lookup, server-observed plus client-reported, repeats "
+        "included",
+    )
+    reported: int = Field(default=0, description="of total: client-reported requests")
+    outcomes: dict[str, int] = Field(default_factory=dict, description="requests by outcome")
 
 
 class RankStats(OutcomeCounts):
@@ -96,7 +122,6 @@ class GroupStats(OutcomeCounts):
     """One value of the ``group_by`` dimension."""
 
     key: str | int | None
-    compile_seconds_saved: float = 0.0
     world_size: int | None = Field(
         default=None, description="group_by=job: the largest world size seen"
     )
@@ -106,13 +131,27 @@ class GroupStats(OutcomeCounts):
     )
 
 
+class MissReason(BaseModel):
+    """Missed kernel lookups of one reason."""
+
+    reason: str = Field(
+        description="first_build, evicted, headers_changed, joined_compile, built_by_job, "
+        "not_cached, error:<code>, bypass:<why>, miss:<code>"
+    )
+    text: str = Field(description="the reason in words")
+    kernel_lookups: int
+
+
 class MissedKernel(BaseModel):
     """A kernel that missed often, and why it missed last."""
 
     kernel: str | None
-    misses: int
-    errors: int
-    outcomes: dict[str, int]
+    misses: int = Field(description="its missed kernel lookups")
+    errors: int = Field(description="of misses: failed (outcome error)")
+    outcomes: dict[str, int] = Field(description="its missed kernel lookups by first outcome")
+    reasons: dict[str, int] = Field(
+        default_factory=dict, description="its missed kernel lookups by reason (MissReason codes)"
+    )
     last_miss_at: float | None = Field(default=None, description="unix seconds")
     last_miss_outcome: str | None = None
     last_miss_reason: str | None = None
@@ -148,15 +187,17 @@ class Divergence(BaseModel):
 
 
 class ReportedBy(BaseModel):
-    """The lookups one reporter (a token) reported in the window."""
+    """The requests one reporter (a token) reported in the window."""
 
     reporter: str | None = Field(
         description="token:<name>, or client:<address> on an open server; null: reported "
         "before reporters were recorded"
     )
-    lookups: int
-    share: float = Field(description="of all lookups in the window, server-observed included")
-    compile_seconds_saved: float = Field(description="by its reported local hits")
+    lookups: int = Field(description="requests it reported, repeats included")
+    share: float = Field(description="of all requests in the window, server-observed included")
+    compile_seconds_saved: float = Field(
+        description="compile time its reported kernel lookups avoided"
+    )
 
 
 class SeriesPoint(OutcomeCounts):
@@ -182,28 +223,49 @@ class Stats(BaseModel):
 
     since: float | None
     until: float | None
-    lookups: int = Field(description="all lookups: server-observed plus client-reported")
-    hits: int = Field(description="hit + local_hit")
-    totals: dict[str, int] = Field(description="server-observed: outcome -> count")
+    hit_rate: float | None = Field(
+        description="the headline: kernel_hits / kernel_lookups (the share of kernel lookups that "
+        "needed no compile anywhere); null with none"
+    )
+    kernel_lookups: int = Field(
+        description="kernel lookups: each process's first lookup of each recipe (a lookup that "
+        "names no process counts each time)"
+    )
+    kernel_hits: int = Field(description="kernel lookups that needed no compile anywhere")
+    kernel_misses: int = Field(description="kernel lookups that needed a compile (miss_reasons)")
+    observed_hits: int = Field(description="of kernel_hits: answered by the server itself")
+    reported_hits: int = Field(
+        description="of kernel_hits: reported by clients (node-tier hits the server never sees; "
+        "see reported_by)"
+    )
+    server_hit_rate: float | None = Field(
+        description="the part the server observed: its own answers' hits / the kernel lookups "
+        "whose first lookup it answered; null with none"
+    )
+    compiles_avoided: int = Field(
+        description="kernel lookups whose process got the kernel without compiling or waiting "
+        "for a compile (at most one per process and kernel)"
+    )
+    compile_seconds_saved: float = Field(description="the compile time of those kernels")
+    reported_compile_seconds_saved: float = Field(
+        description="of compile_seconds_saved: by kernel lookups clients reported"
+    )
+    miss_reasons: list[MissReason] = Field(
+        default_factory=list, description="the missed kernel lookups by reason, most first"
+    )
+    lookups: int = Field(
+        description="requests: every lookup, server-observed plus client-reported, repeats "
+        "included (a process reading its warmup back counts each time)"
+    )
+    totals: dict[str, int] = Field(description="server-observed requests: outcome -> count")
     reported: dict[str, int] = Field(
-        description="client-reported (POST /v1/events): outcome -> count"
+        description="client-reported requests (POST /v1/events): outcome -> count"
     )
     reported_by: list[ReportedBy] = Field(
         default_factory=list,
-        description="who reported the client-reported lookups, most first (at most limit)",
+        description="who reported the client-reported requests, most first (at most limit)",
     )
-    by_tier: dict[str, dict[str, int]] = Field(description="tier -> outcome -> count")
-    hit_rate: float | None = Field(
-        description="the headline: hit / server-observed lookups (no client-reported figure in "
-        "it, so no token moves it); null with none"
-    )
-    server_hit_rate: float | None = Field(description="the same as hit_rate (kept for old readers)")
-    combined_hit_rate: float | None = Field(
-        default=None,
-        description="(hit + local_hit) / all lookups, client reports included (see reported_by)",
-    )
-    compile_seconds_saved: float = Field(description="by server-observed hits")
-    reported_compile_seconds_saved: float = Field(description="by client-reported local hits")
+    by_tier: dict[str, dict[str, int]] = Field(description="requests: tier -> outcome -> count")
     group_by: str | None
     groups: list[GroupStats]
     top_missed: list[MissedKernel]
@@ -214,20 +276,13 @@ class Stats(BaseModel):
 
 
 def outcome_fields(outcomes: Mapping[str, int]) -> dict[str, Any]:
-    """:class:`OutcomeCounts` fields: the hit rate over what the server observed, the rest beside it."""
-    total = sum(outcomes.values())
-    hits = sum(v for k, v in outcomes.items() if k in HIT_OUTCOMES)
-    reported = sum(v for k, v in outcomes.items() if k in REPORTED_OUTCOMES)
-    observed_hits = sum(
-        v for k, v in outcomes.items() if k in HIT_OUTCOMES and k not in REPORTED_OUTCOMES
-    )
-    observed = total - reported
+    """:class:`OutcomeCounts`' request fields (every lookup by outcome, repeats included).
+
+    Its kernel-lookup fields (the hit rate) come from
+    :meth:`~kcache_server.auditing.lookup_stats.Figures.fields`.
+    """
     return {
-        "total": total,
-        "hits": hits,
-        "misses": sum(v for k, v in outcomes.items() if k in MISS_OUTCOMES),
-        "reported": reported,
-        "hit_rate": observed_hits / observed if observed else None,
-        "combined_hit_rate": hits / total if total else None,
+        "total": sum(outcomes.values()),
+        "reported": sum(v for k, v in outcomes.items() if k in REPORTED_OUTCOMES),
         "outcomes": dict(outcomes),
     }

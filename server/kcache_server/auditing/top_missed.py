@@ -1,7 +1,8 @@
 """``top_missed`` of ``/v1/stats``: the kernels that missed most, and why each missed last.
 
-The ranking is one ``GROUP BY`` over the window's relation
-(:func:`~kcache_server.auditing.window_source.source`); each top kernel's last miss
+The ranking is one ``GROUP BY`` over the window's kernel lookups
+(:func:`~kcache_server.auditing.lookup_stats.read_missed_kernels`: misses counted as
+every figure counts them); each top kernel's last miss
 is an index probe on the raw events, backwards on ``(kernel, at, id)``, with why it
 had to be built decided from what was seen before it (evicted, headers changed, a
 first build), and a roll-up's for kernels whose misses in the window are all rolled
@@ -15,69 +16,38 @@ from typing import Any, cast
 import sqlalchemy as sa
 
 from kcache.outcomes import MISS_OUTCOMES
+from kcache_server.auditing.lookup_stats import read_missed_kernels
+from kcache_server.auditing.lookups import ERROR_REASONS, REASONS, reason_text
 from kcache_server.auditing.stats_models import MissedKernel, StatsQuery
-from kcache_server.auditing.window_source import filters, source
+from kcache_server.auditing.window_source import filters
 from kcache_server.models import AuditEvent, AuditRollup
 
 __all__ = ["read_top_missed"]
 
 _events = cast(sa.Table, AuditEvent.__table__)
 _rollups = cast(sa.Table, AuditRollup.__table__)
-_ERROR_REASONS = {
-    "compile_error": "compile error",
-    "compile_timeout": "compile timed out",
-    "compiler_crashed": "compiler crashed",
-    "overloaded": "server overloaded",
-    "lock_timeout": "timed out waiting for another compile",
-    "invalid_recipe": "invalid recipe",
-    "store_full": "artifact store full",
-    "quota_exceeded": "token's storage quota reached",
-}
 
 
 def read_top_missed(conn: sa.Connection, query: StatsQuery) -> list[MissedKernel]:
-    """The kernels with the most misses, each with its misses by outcome and its last miss.
+    """The kernels with the most missed kernel lookups, each with its misses and its last miss.
 
-    Three statements, however many kernels: the ranking with its per-outcome counts,
-    the last raw miss of every top kernel, and (only when some top kernel has no raw
-    miss in the window) the last rolled-up one.
+    The ranking and the counts are kernel lookups (:mod:`~kcache_server.auditing.lookups`:
+    one per process and recipe, the same misses every figure counts), by first outcome
+    and by reason; the last miss is the last miss event of the kernel in the window.
+    Three statements, however many kernels: the ranking with its counts, the last raw
+    miss of every top kernel, and (only when some top kernel has no raw miss in the
+    window) the last rolled-up one.
     """
-    src = source(query, "kernel")
-    per_outcome = (
-        sa.select(src.c.kernel, src.c.outcome, sa.func.sum(src.c.n).label("c"))
-        .where(src.c.outcome.in_(sorted(MISS_OUTCOMES)))
-        .group_by(src.c.kernel, src.c.outcome)
-        # 0: nothing of it in the window, a day's row less its hours (source)
-        .having(sa.func.sum(src.c.n) != 0)
-        .subquery("per_outcome")
-    )
-    with_total = sa.select(
-        per_outcome,
-        sa.func.sum(per_outcome.c.c).over(partition_by=per_outcome.c.kernel).label("misses"),
-    ).subquery("with_total")
-    # dense_rank: every outcome row of one kernel shares its kernel's place.
-    ranked = sa.select(
-        with_total,
-        sa.func.dense_rank()
-        .over(order_by=(with_total.c.misses.desc(), with_total.c.kernel))
-        .label("place"),
-    ).subquery("ranked")
-    rows = conn.execute(
-        sa.select(ranked.c.place, ranked.c.kernel, ranked.c.misses, ranked.c.outcome, ranked.c.c)
-        .where(ranked.c.place <= query.top)
-        .order_by(ranked.c.place, ranked.c.outcome)
-    ).all()
-    items: dict[int, MissedKernel] = {}
-    for place, kernel, misses, outcome, c in rows:
-        item = items.get(place)
-        if item is None:
-            item = items[place] = MissedKernel(
-                kernel=kernel, misses=int(misses), errors=0, outcomes={}
-            )
-        item.outcomes[outcome] = int(c)
-    result = [items[p] for p in sorted(items)]
-    for item in result:
-        item.errors = item.outcomes.get("error", 0)
+    result = [
+        MissedKernel(
+            kernel=m.kernel,
+            misses=m.misses,
+            errors=m.outcomes.get("error", 0),
+            outcomes=m.outcomes,
+            reasons=m.reasons,
+        )
+        for m in read_missed_kernels(conn, query)
+    ]
     if result:
         _last_misses(conn, query, result)
     return result
@@ -240,20 +210,25 @@ def _last_rolled_up_misses(
 
 
 def _reason(outcome: str, error: str | None, history: str | None) -> str:
-    """A short sentence a person can act on."""
+    """A short sentence a person can act on (the words of :data:`~kcache_server.auditing.lookups.REASONS`)."""
     if outcome == "error":
-        return _ERROR_REASONS.get(error or "", (error or "error").replace("_", " "))
+        return ERROR_REASONS.get(error or "", (error or "error").replace("_", " "))
     if outcome == "miss":
-        return "not cached, and the caller did not ask to compile"
+        code = "not_cached" if error in (None, "not_found") else f"miss:{error}"
+        return reason_text(code) or code
+    if outcome == "bypass":  # the client's word: the adapter's library compiled it
+        return reason_text(f"bypass:{error or ''}") or "bypass"
+    if outcome == "late":  # a frozen client's lookup outside its warmup
+        return REASONS["late"]
     if history == "evicted":
-        why = "served before, then evicted or garbage-collected"
+        why = REASONS["evicted"]
     elif history == "headers":
-        why = "header contents changed since an earlier build"
+        why = REASONS["headers_changed"]
     else:
-        why = "first build of this recipe"
+        why = REASONS["first_build"]
     # A waiter compiled nothing: it joined a compile already running (its starter may
     # have been interrupted since), which was needed for the reason found before the wait.
-    return f"joined a compile another request had started: {why}" if outcome == "waited" else why
+    return f"{REASONS['joined_compile']}: {why}" if outcome == "waited" else why
 
 
 def _ms_between(dialect: str, earlier: Any, later: Any) -> sa.ColumnElement[Any]:

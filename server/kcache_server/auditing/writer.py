@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
-from typing import cast
+from typing import Any, cast
 
 import sqlalchemy as sa
 
@@ -117,6 +117,9 @@ class AuditLog:
         # Called in the writer's thread with each batch before it is written (it may fill
         # in fields, e.g. miss_reason); must not raise. The database is theirs to use.
         self.preparers: list[Callable[[list[AuditRecord]], None]] = []
+        # Called in the writer's thread with the kernel lookups each written batch started
+        # (kcache_server.auditing.lookups), once committed; quick, never raising.
+        self.lookup_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
         #: Rows dropped so far, by reason.
         self.dropped: Counter[str] = Counter()
         self._queue_full_logged = 0.0
@@ -239,7 +242,7 @@ class AuditLog:
         while todo:
             rows = todo.pop()
             try:
-                self._insert(rows)
+                lookups = self._insert(rows)
             except Exception as exc:
                 if _unavailable(exc):
                     left = rows + [row for chunk in todo for row in chunk]
@@ -258,11 +261,14 @@ class AuditLog:
                     todo += [rows[half:], rows[:half]]
                 continue
             written += rows
+            if lookups:
+                for listener in self.lookup_listeners:
+                    listener(lookups)
         return written
 
-    def _insert(self, rows: Sequence[AuditRecord]) -> None:
-        with self.engine.begin() as conn:  # events and their counts in one transaction
-            write_events(conn, [asdict(e) for e in rows])
+    def _insert(self, rows: Sequence[AuditRecord]) -> list[dict[str, Any]]:
+        with self.engine.begin() as conn:  # events, counts and kernel lookups in one transaction
+            return write_events(conn, [asdict(e) for e in rows])
 
     def _drop(self, row: AuditRecord, reason: str, exc: BaseException | None = None) -> None:
         self.dropped[reason] += 1

@@ -38,6 +38,7 @@ from kcache_server.errors import InvalidRequestError
 from kcache_server.fairness import caller_identity
 from kcache_server.routes._deps import ERRORS, Reporter, State, body_doc, read_body
 from kcache_server.schemas import ErrorBody, load_model, parse_json
+from kcache_server.state import ServerState
 
 __all__ = ["TIME_DESCRIPTION", "clamp_event_times", "reporter_of", "router"]
 
@@ -98,6 +99,17 @@ def _request_doc() -> dict[str, Any]:
 _RESPONSES: dict[int | str, dict[str, Any]] = {**ERRORS, 429: {"model": ErrorBody}}
 
 
+def _ingest(state: ServerState, events: Sequence[ClientEvent], **options: Any) -> int:
+    """:func:`ingest_events`, after this process's own queued audit rows are written.
+
+    A client reports its node-tier hits after the server answered the compile that filled
+    the tier; the compile's row must be written first, or its job's other ranks' hits would
+    be decided before it (:mod:`kcache_server.auditing.lookups`). The flush never raises.
+    """
+    state.audit.flush()
+    return ingest_events(state.backends.db, events, **options)
+
+
 def reporter_of(principal: Principal, request: Request) -> str:
     """Who a batch is attributed to: ``token:<name>``, or ``client:<address>`` on an open server."""
     return caller_identity(principal.name, request.client.host if request.client else None)
@@ -126,12 +138,13 @@ async def post_events(request: Request, principal: Reporter, state: State) -> In
         max_reported=settings.max_reported_per_minute,
     )
     accepted = await state.run(
-        ingest_events,
-        state.backends.db,
+        _ingest,
+        state,
         body.events,
         reporter=reporter_of(principal, request),
         max_per_minute=settings.max_reported_per_minute,
         now=now,
+        on_lookups=state.metrics.kernel_lookups,
     )
     metrics = state.metrics
     metrics.events_ingested.inc(accepted)

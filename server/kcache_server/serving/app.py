@@ -247,6 +247,7 @@ def _count_lookups(audit: AuditLog, metrics: ServerMetrics) -> None:
 
     audit.listeners.append(count)
     audit.drop_listeners.append(dropped)
+    audit.lookup_listeners.append(metrics.kernel_lookups)  # the one hit rate, as recorded
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

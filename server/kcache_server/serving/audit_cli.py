@@ -87,16 +87,38 @@ def _store_lines(store: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def _hit_rate_lines(stats: dict[str, Any]) -> list[str]:
-    """The headline (what the server observed), and the clients' word beside it, by reporter."""
-    if "combined_hit_rate" not in stats:  # a server from before the headline was the server's
-        return [
-            f"hit rate      {_pct(stats['hit_rate'])}  ({stats['hits']} hits; "
-            f"server-observed alone {_pct(stats.get('server_hit_rate'))})"
-        ]
+def _headline_lines(stats: dict[str, Any]) -> list[str]:
+    """The one hit rate over kernel lookups, its parts, the misses by reason, what was saved."""
+    if "kernel_lookups" not in stats:  # a server from before kernel lookups
+        return [f"hit rate      {_pct(stats.get('hit_rate'))}  (this server counts requests)"]
+    hits, lookups = stats["kernel_hits"], stats["kernel_lookups"]
     lines = [
-        f"hit rate      {_pct(stats['hit_rate'])}  (server-observed; with client reports "
-        f"{_pct(stats['combined_hit_rate'])}, {stats['hits']} hits)"
+        f"hit rate      {_pct(stats['hit_rate'])}  ({hits} of {lookups} kernel lookups needed no "
+        f"compile anywhere: {stats['observed_hits']} answered by the server, "
+        f"{stats['reported_hits']} reported by clients)",
+    ]
+    reasons = stats.get("miss_reasons") or []
+    if reasons:
+        said = ", ".join(f"{r['kernel_lookups']} {r['text']}" for r in reasons)
+        lines.append(f"misses        {stats['kernel_misses']}: {said}")
+    else:
+        lines.append(f"misses        {stats['kernel_misses']}")
+    reported_saved = stats.get("reported_compile_seconds_saved", 0.0)
+    lines.append(
+        f"compile saved {_secs(stats['compile_seconds_saved'])}  ({stats['compiles_avoided']} "
+        f"compiles avoided, at most one per process and kernel; {_secs(reported_saved)} of it "
+        "reported by clients)"
+    )
+    return lines
+
+
+def _requests_lines(stats: dict[str, Any]) -> list[str]:
+    """Every lookup, repeats included, and who reported the clients' part."""
+    observed = sum(stats["totals"].values())
+    reported = sum(stats.get("reported", {}).values())
+    lines = [
+        f"requests      {stats['lookups']}  ({observed} seen by the server, {reported} reported by "
+        "clients; repeats included: a process reading back what it got counts each time)"
     ]
     reporters = [
         f"{r['reporter'] or 'unattributed'} {r['lookups']}" for r in stats.get("reported_by", [])
@@ -104,6 +126,13 @@ def _hit_rate_lines(stats: dict[str, Any]) -> list[str]:
     if reporters:
         lines.append(f"reported by   {', '.join(reporters)}")
     return lines
+
+
+def _ranks(ranks: list[dict[str, Any]]) -> str:
+    """Each rank with its hit rate: what that rank got (``0:100% 1:0%``)."""
+    return " ".join(
+        f"{'?' if r['rank'] is None else r['rank']}:{_pct(r.get('hit_rate'))}" for r in ranks
+    )
 
 
 def _nameless(stats: dict[str, Any]) -> str:
@@ -123,13 +152,11 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
     every = {o: observed.get(o, 0) + reported.get(o, 0) for o in OUTCOMES}
     parts = [
         f"window        {window}",
-        f"lookups       {stats['lookups']}  ({sum(observed.values())} seen by the server, "
-        f"{sum(reported.values())} reported by clients)",
-        *_hit_rate_lines(stats),
-        f"compile saved {_secs(stats['compile_seconds_saved'])}  "
-        f"(+ {_secs(stats.get('reported_compile_seconds_saved', 0.0))} reported by clients)",
+        *_headline_lines(stats),
+        *_requests_lines(stats),
         *_store_lines(stats.get("store")),
         "",
+        "requests by tier",
         _table(
             ["tier", *OUTCOMES, "total"],
             [
@@ -145,7 +172,16 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
             "",
             f"by {stats['group_by']}",
             _table(
-                [str(stats["group_by"]), "lookups", "hits", "misses", "hit rate", "saved", "ranks"],
+                [
+                    str(stats["group_by"]),
+                    "kernel lookups",
+                    "hits",
+                    "misses",
+                    "hit rate",
+                    "saved",
+                    "requests",
+                    "ranks",
+                ],
                 [
                     [
                         # Lookups that named no job (or client, ...): said so, not "None".
@@ -153,16 +189,17 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
                             str(g["key"]) if g["key"] is not None else _nameless(stats), width // 3
                         )
                         + (" DIVERGED" if g.get("divergent") else ""),
-                        g["total"],
-                        g["hits"],
-                        g["misses"],
+                        g.get("kernel_lookups", 0),
+                        g.get("kernel_hits", 0),
+                        g.get("kernel_misses", 0),
                         _pct(g["hit_rate"]),
                         _secs(g["compile_seconds_saved"]),
-                        ",".join(str(r["rank"]) for r in g["ranks"]) if g.get("ranks") else "",
+                        g["total"],
+                        _ranks(g["ranks"]) if g.get("ranks") else "",
                     ]
                     for g in stats["groups"]
                 ],
-                numeric={1, 2, 3, 4, 5},
+                numeric={1, 2, 3, 4, 5, 6},
             ),
         ]
     if stats.get("top_missed"):
@@ -170,7 +207,7 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
             "",
             "top missed kernels",
             _table(
-                ["kernel", "misses", "errors", "last miss reason"],
+                ["kernel", "missed kernel lookups", "errors", "last miss reason"],
                 [
                     [
                         _clip(m["kernel"], width // 3),
@@ -248,6 +285,49 @@ def _remote(url: str, token: str | None, params: dict[str, str]) -> dict[str, An
         ) from (reason if isinstance(reason, BaseException) else exc)
 
 
+#: (query parameter, group_by value, option) of each filter ``kcache stats`` takes.
+_FILTERS = (
+    ("job_id", "job", "--job"),
+    ("kernel", "kernel", "--kernel"),
+    ("client_id", "client", "--client"),
+    ("target", "target", "--target"),
+)
+
+
+def _unknown_filter(
+    stats: dict[str, Any],
+    params: dict[str, str],
+    fetch: Any,
+) -> str | None:
+    """What to say when a filter matched no lookup at all (a typo, another window), else None.
+
+    The answer of a filter nothing matched is all zeros, which reads like a job that ran
+    and looked nothing up; instead it names the filter and what the window does hold.
+    """
+    if stats.get("lookups") or stats.get("kernel_lookups"):
+        return None
+    for name, group, option in _FILTERS:
+        value = params.get(name)
+        if value is None:
+            continue
+        others = {k: v for k, v in params.items() if k != name and k not in ("group_by", "top")}
+        seen = fetch({**others, "group_by": group, "top": "1", "limit": "10"})
+        keys = [str(g["key"]) for g in seen.get("groups", []) if g.get("key") is not None]
+        window = f"since {params.get('since', 'the start')}" + (
+            f" until {params['until']}" if params.get("until") else ""
+        )
+        held = (
+            f"{group}s with lookups in it: {', '.join(printable(k) for k in keys)}"
+            if keys
+            else f"no {group} has lookups in it"
+        )
+        return (
+            f"kcache stats: no lookups of {group} {printable(value)!r} in this window ({window}): "
+            f"check {option}, or widen --since; {held} (kcache stats --group-by {group})"
+        )
+    return None
+
+
 def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:
     from kcache_server import migrate
     from kcache_server.auditing.query_times import parse_time
@@ -264,12 +344,13 @@ def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:
         query = StatsQuery(
             since=parse_time(params.get("since"), "--since"),
             until=parse_time(params.get("until"), "--until"),
-            job_id=args.job_id,
-            client_id=args.client_id,
-            kernel=args.kernel,
-            target=args.target,
-            group_by=args.group_by,
-            top=args.top,
+            job_id=params.get("job_id"),
+            client_id=params.get("client_id"),
+            kernel=params.get("kernel"),
+            target=params.get("target"),
+            group_by=params.get("group_by"),  # type: ignore[arg-type]
+            top=int(params.get("top", args.top)),
+            limit=int(params.get("limit", 200)),
         )
         return compute_stats(engine, query, settings.max_store_bytes).model_dump()
     finally:
@@ -289,10 +370,16 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     params = _params(args)
     # --data-dir / --db-url read a database directly; otherwise a configured server answers.
     url = None if (args.data_dir or args.db_url) else server_url(args)
-    if url:
-        stats = _remote(url, args.token or os.environ.get("KCACHE_TOKEN"), params)
-    else:
-        stats = _local(args, params)
+    token = args.token or os.environ.get("KCACHE_TOKEN")
+
+    def fetch(asked: dict[str, str]) -> dict[str, Any]:
+        return _remote(url, token, asked) if url else _local(args, asked)
+
+    stats = fetch(params)
+    unknown = _unknown_filter(stats, params, fetch)
+    if unknown is not None:
+        print(unknown, file=sys.stderr)
+        return 1
     if args.json:
         json.dump(stats, sys.stdout, indent=2)
         print()

@@ -11,13 +11,20 @@
   const OUTCOMES = words("kcache-outcomes");
   const HIT_OUTCOMES = words("kcache-hit-outcomes");
   const LABELS = Object.fromEntries(OUTCOMES.map((o) => [o, o.replace(/_/g, " ")]));
-  const REFRESH_MS = Number(new URLSearchParams(location.search).get("refresh") || 10) * 1000;
+  // The page's own address says what it shows (GET /dashboard declares these): a job, a
+  // kernel or a target (job_id, kernel, target, as /v1/stats names them), a fixed window
+  // (since and until, as /v1/stats reads them) or a sliding one (window), and refresh.
+  const params = new URLSearchParams(location.search);
+  const REFRESH_MS = Number(params.get("refresh") || 10) * 1000;
+  const FILTERS = ["job_id", "kernel", "target"];
+  const filters = Object.fromEntries(FILTERS.map((f) => [f, params.get(f) || ""]).filter(([, v]) => v));
+  const fixed = params.get("since") ? { since: params.get("since"), until: params.get("until") || "" } : null;
 
   const $ = (id) => document.getElementById(id);
   const css = getComputedStyle(document.documentElement);
   const color = (name) => css.getPropertyValue("--" + name).trim();
 
-  let windowName = (location.hash.match(/window=(\w+)/) || [])[1] || "24h";
+  let windowName = params.get("window") || (location.hash.match(/window=(\w+)/) || [])[1] || "24h";
   if (!(windowName in WINDOWS)) windowName = "24h";
   // The token lives for this tab only: sessionStorage, never localStorage.
   let token = sessionStorage.getItem("kcache.token") || "";
@@ -44,6 +51,31 @@
     return Math.round(d / 86400) + " d ago";
   }
   const short = (digest) => (digest ? digest.slice(0, 12) : "–");
+
+  // The address of this page showing ``changes`` on top of what it shows now (null: drop);
+  // ``sliding``: the last that long instead of the window shown.
+  function pageUrl(changes, sliding) {
+    const next = new URLSearchParams();
+    for (const [k, v] of Object.entries({ ...filters, ...changes })) if (v) next.set(k, v);
+    if (fixed && !sliding) {
+      next.set("since", fixed.since);
+      if (fixed.until) next.set("until", fixed.until);
+    } else next.set("window", sliding || windowName);
+    if (params.get("refresh")) next.set("refresh", params.get("refresh"));
+    return "/dashboard?" + next.toString();
+  }
+  // A link that narrows the page to one job, kernel or target.
+  function filterLink(name, value, text) {
+    if (value === null || value === undefined || value === "") return text;
+    return el("a", { class: "filter", href: pageUrl({ [name]: String(value) }), "data-filter": name },
+      text);
+  }
+  // What a rank got: every kernel found, some or most compiled, or none looked up.
+  function got(rate) {
+    if (rate === null || rate === undefined) return "none";
+    if (rate >= 1) return "all";
+    return rate > 0.5 ? "some" : "most";
+  }
 
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
@@ -107,9 +139,17 @@
 
   async function load(refresh) {
     const my = ++generation;
-    const until = Date.now() / 1000;
-    const since = until - WINDOWS[windowName];
-    const query = `since=${since.toFixed(3)}&until=${until.toFixed(3)}&buckets=60&top=10`;
+    let span;
+    if (fixed) {
+      span = `since=${encodeURIComponent(fixed.since)}` +
+        (fixed.until ? `&until=${encodeURIComponent(fixed.until)}` : "");
+    } else {
+      const until = Date.now() / 1000;
+      const since = until - WINDOWS[windowName];
+      span = `since=${since.toFixed(3)}&until=${until.toFixed(3)}`;
+    }
+    const narrowed = Object.entries(filters).map(([k, v]) => `&${k}=${encodeURIComponent(v)}`).join("");
+    const query = `${span}&buckets=60&top=10${narrowed}`;
     if (!refresh) {
       const first = await fetchStats(query);
       if (!accept(first, my)) return;
@@ -129,6 +169,12 @@
     lastStats = full.stats;
     render(lastStats, true);
     painted();
+    // The kernels and the targets of what is shown, each a link to its own page.
+    for (const [group, table] of [["kernel", "kernels"], ["target", "targets"]]) {
+      const answer = await fetchStats(query + `&group_by=${group}&limit=50`);
+      if (my !== generation) return;
+      renderGroups(table, group, answer.stats ? answer.stats.groups : null);
+    }
     await loadVerification();
     loads += 1;
     document.body.dataset.loads = String(loads);
@@ -153,28 +199,34 @@
   // ``withJobs``: the answer was asked with group_by=job; without it the jobs table
   // says it is loading rather than showing an empty answer it was never asked.
   function render(s, withJobs) {
-    // Server-observed figures (totals) and client-reported ones (reported) are shown
-    // apart: clients post their own counts, the server only vouches for what it saw.
-    // The headline is the server's hit rate; the clients' word is beside it, with the
-    // tokens that reported it named, so no token moves the headline unseen.
+    // One hit rate, as /v1/stats, `kcache stats`, /metrics and Grafana count it: the share of
+    // kernel lookups (each process's first lookup of each recipe) that needed no compile
+    // anywhere. Its parts are beside it: hits the server answered itself, hits clients
+    // reported (with the tokens that reported them), and the requests (every lookup,
+    // repeats included) the figures rest on.
     const sum = (o) => Object.values(o || {}).reduce((a, b) => a + b, 0);
     const reported = s.reported || {};
     setValue("kpi-hit-rate", pct(s.hit_rate), s.hit_rate);
-    const served = HIT_OUTCOMES.reduce((n, o) => n + ((s.totals || {})[o] || 0), 0);
-    $("kpi-hits").textContent = sum(reported)
-      ? `${int(served)} of ${int(sum(s.totals))} seen by the server · with client reports ${pct(s.combined_hit_rate)}`
-      : `${int(served)} of ${int(sum(s.totals))} seen by the server`;
+    setValue("kpi-hits", `${int(s.kernel_hits)} of ${int(s.kernel_lookups)} kernel lookups needed no compile`,
+      s.kernel_hits);
+    setValue("kpi-parts", `${int(s.observed_hits)} answered by the server · ${int(s.reported_hits)} reported by clients`,
+      s.observed_hits);
     renderReporters(s.reported_by || []);
-    setValue("kpi-lookups", int(s.lookups), s.lookups);
-    $("kpi-lookups-sub").textContent =
-      `${int(sum(s.totals))} seen by the server · ${int(sum(reported))} reported by clients`;
+    setValue("kpi-lookups", int(s.kernel_lookups), s.kernel_lookups);
+    setValue("kpi-lookups-sub",
+      `${int(s.lookups)} requests, repeats included: ${int(sum(s.totals))} seen by the server · ` +
+      `${int(sum(reported))} reported by clients`, s.lookups);
     setValue("kpi-saved", duration(s.compile_seconds_saved), s.compile_seconds_saved);
-    $("kpi-saved-sub").textContent = s.reported_compile_seconds_saved
-      ? `by server hits · + ${duration(s.reported_compile_seconds_saved)} reported by clients`
-      : "by hits instead of compiles";
-    setValue("kpi-errors", int(s.totals.error), s.totals.error);
-    $("kpi-misses").textContent =
-      `${int(s.totals.compiled)} compiled · ${int(s.totals.waited)} waited · ${int(s.totals.miss)} missed`;
+    setValue("kpi-saved-sub", `${int(s.compiles_avoided)} compiles avoided` +
+      (s.reported_compile_seconds_saved
+        ? ` · ${duration(s.reported_compile_seconds_saved)} of it reported by clients` : ""),
+      s.compiles_avoided);
+    setValue("kpi-misses", int(s.kernel_misses), s.kernel_misses);
+    const errors = (s.miss_reasons || []).filter((r) => r.reason.startsWith("error:"))
+      .reduce((n, r) => n + r.kernel_lookups, 0);
+    setValue("kpi-errors", `${int(errors)} failed to compile`, errors);
+    renderScope();
+    renderReasons(s.miss_reasons || []);
     const observed = s.divergence.filter((d) => !d.reported);
     const hearsay = s.divergence.length - observed.length;
     setValue("kpi-divergence", int(observed.length), observed.length);
@@ -255,7 +307,7 @@
     const box = $("tiers");
     box.replaceChildren();
     const tiers = Object.keys(s.by_tier).sort();
-    if (!tiers.length) box.append(el("p", { class: "muted" }, "no lookups in this window"));
+    if (!tiers.length) box.append(el("p", { class: "muted" }, "no requests in this window"));
     for (const tier of tiers) {
       const counts = s.by_tier[tier];
       const total = Object.values(counts).reduce((a, b) => a + b, 0);
@@ -275,7 +327,7 @@
       box.append(el("div", { class: "tier", "data-tier": tier },
         el("div", { class: "tier-head" },
           el("span", { class: "tier-name" }, tier),
-          el("span", { class: "muted" }, `${int(total)} lookups · ${pct(total ? hits / total : null)} hits`)),
+          el("span", { class: "muted" }, `${int(total)} requests · ${pct(total ? hits / total : null)} hits`)),
         bar, list));
     }
     const legend = $("outcome-legend");
@@ -360,7 +412,7 @@
     for (const m of rows) {
       const isError = m.last_miss_outcome === "error";
       tbody.append(el("tr", { "data-kernel": m.kernel || "" },
-        el("td", { class: "kernel" }, m.kernel || "(unnamed)"),
+        el("td", { class: "kernel" }, filterLink("kernel", m.kernel, m.kernel || "(unnamed)")),
         el("td", { class: "num", "data-value": m.misses }, int(m.misses)),
         el("td", { class: "num", "data-value": m.errors }, int(m.errors)),
         el("td", { class: "reason" + (isError ? " error" : "") },
@@ -389,29 +441,64 @@
     for (const g of jobs) {
       const ranks = el("div", { class: "ranks" });
       for (const r of g.ranks || []) {
-        const dot = el("i", { class: "dot" });
-        dot.style.background = r.hit_rate === null ? color("muted") : mix(r.hit_rate);
-        ranks.append(el("span", { class: "chip", "data-rank": r.rank === null ? "" : r.rank,
-          title: `${r.total} lookups, ${pct(r.hit_rate)} hits` }, dot, "r" + (r.rank === null ? "?" : r.rank)));
+        // Coloured by what the rank got (the legend below the table says how).
+        const kind = got(r.hit_rate);
+        ranks.append(el("span", { class: "chip", "data-rank": r.rank === null ? "" : r.rank, "data-got": kind,
+          "data-hit-rate": r.hit_rate === null ? "" : r.hit_rate,
+          title: `rank ${r.rank === null ? "?" : r.rank}: ${int(r.kernel_lookups)} kernel lookups, ` +
+            `${int(r.kernel_hits)} found without a compile (${pct(r.hit_rate)}), ${int(r.kernel_misses)} needed one` },
+          el("i", { class: "dot got-" + kind }), "r" + (r.rank === null ? "?" : r.rank)));
       }
       const size = g.world_size ? ` of ${g.world_size}` : "";
       const row = el("tr", { "data-job": g.key, class: g.divergent || divergent.has(g.key) ? "divergent" : "" },
-        el("td", {}, String(g.key), g.divergent ? el("span", { class: "badge" }, "diverged") : null),
-        el("td", { class: "num", "data-value": g.total,
-                   title: `${int(g.total - (g.reported || 0))} seen by the server · ${int(g.reported || 0)} reported by clients` },
-          int(g.total)),
+        el("td", {}, filterLink("job_id", g.key, String(g.key)),
+          g.divergent ? el("span", { class: "badge" }, "diverged") : null),
+        el("td", { class: "num", "data-value": g.kernel_lookups,
+                   title: `${int(g.total)} requests, repeats included` }, int(g.kernel_lookups)),
         el("td", { class: "num", "data-value": g.hit_rate === null ? "" : g.hit_rate }, pct(g.hit_rate)),
-        el("td", { class: "num" }, duration(g.compile_seconds_saved)),
+        el("td", { class: "num", "data-value": g.compile_seconds_saved }, duration(g.compile_seconds_saved)),
         el("td", {}, ranks, el("span", { class: "muted" }, ` ${(g.ranks || []).length} rank(s)${size}`)));
       tbody.append(row);
     }
   }
 
-  // Red below 50 %, amber to green above: a rank's dot reads at a glance.
-  function mix(rate) {
-    if (rate >= 0.9) return color("hit");
-    if (rate >= 0.5) return color("miss");
-    return color("error");
+  // The kernels (or targets) of what is shown, each a link to its own page; null: not loaded.
+  function renderGroups(table, name, groups) {
+    const tbody = $(table).tBodies[0];
+    tbody.replaceChildren();
+    if (groups === null) { emptyRow(tbody, 5, `${table} not loaded`); return; }
+    if (!groups.length) emptyRow(tbody, 5, `no ${table} in this window`);
+    for (const g of groups) {
+      tbody.append(el("tr", { "data-key": g.key === null ? "" : g.key },
+        el("td", { class: name === "kernel" ? "kernel" : "" },
+          filterLink(name, g.key, g.key === null ? "(none)" : String(g.key))),
+        el("td", { class: "num", "data-value": g.kernel_lookups }, int(g.kernel_lookups)),
+        el("td", { class: "num", "data-value": g.kernel_misses }, int(g.kernel_misses)),
+        el("td", { class: "num", "data-value": g.hit_rate === null ? "" : g.hit_rate }, pct(g.hit_rate)),
+        el("td", { class: "num", "data-value": g.compile_seconds_saved }, duration(g.compile_seconds_saved))));
+    }
+  }
+
+  // Why the kernel lookups of what is shown missed, most first.
+  function renderReasons(rows) {
+    const tbody = $("miss-reasons").tBodies[0];
+    tbody.replaceChildren();
+    if (!rows.length) emptyRow(tbody, 2, "no kernel lookup needed a compile");
+    for (const r of rows) {
+      tbody.append(el("tr", { "data-reason": r.reason },
+        el("td", { class: "reason" + (r.reason.startsWith("error:") ? " error" : "") }, r.text),
+        el("td", { class: "num", "data-value": r.kernel_lookups }, int(r.kernel_lookups))));
+    }
+  }
+
+  // The page's title line: the fleet, or the job, kernel and target it is narrowed to.
+  function renderScope() {
+    const said = [];
+    if (filters.job_id) said.push(`job ${filters.job_id}`);
+    if (filters.kernel) said.push(`kernel ${filters.kernel}`);
+    if (filters.target) said.push(`target ${filters.target}`);
+    $("scope").textContent = said.length ? said.join(" · ") : "all jobs and kernels";
+    document.title = `kcache · ${said.length ? said.join(" · ") : "cache audit"}`;
   }
 
   // ------------------------------------------------------------------ the chart
@@ -433,8 +520,8 @@
     const h = height - pad.top - pad.bottom;
     const pts = s.series || [];
     const n = Math.max(pts.length, 1);
-    // The line is the server's hit rate, so the bars are the server's lookups it rests on.
-    const seen = (p) => p.total - (p.reported || 0);
+    // The line is the hit rate of each bucket's kernel lookups, the bars those lookups.
+    const seen = (p) => p.kernel_lookups || 0;
     const maxTotal = Math.max(1, ...pts.map(seen));
     const x = (i) => pad.left + (w * (i + 0.5)) / n;
     const y = (rate) => pad.top + h * (1 - rate);
@@ -529,8 +616,8 @@
     const i = Math.floor(((event.clientX - rect.left - pad.left) / w) * n);
     const p = pts[i];
     if (!p) { tip.hidden = true; return; }
-    tip.textContent = `${new Date(p.t * 1000).toLocaleString()} · ${pct(p.hit_rate)} of ${int(p.total - (p.reported || 0))}` +
-      (p.reported ? ` · ${int(p.reported)} reported by clients` : "");
+    tip.textContent = `${new Date(p.t * 1000).toLocaleString()} · ${pct(p.hit_rate)} of ` +
+      `${int(p.kernel_lookups)} kernel lookups · ${int(p.total)} requests`;
     tip.style.left = Math.min(event.clientX - rect.left + 24, rect.width - 200) + "px";
     tip.style.top = "48px";
     tip.hidden = false;
@@ -538,8 +625,9 @@
 
   // ------------------------------------------------------------------ wiring
   function selectWindow(name) {
+    if (fixed) { location.href = pageUrl({}, name); return; } // a fixed window no longer
     windowName = name;
-    history.replaceState(null, "", "#window=" + name);
+    history.replaceState(null, "", pageUrl({}) + "#window=" + name);
     for (const b of document.querySelectorAll("#windows button")) {
       b.classList.toggle("active", b.dataset.window === name);
     }
@@ -551,6 +639,17 @@
       b.addEventListener("click", () => selectWindow(b.dataset.window));
     }
     $("auto-refresh").addEventListener("change", schedule);
+    // The filter form: its fields as they are, and one URL for what it shows.
+    $("f-job").value = filters.job_id || "";
+    $("f-kernel").value = filters.kernel || "";
+    $("f-target").value = filters.target || "";
+    $("f-clear").href = pageUrl({ job_id: null, kernel: null, target: null });
+    $("filter-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      location.href = pageUrl({
+        job_id: $("f-job").value.trim(), kernel: $("f-kernel").value.trim(), target: $("f-target").value.trim(),
+      });
+    });
     $("auth-form").addEventListener("submit", (event) => {
       event.preventDefault();
       token = $("token").value.trim();
@@ -561,7 +660,11 @@
     canvas.addEventListener("mousemove", onHover);
     canvas.addEventListener("mouseleave", () => { $("chart-tip").hidden = true; });
     window.addEventListener("resize", () => lastStats && drawChart(lastStats));
-    selectWindow(windowName);
+    if (fixed) {
+      // A fixed window (?since=&until=): the same figures each time it is asked.
+      document.body.dataset.fixed = "true";
+      load(false);
+    } else selectWindow(windowName);
     schedule();
   });
 })();
