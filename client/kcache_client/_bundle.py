@@ -223,7 +223,9 @@ def _fetch(cache: BundleCache, keys: list[str], held: dict[str, str]) -> tuple[i
         else:  # a server that predates bundle signatures
             for key, meta, signature in arrived:
                 remote.check_entry(key, meta, signature, where)
-        _keep(cache, pack, arrived, held)
+        # The pack keeps the signature over all of its entries (they are the answer's, in its
+        # order): a process reading it from a shared tier checks one signature, not one each.
+        _keep(cache, pack, arrived, held, reader.signature)
     finally:
         pack.abandon()  # nothing, once kept
     return len(arrived), _unanswered(keys, held, missing)
@@ -252,10 +254,12 @@ def _keep(
     pack: PackWriter,
     arrived: list[tuple[str, ArtifactMeta, Signature]],
     held: dict[str, str],
+    signature: Signature | None = None,
 ) -> None:
-    """Put the checked pack in place and note what it holds."""
+    """Put the checked pack in place (with ``signature``, the answer's over all of its
+    entries, when it verified) and note what it holds."""
     tier = cache.tier
-    if pack.commit() is None:
+    if pack.commit(signature) is None:
         return
     tier.packs.adopt(pack)
     tier.stored(pack.bytes)

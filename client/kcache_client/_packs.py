@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import secrets
@@ -59,7 +60,7 @@ from kcache.fsutil import (
     regular_files,
 )
 from kcache.keys import sha256_hex
-from kcache.signing import Signature
+from kcache.signing import Signature, SignatureError
 from kcache_client._trust import Verdict
 
 __all__ = ["PACKS_DIR", "PackEntry", "PackFile", "PackWriter", "TierPacks"]
@@ -100,6 +101,13 @@ class _Pack:
     #: recipe key -> whether its entry may be used here: judged once for this file (a verdict
     #: that is not lasting, a key not trusted *yet*, is judged again at the next use).
     verdicts: dict[str, Verdict] = field(default_factory=dict)
+    #: The signer's signature over every entry's binding, in file order (the bundle's, kept
+    #: in the trailer by the prefetch that wrote the pack); None: each entry's own decides.
+    signature: Signature | None = None
+    #: Whether :attr:`signature` was tried (it is, once: a verdict for every entry at once).
+    tried_whole: bool = False
+    #: Every entry in file order, as the trailer's signature covers them (duplicates too).
+    order: list[IndexedEntry] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -126,16 +134,37 @@ class PackEntry:
     def signature(self) -> Signature:
         return self.indexed.head.signature
 
-    def verdict(self, judge: Callable[[str, ArtifactMeta, Signature], Verdict]) -> Verdict:
+    def verdict(
+        self,
+        judge: Callable[[str, ArtifactMeta, Signature], Verdict],
+        judge_whole: Callable[[list[tuple[str, ArtifactMeta]], Signature], Verdict] | None = None,
+    ) -> Verdict:
         """Whether this entry may be used (``judge(recipe_key, meta, signature)``, asked once
-        per pack file; a refusal that is not lasting is not kept)."""
+        per pack file; a refusal that is not lasting is not kept).
+
+        ``judge_whole(bindings, signature)``, where given, is asked first, once per pack
+        file with a trailer signature: accepted, it is every entry's verdict at once (one
+        verification for the pack, not one per entry); refused, each entry's own decides.
+        """
         head = self.indexed.head
-        verdicts = self.pack.verdicts
+        pack = self.pack
+        verdicts = pack.verdicts
         found = verdicts.get(head.recipe_key)
-        if found is None:
-            found = judge(head.recipe_key, head.meta, head.signature)
-            if found.lasting:
-                verdicts[head.recipe_key] = found
+        if found is not None:
+            return found
+        if judge_whole is not None and pack.signature is not None and not pack.tried_whole:
+            whole = judge_whole(
+                [(e.head.recipe_key, e.head.meta) for e in pack.order], pack.signature
+            )
+            if whole.ok:
+                for key in pack.entries:
+                    verdicts[key] = whole
+                pack.tried_whole = True
+                return whole
+            pack.tried_whole = whole.lasting  # a key not trusted yet: tried again later
+        found = judge(head.recipe_key, head.meta, head.signature)
+        if found.lasting:
+            verdicts[head.recipe_key] = found
         return found
 
 
@@ -170,6 +199,8 @@ class PackWriter:
         self._size = len(first)
         #: Where each entry's bytes lie, as an index of the file would find them.
         self.index: list[IndexedEntry] = []
+        #: The signature over every entry that :meth:`commit` put in the trailer.
+        self.signature: Signature | None = None
         self.bytes = 0
         self._closed = False
 
@@ -200,14 +231,15 @@ class PackWriter:
         self._size += len(head) + len(data) + 1
         self.bytes += len(data)
 
-    def commit(self) -> str | None:
+    def commit(self, signature: Signature | None = None) -> str | None:
         """Put the pack in place (not synced: the tier is a cache); its name, or None if empty."""
         if self._closed:
             return self.name if self.count else None
         self._closed = True
         try:
             if self.count:
-                trailer = end_line(self.count, 0)
+                trailer = end_line(self.count, 0, signature)
+                self.signature = signature
                 self._out.write(trailer)
                 self._size += len(trailer)
             self._out.close()
@@ -313,6 +345,8 @@ class TierPacks:
             fd,
             {e.head.recipe_key: e for e in written.index},
             identity(st),
+            signature=written.signature,
+            order=list(written.index),
         )
         with self._lock:
             self._packs[pack.name] = pack
@@ -332,13 +366,21 @@ class TierPacks:
             os.close(fd)
             return None
         try:
-            found = _index_file(fd, st.st_size, path)
+            found, signature = _index_file(fd, st.st_size, path)
         except (BundleError, OSError) as exc:
             os.close(fd)
             self._refused.add(marker)
             _log.warning("kcache: not using the pack %s: %s", path, exc)
             return None
-        return _Pack(name, path, fd, {e.head.recipe_key: e for e in found}, identity(st))
+        return _Pack(
+            name,
+            path,
+            fd,
+            {e.head.recipe_key: e for e in found},
+            identity(st),
+            signature=signature,
+            order=found,
+        )
 
     def _drop(self, name: str) -> None:
         pack = self._packs.pop(name, None)
@@ -500,19 +542,30 @@ class TierPacks:
             self._seen_ns = -1
 
 
-def _index_file(fd: int, size: int, path: str) -> list[IndexedEntry]:
-    """The entries of the pack open at ``fd`` (:func:`~kcache.bundle_format.index_bundle`).
+def _index_file(fd: int, size: int, path: str) -> tuple[list[IndexedEntry], Signature | None]:
+    """The entries of the pack open at ``fd`` (:func:`~kcache.bundle_format.index_bundle`),
+    and the signature its trailer carries over all of them (None when it has none).
 
     A pack of up to :data:`_READ_WHOLE_BYTES` is read with one ``pread`` and indexed in
     memory: indexing asks the position after every header line, which a buffered file
-    answers with a system call each (a fifth of a rank's indexing time at 800 entries).
-    A larger one is indexed from the file, its bytes skipped.
+    answers with a system call each. A larger one is indexed from the file, its bytes skipped.
     """
     if size <= _READ_WHOLE_BYTES:
         whole = os.pread(fd, size + 1, 0)
-        return index_bundle(io.BytesIO(whole), max_entry_bytes=_MAX_ENTRY_BYTES, where=path)
-    with os.fdopen(os.dup(fd), "rb", buffering=1 << 16) as handle:
-        return index_bundle(handle, max_entry_bytes=_MAX_ENTRY_BYTES, where=path)
+        found = index_bundle(io.BytesIO(whole), max_entry_bytes=_MAX_ENTRY_BYTES, where=path)
+    else:
+        with os.fdopen(os.dup(fd), "rb", buffering=1 << 16) as handle:
+            found = index_bundle(handle, max_entry_bytes=_MAX_ENTRY_BYTES, where=path)
+        whole = b""
+    if not found:
+        return found, None
+    start = found[-1].offset + found[-1].head.size + 1  # the trailer, checked by index_bundle
+    trailer = whole[start:] if whole else os.pread(fd, min(size - start, 1 << 16), start)
+    try:
+        signed = json.loads(trailer).get("signature")
+        return found, None if signed is None else Signature.from_dict(signed)
+    except (ValueError, AttributeError, SignatureError):
+        return found, None
 
 
 def _same_file(path: str, known: FileIdentity) -> bool:

@@ -380,12 +380,13 @@ class NodeTier:
         found = self.packs.entry(recipe_key)
         if found is None:
             return None
-        if found.verdict(self.verdict).ok:
+        whole = self._whole_pack_verdict if self.standing.signed_only else None
+        if found.verdict(self.verdict, whole).ok:
             if self._withdrawn(recipe_key, found.meta.digest, f"pack {found.name}"):
                 return None
             return found
         for found in self.packs.entries(recipe_key):  # another pack's, the first's refused
-            verdict = found.verdict(self.verdict)
+            verdict = found.verdict(self.verdict, whole)
             if verdict.problem is not None:
                 self._refuse(
                     f"the entry of recipe {recipe_key} in pack {found.name}", verdict.problem
@@ -508,6 +509,15 @@ class NodeTier:
             f"the server withdrew its binding to {digest} (kcache_client._withdrawals)",
         )
         return True
+
+    def _whole_pack_verdict(
+        self, bindings: list[tuple[str, ArtifactMeta]], signature: Signature
+    ) -> Verdict:
+        """Whether a pack's trailer signature (the bundle's, over every entry's binding in
+        order) is by a key trusted here: one verification for all of its entries."""
+        if self.trust is None:
+            return Verdict("no trusted keys to check its signature by")
+        return self.trust.bundle_verdict(bindings, signature)
 
     def verdict(self, recipe_key: str, entry: ArtifactMeta, signature: Signature | None) -> Verdict:
         """Whether this tier may use an entry (module docstring), judged once per file.

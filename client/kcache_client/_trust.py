@@ -350,6 +350,26 @@ class Trust:
             return Verdict(str(exc))
         return ACCEPTED
 
+    def bundle_verdict(
+        self, bindings: list[tuple[str, ArtifactMeta]], signature: Signature
+    ) -> Verdict:
+        """:meth:`entry_verdict` for many entries at once: ``signature`` must be a trusted
+        key's over all of their bindings, in order (:class:`~kcache.signing.BundleDigest`,
+        what a bundle's trailer signs and a prefetched pack keeps)."""
+        keys = self.given or self._entry_keys_of(signature.key_id)
+        if signature.key_id not in keys and not self.given:
+            keys = self._first_contact() or keys
+        if signature.key_id not in keys:
+            return Verdict(self.foreign_key(signature.key_id), lasting=False)
+        entries = BundleDigest()
+        for recipe_key, meta in bindings:
+            entries.add(recipe_key, meta)
+        try:
+            keys.verify_bundle(entries, signature)
+        except SignatureError as exc:
+            return Verdict(str(exc))
+        return ACCEPTED
+
     def _first_contact(self) -> TrustedKeys | None:
         """The keys of this client's server, pinned now if it was never contacted (and can
         be reached: a failure is tried again after :data:`_CONTACT_AGAIN_S`); else None."""

@@ -445,3 +445,48 @@ def test_a_late_kernel_is_still_refused_after_a_prefetch_it_was_not_in(
         cache.freeze("error")
         with pytest.raises(LateCompileError):
             cache.get(kernels(1, "late", target="sm_80")[0])
+
+
+def test_a_prefetched_pack_in_a_shared_tier_is_judged_by_its_one_signature(
+    tmp_path: Path,
+    fleet: tuple[ServerThread, SigningKey],
+    built: tuple[Path, Path, list[object], object],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pack keeps the server's signature over all of its entries (the bundle's): a process
+    judges it with one verification, not one per entry; without it (a pack rewritten without
+    some entries), or where it does not verify, each entry's own signature decides."""
+    server, key = fleet
+    _, _, recipes, manifest = built
+    shared = _shared_dir()
+    counting = _Counting(signing.verifier())
+    monkeypatch.setattr(signing, "_verifier", counting)
+    try:
+        tier = shared / "tier"
+        tier.mkdir()
+        os.chmod(tier, 0o1777)
+        settings = _settings(tmp_path / "h", trusted=key.public_key)
+        with KernelCache(server.url, cache_dir=tier, settings=settings) as first:
+            assert first.prefetch(manifest).requests == 1  # type: ignore[arg-type]
+        counting.calls = 0
+        with KernelCache(server.url, cache_dir=tier, settings=settings) as later:
+            assert later.prefetch(manifest).requests == 0  # type: ignore[arg-type]
+            assert [later.get(r).origin for r in recipes] == ["node"] * 3  # type: ignore[arg-type]
+        assert counting.calls == 1  # the pack's signature, once, for its three entries
+
+        # The trailer's signature replaced by one over other bindings: each entry's own.
+        (pack,) = (tier / "packs").glob("*.kcb")
+        body = pack.read_bytes()
+        head, _, trailer = body.rstrip(b"\n").rpartition(b"\n")
+        end = json.loads(trailer)
+        other = signing.BundleDigest()
+        other.add("ab" * 32, artifact_meta(b"x"))
+        end["signature"] = key.sign_bundle(other).to_dict()
+        pack.write_bytes(head + b"\n" + json.dumps(end).encode() + b"\n")
+        counting.calls = 0
+        with KernelCache(server.url, cache_dir=tier, settings=settings) as again:
+            assert again.prefetch(manifest).requests == 0  # type: ignore[arg-type]
+            assert [again.get(r).origin for r in recipes] == ["node"] * 3  # type: ignore[arg-type]
+        assert counting.calls == 1 + 3  # the trailer refused, then each entry's own
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
