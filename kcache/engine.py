@@ -248,7 +248,35 @@ class Engine:
         return self.store.get(meta.digest)
 
     # ------------------------------------------------------------------ internals
-    def _find(self, recipe: Recipe, key: str, base: str) -> tuple[ArtifactMeta, Via] | None:
+    def holding(self, recipe: Recipe) -> tuple[ArtifactMeta, Via] | CompileFailure | None:
+        """What :meth:`resolve` would answer ``recipe`` with, without compiling or recording anything.
+
+        ``(artifact, "key")`` for an artifact held under the recipe's own key,
+        ``(artifact, "manifest")`` for a dependency-aware match (an artifact of the same
+        base key whose recorded headers and include-set files are this recipe's), the
+        :class:`CompileFailure` a resolve would answer with, or None: a resolve would
+        compile (or miss). A manifest match records no alias here, unlike :meth:`resolve`.
+        Raises :class:`IncludeSetChangedError` when a set ``recipe`` pins changed since.
+        """
+        recipe = self.prepare(recipe)
+        key = recipe.key()
+        entry = self.index.lookup(key)
+        if isinstance(entry, CompileFailure):
+            return entry
+        return self._find(recipe, key, recipe.base_key(), record=False)
+
+    def held_under(self, recipe_key: str) -> tuple[ArtifactMeta, Via] | CompileFailure | None:
+        """:meth:`holding` by key alone (no manifest match: that needs the recipe's headers)."""
+        entry = self.index.lookup(recipe_key)
+        if isinstance(entry, CompileFailure):
+            return entry
+        if entry is not None and self._usable(entry):
+            return entry, "key"
+        return None
+
+    def _find(
+        self, recipe: Recipe, key: str, base: str, *, record: bool = True
+    ) -> tuple[ArtifactMeta, Via] | None:
         header_hashes = recipe.header_hashes()
         entry = self.index.lookup(key)
         if isinstance(entry, CompileFailure):
@@ -278,7 +306,8 @@ class Engine:
                 and proven(meta.dependency_check, manifest=True, include_sets=sets)
                 and self.store.has(meta.digest)
             ):
-                self.index.record_alias(key, meta.digest)
+                if record:
+                    self.index.record_alias(key, meta.digest)
                 return meta, "manifest"
         return None
 

@@ -29,13 +29,16 @@ from kcache.errors import InvalidKeyError
 __all__ = [
     "HEX_KEY_REGEX",
     "KEY_FIELDS",
+    "KEY_PREFIX_REGEX",
     "KEY_SCHEMA",
+    "MIN_KEY_PREFIX",
     "RECIPE_FIELDS",
     "KeyField",
     "canonical_json",
     "encode_base_key",
     "encode_recipe_key",
     "is_hex_key",
+    "is_key_prefix",
     "key_material",
     "require_hex_key",
     "sha256_hex",
@@ -51,6 +54,11 @@ KEY_SCHEMA = 2
 #: also accept a trailing newline), a JSON Schema ``pattern`` as ``^...$``.
 HEX_KEY_REGEX = "[0-9a-f]{64}"
 _HEX64 = re.compile(HEX_KEY_REGEX)
+#: The fewest digits of a key taken as the start of one (git's): shorter ones match by chance.
+MIN_KEY_PREFIX = 4
+#: A key or the start of one (what ``kcache cache ls`` and the dashboard print), as above.
+KEY_PREFIX_REGEX = f"[0-9a-f]{{{MIN_KEY_PREFIX},64}}"
+_PREFIX = re.compile(KEY_PREFIX_REGEX)
 
 # One encoder for every call (json.dumps with these arguments builds a new one each time).
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
@@ -69,6 +77,11 @@ def sha256_hex(data: bytes | str) -> str:
 def is_hex_key(text: object) -> bool:
     """True when ``text`` is a string of exactly 64 lowercase hex digits (a key or digest)."""
     return isinstance(text, str) and _HEX64.fullmatch(text) is not None
+
+
+def is_key_prefix(text: object) -> bool:
+    """True for a key or the start of one: :data:`MIN_KEY_PREFIX` to 64 lowercase hex digits."""
+    return isinstance(text, str) and _PREFIX.fullmatch(text) is not None
 
 
 def require_hex_key(value: object, field: str) -> str:

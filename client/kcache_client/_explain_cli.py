@@ -1,12 +1,17 @@
-"""``kcache explain RECIPE_FILE|KEY``: why a recipe misses, as the server sees it.
+"""``kcache explain RECIPE_FILE|KEY``: is a recipe held, and if not, why it misses, as the server sees it.
 
-The server names the nearest recipe of the same kernel it recorded (same program
-name and source, or same base key) and what differs; this prints one line per
-difference on stdout (``header add.cuh changed (3f2a1b2c.. -> 9c01d4e5..)``,
-``flag -lineinfo added``) or ``never seen``, and the nearest recipe's key on stderr.
+The server says first whether it holds the recipe now (a resolve is a hit) and how:
+this prints that one line (``held by its exact key: artifact 3f2a1b2c9d0e4f51``,
+``held through a dependency-aware match: ...``), or the failed compile the server
+remembers. Otherwise the server names the nearest recipe of the same kernel it
+recorded (same program name and source, or same base key) and what differs; this
+prints one line per difference on stdout (``header add.cuh changed (3f2a1b2c.. ->
+9c01d4e5..)``, ``flag -lineinfo added``) or ``never seen``, after ``seen before: ...``
+for a recipe whose artifact went away, and the nearest recipe's key on stderr.
 A recipe file (JSON, or a ``.cu`` source with the recipe options) is sent whole
-(``POST /v1/explain``); a recipe key the server recorded is asked by key
-(``GET /v1/recipes/{key}/explain``).
+(``POST /v1/explain``); a recipe key, or the start of one as ``kcache cache ls`` and
+the dashboard print it (4 to 64 hex digits), is asked by key
+(``GET /v1/recipes/{key}/explain``), the server finding the one key it begins.
 
 Strings from the server are printed with control characters escaped.
 """
@@ -28,7 +33,7 @@ from kcache.cli_toolkit import (
     recipe_from_args,
     server_url,
 )
-from kcache.keys import is_hex_key
+from kcache.keys import is_key_prefix
 
 __all__ = ["explanation_lines", "register"]
 
@@ -40,17 +45,29 @@ def _show(text: object) -> str:
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in value)
 
 
+#: The first line for a recipe the server recorded whose artifact went away.
+SEEN_BEFORE = "seen before: its artifact was evicted, collected or set aside since"
+
+
 def explanation_lines(body: dict[str, Any]) -> list[str]:
-    """What ``kcache explain`` prints on stdout for an explanation body: one line per difference."""
+    """What ``kcache explain`` prints on stdout for an explanation body.
+
+    A held recipe or a remembered failure: the server's one line. Else one line per
+    difference from the nearest recorded recipe (after :data:`SEEN_BEFORE` where it
+    applies), or ``never seen``.
+    """
+    if body.get("held") or body.get("failure"):
+        return [_show(body.get("text") or f"held ({body.get('held') or body.get('failure')})")]
+    lines = [SEEN_BEFORE] if body.get("seen_before") else []
     if body.get("nearest_key") is None:
-        return ["never seen"]
-    lines = [_show(line) for line in body.get("differences") or []]
-    return lines or ["no difference in what the server recorded"]
+        return [*lines, "never seen"]
+    said = [_show(line) for line in body.get("differences") or []]
+    return lines + (said or ["no difference in what the server recorded"])
 
 
 def _body(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
     """The method, path and body of the request ``args`` ask for."""
-    if is_hex_key(args.recipe) and not Path(args.recipe).exists():
+    if is_key_prefix(args.recipe) and not Path(args.recipe).exists():
         return "GET", f"/v1/recipes/{args.recipe}/explain", None
     recipe = recipe_from_args(args)
     if recipe.target == "auto":
@@ -95,7 +112,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         json.dump(answer, sys.stdout, indent=2)
         print()
         return 0
-    if answer.get("nearest_key") is not None:
+    key = answer.get("recipe_key")
+    if key is not None and key != args.recipe:  # the whole key a prefix or a file stood for
+        print(f"recipe {_show(key)}", file=sys.stderr)
+    if answer.get("nearest_key") is not None and not answer.get("held"):
         print(f"nearest {_show(answer['nearest_key'])}", file=sys.stderr)
     for line in explanation_lines(answer):
         print(line)
@@ -106,12 +126,16 @@ def register(subparsers: Any) -> None:
     """Add ``kcache explain``."""
     explain = subparsers.add_parser(
         "explain",
-        help="why a recipe misses: the nearest recipe the server recorded and what differs",
-        description="Ask the server for the nearest recipe of the same kernel it recorded (same "
-        "program name and source, or same base key) and print what this recipe differs in, one "
+        help="is a recipe held by the server, and if not, why it misses",
+        description="Ask the server whether it holds the recipe (a resolve is a hit) and how: "
+        '"held by its exact key", "held through a dependency-aware match" (an artifact of the '
+        "same kernel whose recorded headers are this recipe's), or a failed compile it "
+        "remembers. Otherwise print what this recipe differs in from the nearest recipe of the "
+        "same kernel the server recorded (same program name and source, or same base key), one "
         'line per difference (e.g. "header add.cuh changed (3f2a1b2c.. -> 9c01d4e5..)", "flag '
         '-lineinfo added"), or "never seen". RECIPE is a recipe JSON file, a .cu source with the '
-        "options below, or the key of a recipe the server recorded.",
+        "options below, or the key of a recipe the server recorded or holds, or the start of "
+        "one (4 to 64 hex digits, as `kcache cache ls` and the dashboard print them).",
     )
     add_recipe_arguments(explain)
     add_server_arguments(explain)

@@ -40,7 +40,7 @@ from kcache.keys import sha256_hex
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
 from kcache.recipe_diff import Explanation, explain, fingerprint
-from kcache_server.models import RecipeRecord, utcnow
+from kcache_server.models import NegativeEntry, RecipeAlias, RecipeRecord, utcnow
 
 if TYPE_CHECKING:
     from kcache_server.auditing.writer import AuditRecord
@@ -57,6 +57,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _records = cast(sa.Table, RecipeRecord.__table__)
+_aliases = cast(sa.Table, RecipeAlias.__table__)
+_negatives = cast(sa.Table, NegativeEntry.__table__)
 
 #: The largest compressed recipe kept whole (larger ones keep their fingerprint only).
 MAX_BODY_BYTES = 256 << 10
@@ -208,6 +210,31 @@ class RecipeRecords:
             key, recipe.base_key(), recipe.name, sha256_hex(recipe.source.encode())
         )
         return explain(fingerprint(recipe), candidates, values=values)
+
+    def keys_starting(self, prefix: str, limit: int = 6) -> list[str]:
+        """Up to ``limit`` recipe keys beginning with ``prefix`` that this server knows, sorted.
+
+        Known: recorded here, held under an alias, or remembered as a failed compile.
+        ``prefix`` is lowercase hex (checked by the caller); each table is read by its
+        key's index, as a range (``prefix`` <= key < ``prefix`` + "g": every hex digit
+        sorts below "g").
+        """
+        found: set[str] = set()
+        with self.engine.connect() as conn:
+            for table in (_records, _aliases, _negatives):
+                column = table.c.recipe_key
+                rows = conn.execute(
+                    sa.select(column)
+                    .where(column >= prefix, column < prefix + "g")
+                    .order_by(column)
+                    .limit(limit)
+                )
+                found.update(key for (key,) in rows)
+        return sorted(found)[:limit]
+
+    def recorded(self, recipe_key: str) -> bool:
+        """True when a recipe is recorded under ``recipe_key`` (compiled or served here)."""
+        return self._recent.get(recipe_key) is not None or self._recorded(recipe_key)
 
     def _recorded(self, recipe_key: str) -> bool:
         with self.engine.connect() as conn:

@@ -40,7 +40,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError
 
 from kcache.errors import InvalidKeyError
-from kcache.keys import HEX_KEY_REGEX, require_hex_key
+from kcache.keys import HEX_KEY_REGEX, KEY_PREFIX_REGEX, MIN_KEY_PREFIX, require_hex_key
 from kcache.outcomes import ResolveStatus
 from kcache_server.errors import BadRequestError, InvalidRequestError
 
@@ -75,6 +75,7 @@ __all__ = [
     "ManifestKernelBody",
     "ReadyBody",
     "RecipeKeyPath",
+    "RecipeKeyPrefixPath",
     "ResolveRequest",
     "ResolveResponse",
     "SchemaPattern",
@@ -171,6 +172,17 @@ _KEY_DOC = "64 lowercase hex digits (a sha256); anything else is a 400"
 RecipeKeyPath = Annotated[
     str,
     Path(description=f"the recipe key: {_KEY_DOC}", json_schema_extra={"pattern": HEX_KEY_PATTERN}),
+]
+#: A recipe key or the start of one in a path (what ``kcache cache ls`` and the dashboard
+#: print); the route finds the one key it begins, else a 404 or, for several, a 400.
+RecipeKeyPrefixPath = Annotated[
+    str,
+    Path(
+        description=f"the recipe key, or the start of one: {MIN_KEY_PREFIX} to 64 lowercase hex "
+        "digits (anything else is a 400); a prefix must begin exactly one recipe key the server "
+        "knows (none: 404; several: 400 listing them)",
+        json_schema_extra={"pattern": f"^(?:{KEY_PREFIX_REGEX})$"},
+    ),
 ]
 #: A blob digest in a path, as :data:`RecipeKeyPath`.
 DigestPath = Annotated[
@@ -331,18 +343,48 @@ class ExplainRequest(_Strict):
 
 
 class ExplanationBody(BaseModel):
-    """The nearest recipe of the same kernel the server recorded, and what differs from it."""
+    """Whether the server holds the recipe and how; the nearest other recipe of its kernel it
+    recorded, and what differs from it."""
 
+    recipe_key: str | None = Field(
+        default=None,
+        description="the recipe's key (the whole key a prefix in the path stood for)",
+    )
+    held: Literal["key", "manifest"] | None = Field(
+        default=None,
+        description="how the server holds the recipe now, so that resolving it is a hit: 'key' "
+        "(an artifact under its own key), 'manifest' (a dependency-aware match: an artifact of "
+        "the same base key whose recorded headers and include-set files are this recipe's); "
+        "null: a resolve would compile it",
+    )
+    digest: str | None = Field(
+        default=None, description="the digest of the artifact held for it; null when not held"
+    )
+    failure: str | None = Field(
+        default=None,
+        description="the kind of the failed compile the server remembers for it ('error', "
+        "'timeout', 'too_large'): a resolve answers that error without compiling",
+    )
+    seen_before: bool = Field(
+        default=False,
+        description="recorded here before but not held now (its artifact was evicted, collected "
+        "or set aside since)",
+    )
     nearest_key: str | None = Field(
-        description="recipe key of the nearest recorded recipe (same program name and source, "
-        "or same base key); null when none is recorded"
+        description="recipe key of the nearest other recorded recipe (same program name and "
+        "source, or same base key); null when none is recorded"
     )
     differences: list[str] = Field(
         description="one line per difference, e.g. 'header add.cuh changed (3f2a1b2c.. -> "
         "9c01d4e5..)', 'flag -lineinfo added', 'target sm_80 -> sm_90'; at most 12, then "
         "'... and N more'"
     )
-    text: str = Field(description="'never seen', or 'nearest <key[:16]>: <d1>; <d2>'")
+    text: str = Field(
+        description="one line: 'held by its exact key: artifact <digest[:16]>', 'held through a "
+        "dependency-aware match: ...', a remembered failure, or why a resolve would compile it "
+        "('never seen', 'nearest <key[:16]>: <d1>; <d2>', preceded by 'seen before: ...' for a "
+        "recipe whose artifact went away)"
+    )
 
 
 class DependencyBody(BaseModel):

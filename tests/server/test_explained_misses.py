@@ -199,9 +199,17 @@ def test_each_kind_of_difference_is_the_misses_reason(
     want = f"nearest {_key(server, base)[:16]}: {'; '.join(expected)}"
     stored = f"nearest {_key(server, base)[:16]}: {'; '.join(HIDDEN.get(expected[0], expected))}"
     assert _reasons(server, http, name, _key(server, changed)) == (stored, stored)
-    # The same, asked of the server afterwards, by body and by key.
+    # The same, asked of the server afterwards, by body and by key; a compiled variant is
+    # held now (that says so first: tests/server/test_explain_held.py), and what set it
+    # apart from its nearest other recipe is the same.
     body = http.post("/v1/explain", json={"recipe": changed}).json()
-    assert body == {"nearest_key": _key(server, base), "differences": expected, "text": want}
+    assert {k: body[k] for k in ("nearest_key", "differences")} == {
+        "nearest_key": _key(server, base),
+        "differences": expected,
+    }
+    assert body["held"] == ("key" if compile else None)
+    if not compile:
+        assert body["text"] == want
     if compile:
         by_key = http.get(f"/v1/recipes/{_key(server, changed)}/explain").json()
         assert by_key["nearest_key"] == _key(server, base)
@@ -212,10 +220,12 @@ def test_a_new_kernel_is_never_seen(server: ServerThread, http: httpx.Client) ->
     recipe = kernel(name)
     _resolve(http, recipe, compile=False)
     assert _reasons(server, http, name, _key(server, recipe)) == ("never seen", "never seen")
-    assert http.post("/v1/explain", json={"recipe": recipe}).json() == {
+    body = http.post("/v1/explain", json={"recipe": recipe}).json()
+    assert {k: body[k] for k in ("nearest_key", "differences", "text", "held")} == {
         "nearest_key": None,
         "differences": [],
         "text": "never seen",
+        "held": None,
     }
     r = http.get(f"/v1/recipes/{_key(server, recipe)}/explain")  # never recorded: not compiled
     assert r.status_code == 404 and r.json()["error"] == "not_found"
@@ -277,10 +287,10 @@ def test_kcache_explain_prints_one_line_per_difference(
     result = explain(str(source), "--target", "sm_80", *flags)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:] == ["flag -lineinfo added"]
-    # By key: the base recipe, which the server recorded; its nearest is nothing else yet.
+    # By key: the base recipe, which the server compiled: held, not "never seen".
     result = explain(_key(server, base))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["never seen"]
+    assert result.stdout.startswith("held by its exact key: artifact "), result.stdout
     # A new kernel; and the JSON answer.
     path.write_text(json.dumps(kernel(f"k_{unique().replace('-', '_')}")))
     result = explain(str(path), "--json")
