@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from kcache.artifact import ArtifactMeta
 from kcache.bundle_format import (
@@ -51,12 +51,15 @@ from kcache.bundle_format import (
     header_line,
     index_bundle,
 )
+from kcache.deps import Dependency
 from kcache.fsutil import (
     TMP_PREFIX,
     FileIdentity,
     UnsafeFileError,
+    atomic_write,
     identity,
     open_regular,
+    read_file_identified,
     regular_files,
 )
 from kcache.keys import sha256_hex
@@ -72,6 +75,10 @@ PACKS_DIR = "packs"
 _SUFFIX = ".kcb"
 # A pack's entries are bounded as the server's answers are (the bundle reader's check).
 _MAX_ENTRY_BYTES = 1 << 30
+# A pack's index beside it (a private tier's: _write_sidecar), its format, its bound.
+_SIDECAR = ".idx"
+_SIDECAR_FORMAT = "kcache-pack-index/1"
+_SIDECAR_MAX_BYTES = 256 << 20
 # A pack up to this size is indexed from one read of it (_index_file).
 _READ_WHOLE_BYTES = 64 << 20
 # A directory changed this recently may change again within its mtime's tick: listed anyway.
@@ -187,10 +194,13 @@ class PackWriter:
     (what leaving a ``with`` block by an exception does).
     """
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, *, sidecar: bool = False) -> None:
         os.makedirs(directory, exist_ok=True)
         self.name = secrets.token_hex(16)
         self.path = os.path.join(directory, f"{self.name}{_SUFFIX}")
+        #: Whether :meth:`commit` writes the pack's index beside it (a private tier's packs:
+        #: :func:`_write_sidecar`).
+        self.sidecar = sidecar
         self._partial = os.path.join(directory, f"{TMP_PREFIX}{self.name}{_SUFFIX}")
         fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         self._out: BinaryIO = os.fdopen(fd, "wb", buffering=1 << 20)
@@ -245,6 +255,9 @@ class PackWriter:
             self._out.close()
             if self.count:
                 os.rename(self._partial, self.path)
+                if self.sidecar:
+                    with contextlib.suppress(OSError):
+                        _write_sidecar(self.path, self.index, self.signature)
                 return self.name
             return None
         finally:
@@ -277,8 +290,11 @@ class PackWriter:
 class TierPacks:
     """The packs of one tier directory, as this process has indexed them (module docstring)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, sidecars: bool = False) -> None:
         self.directory = str(root / PACKS_DIR)
+        #: Whether packs carry their index beside them, written and read (a private tier:
+        #: only this user wrote either file; :func:`_read_sidecar`).
+        self.sidecars = sidecars
         self._packs: dict[str, _Pack] = {}
         self._by_key: dict[str, tuple[_Pack, IndexedEntry]] = {}
         self._refused: set[tuple[str, int, int]] = set()  # (name, inode, size) not indexable
@@ -290,7 +306,7 @@ class TierPacks:
 
     def writer(self) -> PackWriter:
         """A new pack in this tier (:class:`PackWriter`)."""
-        return PackWriter(self.directory)
+        return PackWriter(self.directory, sidecar=self.sidecars)
 
     def refresh(self) -> bool:
         """Index the packs that appeared since the last look, forget those gone; whether any changed.
@@ -366,7 +382,8 @@ class TierPacks:
             os.close(fd)
             return None
         try:
-            found, signature = _index_file(fd, st.st_size, path)
+            known = _read_sidecar(path, st) if self.sidecars else None
+            found, signature = known if known is not None else _index_file(fd, st.st_size, path)
         except (BundleError, OSError) as exc:
             os.close(fd)
             self._refused.add(marker)
@@ -495,6 +512,8 @@ class TierPacks:
             return 0
         except PermissionError:  # another user's pack in a shared tier: theirs to remove
             return 0
+        with contextlib.suppress(OSError):
+            os.unlink(path + _SIDECAR)
         with self._lock:
             self._drop(name)
         return size
@@ -566,6 +585,70 @@ def _index_file(fd: int, size: int, path: str) -> tuple[list[IndexedEntry], Sign
         return found, None if signed is None else Signature.from_dict(signed)
     except (ValueError, AttributeError, SignatureError):
         return found, None
+
+
+def _write_sidecar(path: str, index: list[IndexedEntry], signature: Signature | None) -> None:
+    """Write the index of the pack at ``path`` (just put in place) beside it, ``<pack>.idx``:
+    its entries' headers and offsets as one JSON document, and the pack file's inode and
+    size, so that a process of a private tier indexes the pack with one parse of the
+    document instead of one header line and one metadata check per entry (a rank's largest
+    cost on a complete tier: 13 -> 5 ms at 800 entries, B12)."""
+    st = os.stat(path, follow_symlinks=False)
+    body = {
+        "format": _SIDECAR_FORMAT,
+        "pack": [st.st_ino, st.st_size],
+        "signature": None if signature is None else signature.to_dict(),
+        "entries": [
+            [e.head.recipe_key, e.offset, e.head.meta.to_dict(), e.head.signature.to_dict()]
+            for e in index
+        ],
+    }
+    atomic_write(path + _SIDECAR, json.dumps(body, separators=(",", ":")).encode(), durable=False)
+
+
+def _read_sidecar(
+    path: str, st: os.stat_result
+) -> tuple[list[IndexedEntry], Signature | None] | None:
+    """The index :func:`_write_sidecar` wrote for the pack file ``st`` (its inode and size),
+    or None (absent, another file's, damaged: the pack is indexed itself).
+
+    Only a private tier reads it (``TierPacks.sidecars``): its writer is this user, as the
+    pack's is, so its metadata is taken as the pack's headers would be, without checking
+    each field again; the bytes an entry hands out are still checked against its digest."""
+    try:
+        raw, _ = read_file_identified(path + _SIDECAR, _SIDECAR_MAX_BYTES)
+        body = json.loads(raw)
+        if body.get("format") != _SIDECAR_FORMAT or body.get("pack") != [st.st_ino, st.st_size]:
+            return None
+        found = [
+            IndexedEntry(
+                EntryHead(key, _meta(meta), Signature(sig["key_id"], sig["signature"])), offset
+            )
+            for key, offset, meta, sig in body["entries"]
+        ]
+        signed = body.get("signature")
+        return found, None if signed is None else Signature.from_dict(signed)
+    except (OSError, UnsafeFileError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _meta(data: dict[str, Any]) -> ArtifactMeta:
+    """Metadata as :meth:`ArtifactMeta.to_dict` wrote it (a private tier's own sidecar)."""
+    return ArtifactMeta(
+        digest=data["digest"],
+        size=data["size"],
+        kind=data["kind"],
+        target=data["target"],
+        toolchain=data["toolchain"],
+        lowered_names=data["lowered_names"],
+        compile_seconds=float(data["compile_seconds"]),
+        log=data["log"],
+        dependencies=tuple(Dependency(d["name"], d["sha256"]) for d in data["dependencies"]),
+        dependencies_exact=data["dependencies_exact"],
+        kernel=data["kernel"],
+        created_at=float(data["created_at"]),
+        dependency_check=data.get("dependency_check", 0),
+    )
 
 
 def _same_file(path: str, known: FileIdentity) -> bool:

@@ -281,6 +281,8 @@ class NodeTier:
             self._share_dirs()
         #: Who else could have written the tier (module docstring), as found at open.
         self.standing = self.check_standing()
+        # A private tier's packs carry their index beside them (only this user writes them).
+        self.packs.sidecars = self.standing.kind == "private" and not read_only
         if self.standing.kind != "private" and not read_only:
             _log.warning(
                 "kcache: the node tier %s is %s (%s): only entries signed by a trusted key are "

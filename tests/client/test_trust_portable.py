@@ -490,3 +490,58 @@ def test_a_prefetched_pack_in_a_shared_tier_is_judged_by_its_one_signature(
         assert counting.calls == 1 + 3  # the trailer refused, then each entry's own
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_private_tiers_pack_is_indexed_from_its_sidecar_and_a_shared_tiers_never(
+    tmp_path: Path,
+    fleet: tuple[ServerThread, SigningKey],
+    built: tuple[Path, Path, list[object], object],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefetch into a private tier writes the pack's index beside it (``<pack>.idx``), and a
+    later process indexes the pack from it, with the same entries; a sidecar that is not the
+    pack's (another file, damaged) is ignored, and a shared tier's, which another user could
+    have written, is never read."""
+    from kcache_client import _packs
+
+    server, key = fleet
+    _, _, recipes, manifest = built
+    parsed: list[str] = []
+    real = _packs.index_bundle
+    monkeypatch.setattr(
+        _packs, "index_bundle", lambda *a, **k: parsed.append("pack") or real(*a, **k)
+    )
+    settings = _settings(tmp_path / "h", trusted=key.public_key)
+    shared = _shared_dir()
+    try:
+        for where in (tmp_path / "private", shared / "tier"):
+            where.mkdir()
+            if where.parent == shared:
+                os.chmod(where, 0o1777)
+            with KernelCache(server.url, cache_dir=where, settings=settings) as first:
+                first.prefetch(manifest)  # type: ignore[arg-type]
+                expected = {r.key(): first.get(r).data for r in recipes}  # type: ignore[attr-defined]
+            (pack,) = (where / "packs").glob("*.kcb")
+            sidecar = Path(f"{pack}.idx")
+            assert sidecar.exists() is (where.parent != shared)  # written where it is read
+            if where.parent == shared:  # one that is this very pack's, as another user could write
+                fd = os.open(pack, os.O_RDONLY)
+                try:
+                    _packs._write_sidecar(
+                        str(pack), *_packs._index_file(fd, os.fstat(fd).st_size, str(pack))
+                    )
+                finally:
+                    os.close(fd)
+            parsed.clear()
+            with KernelCache(server.url, cache_dir=where, settings=settings) as later:
+                assert {r.key(): later.get(r).data for r in recipes} == expected  # type: ignore[attr-defined]
+            assert parsed == ([] if where.parent != shared else ["pack"])
+            if where.parent != shared:
+                # Damaged, or another pack's: the pack itself is indexed, and answers the same.
+                sidecar.write_bytes(b'{"format": "kcache-pack-index/1", "pack": [1, 2]}')
+                parsed.clear()
+                with KernelCache(server.url, cache_dir=where, settings=settings) as again:
+                    assert {r.key(): again.get(r).data for r in recipes} == expected  # type: ignore[attr-defined]
+                assert parsed == ["pack"]
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
