@@ -79,6 +79,7 @@ if variant == "ours":
     RECIPE = Recipe.from_dict(json.load(open(os.path.join(where, "recipe.json"))))
 elif variant == "nvrtc":
     from cuda.bindings import nvrtc
+phases = None
 started = time.perf_counter()
 if variant == "ours":
     quiet = ClientSettings.from_env(send_events=False)
@@ -116,7 +117,6 @@ else:
     cupy.cuda.Device(0).synchronize()
 elapsed_ms = (time.perf_counter() - started) * 1e3
 exact = None
-phases = None
 if variant == "ours":
     # After timing: the tier's kernel, launched again on known data, must be exact.
     import struct
