@@ -479,7 +479,10 @@ class TierPacks:
                 continue
             pack = self._packs.get(name)
             metas = {} if pack is None else {k: e.head.meta for k, e in pack.entries.items()}
-            listed.append(PackFile(name, found.path, st.st_size, st.st_mtime, metas))
+            size = st.st_size
+            with contextlib.suppress(OSError):  # its index beside it goes with it (remove)
+                size += os.stat(found.path + _SIDECAR, follow_symlinks=False).st_size
+            listed.append(PackFile(name, found.path, size, st.st_mtime, metas))
         return listed
 
     def sweep_partials(self, older_than: float) -> int:
@@ -513,6 +516,7 @@ class TierPacks:
         except PermissionError:  # another user's pack in a shared tier: theirs to remove
             return 0
         with contextlib.suppress(OSError):
+            size += os.stat(path + _SIDECAR, follow_symlinks=False).st_size
             os.unlink(path + _SIDECAR)
         with self._lock:
             self._drop(name)
