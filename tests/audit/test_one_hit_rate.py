@@ -529,7 +529,7 @@ def test_rank_chips_say_what_each_rank_got_with_a_legend(page: Any, run: Run) ->
 
 
 @dashboard
-def test_a_job_is_one_click_and_one_url_away(page: Any, run: Run) -> None:
+def test_a_job_is_one_click_and_one_url_away(page: Any, run: Run, artifacts_dir: Path) -> None:
     w = run.workload
     _open(page, run)
     page.click('#jobs tr[data-job="cold"] a[data-filter="job_id"]')
@@ -543,6 +543,7 @@ def test_a_job_is_one_click_and_one_url_away(page: Any, run: Run) -> None:
     assert [r.get_attribute("data-job") for r in page.query_selector_all("#jobs tbody tr")] == [
         "cold"
     ]
+    page.screenshot(path=str(artifacts_dir / "dashboard-job.png"), full_page=True)
     # The same page from its address alone.
     _open(page, run, job_id="warm")
     assert page.text_content("#kpi-hit-rate") == "100.0%"
