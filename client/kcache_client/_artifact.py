@@ -212,8 +212,9 @@ class Judgement:
         self.meta = meta
         self.signature = signature
         self.data = data
-        #: How it was judged (``signed``: a signature verified here or at publish; ``private
-        #: tier``: this user's own entry, used as it is; ``compiled here``: a local compile).
+        #: How it was judged: ``signed`` (a server's answer, its signature verified), the
+        #: standing of the tier it was found in (``private``: this user's own entry, used as
+        #: it is; ``shared``, ``untrusted``: its signature verified), or ``compiled here``.
         self.how = how
 
     def holds_for(self, art: Artifact) -> bool:

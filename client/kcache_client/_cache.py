@@ -722,7 +722,7 @@ class KernelCache:
         if origin == "local_compile":
             how = "compiled here"
         elif origin in ("node", "memory"):
-            how = f"{(tier or self.tier).standing.kind} tier"
+            how = (tier or self.tier).standing.kind  # private, shared, untrusted: its tier's
         else:
             how = "signed"
         return Artifact(
