@@ -222,10 +222,13 @@ class ProcessPoolCompiler:
                 )
             message = worker.conn.recv()
         except (EOFError, OSError) as exc:
+            full = self._disk_full()  # before its scratch is removed
             self._discard(worker)
+            died = f"a compile worker died while starting (exit code {worker.process.exitcode})"
+            if full is not None:
+                raise ToolchainError(f"{died}: {self._full_disk_cause(full)}") from exc
             raise ToolchainError(
-                f"a compile worker died while starting (exit code {worker.process.exitcode}); "
-                f"is compile_memory_mb={self.memory_mb} too small for NVRTC?"
+                f"{died}; is compile_memory_mb={self.memory_mb} too small for NVRTC?"
             ) from exc
         except ToolchainError:
             self._discard(worker)
@@ -240,11 +243,15 @@ class ProcessPoolCompiler:
             # Only a memory failure is about the limit (under RLIMIT_AS a library that does
             # not fit fails to dlopen with "failed to map segment"); anything else (a
             # mismatched nvJitLink, a missing library) must not send the operator after memory.
-            hint = (
-                f"; compile_memory_mb={self.memory_mb} may be too small"
-                if any(sign in detail for sign in _MEMORY_FAILURES)
-                else ""
-            )
+            # On a full disk LLVM says "out of memory" too: the disk is named then.
+            hint = ""
+            if any(sign in detail for sign in _MEMORY_FAILURES):
+                full = self._disk_full()
+                hint = (
+                    f": {self._full_disk_cause(full)}"
+                    if full is not None
+                    else f"; compile_memory_mb={self.memory_mb} may be too small"
+                )
             raise ToolchainError(f"a compile worker could not start ({detail}){hint}")
         status = SandboxStatus.from_dict(message[2])
         first = self.sandbox is None or self.sandbox.active != status.active
@@ -392,9 +399,19 @@ class ProcessPoolCompiler:
             return None
         return free if free < max(self.min_free_bytes, _FULL_DISK_MARGIN) else None
 
+    def _full_disk_cause(self, free: int) -> str:
+        """Why a worker died on a full disk, and the fix (NVRTC's own words say 'out of memory')."""
+        return (
+            f"the disk is full ({free} bytes free for compile scratch in {self.tmp_dir}; NVRTC "
+            "reports a write it cannot make as 'LLVM ERROR: out of memory'): free some space "
+            "(kcache db gc removes unreferenced blobs); compile_memory_mb is not the cause"
+        )
+
     def _full_disk_error(self, free: int) -> StoreFullError:
         log.error(
-            "a compile failed for want of disk space: %d bytes free for compile scratch", free
+            "a compile failed for want of disk space: %d bytes free for compile scratch in %s",
+            free,
+            self.tmp_dir,
         )
         return StoreFullError(
             errno.ENOSPC,
@@ -447,7 +464,13 @@ class ProcessPoolCompiler:
                 reply = worker.conn.recv() if finished else None
             except (EOFError, OSError) as exc:
                 full = self._disk_full()  # before the dead worker's scratch is removed
-                self._replace(worker, f"died while compiling recipe {recipe.key()}")
+                why = f"died while compiling recipe {recipe.key()}"
+                if full is not None:
+                    why += (
+                        f" with {full} bytes free for compile scratch: the disk is full (an "
+                        "'out of memory' NVRTC printed is that, not compile_memory_mb)"
+                    )
+                self._replace(worker, why)
                 if full is not None:
                     raise self._full_disk_error(full) from exc
                 raise CompileWorkerCrashedError(
@@ -473,7 +496,12 @@ class ProcessPoolCompiler:
                 self._replace(worker, f"retires: {retiring}", logging.INFO)
         finally:
             self._queue.give_back(caller, back)
-        if answer[0] in ("toolchain_error", "failed"):
+        # A compile's "out of memory" on a (nearly) full disk is the disk, and is not kept
+        # as the recipe's own compile error.
+        out_of_memory = answer[0] == "compile_error" and any(
+            sign in str(answer[1]) for sign in _MEMORY_FAILURES
+        )
+        if answer[0] in ("toolchain_error", "failed") or out_of_memory:
             full = self._disk_full()
             if full is not None:
                 raise self._full_disk_error(full)

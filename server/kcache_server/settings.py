@@ -8,14 +8,23 @@ and the ``kcache serve`` flags inject every value, the auditing ones included:
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
+import textwrap
 from pathlib import Path
 from typing import Literal
 
 from pydantic import ByteSize, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["AuditSettings", "Settings", "VerificationSettings", "is_loopback"]
+__all__ = [
+    "AuditSettings",
+    "Settings",
+    "VerificationSettings",
+    "is_loopback",
+    "settings_help",
+    "settings_variables",
+]
 
 
 #: What ``accel_redirect`` may be: a path nginx's internal location is named by.
@@ -149,7 +158,9 @@ class Settings(BaseSettings):
         description="a /readyz check of a backend (the database, the bucket) taking longer fails",
     )
     host: str = Field(default="127.0.0.1", description="address to bind")
-    port: int = Field(default=8470, ge=0, le=65535)
+    port: int = Field(
+        default=8470, ge=0, le=65535, description="port to listen on (0: one the system picks)"
+    )
     workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
     force_insecure: bool = Field(
         default=False, description="allow a non-loopback bind with no tokens"
@@ -157,7 +168,10 @@ class Settings(BaseSettings):
     access_log: bool = Field(
         default=False, description="uvicorn's per-request log (audit events record every lookup)"
     )
-    include_sets: dict[str, Path] = Field(default_factory=dict, description="name -> directory")
+    include_sets: dict[str, Path] = Field(
+        default_factory=dict,
+        description='include sets recipes may name, as JSON: {"NAME": "DIRECTORY", ...}',
+    )
     toolchain_dir: Path | None = Field(
         default=None, description="where NVRTC's bundled headers are extracted"
     )
@@ -372,3 +386,52 @@ class Settings(BaseSettings):
     def loopback(self) -> bool:
         """True when ``host`` is a loopback address."""
         return is_loopback(self.host)
+
+
+def _default(value: object) -> str:
+    """A default as its variable would be written."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return json.dumps(value) if value else "none"
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value} ({value >> 20} MiB)"
+    return str(value)
+
+
+def settings_variables() -> list[tuple[str, str, str]]:
+    """Every setting as (environment variable, default, description), in :class:`Settings`' order.
+
+    A section (``audit``, ``verify``) is its own fields under its prefix. What
+    ``kcache serve --help`` lists (:func:`settings_help`), made from the fields, so it
+    can neither miss one nor drift from them.
+    """
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(model: type[BaseSettings]) -> None:
+        prefix = str(model.model_config.get("env_prefix") or "")
+        for name, info in model.model_fields.items():
+            section = info.annotation
+            if isinstance(section, type) and issubclass(section, BaseSettings):
+                walk(section)
+                continue
+            default = info.get_default(call_default_factory=True)
+            rows.append((f"{prefix}{name}".upper(), _default(default), info.description or ""))
+
+    walk(Settings)
+    return rows
+
+
+def settings_help(width: int = 100) -> str:
+    """The ``KCACHE_*`` settings, one entry each: the variable and its default, then what it does."""
+    lines = ["settings: each is a KCACHE_* environment variable (a flag above overrides its own):"]
+    body = textwrap.TextWrapper(
+        width=width, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False
+    )
+    for variable, default, description in settings_variables():
+        lines.append(f"  {variable} (default {default})")
+        if description:
+            lines.extend(body.wrap(description))
+    return "\n".join(lines) + "\n"

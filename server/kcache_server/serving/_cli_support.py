@@ -43,6 +43,8 @@ _FLAGS = {
     "data_dir": "--data-dir",
     "db_url": "--db-url",
     "workers": "--workers",
+    "compile_workers": "--compile-workers",
+    "compile_timeout_s": "--compile-timeout",
     "force_insecure": "--force-insecure",
     "recreate_index": "--recreate-index",
 }
@@ -90,7 +92,15 @@ def load_settings(args: argparse.Namespace, **extra: Any) -> Settings:
 
     overrides: dict[str, Any] = {
         name: getattr(args, name)
-        for name in ("host", "port", "data_dir", "db_url", "workers")
+        for name in (
+            "host",
+            "port",
+            "data_dir",
+            "db_url",
+            "workers",
+            "compile_workers",
+            "compile_timeout_s",
+        )
         if getattr(args, name, None) is not None
     }
     for flag in ("force_insecure", "recreate_index"):

@@ -41,11 +41,40 @@ def _positive_int(text: str) -> int:
     return value
 
 
+#: Fewer bytes free than this under the data directory (or than ``min_free_bytes``, if
+#: lower, but never 0), and ``kcache serve`` does not start.
+_START_MIN_FREE = 1 << 20
+
+
 def _add_db_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", help="data directory (default $KCACHE_DATA_DIR or ./.kcache)")
     parser.add_argument(
         "--db-url", help="database URL (default $KCACHE_DB_URL or SQLite in the data dir)"
     )
+
+
+#: The epilog ``kcache serve --help`` replaces with every setting (:class:`_SettingsHelp`).
+_SETTINGS_EPILOG = "(the KCACHE_* settings)"
+
+
+class _SettingsHelp(argparse.HelpFormatter):
+    """``serve --help``'s formatter: its epilog lists every ``KCACHE_*`` setting.
+
+    Made from ``kcache_server.settings`` when the help is shown (``register`` imports
+    only argparse, so ``kcache --help`` stays instant), and laid out there.
+    """
+
+    def add_text(self, text: str | None) -> None:
+        if text == _SETTINGS_EPILOG:
+            from kcache_server.settings import settings_help
+
+            text = settings_help(width=max(self._width, 60))
+        super().add_text(text)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:  # the settings, laid out already
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 
 def _dashboard_line(host: str, port: int) -> str:
@@ -65,14 +94,98 @@ def _dashboard_line(host: str, port: int) -> str:
     return f"kcache: serving {base}; the dashboard is at {base}/dashboard (it asks for a read token if the server has tokens)"
 
 
+def _port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now (in use, or not allowed), or None.
+
+    Bound as uvicorn binds it (``SO_REUSEADDR``: only a socket listening there refuses),
+    then let go, before anything is announced or built. Other errors (an address this
+    machine does not have) are left to uvicorn's own report.
+    """
+    import errno
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        found = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError:
+        return None
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return "the port is in use (another kcache serve, or another program)"
+                if exc.errno == errno.EACCES:
+                    return "this user may not listen on it (ports below 1024 need privileges)"
+    return None
+
+
+def _disk_at_start(settings: Settings) -> int:
+    """Refuse to start on a full disk; warn below ``min_free_bytes``; 0 or the exit status.
+
+    Checked before the database is opened: with nothing free, SQLite says "disk I/O
+    error" and the compile workers die starting (a segfault), neither naming the disk.
+    """
+    import logging
+
+    from kcache.fsutil import free_bytes
+
+    place = settings.data_dir.absolute()
+    while not place.exists() and place != place.parent:  # not made yet: its filesystem
+        place = place.parent
+    try:
+        free = free_bytes(place)
+    except OSError:
+        return 0  # not ours to judge: the database's own error will say
+    shown = settings.data_dir.absolute()
+    # An operator who lowered min_free_bytes below the floor is taken at their word, down to 1.
+    if free < max(1, min(_START_MIN_FREE, settings.min_free_bytes)):
+        print(
+            f"kcache: not starting: the data directory {shown} has {free} bytes free (its "
+            "database, blobs and compile scratch need space to start); free some space there "
+            "(kcache db gc removes unreferenced blobs) or point --data-dir (KCACHE_DATA_DIR) at "
+            "another disk",
+            file=sys.stderr,
+        )
+        return 1
+    if free < settings.min_free_bytes:
+        logging.getLogger("kcache_server.serving").warning(
+            "only %d bytes are free under the data directory %s, below min_free_bytes=%d "
+            "(KCACHE_MIN_FREE_BYTES): compiles are refused with 507 and /readyz fails until "
+            "space is freed (kcache db gc removes unreferenced blobs), or lower "
+            "KCACHE_MIN_FREE_BYTES",
+            free,
+            shown,
+            settings.min_free_bytes,
+        )
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    cap = {"max_store_bytes": args.max_store_bytes} if args.max_store_bytes is not None else {}
+    settings = _settings(args, **cap)
+    taken = _port_taken(settings.host, settings.port)
+    if taken is not None:
+        print(
+            f"kcache: cannot serve on {settings.host}:{settings.port}: {taken}; stop what "
+            "listens there, or pick another port with --port N (or KCACHE_PORT)",
+            file=sys.stderr,
+        )
+        return 1
+    refused = _disk_at_start(settings)
+    if refused:
+        return refused
+
     import uvicorn
 
     from kcache_server.serving.app import SETTINGS_ENV, create_app, serving_app
     from kcache_server.serving.http_protocol import CoalescingHttpToolsProtocol as http
 
-    cap = {"max_store_bytes": args.max_store_bytes} if args.max_store_bytes is not None else {}
-    settings = _settings(args, **cap)
     if settings.workers > 1:
         # Each uvicorn worker process builds its own app (and compile pool) from these settings.
         create_app(settings)  # fail here, once, with a clear message, rather than in every worker
@@ -353,11 +466,32 @@ def _cmd_token_revoke(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``serve``, ``db``, ``token`` and ``signing-key`` to the ``kcache`` command."""
-    serve = subparsers.add_parser("serve", help="run the kcache server")
+    serve = subparsers.add_parser(
+        "serve",
+        help="run the kcache server",
+        description="Run the kcache server. Every setting is a KCACHE_* environment variable "
+        "(listed below, with its default); the flags here override theirs.",
+        epilog=_SETTINGS_EPILOG,
+        formatter_class=_SettingsHelp,
+    )
     serve.add_argument("--host", help="address to bind (default $KCACHE_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default $KCACHE_PORT or 8470)")
     _add_db_options(serve)
     serve.add_argument("--workers", type=int, help="uvicorn worker processes (default 1)")
+    serve.add_argument(
+        "--compile-workers",
+        type=_positive_int,
+        metavar="N",
+        help="NVRTC worker processes per server process (default $KCACHE_COMPILE_WORKERS or 2)",
+    )
+    serve.add_argument(
+        "--compile-timeout",
+        dest="compile_timeout_s",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="a compile running longer is killed and answered compile_timeout (default "
+        "$KCACHE_COMPILE_TIMEOUT_S or 120)",
+    )
     serve.add_argument(
         "--force-insecure",
         action="store_true",
