@@ -144,8 +144,10 @@ def format_stats(stats: dict[str, Any], width: int = 100) -> str:
     since = stats.get("since")
     until = stats.get("until")
     window = " .. ".join(
-        datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds") if t else "any"
-        for t in (since, until)
+        datetime.fromtimestamp(t).astimezone().isoformat(sep=" ", timespec="seconds")
+        if t
+        else open_end
+        for t, open_end in ((since, "the first record kept"), (until, "now"))
     )
     observed: dict[str, int] = stats["totals"]
     reported: dict[str, int] = stats.get("reported", {})
@@ -391,7 +393,16 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add ``kcache stats`` (entry point of the ``kcache.commands`` group)."""
     p = subparsers.add_parser(
-        "stats", help="hit rate, outcomes, missed kernels and rank divergence"
+        "stats",
+        help="hit rate, outcomes, missed kernels and rank divergence",
+        description="What a kcache server saw in a window (default the last 24 hours): the hit "
+        "rate over kernel lookups (its parts: answered by the server, reported by clients), "
+        "misses by reason, compile time saved, requests by tier, a table by job (or what "
+        "--group-by names), the most missed kernels and jobs whose ranks got different "
+        "artifacts. Asks a server (--server, default $KCACHE_URL; a read token), or reads a "
+        "server's database (--data-dir, --db-url); --cache-dir shows a client cache "
+        "directory's own numbers. --job, --client, --kernel and --target narrow it; one that "
+        "matches nothing says so, naming what the window holds.",
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--server", help="ask this kcache server (default $KCACHE_URL)")
@@ -411,7 +422,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--kernel", help="only this kernel")
     p.add_argument("--target", help="only this target, e.g. sm_90")
     p.add_argument(
-        "--group-by", choices=["kernel", "target", "client", "job", "rank"], default="job"
+        "--group-by",
+        choices=["kernel", "target", "client", "job", "rank"],
+        default="job",
+        help="one row per job (default), kernel, target, client id or rank, with its kernel "
+        "lookups, hits, misses, hit rate, time saved, requests and ranks",
     )
     p.add_argument("--top", type=int, default=10, help="how many missed kernels to list")
     p.add_argument("--json", action="store_true", help="print the /v1/stats JSON")
