@@ -91,13 +91,24 @@ def _options(options: Any) -> Any:
 
 
 def object_code(artifact: Artifact, name: str) -> Any:
-    """cuda.core's ``ObjectCode`` over an artifact's bytes, with its lowered names as symbol mapping."""
+    """cuda.core's ``ObjectCode`` named ``name`` over an artifact's bytes, with its lowered
+    names as symbol mapping.
+
+    As cuda.core's own ``compile()`` returns it: not loaded, so no GPU is needed (an
+    ahead-of-time build or a GPU-less CI compiles as with cuda.core), and the name is the
+    program's (``ProgramOptions.name``), not the kernel's. The module is loaded when a
+    kernel is first asked of it, where CUDA refuses a cubin of another architecture as it
+    would cuda.core's own.
+    """
     core = cuda_core()
-    if artifact.kind in ("cubin", "ptx"):
-        return artifact.load_module()  # checks the architecture against the device first
-    artifact.check()  # its bytes and signature, as load_module checks them
+    artifact.check()  # its bytes and signature (a verdict already reached is reused)
     mapping = {expr: mangled.encode() for expr, mangled in artifact.lowered_names.items()}
-    return core.ObjectCode.from_ltoir(artifact.data, name=name, symbol_mapping=mapping or None)
+    make = {
+        "cubin": core.ObjectCode.from_cubin,
+        "ptx": core.ObjectCode.from_ptx,
+        "ltoir": core.ObjectCode.from_ltoir,
+    }[artifact.kind]
+    return make(artifact.data, name=name, symbol_mapping=mapping or None)
 
 
 class Program:

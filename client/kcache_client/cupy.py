@@ -131,6 +131,10 @@ class RawModule:
         self.enable_cooperative_groups = enable_cooperative_groups
         self.translate_cucomplex = translate_cucomplex
         self.jitify = bool(jitify)
+        # As given: CuPy 14 warns that the argument is deprecated whenever it is passed,
+        # so a bypass hands it on only when the caller gave it (the pickling tests of
+        # CuPy's suite turn that warning into an error).
+        self._jitify_given = jitify
         self._cache = cache
         self._target = target
         self._headers = dict(headers or {})
@@ -187,7 +191,7 @@ class RawModule:
             "translate_cucomplex": self.translate_cucomplex,
             "enable_cooperative_groups": self.enable_cooperative_groups,
             "name_expressions": self.name_expressions,
-            "jitify": self.jitify,
+            "jitify": self._jitify_given,
             "target": self._target,
             "headers": self._headers,
             "include_sets": self._include_sets,
@@ -202,7 +206,8 @@ class RawModule:
         self.translate_cucomplex = state["translate_cucomplex"]
         self.enable_cooperative_groups = state["enable_cooperative_groups"]
         self.name_expressions = state["name_expressions"]
-        self.jitify = state["jitify"]
+        self._jitify_given = state["jitify"]
+        self.jitify = bool(self._jitify_given)
         self._cache = None
         self._target = state["target"]
         self._headers = dict(state["headers"])
@@ -214,6 +219,7 @@ class RawModule:
     def _native_module(self) -> Any:
         """CuPy's own RawModule of these arguments, for a bypass (CuPy caches it per device)."""
         if self._native is None:
+            given = {} if self._jitify_given is None else {"jitify": self._jitify_given}
             self._native = _cupy().RawModule(
                 code=self.code,
                 options=self.options,
@@ -221,7 +227,7 @@ class RawModule:
                 translate_cucomplex=self.translate_cucomplex,
                 enable_cooperative_groups=self.enable_cooperative_groups,
                 name_expressions=self.name_expressions,
-                jitify=self.jitify,
+                **given,
             )
         return self._native
 
