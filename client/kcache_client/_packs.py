@@ -75,6 +75,8 @@ PACKS_DIR = "packs"
 _SUFFIX = ".kcb"
 # A pack's entries are bounded as the server's answers are (the bundle reader's check).
 _MAX_ENTRY_BYTES = 1 << 30
+# A refusal that is not lasting (a key not pinned yet) is reused this long, then judged again.
+_TRANSIENT_S = 1.0
 # A pack's index beside it (a private tier's: _write_sidecar), its format, its bound.
 _SIDECAR = ".idx"
 _SIDECAR_FORMAT = "kcache-pack-index/1"
@@ -115,6 +117,9 @@ class _Pack:
     tried_whole: bool = False
     #: Every entry in file order, as the trailer's signature covers them (duplicates too).
     order: list[IndexedEntry] = field(default_factory=list)
+    #: recipe key -> (when, a verdict that is not lasting): reused for :data:`_TRANSIENT_S`
+    #: only (a pin may come any moment; judging again each lookup read the pin file twice).
+    transient: dict[str, tuple[float, Verdict]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -169,9 +174,16 @@ class PackEntry:
                 pack.tried_whole = True
                 return whole
             pack.tried_whole = whole.lasting  # a key not trusted yet: tried again later
+        recent = pack.transient.get(head.recipe_key)
+        now = time.monotonic()
+        if recent is not None and now - recent[0] < _TRANSIENT_S:
+            return recent[1]
         found = judge(head.recipe_key, head.meta, head.signature)
         if found.lasting:
             verdicts[head.recipe_key] = found
+            pack.transient.pop(head.recipe_key, None)
+        else:
+            pack.transient[head.recipe_key] = (now, found)
         return found
 
 

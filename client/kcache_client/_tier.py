@@ -383,12 +383,14 @@ class NodeTier:
         if found is None:
             return None
         whole = self._whole_pack_verdict if self.standing.signed_only else None
-        if found.verdict(self.verdict, whole).ok:
+        first = found.verdict(self.verdict, whole)
+        first_pack = found.pack
+        if first.ok:
             if self._withdrawn(recipe_key, found.meta.digest, f"pack {found.name}"):
                 return None
             return found
         for found in self.packs.entries(recipe_key):  # another pack's, the first's refused
-            verdict = found.verdict(self.verdict, whole)
+            verdict = first if found.pack is first_pack else found.verdict(self.verdict, whole)
             if verdict.problem is not None:
                 self._refuse(
                     f"the entry of recipe {recipe_key} in pack {found.name}", verdict.problem

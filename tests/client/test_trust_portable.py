@@ -278,9 +278,12 @@ def test_a_fresh_process_imports_no_crypto_where_nothing_is_verified(
 
 
 def test_a_key_not_pinned_yet_is_asked_for_first_and_a_refusal_for_it_is_not_kept(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A shared tier's pack, signed by server X's key; this user never contacted X."""
+    from kcache_client import _packs
+
+    monkeypatch.setattr(_packs, "_TRANSIENT_S", 0.0)  # such a refusal is reused for 1 s at most
     x = SigningKey.generate()
     url = "http://x.invalid:1"
     known = KnownServers(tmp_path / "known.json")
