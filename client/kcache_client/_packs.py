@@ -24,6 +24,14 @@ another file under a pack's name (deleted and written again, renamed over, writt
 indexes that file afresh and judges its entries again. The bytes an entry hands out are
 read from the descriptor of the file that was judged, once, and checked against the
 digest its judged header names (:meth:`TierPacks.read`).
+
+A prefetch's pack keeps, in its trailer, the server's signature over all of its entries (the
+bundle's, which the prefetch verified): a shared tier judges the whole pack with that one
+verification, and each entry's own signature only where it does not verify. A private
+tier's pack carries its index beside it (``<pack>.idx``, bound to the pack file's inode and
+size), so that the node's other processes index it with one parse instead of one header
+line and one metadata check per entry; a shared tier never writes or reads one (another user
+could write it).
 """
 
 from __future__ import annotations

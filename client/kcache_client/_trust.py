@@ -28,7 +28,15 @@ vouch (and a private tier's entries are used as they are: :mod:`kcache.standing`
 
 Which server vouched is decided by the key, checked against the keys of the server looked
 up through now, never by anything an entry says of itself (whoever planted an entry would
-write what it says); a refusal names the URL the key is pinned for when it is one.
+write what it says); a refusal names the URL the key is pinned for when it is one, and the
+setting or command that would trust it (``KCACHE_TRUSTED_KEYS``, ``kcache trust forget URL``).
+
+An entry signed by a key not pinned for the configured server, met before this user ever
+contacted it (a fresh home on a shared tier another user filled), makes the client ask the
+server first (:attr:`Trust.contact`, ``GET /v1/keys``: its first contact, pinned as an
+answer's would be); a refusal for want of a pin is a :class:`Verdict` that is not lasting,
+so nothing keeps it past the pin. Checking a signature imports nothing until one is met
+(:func:`kcache.signing.verifier`).
 """
 
 from __future__ import annotations
