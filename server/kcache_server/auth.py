@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
-from typing import Any, cast
+from typing import Any
 
 import anyio
 import sqlalchemy as sa
@@ -42,7 +42,8 @@ from kcache_server.errors import (
     error_body,
     error_info,
 )
-from kcache_server.models import Token, utcnow
+from kcache_server.models import tokens_table as _tokens
+from kcache_server.models import utcnow
 from kcache_server.scopes import SCOPES
 
 __all__ = [
@@ -61,7 +62,6 @@ _RANK = {scope: i for i, scope in enumerate(SCOPES)}
 # A token made elsewhere (`kcache token create --token-file`): printable ASCII, no spaces.
 _TOKEN_VALUE = re.compile(r"[!-~]{24,512}")
 _TOKEN_NAME = re.compile(r"[^\x00-\x1f\x7f-\x9f\ud800-\udfff]{1,256}")
-_tokens = cast(sa.Table, Token.__table__)
 
 
 def hash_token(token: str) -> str:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -31,27 +31,19 @@ from kcache.keys import canonical_json, require_hex_key, sha256_hex
 from kcache.store.local import LocalArtifactStore
 from kcache_server.models import (
     WITHDRAWAL_REASON_LENGTH,
-    Artifact,
-    CompileCharge,
-    EvictionLogEntry,
-    ManifestRow,
-    NegativeEntry,
-    Pin,
-    RecipeAlias,
-    Withdrawal,
     utcnow,
 )
+from kcache_server.models import artifacts_table as _artifacts
+from kcache_server.models import compile_charges_table as _charges
+from kcache_server.models import evictions_table as _evictions
+from kcache_server.models import manifests_table as _manifests
+from kcache_server.models import negative_entries_table as _negatives
+from kcache_server.models import pins_table as _pins
+from kcache_server.models import recipe_aliases_table as _aliases
+from kcache_server.models import withdrawals_table as _withdrawals
 
 __all__ = ["RemovedArtifact", "SqlIndex", "StoreUsage", "pinned"]
 
-_artifacts = cast(sa.Table, Artifact.__table__)
-_aliases = cast(sa.Table, RecipeAlias.__table__)
-_manifests = cast(sa.Table, ManifestRow.__table__)
-_negatives = cast(sa.Table, NegativeEntry.__table__)
-_pins = cast(sa.Table, Pin.__table__)
-_evictions = cast(sa.Table, EvictionLogEntry.__table__)
-_charges = cast(sa.Table, CompileCharge.__table__)
-_withdrawals = cast(sa.Table, Withdrawal.__table__)
 # pg_advisory_xact_lock(int, int) serialising withdrawals, apart from the evictor's and
 # the per-recipe compile locks.
 _WITHDRAWAL_LOCK = {"a": 0x6B63, "b": 0x57445257}  # "kc", "WDRW"

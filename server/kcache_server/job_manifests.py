@@ -12,20 +12,16 @@ retention are gone, and with them a job's manifest: save it when the job runs.
 
 from __future__ import annotations
 
-from typing import cast
-
 import sqlalchemy as sa
 
 from kcache.job_manifest import MAX_KERNELS, JobManifest, ManifestKernel
 from kcache.keys import is_hex_key
 from kcache.outcomes import SERVED_OUTCOMES
 from kcache_server.errors import InvalidRequestError
-from kcache_server.models import Artifact, AuditEvent
+from kcache_server.models import artifacts_table as _artifacts
+from kcache_server.models import audit_events_table as _events
 
 __all__ = ["job_manifest"]
-
-_events = cast(sa.Table, AuditEvent.__table__)
-_artifacts = cast(sa.Table, Artifact.__table__)
 
 
 def job_manifest(db: sa.Engine, job_id: str) -> JobManifest:

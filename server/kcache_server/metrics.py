@@ -49,7 +49,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -58,7 +58,7 @@ from prometheus_client.metrics_core import Metric
 
 from kcache._version import __version__
 from kcache_server.compile_pool import ProcessPoolCompiler
-from kcache_server.models import Artifact
+from kcache_server.models import artifacts_table
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
@@ -366,12 +366,11 @@ class LoopHistogram:
 
 def store_sampler(db: sa.Engine, metrics: ServerMetrics) -> Callable[[], None]:
     """A sampler setting the store gauges from the artifacts the index knows."""
-    artifacts = cast(sa.Table, Artifact.__table__)
 
     def sample() -> None:
         with db.connect() as conn:
             count, size = conn.execute(
-                sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(artifacts.c.size), 0))
+                sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(artifacts_table.c.size), 0))
             ).one()
         metrics.store_artifacts.set(count)
         metrics.store_bytes.set(size)

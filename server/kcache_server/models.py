@@ -17,7 +17,7 @@ on SQLite and PostgreSQL.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -32,6 +32,7 @@ from sqlalchemy import (
     LargeBinary,
     MetaData,
     String,
+    Table,
     Text,
     UniqueConstraint,
     false,
@@ -63,8 +64,30 @@ __all__ = [
     "UTCDateTime",
     "VerificationEvent",
     "Withdrawal",
+    "artifacts_table",
+    "audit_counts_table",
+    "audit_digests_table",
+    "audit_divergences_table",
+    "audit_events_table",
+    "audit_job_builds_table",
+    "audit_lookups_table",
+    "audit_report_windows_table",
+    "audit_rollups_table",
+    "compile_charges_table",
+    "evictions_table",
+    "manifests_table",
     "metadata",
+    "negative_entries_table",
+    "pins_table",
+    "quota_accounts_table",
+    "quota_reservations_table",
+    "recipe_aliases_table",
+    "recipe_records_table",
+    "signing_keys_table",
+    "tokens_table",
     "utcnow",
+    "verification_events_table",
+    "withdrawals_table",
 ]
 
 
@@ -600,3 +623,30 @@ class SigningKeyRow(Base):
     retired_at: Mapped[OptStamp]
     retired_by: Mapped[str | None] = mapped_column(String(16), nullable=True)
     note: Mapped[str | None] = mapped_column(String(SIGNING_KEY_NOTE_LENGTH), nullable=True)
+
+
+# Each model's Core table, typed as sa.Table (a declarative class's ``__table__`` is typed
+# as a FromClause), for the modules that query with Core: import these, do not cast again.
+
+artifacts_table = cast(Table, Artifact.__table__)
+recipe_aliases_table = cast(Table, RecipeAlias.__table__)
+manifests_table = cast(Table, ManifestRow.__table__)
+negative_entries_table = cast(Table, NegativeEntry.__table__)
+audit_events_table = cast(Table, AuditEvent.__table__)
+tokens_table = cast(Table, Token.__table__)
+audit_rollups_table = cast(Table, AuditRollup.__table__)
+audit_report_windows_table = cast(Table, AuditReportWindow.__table__)
+audit_counts_table = cast(Table, AuditCount.__table__)
+audit_digests_table = cast(Table, AuditDigest.__table__)
+audit_divergences_table = cast(Table, AuditDivergence.__table__)
+audit_lookups_table = cast(Table, AuditLookup.__table__)
+audit_job_builds_table = cast(Table, AuditJobBuild.__table__)
+pins_table = cast(Table, Pin.__table__)
+evictions_table = cast(Table, EvictionLogEntry.__table__)
+compile_charges_table = cast(Table, CompileCharge.__table__)
+quota_accounts_table = cast(Table, QuotaAccount.__table__)
+quota_reservations_table = cast(Table, QuotaReservation.__table__)
+verification_events_table = cast(Table, VerificationEvent.__table__)
+recipe_records_table = cast(Table, RecipeRecord.__table__)
+withdrawals_table = cast(Table, Withdrawal.__table__)
+signing_keys_table = cast(Table, SigningKeyRow.__table__)

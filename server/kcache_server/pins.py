@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -21,14 +21,14 @@ from kcache.errors import InvalidKeyError
 from kcache.keys import is_hex_key, require_hex_key
 from kcache.outcomes import SERVED_OUTCOMES
 from kcache_server.errors import InvalidRequestError
-from kcache_server.models import Artifact, AuditEvent, Pin, RecipeAlias, utcnow
+from kcache_server.models import artifacts_table as _artifacts
+from kcache_server.models import audit_events_table as _events
+from kcache_server.models import pins_table as _pins
+from kcache_server.models import recipe_aliases_table as _aliases
+from kcache_server.models import utcnow
 
 __all__ = ["MAX_KEYS", "PinInfo", "PinStore", "check_group"]
 
-_pins = cast(sa.Table, Pin.__table__)
-_aliases = cast(sa.Table, RecipeAlias.__table__)
-_artifacts = cast(sa.Table, Artifact.__table__)
-_events = cast(sa.Table, AuditEvent.__table__)
 #: Recipe keys one request may pin or unpin.
 MAX_KEYS = 10_000
 # Group labels are printed by `kcache pin --list`: printable, no control characters.

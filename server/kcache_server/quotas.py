@@ -57,7 +57,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -70,16 +70,16 @@ from kcache.recipe import Recipe
 from kcache.toolchain import Toolchain
 from kcache_server.errors import QuotaExceededError
 from kcache_server.fairness import current_caller
-from kcache_server.models import Artifact, CompileCharge, QuotaAccount, QuotaReservation, utcnow
+from kcache_server.models import artifacts_table as _artifacts
+from kcache_server.models import compile_charges_table as _charges
+from kcache_server.models import quota_accounts_table as _accounts
+from kcache_server.models import quota_reservations_table as _reservations
+from kcache_server.models import utcnow
 
 __all__ = ["QuotaCompiler", "Reservation", "charged_bytes_of", "stored_bytes_of"]
 
 log = logging.getLogger(__name__)
 
-_charges = cast(sa.Table, CompileCharge.__table__)
-_artifacts = cast(sa.Table, Artifact.__table__)
-_accounts = cast(sa.Table, QuotaAccount.__table__)
-_reservations = cast(sa.Table, QuotaReservation.__table__)
 
 #: How often a compile waiting for room asks the database again (other replicas settle).
 _POLL_S = 0.25

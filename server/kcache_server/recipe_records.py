@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -40,7 +40,10 @@ from kcache.keys import sha256_hex
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
 from kcache.recipe_diff import Explanation, explain, fingerprint
-from kcache_server.models import NegativeEntry, RecipeAlias, RecipeRecord, utcnow
+from kcache_server.models import negative_entries_table as _negatives
+from kcache_server.models import recipe_aliases_table as _aliases
+from kcache_server.models import recipe_records_table as _records
+from kcache_server.models import utcnow
 
 if TYPE_CHECKING:
     from kcache_server.auditing.writer import AuditRecord
@@ -56,9 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_records = cast(sa.Table, RecipeRecord.__table__)
-_aliases = cast(sa.Table, RecipeAlias.__table__)
-_negatives = cast(sa.Table, NegativeEntry.__table__)
 
 #: The largest compressed recipe kept whole (larger ones keep their fingerprint only).
 MAX_BODY_BYTES = 256 << 10

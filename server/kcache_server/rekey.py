@@ -36,7 +36,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import sqlalchemy as sa
 
@@ -46,13 +46,13 @@ from kcache.errors import KCacheError
 from kcache.keys import KEY_SCHEMA
 from kcache.recipe import Recipe, include_set_name
 from kcache_server.backends import Backends
-from kcache_server.models import RecipeRecord, utcnow
+from kcache_server.models import recipe_records_table as _records
+from kcache_server.models import utcnow
 from kcache_server.recipe_records import RecipeRecords
 
 __all__ = ["OUTCOMES", "Outcome", "RekeyFailure", "RekeyReport", "rekey", "unpinned"]
 
 log = logging.getLogger(__name__)
-_records = cast(sa.Table, RecipeRecord.__table__)
 
 Outcome = Literal["current", "compiled", "waited", "matched", "missing", "failed", "no_recipe"]
 #: Every outcome, in the order a report lists them (``missing``: a dry run's would-compile).

@@ -33,21 +33,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from kcache.errors import KCacheError
 from kcache_server.errors import SigningKeyConflictError
-from kcache_server.models import SIGNING_KEY_NOTE_LENGTH, SigningKeyRow, utcnow
+from kcache_server.models import SIGNING_KEY_NOTE_LENGTH, utcnow
+from kcache_server.models import signing_keys_table as _keys
 from kcache_server.settings import Settings
 from kcache_server.signer import ArtifactSigner
 
 __all__ = ["OPERATOR", "ROTATION", "RecordedKey", "record_at_start", "recorded_keys", "retire"]
 
 log = logging.getLogger(__name__)
-_keys = cast(sa.Table, SigningKeyRow.__table__)
 
 #: ``retired_by`` of a key a rotation superseded (it may sign again once its successor is retired).
 ROTATION = "rotation"

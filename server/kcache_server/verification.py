@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol
 
 import sqlalchemy as sa
 
@@ -75,7 +75,8 @@ from kcache.recipe import Recipe
 from kcache_server.auditing.writer import AuditRecord
 from kcache_server.backends import Backends
 from kcache_server.compile_pool import ProcessPoolCompiler
-from kcache_server.models import VerificationEvent, utcnow
+from kcache_server.models import utcnow
+from kcache_server.models import verification_events_table as _events
 from kcache_server.recipe_records import RecipeRecords
 from kcache_server.state import ServerState
 
@@ -89,7 +90,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_events = cast(sa.Table, VerificationEvent.__table__)
 
 #: Events recorded before compiles were seeded may also say ``same_code`` (equal once
 #: NVRTC's random tags were unified) or ``inconclusive`` (LTO-IR differing in bytes).
@@ -581,11 +581,10 @@ def verify_offline(
     never looked up again).
     """
     from kcache.nvrtc import compile_recipe
-    from kcache_server.models import RecipeAlias, RecipeRecord
+    from kcache_server.models import recipe_aliases_table as aliases
+    from kcache_server.models import recipe_records_table as records_table
 
     engine = backends.engine
-    records_table = cast(sa.Table, RecipeRecord.__table__)
-    aliases = cast(sa.Table, RecipeAlias.__table__)
     query = (
         sa.select(records_table.c.recipe_key, records_table.c.base_key)
         .join(aliases, aliases.c.recipe_key == records_table.c.recipe_key)

@@ -26,12 +26,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import cast
 
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 
-from kcache_server.models import Withdrawal
+from kcache_server.models import withdrawals_table as _withdrawals
 from kcache_server.state import ServerState
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_withdrawals = cast(sa.Table, Withdrawal.__table__)
 #: Rows one read returns at most (a route's ``limit`` is capped at it too).
 MAX_READ = 10_000
 # Seconds between two log lines about a failing read (a database outage repeats).

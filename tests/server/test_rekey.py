@@ -33,13 +33,13 @@ import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from kcache_client import ClientSettings, KernelCache
 from kcache_server.index import SqlIndex
-from kcache_server.models import ManifestRow, RecipeAlias, RecipeRecord
+from kcache_server.models import manifests_table, recipe_aliases_table, recipe_records_table
 from kcache_server.recipe_records import RecipeRecords
 from kcache_server.settings import AuditSettings, Settings
 
@@ -84,9 +84,6 @@ class Upgraded:
 def _downgrade(db: sa.Engine, keys: list[str], edit_dir: Path) -> None:
     """Move what the server recorded under ``keys`` to schema-1 stand-ins; add the records rekey cannot use."""
     records = RecipeRecords(db)
-    aliases = cast(sa.Table, RecipeAlias.__table__)
-    manifests = cast(sa.Table, ManifestRow.__table__)
-    table = cast(sa.Table, RecipeRecord.__table__)
     with db.begin() as conn:
         for key in keys:
             recipe = records.recipe(key)
@@ -95,22 +92,26 @@ def _downgrade(db: sa.Engine, keys: list[str], edit_dir: Path) -> None:
             body = recipe.to_dict()
             body["include_sets"] = [s.partition("@")[0] for s in body["include_sets"]]
             conn.execute(
-                sa.update(aliases)
-                .where(aliases.c.recipe_key == key)
+                sa.update(recipe_aliases_table)
+                .where(recipe_aliases_table.c.recipe_key == key)
                 .values(recipe_key=_schema1(key))
             )
             conn.execute(
-                sa.update(manifests)
-                .where(manifests.c.base_key == base)
+                sa.update(manifests_table)
+                .where(manifests_table.c.base_key == base)
                 .values(base_key=_schema1(base))
             )
             conn.execute(
-                sa.update(table)
-                .where(table.c.recipe_key == key)
+                sa.update(recipe_records_table)
+                .where(recipe_records_table.c.recipe_key == key)
                 .values(recipe_key=_schema1(key), base_key=_schema1(base), recipe_zlib=_pack(body))
             )
         template = (
-            conn.execute(sa.select(table).where(table.c.recipe_key == _schema1(keys[1])))
+            conn.execute(
+                sa.select(recipe_records_table).where(
+                    recipe_records_table.c.recipe_key == _schema1(keys[1])
+                )
+            )
             .one()
             ._asdict()
         )
@@ -119,7 +120,7 @@ def _downgrade(db: sa.Engine, keys: list[str], edit_dir: Path) -> None:
         broken = {"source": _source(0) + "// edited\n", "target": "sm_80", "include_sets": ["edit"]}
         for tag, data in (("gone", gone), ("broken", broken), ("unkept", None)):
             conn.execute(
-                sa.insert(table).values(
+                sa.insert(recipe_records_table).values(
                     {
                         **template,
                         "recipe_key": _schema1(tag),

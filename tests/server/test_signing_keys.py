@@ -16,13 +16,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import cast
 
 import pytest
 import sqlalchemy as sa
 from kcache_server.db import open_database
 from kcache_server.errors import SigningKeyConflictError
-from kcache_server.models import SigningKeyRow, utcnow
+from kcache_server.models import signing_keys_table as TABLE
+from kcache_server.models import utcnow
 from kcache_server.settings import Settings
 from kcache_server.signer import ArtifactSigner
 from kcache_server.signing_keys import record_at_start, recorded_keys
@@ -32,7 +32,6 @@ from tests.support import ServerProcess, pg_database, upgrade
 
 #: Start-ups raced per database: each round two keys, a table emptied between rounds.
 RACE_ROUNDS = 8
-TABLE = cast(sa.Table, SigningKeyRow.__table__)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

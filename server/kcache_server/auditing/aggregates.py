@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -41,7 +41,8 @@ from kcache_server.auditing.stats_models import (
 from kcache_server.auditing.window_source import Present, epoch, extent, filters, keyed, source
 from kcache_server.auditing.windows import DAY, epoch_of
 from kcache_server.index import SqlIndex
-from kcache_server.models import AuditCount, EvictionLogEntry
+from kcache_server.models import audit_counts_table as _counts_t
+from kcache_server.models import evictions_table as _evictions
 
 __all__ = [
     "read_groups",
@@ -52,8 +53,6 @@ __all__ = [
     "reported_by_rows",
 ]
 
-_counts_t = cast(sa.Table, AuditCount.__table__)
-_evictions = cast(sa.Table, EvictionLogEntry.__table__)
 # Chart bucket widths: a handful of round numbers reads better than 37-second steps.
 _STEPS_S = (1, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
 

@@ -34,19 +34,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from kcache_server.auditing.lookups import record_lookups
-from kcache_server.models import (
-    AuditCount,
-    AuditDigest,
-    AuditDivergence,
-    AuditEvent,
-    AuditRollup,
-)
+from kcache_server.models import audit_counts_table as _counts
+from kcache_server.models import audit_digests_table as _digests
+from kcache_server.models import audit_divergences_table as _divergences
+from kcache_server.models import audit_events_table as _events
+from kcache_server.models import audit_rollups_table as _rollups
 
 __all__ = [
     "DIMENSIONS",
@@ -59,11 +57,6 @@ __all__ = [
     "write_events",
 ]
 
-_events = cast(sa.Table, AuditEvent.__table__)
-_rollups = cast(sa.Table, AuditRollup.__table__)
-_counts = cast(sa.Table, AuditCount.__table__)
-_digests = cast(sa.Table, AuditDigest.__table__)
-_divergences = cast(sa.Table, AuditDivergence.__table__)
 
 MINUTE, HOUR, DAY = 60, 3600, 86400
 #: dimension -> (first key column, second key column) of ``audit_events`` ("" for none).

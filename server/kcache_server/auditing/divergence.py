@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -21,14 +21,12 @@ from kcache_server.auditing.events import CLIENT_TIERS
 from kcache_server.auditing.stats_models import SERVER_TIER, Divergence, StatsQuery
 from kcache_server.auditing.window_source import Present, filters, keyed
 from kcache_server.auditing.windows import DAY
-from kcache_server.models import AuditCount, AuditDigest, AuditDivergence, AuditEvent
+from kcache_server.models import audit_counts_table as _counts_t
+from kcache_server.models import audit_digests_table as _digests
+from kcache_server.models import audit_divergences_table as _divergences
+from kcache_server.models import audit_events_table as _events
 
 __all__ = ["read_divergence"]
-
-_events = cast(sa.Table, AuditEvent.__table__)
-_counts_t = cast(sa.Table, AuditCount.__table__)
-_digests = cast(sa.Table, AuditDigest.__table__)
-_divergences = cast(sa.Table, AuditDivergence.__table__)
 
 
 def _same(column: Any, encoded: Any, as_int: bool = False) -> list[sa.ColumnElement[bool]]:

@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal
 
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,7 +39,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from kcache.outcomes import CLIENT_OUTCOMES, ClientOutcome
 from kcache_server.auditing.counts import write_events
 from kcache_server.errors import InvalidRequestError, ReportLimitError
-from kcache_server.models import Artifact, AuditReportWindow
+from kcache_server.models import artifacts_table as _artifacts
+from kcache_server.models import audit_report_windows_table as _windows
 from kcache_server.schemas import (
     INTEGRAL,
     SETTING_MARK,
@@ -74,8 +75,6 @@ MAX_EVENT_COUNT = 1_000_000
 #: server refuses far less (``audit.max_clock_skew_s`` past its clock), but a bound
 #: relative to now is one JSON Schema cannot state.
 MAX_EVENT_TIME = 253_402_300_799.0
-_artifacts = cast(sa.Table, Artifact.__table__)
-_windows = cast(sa.Table, AuditReportWindow.__table__)
 
 
 class ClientEvent(Context):

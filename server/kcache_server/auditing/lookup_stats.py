@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 
 from kcache_server.auditing.lookups import reason_text
 from kcache_server.auditing.stats_models import GROUP_BY, StatsQuery
 from kcache_server.auditing.window_source import epoch
-from kcache_server.models import AuditLookup
+from kcache_server.models import audit_lookups_table as _lookups
 
 __all__ = [
     "Figures",
@@ -32,7 +32,6 @@ __all__ = [
     "read_reporter_savings",
 ]
 
-_lookups = cast(sa.Table, AuditLookup.__table__)
 _FILTERS = ("job_id", "client_id", "kernel", "target")
 
 

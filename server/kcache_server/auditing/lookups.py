@@ -47,18 +47,18 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from kcache_server.models import (
     LOOKUP_REASON_LENGTH,
-    Artifact,
-    AuditEvent,
-    AuditJobBuild,
-    AuditLookup,
 )
+from kcache_server.models import artifacts_table as _artifacts
+from kcache_server.models import audit_events_table as _events
+from kcache_server.models import audit_job_builds_table as _builds
+from kcache_server.models import audit_lookups_table as _lookups
 
 __all__ = [
     "ERROR_REASONS",
@@ -71,10 +71,6 @@ __all__ = [
     "record_lookups",
 ]
 
-_lookups = cast(sa.Table, AuditLookup.__table__)
-_builds = cast(sa.Table, AuditJobBuild.__table__)
-_events = cast(sa.Table, AuditEvent.__table__)
-_artifacts = cast(sa.Table, Artifact.__table__)
 
 #: Outcomes whose lookup found the kernel without a compile.
 _FOUND = ("hit", "local_hit")

@@ -28,30 +28,22 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 
 from kcache_server.auditing.counts import decode
-from kcache_server.models import (
-    AuditDigest,
-    AuditDivergence,
-    AuditEvent,
-    AuditJobBuild,
-    AuditLookup,
-    AuditRollup,
-)
+from kcache_server.models import audit_digests_table as _digests
+from kcache_server.models import audit_divergences_table as _divergences
+from kcache_server.models import audit_events_table as _events
+from kcache_server.models import audit_job_builds_table as _builds
+from kcache_server.models import audit_lookups_table as _lookups
+from kcache_server.models import audit_rollups_table as _rollups
 
 __all__ = ["RetentionWorker", "roll_up"]
 
 log = logging.getLogger(__name__)
 
-_events = cast(sa.Table, AuditEvent.__table__)
-_rollups = cast(sa.Table, AuditRollup.__table__)
-_digests = cast(sa.Table, AuditDigest.__table__)
-_divergences = cast(sa.Table, AuditDivergence.__table__)
-_lookups = cast(sa.Table, AuditLookup.__table__)
-_builds = cast(sa.Table, AuditJobBuild.__table__)
 _KEYS = ("outcome", "tier", "kernel", "target", "client_id", "job_id", "rank", "reporter")
 # Events rolled up per transaction: bounds the transaction's size and lock time.
 _CHUNK = 50_000

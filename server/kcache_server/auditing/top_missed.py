@@ -11,7 +11,7 @@ up. A fixed number of statements, however many kernels.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -20,12 +20,10 @@ from kcache_server.auditing.lookup_stats import read_missed_kernels
 from kcache_server.auditing.lookups import ERROR_REASONS, REASONS, reason_text
 from kcache_server.auditing.stats_models import MissedKernel, StatsQuery
 from kcache_server.auditing.window_source import filters
-from kcache_server.models import AuditEvent, AuditRollup
+from kcache_server.models import audit_events_table as _events
+from kcache_server.models import audit_rollups_table as _rollups
 
 __all__ = ["read_top_missed"]
-
-_events = cast(sa.Table, AuditEvent.__table__)
-_rollups = cast(sa.Table, AuditRollup.__table__)
 
 
 def read_top_missed(conn: sa.Connection, query: StatsQuery) -> list[MissedKernel]:

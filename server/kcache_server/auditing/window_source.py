@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -30,7 +30,9 @@ from kcache_server.auditing.windows import (
     later,
     plan,
 )
-from kcache_server.models import AuditCount, AuditEvent, AuditRollup
+from kcache_server.models import audit_counts_table as _counts_t
+from kcache_server.models import audit_events_table as _events
+from kcache_server.models import audit_rollups_table as _rollups
 
 if TYPE_CHECKING:
     from kcache_server.auditing.stats_models import StatsQuery
@@ -47,9 +49,6 @@ __all__ = [
     "source",
 ]
 
-_events = cast(sa.Table, AuditEvent.__table__)
-_rollups = cast(sa.Table, AuditRollup.__table__)
-_counts_t = cast(sa.Table, AuditCount.__table__)
 _FILTERS = ("job_id", "client_id", "kernel", "target")
 
 

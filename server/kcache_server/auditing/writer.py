@@ -24,17 +24,17 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 
 from kcache_server.auditing.counts import write_events
-from kcache_server.models import Artifact, utcnow
+from kcache_server.models import artifacts_table as _artifacts
+from kcache_server.models import utcnow
 
 __all__ = ["AuditLog", "AuditRecord"]
 
 log = logging.getLogger(__name__)
-_artifacts = cast(sa.Table, Artifact.__table__)
 
 # The database is unreachable or busy: the rows are fine, try them again later.
 _UNAVAILABLE = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)

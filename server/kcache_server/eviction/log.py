@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timedelta
-from typing import cast
 
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 
 from kcache_server.index import RemovedArtifact
-from kcache_server.models import EvictionLogEntry, utcnow
+from kcache_server.models import evictions_table as _evictions
+from kcache_server.models import utcnow
 
 __all__ = ["EvictionLog", "evictions_between"]
 
-_evictions = cast(sa.Table, EvictionLogEntry.__table__)
 # How often the eviction log is pruned of rows older than the audit retention.
 _PRUNE_EVERY_S = 3600.0
 # Entries read per look: a replica catches up in a few polls after a large clear.

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import cast
 
 import sqlalchemy as sa
 
 from kcache.eviction import WaterMarks
 from kcache_server.index import StoreUsage, pinned
-from kcache_server.models import Artifact, RecipeAlias
+from kcache_server.models import artifacts_table, recipe_aliases_table
 
 __all__ = ["RemovalReport", "StoreEntry", "StoreInfo", "list_entries"]
 
@@ -100,21 +99,19 @@ class StoreEntry:
 
 def list_entries(db: sa.Engine, limit: int) -> list[StoreEntry]:
     """The ``limit`` most recently used artifacts, with the recipe keys that name them."""
-    artifacts = cast(sa.Table, Artifact.__table__)
-    aliases = cast(sa.Table, RecipeAlias.__table__)
-    last_use = sa.func.coalesce(artifacts.c.last_used_at, artifacts.c.created_at)
+    last_use = sa.func.coalesce(artifacts_table.c.last_used_at, artifacts_table.c.created_at)
     query = (
         sa.select(
-            artifacts.c.digest,
-            artifacts.c.kernel,
-            artifacts.c.target,
-            artifacts.c.kind,
-            artifacts.c.size,
-            artifacts.c.created_at,
-            artifacts.c.last_used_at,
-            pinned(artifacts.c.digest).label("pinned"),
+            artifacts_table.c.digest,
+            artifacts_table.c.kernel,
+            artifacts_table.c.target,
+            artifacts_table.c.kind,
+            artifacts_table.c.size,
+            artifacts_table.c.created_at,
+            artifacts_table.c.last_used_at,
+            pinned(artifacts_table.c.digest).label("pinned"),
         )
-        .order_by(last_use.desc(), artifacts.c.digest)
+        .order_by(last_use.desc(), artifacts_table.c.digest)
         .limit(limit)
     )
     with db.connect() as conn:
@@ -123,8 +120,8 @@ def list_entries(db: sa.Engine, limit: int) -> list[StoreEntry]:
         digests = [r.digest for r in rows]
         for start in range(0, len(digests), 500):
             for key, digest in conn.execute(
-                sa.select(aliases.c.recipe_key, aliases.c.digest).where(
-                    aliases.c.digest.in_(digests[start : start + 500])
+                sa.select(recipe_aliases_table.c.recipe_key, recipe_aliases_table.c.digest).where(
+                    recipe_aliases_table.c.digest.in_(digests[start : start + 500])
                 )
             ):
                 keys.setdefault(digest, []).append(key)
