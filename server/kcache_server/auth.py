@@ -23,16 +23,16 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
-from typing import Any
 
 import anyio
 import sqlalchemy as sa
 
 from kcache.lru import LruCache
+from kcache_server.asgi_types import ASGIApp, Receive, Scope, Send
 from kcache_server.errors import (
     BadRequestError,
     InvalidRequestError,
@@ -280,10 +280,6 @@ class TokenStore:
 
 
 # ---------------------------------------------------------------------- the ASGI gate
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: Where the gate leaves the request's :class:`Principal` in the ASGI scope.
@@ -326,9 +322,7 @@ class AuthGate:
     then requires its scope); public paths pass with none.
     """
 
-    def __init__(
-        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], tokens: TokenStore
-    ) -> None:
+    def __init__(self, app: ASGIApp, tokens: TokenStore) -> None:
         self.app = app
         self.tokens = tokens
 

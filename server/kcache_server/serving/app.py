@@ -27,8 +27,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import AsyncIterator
 
 import anyio
 from fastapi import FastAPI, Request
@@ -40,6 +39,7 @@ from starlette.routing import Match
 
 from kcache.errors import KCacheError
 from kcache_server import migrate
+from kcache_server.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from kcache_server.auditing.retention import RetentionWorker
 from kcache_server.auditing.writer import AuditLog, AuditRecord
 from kcache_server.auth import AuthGate, TokenStore
@@ -72,11 +72,6 @@ __all__ = ["SETTINGS_ENV", "check_bind", "create_app", "create_app_from_env", "s
 #: ``kcache serve --workers N`` hands its settings to each uvicorn worker through this variable.
 SETTINGS_ENV = "KCACHE_SERVER_SETTINGS_JSON"
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 log = logging.getLogger(__name__)
 

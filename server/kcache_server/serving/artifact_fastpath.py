@@ -28,14 +28,15 @@ The token was checked here first, and the fetch is audited here, as without ngin
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from kcache.artifact import ArtifactMeta
 from kcache.keys import is_hex_key
 from kcache.lru import LruCache
 from kcache.signing import HEADER as SIGNATURE_HEADER
 from kcache_server.accel_redirect import ACCEL_HEADER, accel_path, accel_wanted, on_disk
+from kcache_server.asgi_types import ASGIApp, Receive, Scope, Send
 from kcache_server.http_cache import artifact_headers, etag_matches
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.security_headers import NOSNIFF
@@ -43,9 +44,6 @@ from kcache_server.state import ServerState
 
 __all__ = ["ArtifactFastPath", "WarmFetch"]
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 # The path is /v1/recipes/<recipe_key>/artifact with a key that passes the one key check;
 # anything else (a bad key, a trailing newline) goes to the route, which says what is wrong.
@@ -63,7 +61,7 @@ class ArtifactFastPath:
 
     def __init__(
         self,
-        app: Callable[[Scope, Receive, Send], Awaitable[None]],
+        app: ASGIApp,
         state: ServerState,
     ) -> None:
         self.app = app

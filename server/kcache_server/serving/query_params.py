@@ -17,7 +17,7 @@ to the app, so the rule holds there too.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -25,14 +25,10 @@ from fastapi.routing import APIRoute
 from starlette.responses import JSONResponse
 from starlette.routing import Match
 
+from kcache_server.asgi_types import ASGIApp, Receive, Scope, Send
 from kcache_server.errors import InvalidRequestError, error_body
 
 __all__ = ["KnownQueryParameters", "declared_query_parameters"]
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def declared_query_parameters(route: APIRoute) -> tuple[str, ...]:

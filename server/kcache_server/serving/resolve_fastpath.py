@@ -27,12 +27,13 @@ the route produces every answer but a hit, errors included.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from kcache.artifact import ArtifactMeta
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
+from kcache_server.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from kcache_server.auth import Principal
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.routes._deps import INLINE_BODY_BYTES, is_json_content_type
@@ -42,10 +43,6 @@ from kcache_server.state import ServerState
 
 __all__ = ["DECLINED", "ROUTE", "ResolveFastPath", "ResolveHit"]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 #: The path served, and the route template the metrics label it with (the route's own).
 ROUTE = "/v1/resolve"
@@ -74,7 +71,7 @@ class ResolveFastPath:
 
     def __init__(
         self,
-        app: Callable[[Scope, Receive, Send], Awaitable[None]],
+        app: ASGIApp,
         state: ServerState,
     ) -> None:
         self.app = app
