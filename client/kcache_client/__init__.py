@@ -14,40 +14,25 @@ Everything else a cache can be told is one ``ClientSettings`` (``KernelCache(set
 from typing import TYPE_CHECKING
 
 from kcache.lazy import lazy_exports
-from kcache_client.errors import (
-    ArchitectureMismatchError,
-    AuthenticationError,
-    BypassRefusedError,
-    ClientError,
-    DigestMismatchError,
-    LateCompileError,
-    MetadataError,
-    NoDeviceError,
-    RecipeRefusedError,
-    RemoteCompileError,
-    RemoteNotFoundError,
-    RequestRejectedError,
-    ResponseRefusedError,
-    ServerBusyError,
-    ServerResponseError,
-    ServerUnavailableError,
-    UntrustedArtifactError,
-    WarmupCompileError,
-    WarmupError,
-    WarmupTimeoutError,
-)
+from kcache_client import errors as _errors
+from kcache_client.errors import *  # noqa: F403  (errors.__all__, the public errors)
 
-if TYPE_CHECKING:
-    from kcache.job_manifest import JobManifest
-    from kcache_client._artifact import Artifact, ArtifactOrigin
-    from kcache_client._cache import KernelCache
-    from kcache_client._collective import Collective, StoreCollective, TorchCollective
-    from kcache_client._device import auto_target
-    from kcache_client._events import EventSink
-    from kcache_client._settings import ClientSettings, RetryPolicy
-    from kcache_client._stats import CacheStats
-    from kcache_client._tier import NodeTier, default_cache_dir
-    from kcache_client._warmup import WarmupResult
+if TYPE_CHECKING:  # _LAZY's names, for type checkers (tests/test_lazy_exports.py)
+    from kcache.job_manifest import JobManifest as JobManifest
+    from kcache_client._artifact import Artifact as Artifact
+    from kcache_client._artifact import ArtifactOrigin as ArtifactOrigin
+    from kcache_client._cache import KernelCache as KernelCache
+    from kcache_client._collective import Collective as Collective
+    from kcache_client._collective import StoreCollective as StoreCollective
+    from kcache_client._collective import TorchCollective as TorchCollective
+    from kcache_client._device import auto_target as auto_target
+    from kcache_client._events import EventSink as EventSink
+    from kcache_client._settings import ClientSettings as ClientSettings
+    from kcache_client._settings import RetryPolicy as RetryPolicy
+    from kcache_client._stats import CacheStats as CacheStats
+    from kcache_client._tier import NodeTier as NodeTier
+    from kcache_client._tier import default_cache_dir as default_cache_dir
+    from kcache_client._warmup import WarmupResult as WarmupResult
 
 from kcache_client._version import __version__ as __version__
 
@@ -71,43 +56,7 @@ _LAZY = {
     "default_cache_dir": "kcache_client._tier",
 }
 
-__all__ = [
-    "ArchitectureMismatchError",
-    "Artifact",
-    "ArtifactOrigin",
-    "AuthenticationError",
-    "BypassRefusedError",
-    "CacheStats",
-    "ClientError",
-    "ClientSettings",
-    "Collective",
-    "DigestMismatchError",
-    "EventSink",
-    "JobManifest",
-    "KernelCache",
-    "LateCompileError",
-    "MetadataError",
-    "NoDeviceError",
-    "NodeTier",
-    "RecipeRefusedError",
-    "RemoteCompileError",
-    "RemoteNotFoundError",
-    "RequestRejectedError",
-    "ResponseRefusedError",
-    "RetryPolicy",
-    "ServerBusyError",
-    "ServerResponseError",
-    "ServerUnavailableError",
-    "StoreCollective",
-    "TorchCollective",
-    "UntrustedArtifactError",
-    "WarmupCompileError",
-    "WarmupError",
-    "WarmupResult",
-    "WarmupTimeoutError",
-    "auto_target",
-    "default_cache_dir",
-]
+__all__ = [*_errors.__all__, *_LAZY]
 
 
 __getattr__, __dir__ = lazy_exports("kcache_client", _LAZY, globals(), __all__)

@@ -21,27 +21,18 @@ from typing import TYPE_CHECKING
 
 from kcache.lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from kcache.outcomes import HIT_OUTCOMES, MISS_OUTCOMES, OUTCOMES
-    from kcache_server.auditing.events import ClientEvent, EventBatch, ingest_events
-    from kcache_server.auditing.query_times import parse_time
-    from kcache_server.auditing.retention import roll_up
-    from kcache_server.auditing.stats import compute_stats
-    from kcache_server.auditing.stats_models import Stats, StatsQuery
-
-__all__ = [
-    "HIT_OUTCOMES",
-    "MISS_OUTCOMES",
-    "OUTCOMES",
-    "ClientEvent",
-    "EventBatch",
-    "Stats",
-    "StatsQuery",
-    "compute_stats",
-    "ingest_events",
-    "parse_time",
-    "roll_up",
-]
+if TYPE_CHECKING:  # _LAZY's names, for type checkers (tests/test_lazy_exports.py)
+    from kcache.outcomes import HIT_OUTCOMES as HIT_OUTCOMES
+    from kcache.outcomes import MISS_OUTCOMES as MISS_OUTCOMES
+    from kcache.outcomes import OUTCOMES as OUTCOMES
+    from kcache_server.auditing.events import ClientEvent as ClientEvent
+    from kcache_server.auditing.events import EventBatch as EventBatch
+    from kcache_server.auditing.events import ingest_events as ingest_events
+    from kcache_server.auditing.query_times import parse_time as parse_time
+    from kcache_server.auditing.retention import roll_up as roll_up
+    from kcache_server.auditing.stats import compute_stats as compute_stats
+    from kcache_server.auditing.stats_models import Stats as Stats
+    from kcache_server.auditing.stats_models import StatsQuery as StatsQuery
 
 # Imported on first use: `kcache stats` is registered (serving.audit_cli) on every run of the
 # `kcache` command, which must not load SQLAlchemy and pydantic for that.
@@ -55,6 +46,8 @@ _LAZY = {
     "compute_stats": "kcache_server.auditing.stats",
     "parse_time": "kcache_server.auditing.query_times",
 }
+
+__all__ = [*_LAZY]
 
 
 __getattr__, __dir__ = lazy_exports("kcache_server.auditing", _LAZY, globals(), __all__)
