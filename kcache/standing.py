@@ -59,7 +59,7 @@ class Standing:
         return self.kind != "private"
 
 
-def _one(path: Path, uid: int) -> Standing:
+def _one(path: str, uid: int) -> Standing:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -91,20 +91,52 @@ def _one(path: Path, uid: int) -> Standing:
 _RANK = {"private": 0, "shared": 1, "untrusted": 2}
 
 
-def _ancestors(root: Path, uid: int) -> Standing:
-    """Whether anyone else could move ``root`` away: its real parents, as ``ssh`` checks them."""
+def _parent_check(parent: str, root: str, st: os.stat_result, uid: int) -> Standing | None:
+    """Why ``parent`` (a directory above ``root``) lets someone else move ``root``, or None."""
+    if st.st_uid not in (uid, 0):
+        return Standing("untrusted", f"{parent}, a parent of {root}, belongs to uid {st.st_uid}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+        return Standing(
+            "untrusted",
+            f"{parent}, a parent of {root}, is writable by others without the sticky bit",
+        )
+    return None
+
+
+def _ancestors(root: str, uid: int) -> Standing:
+    """Whether anyone else could move ``root`` away: its real parents, as ``ssh`` checks them.
+
+    One ``lstat`` per directory above ``root`` when none of them is a link (a link among
+    them: its real parents, as ``realpath`` finds them, each ``stat``-ed).
+    """
+    absolute = os.path.abspath(root)
+    parents = []
+    here = os.path.dirname(absolute)
+    while True:
+        parents.append(here)
+        if here == "/" or not here:
+            break
+        here = os.path.dirname(here)
+    found = []
+    for parent in parents:
+        st = os.lstat(parent)
+        if stat.S_ISLNK(st.st_mode):
+            return _real_ancestors(root, uid)
+        found.append((parent, st))
+    for parent, st in found:
+        problem = _parent_check(parent, root, st, uid)
+        if problem is not None:
+            return problem
+    return Standing("private", "")
+
+
+def _real_ancestors(root: str, uid: int) -> Standing:
+    """:func:`_ancestors` where a link lies above ``root``: its real parents."""
     for parent in Path(os.path.realpath(root)).parents:
-        st = os.stat(parent)
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid not in (uid, 0):
-            return Standing(
-                "untrusted", f"{parent}, a parent of {root}, belongs to uid {st.st_uid}"
-            )
-        if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
-            return Standing(
-                "untrusted",
-                f"{parent}, a parent of {root}, is writable by others without the sticky bit",
-            )
+        problem = _parent_check(str(parent), root, os.stat(parent), uid)
+        if problem is not None:
+            return problem
     return Standing("private", "")
 
 
@@ -112,18 +144,20 @@ def directory_standing(root: Path, subdirs: Iterable[str] = ()) -> Standing:
     """The standing of ``root`` and of ``subdirs`` (relative to it): the worst of them.
 
     ``root``'s parents count too: one that others may write without the sticky bit, or
-    that belongs to another user, could have ``root`` replaced.
+    that belongs to another user, could have ``root`` replaced. Paths are strings and each
+    directory costs one ``lstat`` (this runs in every process's ``KernelCache()``).
     """
     uid = os.geteuid()
-    worst = _one(root, uid)
+    base = os.fspath(root)
+    worst = _one(base, uid)
     if worst.kind != "untrusted":
-        above = _ancestors(root, uid)
+        above = _ancestors(base, uid)
         if above.kind == "untrusted":
             return above
     for sub in subdirs:
         if worst.kind == "untrusted":
             break
-        found = _one(root / sub, uid)
+        found = _one(os.path.join(base, sub), uid)
         if _RANK[found.kind] > _RANK[worst.kind]:
             worst = found
     return worst

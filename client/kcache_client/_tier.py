@@ -314,32 +314,30 @@ class NodeTier:
         except OSError:
             return
         mode = st.st_mode & 0o7777
-        sticky = bool(mode & 0o1000)
-        shared = sticky and bool(mode & 0o022)
-        if (mode & 0o022 and not sticky) or (not shared and st.st_uid != os.geteuid()):
-            return  # untrusted, or another user's private tier: nothing here is ours to make
+        if not (mode & 0o1000 and mode & 0o022):
+            return  # not shared: a private tier makes its directories when it first needs them
+        uid = os.geteuid()
         for sub in (*_DIRS, _SERVERS_DIR):
             path = self.root / sub
             with contextlib.suppress(OSError):
                 with contextlib.suppress(FileExistsError):
-                    os.mkdir(path)  # the umask's mode; a shared tier's is set below
-                if shared and os.lstat(path).st_uid == os.geteuid():
+                    os.mkdir(path)  # the umask's mode, then the root's below
+                if os.lstat(path).st_uid == uid:
                     os.chmod(path, mode, follow_symlinks=False)
-        if shared:
-            # The lock files every user's processes open for writing (the per-key download
-            # lock, the eviction lock): made writable by all here, or the first user's 0644
-            # files would stop every other user's lookups (a sticky directory keeps them).
-            for name in _LOCK_FILES:
-                with contextlib.suppress(OSError):
-                    fd = os.open(
-                        self.root / "locks" / name,
-                        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                        0o666,
-                    )
-                    try:
-                        os.fchmod(fd, 0o666)
-                    finally:
-                        os.close(fd)
+        # The lock files every user's processes open for writing (the per-key download lock,
+        # the eviction lock): made writable by all here, or the first user's 0644 files would
+        # stop every other user's lookups (a sticky directory keeps them).
+        for name in _LOCK_FILES:
+            with contextlib.suppress(OSError):
+                fd = os.open(
+                    self.root / "locks" / name,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                    0o666,
+                )
+                try:
+                    os.fchmod(fd, 0o666)
+                finally:
+                    os.close(fd)
 
     def lookup(self, recipe_key: str) -> tuple[ArtifactMeta, bytes] | None:
         """The artifact and its verified bytes, or None (:meth:`lookup_signed` without the signature)."""
