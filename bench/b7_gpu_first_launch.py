@@ -16,9 +16,7 @@ Two phases, since the server and NVRTC 13.5 run on the build machine, the GPU el
     python bench/b7_gpu_first_launch.py prepare DIR    # here: real server + warmup into DIR/tier
     python bench/b7_gpu_first_launch.py run DIR        # on the GPU machine (PYTHONPATH=.:client)
 
-Each variant runs in ROUNDS fresh processes, the heap collected once its imports are done
-(for every variant alike: the imports' pending collection is no variant's work); the
-median is reported. Goals: ours (and
+Each variant runs in ROUNDS fresh processes; the median is reported. Goals: ours (and
 ours_shared) >= 20 x faster than compiling (nvrtc), and <= CuPy's cached path. Ours also
 reports its phases (median ms): ``KernelCache()``, ``get``, ``load``, the launch.
 """
@@ -82,11 +80,6 @@ if variant == "ours":
 elif variant == "nvrtc":
     from cuda.bindings import nvrtc
 phases = None
-# The imports just made leave the collector's young generations full: whatever runs first
-# would pay their collection (0.7 ms on the build machine), whichever variant it is. Every
-# variant starts from a collected heap, as a job's first kernel comes after other work.
-import gc
-gc.collect()
 started = time.perf_counter()
 if variant == "ours":
     quiet = ClientSettings.from_env(send_events=False)
