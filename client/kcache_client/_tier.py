@@ -322,7 +322,8 @@ class NodeTier:
             with contextlib.suppress(OSError):
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(path)  # the umask's mode, then the root's below
-                if os.lstat(path).st_uid == uid:
+                made = os.lstat(path)
+                if made.st_uid == uid and made.st_mode & 0o7777 != mode:
                     os.chmod(path, mode, follow_symlinks=False)
         # The lock files every user's processes open for writing (the per-key download lock,
         # the eviction lock): made writable by all here, or the first user's 0644 files would
