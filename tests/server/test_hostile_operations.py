@@ -94,7 +94,9 @@ def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ops]:
         tmp_path_factory.mktemp("ops") / "data",
         compile_workers=2,
         compile_caller_limit=1,  # one caller gets one worker, the other is kept for others
-        compile_timeout_s=3.0,
+        # Row 7's neighbour (a real compile, well under a second when quiet) must finish
+        # before the flood's first never-finishing compile times out: room for a loaded machine.
+        compile_timeout_s=6.0,
         failure_ttl_s=600.0,
         max_artifact_bytes=ARTIFACT_LIMIT,
         request_threads=8,

@@ -9,8 +9,8 @@ methods. A failure means the server and its contract disagree: fix the server or
 the schema, never the check.
 
 Runs: a fixed seed in deterministic mode (the same requests every time), a random
-seed (new requests every run, the seed in any failure message), both with an admin
-token, and a read-scope token run (403s documented and returned).
+seed (new requests every run, the seed in any failure message; ``pytest --slow``), both
+with an admin token, and a read-scope token run (403s documented and returned).
 
 What the test changes in the generated requests, and why (``_adapt``):
 
@@ -251,7 +251,9 @@ def _fuzz_clean(fuzzed: Fuzzed, seed: int) -> None:
     _assert_clean(outcome, seed)
 
 
+@pytest.mark.slow
 def test_admin_token_random_seed(fuzzed: Fuzzed) -> None:
+    """New requests every run: a --slow run's (the fixed seed and the known seeds run always)."""
     _fuzz_clean(fuzzed, random.randrange(2**31))
 
 
