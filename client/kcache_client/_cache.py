@@ -183,6 +183,7 @@ class KernelCache:
                 headers={ON_MISS_HEADER: ON_MISS_RESOLVE},
                 on_retry=on_retry,
                 give_up_after_outage=give_up_after_outage,
+                offline=settings.offline,
             )
             if settings.url
             else None
@@ -200,7 +201,7 @@ class KernelCache:
         self._local = LocalCompiler(self.tier, settings)
         self._events = (
             EventSink(self._transport)
-            if self._transport is not None and settings.send_events
+            if self._transport is not None and settings.send_events and not settings.offline
             else None
         )
         self._memory: LruCache[str, Artifact] = LruCache(max_entries=settings.memory_entries)

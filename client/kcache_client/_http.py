@@ -144,6 +144,10 @@ class RetryNotice(NamedTuple):
     cause: str
 
 
+#: Why a request of an offline transport was not sent (KCACHE_OFFLINE).
+OFFLINE_CAUSE = "offline: KCACHE_OFFLINE is set, so no request was sent"
+
+
 class Transport:
     """One server: its wire, its headers, and the retry and error policy of every request.
 
@@ -178,8 +182,12 @@ class Transport:
         headers: Mapping[str, str] | None = None,
         on_retry: Callable[[RetryNotice], None] | None = None,
         give_up_after_outage: bool = False,
+        offline: bool = False,
     ) -> None:
         self.url = url.rstrip("/")
+        #: ``KCACHE_OFFLINE``: nothing is sent; every request fails as an unreachable
+        #: server's does, at once.
+        self.offline = offline
         self.retry = retry or RetryPolicy()
         self.on_retry = on_retry
         self.give_up_after_outage = give_up_after_outage
@@ -222,6 +230,8 @@ class Transport:
         once for an answer that breaks the protocol, the mapped error for any other
         error status.
         """
+        if self.offline:
+            raise ServerUnavailableError(self.url, OFFLINE_CAUSE)
         own = retry is None
         policy = self.retry if retry is None else retry
         attempts = 1 if own and self.gave_up else policy.attempts
@@ -316,6 +326,8 @@ class Transport:
         body read up to :data:`MAX_JSON_BYTES`); a connection that fails, before or
         while the body is read, ServerUnavailableError.
         """
+        if self.offline:
+            raise ServerUnavailableError(self.url, OFFLINE_CAUSE)
         with self._count_lock:
             self.requests += 1
         url = self.url + path

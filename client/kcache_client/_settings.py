@@ -92,6 +92,7 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 ENVIRONMENT: Mapping[str, str] = MappingProxyType(
     {
         "url": "KCACHE_URL",
+        "offline": "KCACHE_OFFLINE",
         "token": "KCACHE_TOKEN",
         "cache_dir": "KCACHE_CACHE_DIR",
         "cache_max_bytes": "KCACHE_CACHE_MAX_BYTES",
@@ -370,6 +371,11 @@ class ClientSettings:
     #: The longest a tier or memory answer rests on withdrawals read from the server this
     #: many seconds ago (``KCACHE_WITHDRAWAL_CHECK_S``; kcache_client._withdrawals).
     withdrawal_check_s: float = 60.0
+    #: Send nothing to the server (``KCACHE_OFFLINE=1``, as ``HF_HUB_OFFLINE``): every
+    #: request fails at once as an unreachable server's would, so the cache answers from
+    #: its node tier and layers (keyed as the server keys, from the facts the tier kept)
+    #: and compiles locally where that is on; no retries, no events.
+    offline: bool = False
 
     def __post_init__(self) -> None:
         if self.after_warmup not in (None, "warn", "error", "allow"):
@@ -429,6 +435,7 @@ class ClientSettings:
         after_warmup: str | None = None,
         layers: Sequence[str | os.PathLike[str]] | None = None,
         withdrawal_check_s: float | None = None,
+        offline: bool | None = None,
     ) -> ClientSettings:
         """Arguments first, then the environment, then the defaults.
 
@@ -478,6 +485,7 @@ class ClientSettings:
             ),
             withdrawal_check_s=withdrawal_check_s
             or _env_seconds(ENVIRONMENT["withdrawal_check_s"], 60.0),
+            offline=offline if offline is not None else bool(env_flag(ENVIRONMENT["offline"])),
         )
 
     def located(

@@ -18,13 +18,14 @@ from kcache.errors import KCacheError, LockTimeoutError
 from kcache.fsutil import UnsafeFileError, read_file_identified
 from kcache.index.file import MAX_ENTRY_BYTES
 from kcache.keys import sha256_hex
+from kcache_client._http import OFFLINE_CAUSE
 from kcache_client._remote import Remote
 from kcache_client._settings import RetryPolicy
 from kcache_client._stats import CacheStats
 from kcache_client._tier import NodeTier
 from kcache_client._withdrawal_feed import PAGE, Withdrawn
 from kcache_client._withdrawals import MAX_PAGES, SHARED_S, Pair
-from kcache_client.errors import ClientError, RemoteNotFoundError
+from kcache_client.errors import ClientError, RemoteNotFoundError, ServerUnavailableError
 
 __all__ = ["WithdrawalWatch", "drop_from_tier"]
 
@@ -174,9 +175,15 @@ class WithdrawalWatch:
         except ClientError as exc:  # unreachable, refused, an answer that cannot be read
             if not self._told:
                 self._told = True
-                _log.info(
+                # A server out of reach is a warning (the process runs on what its tier
+                # holds, which it should not do without a word); one told to send nothing
+                # (KCACHE_OFFLINE) is as configured.
+                unreachable = isinstance(exc, ServerUnavailableError) and exc.cause != OFFLINE_CAUSE
+                _log.log(
+                    logging.WARNING if unreachable else logging.INFO,
                     "kcache: the withdrawals of %s could not be read (%s); going on with the "
-                    "%d known",
+                    "%d known, and answering from the node tier where it holds the kernel "
+                    "(logged once per process)",
                     url,
                     exc,
                     len(self.known),

@@ -48,6 +48,7 @@ def _samples(tmp_path: Path) -> dict[str, tuple[str, Any]]:
     (tmp_path / "set").mkdir()
     return {
         "url": ("http://env:1", "http://env:1"),
+        "offline": ("1", True),
         "token": ("kc_t", "kc_t"),
         "cache_dir": (str(tmp_path / "tier"), tmp_path / "tier"),
         "cache_max_bytes": ("1MiB", 1 << 20),
