@@ -36,7 +36,8 @@ def test_restart_keeps_everything_on_sqlite(make_settings: Any, serve: Any) -> N
 
 
 @pytest.mark.postgres
-def test_restart_keeps_everything_on_postgres(make_settings: Any, serve: Any, pg_url: str) -> None:
+def test_restart_keeps_everything_on_postgres(make_settings: Any, pg_url: str, serve: Any) -> None:
+    # pg_url before serve: its database is dropped after the servers stop, not under them
     upgrade(pg_url)
     _restart_keeps_everything(make_settings, serve, db_url=pg_url)
 
