@@ -18,6 +18,7 @@ Hierarchy::
     ├── CorruptArtifactError                  stored bytes no longer match their digest
     ├── StoreFullError (OSError)              the store's filesystem is out of space
     ├── StoreUnavailableError (ConnectionError)  the object store (bucket) cannot be reached
+    │   └── BucketMissingError                    the bucket does not exist
     └── LockTimeoutError (TimeoutError)       a cooperating-writer lock was not acquired in time
 
 Errors carry fields, not just text, so the server can map them to statuses and
@@ -29,6 +30,7 @@ from __future__ import annotations
 __all__ = [
     "ArtifactNotFoundError",
     "ArtifactTooLargeError",
+    "BucketMissingError",
     "CompileError",
     "CompileTimeoutError",
     "CorruptArtifactError",
@@ -212,6 +214,10 @@ class StoreUnavailableError(KCacheError, ConnectionError):
         super().__init__(f"{url}: {detail}")
         self.url = url
         self.detail = detail
+
+
+class BucketMissingError(StoreUnavailableError):
+    """The bucket the store names does not exist; ``detail`` says so and names the setting."""
 
 
 class LockTimeoutError(KCacheError, TimeoutError):

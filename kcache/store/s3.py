@@ -55,7 +55,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, StoreUnavailableError
+from kcache.errors import (
+    ArtifactNotFoundError,
+    BucketMissingError,
+    CorruptArtifactError,
+    StoreUnavailableError,
+)
 from kcache.keys import is_hex_key, require_hex_key
 from kcache.store.base import COLLECT_BATCH, ArtifactStore, BlobInfo, Collected, Leftovers, NamedNow
 
@@ -446,7 +451,7 @@ class S3ArtifactStore:
 
         if _NO_SUCH_BUCKET in str(exc):  # every answer of a missing bucket but a HEAD's
             _log.warning("%s: could not %s: %s", self.url, action, exc)
-            raise StoreUnavailableError(
+            raise BucketMissingError(
                 self.url,
                 f"the bucket {parse_s3_url(self.url)[0]!r} does not exist: create it, or "
                 "correct the bucket in KCACHE_STORE_URL",

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 
-from kcache.errors import StoreUnavailableError
+from kcache.errors import BucketMissingError, StoreUnavailableError
 from kcache.store.base import ArtifactStore
 from kcache_server.backends import Backends
 from kcache_server.request_ids import current_request_id
@@ -141,7 +141,7 @@ def _bucket(bucket: ArtifactStore, timeout_s: float) -> str:
     except StoreUnavailableError as exc:
         if time.monotonic() - started >= timeout_s:
             return _no_answer("bucket", timeout_s)
-        if exc.detail.startswith("the bucket"):  # the store named the cause (no such bucket)
+        if isinstance(exc, BucketMissingError):  # the store named the cause and the setting
             return f"failed: {exc.detail}; compiles and fetches of blobs this replica holds no copy of answer 503 until it does"
         return (
             "failed: the bucket cannot be reached or refuses this server's credentials "
