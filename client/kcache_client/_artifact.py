@@ -28,6 +28,7 @@ from kcache_client._trust import Trust
 from kcache_client.errors import (
     ArchitectureMismatchError,
     DigestMismatchError,
+    NoDeviceError,
     UntrustedArtifactError,
 )
 
@@ -183,6 +184,29 @@ def _cuda_core() -> Any:
     return experimental
 
 
+def _device(core: Any, device: int | None) -> tuple[Any, tuple[int, int]]:
+    """cuda.core's ``Device`` (``device``, else the current one) and its compute capability.
+
+    Without a usable GPU (no driver library, no device, a device number that does not
+    exist) this is :class:`NoDeviceError` in one line, as ``target="auto"`` gives, not the
+    driver loader's traceback (cuda.pathfinder's ``DynamicLibNotFoundError`` under
+    cuda.core's ``cuInit``). Its cause is kept in the message, not as a chained traceback:
+    what went wrong is one sentence, and ``get()`` never needed the GPU.
+    """
+    try:
+        dev = core.Device(device) if device is not None else core.Device()
+        capability = tuple(dev.compute_capability)
+        return dev, (int(capability[0]), int(capability[1]))
+    except Exception as exc:  # the driver library missing raises pathfinder's own types
+        which = f"device {device}" if device is not None else "a CUDA device"
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        raise NoDeviceError(
+            f"Artifact.load() needs {which} (an NVIDIA GPU and its driver), and none is usable "
+            f"here: {type(exc).__name__}: {cause} (the artifact itself was fetched: its bytes "
+            "are .data, its file .path, for a machine with a GPU)"
+        ) from None
+
+
 class Judgement:
     """The one check that found an artifact usable, made where it was found (a node-tier or
     pack entry judged by the tier's standing and this client's trust, a server's answer whose
@@ -332,17 +356,17 @@ class Artifact:
         ``module.get_kernel("add<float, 256>")`` finds the mangled kernel. An artifact
         built for another architecture, or PTX newer than the driver, is refused first
         with :class:`~kcache_client.errors.ArchitectureMismatchError` (see
-        :func:`check_loadable`).
+        :func:`check_loadable`); without a usable GPU (no driver, no such device) it is
+        :class:`~kcache_client.errors.NoDeviceError`, one line.
         """
         self.check()
         core = _cuda_core()
-        dev = core.Device(device) if device is not None else core.Device()
-        capability = tuple(dev.compute_capability)
+        dev, capability = _device(core, device)
         unchecked = check_loadable(
             self.kind,
             self.data,
             self.metadata.target,
-            (int(capability[0]), int(capability[1])),
+            capability,
             driver_version(),
             artifact=f"artifact {self.recipe_key[:16]} ({self.metadata.kernel or self.recipe.name})",
             device=f"the device (GPU {dev.device_id})",

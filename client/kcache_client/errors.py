@@ -18,7 +18,7 @@ Hierarchy (every class is also a :class:`kcache.errors.KCacheError`)::
         ├── ResponseRefusedError                       an answer broke the protocol: a redirect, headers or a body
         │                                              over their bound, a body that is not the JSON asked for
         ├── BypassRefusedError (RecipeError)           KCACHE_BYPASS=error, and an adapter would hand a compile to its library
-        ├── NoDeviceError (RuntimeError)               target "auto" without a usable CUDA device
+        ├── NoDeviceError (RuntimeError)               target "auto", Artifact.load() or a torch launch without a usable GPU
         ├── ArchitectureMismatchError (RuntimeError)   an artifact built for another GPU or a newer driver
         ├── LateCompileError                           a frozen cache missed its tiers after the warmup
         └── WarmupError                                a warmup failed; raised identically on every rank
@@ -199,7 +199,8 @@ class ResponseRefusedError(ClientError):
 
 
 class NoDeviceError(ClientError, RuntimeError):
-    """``target="auto"`` needs a CUDA device, and none could be queried."""
+    """A CUDA device was needed and none is usable: ``target="auto"``, ``Artifact.load()``,
+    the torch adapter's launch on a machine without a GPU or driver (or a CPU-only torch)."""
 
 
 class ArchitectureMismatchError(ClientError, RuntimeError):

@@ -252,7 +252,7 @@ class Kernel:
     ) -> None:
         """Launch on ``stream`` (default: ``torch.cuda.current_stream()`` of the current device)."""
         torch = require("torch", "torch", "kcache_client.torch")
-        device = torch.cuda.current_device()
+        device = _current_device(torch)
         kernel, sizes = self._for_device(device)
         packed = pack_arguments(args, device=device, params=self.params, sizes=sizes)
         core = cuda_core()
@@ -275,6 +275,32 @@ def launch(
     """Launch ``kernel`` (a cuda.core Kernel or a :class:`Kernel`) with tensors on torch's current stream."""
     runner = kernel if isinstance(kernel, Kernel) else Kernel(kernel, signature=signature)
     runner(grid, block, *args, stream=stream, shared_mem=shared_mem)
+
+
+def _current_device(torch: Any) -> int:
+    """torch's current CUDA device, or :class:`~kcache_client.errors.NoDeviceError` in one line.
+
+    torch answers a CPU-only build with a bare ``AssertionError`` ("Torch not compiled with
+    CUDA enabled") and a machine without a driver or GPU with a ``RuntimeError`` from its
+    lazy initialisation; both mean the same here, a launch with no device to run on. Only
+    the failing call pays for the check (the launch path is unchanged).
+    """
+    try:
+        return int(torch.cuda.current_device())
+    except (AssertionError, RuntimeError) as exc:
+        from kcache_client.errors import NoDeviceError
+
+        version = getattr(torch, "__version__", "?")
+        build = (
+            f"torch {version} is a CPU-only build: install a CUDA build of torch"
+            if getattr(getattr(torch, "version", None), "cuda", None) is None
+            else f"torch {version} found no usable GPU"
+        )
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        raise NoDeviceError(
+            f"kcache_client.torch launches on torch's current CUDA device, and there is none: "
+            f"{build} ({cause})"
+        ) from None
 
 
 def _dims(value: int | Sequence[int]) -> int | tuple[int, ...]:
