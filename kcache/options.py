@@ -45,6 +45,7 @@ from kcache.errors import RecipeError
 from kcache.targets import parse_target
 
 __all__ = [
+    "ALLOWED_FLAGS",
     "CUPY_IMPLICIT_FLAGS",
     "INCLUDE_DIR_MAX_BYTES",
     "INCLUDE_DIR_MAX_FILES",
@@ -98,14 +99,31 @@ class _Spec:
     reason: str = ""  # for "refuse" and "drop"
     setting: str | None = None  # the setting it writes when it shares one (-dc, -dw -> rdc)
     fixed: str | None = None  # the value a valueless alias sets (-dc -> "true")
+    # How a recipe's flags may write it, full-match patterns (see _recipe_forms); None:
+    # its spellings with its value, where it is a setting of its own.
+    recipe: tuple[str, ...] | None = None
 
 
 _BOOL = r"true|false"
 _SPECS: tuple[_Spec, ...] = (
     _Spec("--gpu-architecture", "-arch", "arch", r"\S+", field="arch"),
     _Spec("--std", "-std", "setting", r"c\+\+(?:03|11|14|17|20)", "-std", "std"),
-    _Spec("--define-macro", "-D", "macro", r".+", field="define_macro"),
-    _Spec("--undefine-macro", "-U", "undef", r".+", field="undefine_macro"),
+    _Spec(
+        "--define-macro",
+        "-D",
+        "macro",
+        r".+",
+        field="define_macro",
+        recipe=(r"-D\S.*", r"--define-macro=.+"),
+    ),
+    _Spec(
+        "--undefine-macro",
+        "-U",
+        "undef",
+        r".+",
+        field="undefine_macro",
+        recipe=(r"-U\S+", r"--undefine-macro=\S+"),
+    ),
     _Spec("--include-path", "-I", "include", r".+", field="include_path"),
     _Spec("--relocatable-device-code", "-rdc", "setting", _BOOL, "-rdc", "relocatable_device_code"),
     _Spec("--device-c", "-dc", "setting", None, setting="--relocatable-device-code", fixed="true"),
@@ -163,6 +181,7 @@ _SPECS: tuple[_Spec, ...] = (
         None,
         setting="--display-error-number",
         fixed="yes",
+        recipe=("--display-error-number", "-display-error-number"),
     ),
     _Spec(
         "--no-display-error-number",
@@ -172,12 +191,19 @@ _SPECS: tuple[_Spec, ...] = (
         setting="--display-error-number",
         fixed="no",
         field="no_display_error_number",
+        recipe=("--no-display-error-number", "-no-display-error-number"),
     ),
-    _Spec("--diag-error", "-diag-error", "setting", r"[0-9]+(?:,[0-9]+)*", field="diag_error"),
-    _Spec(
-        "--diag-suppress", "-diag-suppress", "setting", r"[0-9]+(?:,[0-9]+)*", field="diag_suppress"
+    *(
+        _Spec(
+            f"--diag-{kind}",
+            f"-diag-{kind}",
+            "setting",
+            r"[0-9]+(?:,[0-9]+)*",
+            field=f"diag_{kind}",
+            recipe=(f"--diag-{kind}=[0-9,]+", f"-diag-{kind}=[0-9,]+"),  # and "1,,2", as ever
+        )
+        for kind in ("error", "suppress", "warn")
     ),
-    _Spec("--diag-warn", "-diag-warn", "setting", r"[0-9]+(?:,[0-9]+)*", field="diag_warn"),
     _Spec(
         "--split-compile",
         "-split-compile",
@@ -320,6 +346,34 @@ _SPECS: tuple[_Spec, ...] = (
     _Spec(
         "--device-stack-protector", "-device-stack-protector", "refuse", r".*", reason=_NOT_CARRIED
     ),
+)
+
+
+def _recipe_forms(spec: _Spec) -> tuple[str, ...]:
+    """The patterns of the flags a recipe may write ``spec`` as (none: a recipe never carries it).
+
+    A setting of its own (``setting`` or ``bool``, no alias's ``fixed`` value) in each of
+    its spellings, with its value; the others as their ``recipe`` says. The rest are
+    refused, dropped, or a recipe field's (``-arch`` is ``target``, ``-dlto`` ``output``
+    or ``lto``, ``-I`` ``headers`` and ``include_sets``), and aliases have one spelling
+    in a recipe (``-rdc=true``, not ``-dc``).
+    """
+    if spec.recipe is not None:
+        return spec.recipe
+    if spec.kind not in ("setting", "bool") or spec.fixed is not None:
+        return ()
+    value = "" if spec.value is None else f"=(?:{spec.value})"
+    return tuple(f"{name}{value}" for name in (spec.long, spec.short) if name is not None)
+
+
+#: The NVRTC options a recipe may carry, each matched whole (``fullmatch``): this table's,
+#: written as :func:`_recipe_forms` says. Everything else is refused: options that read
+#: or write files (-I, PCH, traces, output), options that the recipe's own fields own
+#: (-arch is `target`, -dlto is `output`/`lto`), and anything unknown.
+#: :mod:`kcache.recipe` checks flags with it; the server publishes it as a JSON Schema
+#: pattern (``kcache_server.recipe_schema``).
+ALLOWED_FLAGS = re.compile(
+    "(?:" + "|".join(form for spec in _SPECS for form in _recipe_forms(spec)) + ")", re.ASCII
 )
 _BY_NAME: dict[str, _Spec] = {}
 for _spec in _SPECS:
@@ -495,7 +549,7 @@ def _lookup(option: str) -> tuple[_Spec | None, str | None]:
 def recipe_flag_refusal(flag: str) -> str:
     """Why a recipe refuses ``flag`` (one of its ``flags``), and what to write instead.
 
-    The recipe's allow-list (:mod:`kcache.recipe`) only says yes or no; the reason is
+    The recipe's allow-list (:data:`ALLOWED_FLAGS`) only says yes or no; the reason is
     here, where every NVRTC option is known: a refused option's own reason (it writes
     a file, PCH, ...), the recipe field that owns it (``-arch`` is ``target``), the
     accepted spelling of a known option (``-gpu-architecture`` style aliases,

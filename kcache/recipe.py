@@ -22,6 +22,7 @@ from kcache.keys import (
     sha256_hex,
 )
 from kcache.lru import LruCache
+from kcache.options import ALLOWED_FLAGS, recipe_flag_refusal
 from kcache.specialization import SpecValue, normalize_specialization, render_macros
 from kcache.targets import Target, parse_target
 
@@ -195,30 +196,6 @@ def _header_set(headers: object) -> _HeaderSet:
 # microsecond each time (three per recipe).
 _SEQUENCE = (tuple, list, Sequence)
 _MAPPING = (dict, Mapping)
-
-#: The NVRTC options a recipe may carry, each matched whole (``fullmatch``). Everything
-#: else is refused: options that read or write files (-I, PCH, traces, output), options
-#: that the recipe's own fields own (-arch is `target`, -dlto is `output`/`lto`), and
-#: anything unknown. (The server publishes it as a JSON Schema pattern.)
-ALLOWED_FLAGS = re.compile(
-    r"(?:"
-    r"-D\S.*|--define-macro=.+|-U\S+|--undefine-macro=\S+"
-    r"|-std=c\+\+(?:03|11|14|17|20)|--std=c\+\+(?:03|11|14|17|20)"
-    r"|-G|--device-debug|-lineinfo|--generate-line-info"
-    r"|--dopt=(?:on|off)|-dopt=(?:on|off)"
-    r"|--?ftz=(?:true|false)|--?prec-div=(?:true|false)|--?prec-sqrt=(?:true|false)"
-    r"|--?fmad=(?:true|false)|--?use_fast_math|--extra-device-vectorization|-extra-device-vectorization"
-    r"|--?maxrregcount=\d{1,3}|-rdc=(?:true|false)|--relocatable-device-code=(?:true|false)"
-    r"|-ewp|--extensible-whole-program|-default-device|--device-as-default-execution-space"
-    r"|-w|--disable-warnings|-Werror=all-warnings|--restrict|-restrict"
-    r"|--?device-int128|--?builtin-move-forward=(?:true|false)"
-    r"|--?builtin-initializer-list=(?:true|false)|--?display-error-number|--?no-display-error-number"
-    r"|--?diag-(?:suppress|error|warn)=[0-9,]+|--?split-compile=\d{1,2}|-minimal|--minimal"
-    r"|-fdevice-syntax-only|--fdevice-syntax-only|--?Ofast-compile=(?:0|min|mid|max)"
-    r"|--?modify-stack-limit=(?:true|false)|--?no-source-include"
-    r")",
-    re.ASCII,
-)
 
 
 @dataclass(frozen=True)
@@ -685,9 +662,6 @@ def _validate(recipe: Recipe) -> _HeaderSet:
     for i, flag in enumerate(recipe.flags):
         _check_line(f"flags[{i}]", flag, LIMITS.flag_chars)
         if not ALLOWED_FLAGS.fullmatch(flag):
-            # Only a refusal pays for the reason: kcache.options knows every NVRTC option.
-            from kcache.options import recipe_flag_refusal
-
             raise RecipeError(f"flags[{i}]", recipe_flag_refusal(flag))
     if recipe.output not in _OUTPUTS:
         raise RecipeError("output", f"{recipe.output!r} is not one of {', '.join(_OUTPUTS)}")
