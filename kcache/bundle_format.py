@@ -237,15 +237,26 @@ class BundleReader:
 
     Iterating yields :class:`BundleEntry` and :class:`BundleMissing` in stream order and
     ends after a valid trailer; anything else raises :class:`BundleError` naming where.
-    ``max_entry_bytes`` bounds each entry (checked on its header, before its bytes are read).
+    ``max_entry_bytes`` bounds each entry (checked on its header, before its bytes are read);
+    ``max_items``, when given, the entries and missing lines together (a reader of a
+    server's answer knows how many keys it asked for: each is answered at most once), so
+    that a stream of endless lines is refused at the first one past it.
     """
 
-    def __init__(self, chunks: Iterable[bytes], *, max_entry_bytes: int, where: str) -> None:
+    def __init__(
+        self,
+        chunks: Iterable[bytes],
+        *,
+        max_entry_bytes: int,
+        where: str,
+        max_items: int | None = None,
+    ) -> None:
         self._chunks = iter(chunks)
         self._buffer = bytearray()
         self._pos = 0  # what of the buffer is read (dropped from its front now and then)
         self._done = False
         self.max_entry_bytes = max_entry_bytes
+        self.max_items = max_items
         self.where = where
         self.entries = 0
         self.missing = 0
@@ -309,6 +320,11 @@ class BundleReader:
                 if len(self._buffer) > self._pos or self._fill():
                     raise BundleError(f"{self.where}: bytes after the trailer")
                 return
+            if self.max_items is not None and self.entries + self.missing >= self.max_items:
+                raise BundleError(
+                    f"{self.where}: more than the {self.max_items} entries and missing lines "
+                    "it may hold (one per key asked for)"
+                )
             if "missing" in item:
                 self.missing += 1
                 yield _missing(item, self.where)

@@ -206,7 +206,9 @@ def _fetch(cache: BundleCache, keys: list[str], held: dict[str, str]) -> tuple[i
     pack = tier.packs.writer()
     try:
         with remote.bundle(keys, context=cache.context()) as chunks:
-            reader = BundleReader(chunks, max_entry_bytes=remote.max_artifact_bytes, where=where)
+            reader = BundleReader(
+                chunks, max_entry_bytes=remote.max_artifact_bytes, where=where, max_items=len(keys)
+            )
             try:
                 for item in _asked_entries(reader, keys, held, missing, where):
                     remote.check_size(item.meta, where)
@@ -235,10 +237,20 @@ def _asked_entries(
     reader: BundleReader, keys: list[str], held: dict[str, str], missing: list[str], where: str
 ) -> Iterator[BundleEntry]:
     """The reader's entries, each of a key asked for and not answered before; missing keys
-    noted in ``missing``."""
+    (each asked for and not answered before, too) noted in ``missing``.
+
+    So every key asked for is answered at most once, entry or missing line, and what a
+    server sends is bounded by what was asked, whatever it sends (the reader's
+    ``max_items`` counts the lines; this, which keys they name).
+    """
     asked = set(keys) - held.keys()
     for item in reader:
         if isinstance(item, BundleMissing):
+            if item.recipe_key not in asked:
+                raise ResponseRefusedError(
+                    where, f"a missing line for recipe {item.recipe_key}, not asked for or answered"
+                )
+            asked.discard(item.recipe_key)
             missing.append(item.recipe_key)
             continue
         if item.recipe_key not in asked:
@@ -275,7 +287,9 @@ def _fetch_each(
     where = f"{remote.url}/v1/bundle"
     fetched = 0
     with remote.bundle(keys, context=cache.context()) as chunks:
-        reader = BundleReader(chunks, max_entry_bytes=remote.max_artifact_bytes, where=where)
+        reader = BundleReader(
+            chunks, max_entry_bytes=remote.max_artifact_bytes, where=where, max_items=len(keys)
+        )
         for item in _asked_entries(reader, keys, held, missing, where):
             key = item.recipe_key
             signature = remote.check_entry(key, item.meta, item.signature, where)

@@ -321,26 +321,48 @@ class Transport:
     ) -> Iterator[Iterator[bytes]]:
         """One request, not retried, whose answer's body is handed over as it arrives.
 
-        The answer (status in ``ok``) is read as the caller iterates, within the wire's
-        timeouts; counted in ``requests``. Another status raises its mapped error (its
-        body read up to :data:`MAX_JSON_BYTES`); a connection that fails, before or
-        while the body is read, ServerUnavailableError.
+        The answer (status in ``ok``) is read as the caller iterates, the whole exchange
+        within one try's deadline (``RetryPolicy.deadline_s``, as a single fetch's try:
+        ``KCACHE_REQUEST_DEADLINE_S``), however slowly its bytes come, and at most a few
+        pieces of it held ahead of the caller; counted in ``requests``. Another status
+        raises its mapped error (its body read up to :data:`MAX_JSON_BYTES`); a
+        connection that fails or the deadline passing, before or while the body is read,
+        ServerUnavailableError (raised by the iteration itself when the body was being
+        read, so the caller's handling of its own errors sees it).
         """
         if self.offline:
             raise ServerUnavailableError(self.url, OFFLINE_CAUSE)
         with self._count_lock:
             self.requests += 1
         url = self.url + path
+        tried = time.monotonic()
+        until = tried + self.retry.try_deadline(compiles=False)
         try:
-            with self._wire.stream(method, path, json) as response:
+            with self._wire.stream(method, path, json, until) as response:
                 if response.status_code not in ok:
                     text = b"".join(_bounded(response.iter_bytes(), MAX_JSON_BYTES)).decode(
                         "utf-8", "replace"
                     )
                     raise _error(response.status_code, url, text, response.headers, self.url)
-                yield response.iter_bytes()
+                yield self._mapped(response.iter_bytes(), tried, until)
         except httpx.TransportError as exc:
-            raise ServerUnavailableError(self.url, _cause(exc, self.url)) from None
+            raise ServerUnavailableError(self.url, self._failure(exc, tried, until)) from None
+
+    def _mapped(self, chunks: Iterator[bytes], tried: float, until: float) -> Iterator[bytes]:
+        """``chunks``, a transport failure while they are read raised as ServerUnavailableError."""
+        try:
+            yield from chunks
+        except httpx.TransportError as exc:
+            raise ServerUnavailableError(self.url, self._failure(exc, tried, until)) from None
+
+    def _failure(self, exc: httpx.TransportError, tried: float, until: float) -> str:
+        """Why a try failed, as a ServerUnavailableError's cause (the deadline: as :meth:`request` says it)."""
+        if isinstance(exc, DeadlineExceeded):
+            return (
+                f"DeadlineExceeded: no whole answer within {until - tried:.3g}s "
+                "(connect, headers and body)"
+            )
+        return _cause(exc, self.url)
 
 
 def _cause(exc: httpx.TransportError, url: str) -> str:

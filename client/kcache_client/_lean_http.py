@@ -351,22 +351,39 @@ class LeanClient:
 
     @contextlib.contextmanager
     def stream(
-        self, method: str, path: str, headers: Mapping[str, str], body: bytes | None = None
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes | None = None,
+        *,
+        until: float | None = None,
     ) -> Iterator[LeanStream]:
         """``method path`` with ``headers`` and ``body``, its answer handed over once its
         headers are in, its body read as the caller iterates (:class:`LeanStream`).
 
-        Bounded by the client's timeouts only, each read by the read timeout (the caller
-        bounds what it reads). Not sent again by itself: it may have reached the server.
-        The connection is kept for another request only if the body was read to its
-        end; an encoded body (never asked for: ``Accept-Encoding`` is the caller's) is
-        refused as a protocol error. Raises the ``httpx.TransportError`` httpx would raise.
+        Bounded by the client's timeouts, each read by the read timeout, and by ``until``
+        (a ``time.monotonic()`` instant), as :meth:`request` is: connect, send, headers and
+        every read of the body end by it (:class:`DeadlineExceeded`), however slowly the
+        bytes trickle in. The caller bounds how much it reads. Not sent again by itself:
+        it may have reached the server. The connection is kept for another request only
+        if the body was read to its end; an encoded body (never asked for:
+        ``Accept-Encoding`` is the caller's) is refused as a protocol error. Raises the
+        ``httpx.TransportError`` httpx would raise.
         """
         t = self._timeout
         sent = _Request(
-            method, self._prefix + path, self.url + path, headers, body, t.read, t.write, None, None
+            method,
+            self._prefix + path,
+            self.url + path,
+            headers,
+            body,
+            t.read,
+            t.write,
+            until,
+            None,
         )
-        conn = self._reusable() or self._connect(t.connect, None)
+        conn = self._reusable() or self._connect(t.connect, until)
         stage = "write"
         try:
             _write_request(conn, sent)

@@ -23,6 +23,9 @@ Both bound a try alike: every try ends by its ``until`` (connect, send, headers 
 whole body; past it, :class:`~kcache_client._lean_http.DeadlineExceeded`): the lean wire
 bounds every socket read and its TLS handshake by it; the httpx wire caps httpx's
 timeouts by it and waits for the exchange (in a thread of its own) no longer than it.
+A streamed answer (a bundle) is bounded the same way: the lean wire reads it through the
+same deadline-bounded socket reads; the httpx wire reads it in a thread of its own that
+hands it over through a queue of a few pieces, each waited for no longer than ``until``.
 Both read a body against the limit decided from its status and headers before it is
 read (:class:`~kcache_client._lean_http.AnswerRefused` past it, the connection
 dropped), refuse oversized headers, and raise the ``httpx.TransportError`` httpx
@@ -32,6 +35,7 @@ would for a connection that fails.
 from __future__ import annotations
 
 import json as jsonlib
+import queue
 import re
 import threading
 import time
@@ -140,11 +144,15 @@ class Wire(Protocol):
         """
         ...
 
-    def stream(self, method: str, path: str, json: Any) -> AbstractContextManager[StreamReply]:
+    def stream(
+        self, method: str, path: str, json: Any, until: float
+    ) -> AbstractContextManager[StreamReply]:
         """``method path`` whose answer is handed over once its headers are in, its body unread.
 
-        The body is read as the caller iterates ``iter_bytes()``, bounded by the wire's
-        timeouts only (no deadline, no limit: the caller bounds what it reads); the
+        The body is read as the caller iterates ``iter_bytes()``; the whole exchange,
+        connect to the last byte read, ends by ``until`` (DeadlineExceeded), however
+        slowly the bytes come, and at most a few pieces of the body are held ahead of
+        the caller (no limit on its length: the caller bounds what it reads). The
         connection is released when the context ends. Raises ``httpx.TransportError``
         for a failure to connect, send or read; a redirect is not followed.
         """
@@ -235,13 +243,25 @@ class HttpxWire:
         return _before(until, lambda abandoned: _exchange(client, request, limit, abandoned))
 
     @contextmanager
-    def stream(self, method: str, path: str, json: Any) -> Iterator[httpx.Response]:
-        """See :meth:`Wire.stream`."""
+    def stream(self, method: str, path: str, json: Any, until: float) -> Iterator[StreamReply]:
+        """See :meth:`Wire.stream`: httpx reads in a thread of its own (:class:`_Relay`), its
+        timeouts capped by ``until``; the caller waits for each piece no longer than ``until``."""
         client = self._httpx()
-        with client.stream(
-            method, self.url + path, json=json, headers=self._headers, follow_redirects=False
-        ) as response:
-            yield response
+        request = client.build_request(
+            method,
+            self.url + path,
+            json=json,
+            headers=self._headers,
+            timeout=_capped(client.timeout, until),
+        )
+        relay = _Relay(until)
+        threading.Thread(
+            target=relay.run, args=(client, request), name="kcache-http-stream", daemon=True
+        ).start()
+        try:
+            yield relay.head()
+        finally:
+            relay.abandon()
 
     def close(self) -> None:
         """See :meth:`Wire.close`."""
@@ -312,15 +332,19 @@ class LeanWire:
                 )
         return self._other.send(method, path, json, timeout, until, limit)
 
-    def stream(self, method: str, path: str, json: Any) -> AbstractContextManager[StreamReply]:
+    def stream(
+        self, method: str, path: str, json: Any, until: float
+    ) -> AbstractContextManager[StreamReply]:
         """See :meth:`Wire.stream`: a POST with a JSON body or a GET through the lean client
         (a bundle), anything else through its httpx wire."""
         if _PLAIN_TARGET.fullmatch(path) is not None:
             if method == "POST" and json is not None:
-                return self._client.stream("POST", path, self._json_headers, _json_body(json))
+                return self._client.stream(
+                    "POST", path, self._json_headers, _json_body(json), until=until
+                )
             if method == "GET" and json is None:
-                return self._client.stream("GET", path, self._headers)
-        return self._other.stream(method, path, json)
+                return self._client.stream("GET", path, self._headers, until=until)
+        return self._other.stream(method, path, json, until)
 
     def close(self) -> None:
         """See :meth:`Wire.close`: the lean pool and the httpx wire both."""
@@ -414,3 +438,100 @@ def _exchange(
         return LeanResponse(status, response.headers, b"".join(pieces), str(response.url))
     finally:
         response.close()
+
+
+#: Pieces of a streamed body an httpx wire's reader holds ahead of its caller (64 KiB each).
+_AHEAD = 4
+_PIECE = 64 * 1024
+
+
+class _RelayedAnswer:
+    """A streamed answer read by a :class:`_Relay`: status, headers, and its body's pieces."""
+
+    def __init__(self, relay: _Relay, status_code: int, headers: httpx.Headers) -> None:
+        self._relay = relay
+        self.status_code = status_code
+        self.headers = headers
+
+    def iter_bytes(self, chunk_size: int | None = None) -> Iterator[bytes]:
+        """The body's pieces (of at most 64 KiB; ``chunk_size`` is not honoured), each
+        waited for no longer than the deadline."""
+        while True:
+            kind, value = self._relay.take()
+            if kind == "end":
+                return
+            yield value
+
+
+class _Relay:
+    """One streamed exchange through httpx, read in a thread of its own (:meth:`run`).
+
+    httpx bounds each wait for bytes, not the exchange (a trickle resets its timeouts),
+    so the reading runs beside the caller, as :func:`_before` runs a whole exchange: it
+    hands the headers, then each piece of the body, through a queue of :data:`_AHEAD`
+    pieces (memory stays bounded, whatever the server sends), and the caller waits for
+    each no longer than ``until`` (DeadlineExceeded). Once the caller is gone
+    (:meth:`abandon`), the reader stops at its next piece and closes the answer; its own
+    timeouts (capped by the deadline) end any wait of its.
+    """
+
+    def __init__(self, until: float) -> None:
+        self._until = until
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=_AHEAD)
+        self._abandoned = threading.Event()
+
+    def run(self, client: httpx.Client, request: httpx.Request) -> None:
+        """The reader (a thread of its own): the answer's head, its pieces, its end or error."""
+        try:
+            response = client.send(request, stream=True, follow_redirects=False)
+        except BaseException as exc:  # handed to the caller, who raises it
+            self._put("error", exc)
+            return
+        try:
+            if not self._put("head", response):
+                return
+            for piece in response.iter_bytes(_PIECE):
+                if not self._put("data", piece):
+                    return
+            self._put("end", None)
+        except BaseException as exc:
+            self._put("error", exc)
+        finally:
+            response.close()
+
+    def _put(self, kind: str, value: Any) -> bool:
+        """Hand ``value`` over, waiting for room while the caller is there; False once it left."""
+        while not self._abandoned.is_set():
+            try:
+                self._queue.put((kind, value), timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def take(self) -> tuple[str, Any]:
+        """The next item, waited for until the deadline (DeadlineExceeded); an error raised."""
+        left = self._until - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded()
+        try:
+            kind, value = self._queue.get(timeout=left)
+        except queue.Empty:
+            raise DeadlineExceeded() from None
+        if kind == "error":
+            raise value
+        return kind, value
+
+    def head(self) -> _RelayedAnswer:
+        """The answer once its status and headers are in."""
+        _, response = self.take()
+        return _RelayedAnswer(self, response.status_code, response.headers)
+
+    def abandon(self) -> None:
+        """The caller is done: the reader stops at its next piece, and the queue is dropped."""
+        self._abandoned.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
