@@ -14,6 +14,7 @@ and hand a server's data directory to the server's ``kcache db gc|verify``;
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 from collections.abc import Callable
@@ -35,7 +36,14 @@ from kcache.cli_toolkit import (
     server_url,
     write_output,
 )
-from kcache.dirs import SERVER_DATABASE_FILE, cache_dir, cache_layout, directory_kind
+from kcache.dirs import (
+    SERVER_DATABASE_FILE,
+    cache_dir,
+    cache_layout,
+    directory_kind,
+    full_cache_dir_message,
+)
+from kcache.errors import StoreFullError
 
 if TYPE_CHECKING:
     from kcache.recipe import Recipe
@@ -183,7 +191,13 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     root = cache_dir(args.cache_dir)
     refuse_server_dir(root, "--cache-dir" if args.cache_dir else "$KCACHE_CACHE_DIR")
     engine = open_local_engine(root, include_sets=include_set_dirs(args))
-    result = run_long(lambda: engine.resolve(recipe), f"compiling {recipe_title(recipe)}")
+    try:
+        result = run_long(lambda: engine.resolve(recipe), f"compiling {recipe_title(recipe)}")
+    except StoreFullError as exc:  # "no space left to publish <digest>": say where, and the fix
+        code = exc.errno or errno.ENOSPC
+        full = StoreFullError(full_cache_dir_message(root, code, "storing the kernel compiled"))
+        full.errno = code  # one argument: the message alone, without "[Errno 28]"
+        raise full from None
     path = engine.store.path(result.artifact.digest)
     if args.o:
         path = write_output("-o", args.o, engine.read(result.artifact))

@@ -50,6 +50,7 @@ from kcache.errors import (
     CompileError,
     KCacheError,
     RecipeError,
+    StoreFullError,
     UnlistedIncludeError,
     UnresolvedRecipeError,
 )
@@ -114,7 +115,7 @@ def _report(exc: BaseException) -> int:
             print(f"kcache: hint: {HEADER_HINT}", file=sys.stderr)
         # 1: it could not be done (a server or store out of reach, nothing found), also
         # when a command's own message wraps that cause; 2: what was asked is wrong.
-        unavailable = ConnectionError | TimeoutError | FileNotFoundError
+        unavailable = ConnectionError | TimeoutError | FileNotFoundError | StoreFullError
         failed = isinstance(exc, unavailable) or isinstance(exc.__cause__, unavailable)
         return 1 if failed else 2
     if isinstance(exc, OSError):

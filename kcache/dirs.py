@@ -17,11 +17,12 @@ thing with whichever they are given.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Literal
 
-from kcache.errors import KCacheError
+from kcache.errors import KCacheError, StoreFullError
 
 __all__ = [
     "LAYOUT_FILE",
@@ -30,6 +31,7 @@ __all__ = [
     "cache_layout",
     "data_dir",
     "directory_kind",
+    "full_cache_dir_message",
     "mark_cache_dir",
     "toolchain_dir",
     "user_cache_dir",
@@ -86,6 +88,19 @@ def data_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     return Path(os.environ.get("KCACHE_DATA_DIR") or ".kcache")
 
 
+def full_cache_dir_message(path: str | os.PathLike[str], code: int, doing: str) -> str:
+    """What to say when a write into the cache directory ``path`` failed with ``code``
+    (``ENOSPC``, or ``EDQUOT`` for a spent quota) while ``doing`` something: the directory
+    (absolute) and every way out."""
+    what = "the disk quota is spent" if code == errno.EDQUOT else "its filesystem has no space left"
+    return (
+        f"cannot write into the cache directory {os.path.abspath(path)}: {what} ({doing}). Free "
+        "space there, remove entries with `kcache cache clear` (or `kcache cache rm KEY`), cap "
+        "its size with KCACHE_CACHE_MAX_BYTES, or use another directory: --cache-dir DIR or "
+        "KCACHE_CACHE_DIR (cache_dir= in Python)"
+    )
+
+
 def mark_cache_dir(root: Path) -> None:
     """Create ``root`` as a cache directory: the tag is written before any blob can be, so
     :func:`directory_kind` never mistakes a cache that is being filled for a server's."""
@@ -93,9 +108,23 @@ def mark_cache_dir(root: Path) -> None:
     if tag.exists():
         return
     root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".{CACHE_TAG_FILE}.{os.getpid()}"
-    staging.write_text(_CACHE_TAG)
-    os.replace(staging, tag)  # concurrent creators write the same bytes
+    _write_marker(root, CACHE_TAG_FILE, _CACHE_TAG)
+
+
+def _write_marker(root: Path, name: str, text: str) -> None:
+    """Write ``root/name`` (concurrent creators write the same bytes); a full disk is a
+    :class:`StoreFullError` naming the directory and the fix, not a bare ``ENOSPC``."""
+    staging = root / f".{name}.{os.getpid()}"
+    try:
+        staging.write_text(text)
+        os.replace(staging, root / name)
+    except OSError as exc:
+        staging.unlink(missing_ok=True)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        full = StoreFullError(full_cache_dir_message(root, exc.errno, f"creating its {name}"))
+        full.errno = exc.errno  # one argument: the message alone, without "[Errno 28]"
+        raise full from None
 
 
 def directory_kind(root: Path) -> DirectoryKind:
@@ -144,9 +173,7 @@ def cache_layout(root: Path) -> CacheLayout:
         if filled:
             return "fanout"
         root.mkdir(parents=True, exist_ok=True)
-        staging = root / f".{LAYOUT_FILE}.{os.getpid()}"
-        staging.write_text("flat\n")
-        os.replace(staging, marker)  # concurrent creators write the same bytes
+        _write_marker(root, LAYOUT_FILE, "flat\n")
         return "flat"
     if named not in _LAYOUTS:
         raise KCacheError(

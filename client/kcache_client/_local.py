@@ -24,6 +24,7 @@ from kcache.engine import Engine
 from kcache.errors import ToolchainError
 from kcache.recipe import Recipe
 from kcache_client._artifact import ArtifactOrigin
+from kcache_client._disk_full import refuse_full
 from kcache_client._settings import ClientSettings
 from kcache_client._tier import NodeTier
 from kcache_client.errors import ServerUnavailableError
@@ -112,7 +113,10 @@ class LocalCompiler:
                 f"local NVRTC is {engine.toolchain_id}",
             ) from offline
         self.tier.flush()  # the manifest entries of this process's fetches, for the engine's match
-        result = engine.resolve(concrete)
+        # The engine keeps its result only in the tier: a full disk fails the compile, said
+        # with the directory and its fixes (kcache_client._disk_full).
+        with refuse_full(self.tier.root, "storing a kernel compiled here"):
+            result = engine.resolve(concrete)
         data = engine.read(result.artifact)
         if result.status == "compiled":
             self.tier.stored(len(data))  # the engine stored it in the tier: keep the cap

@@ -120,6 +120,7 @@ from kcache.lru import LruCache
 from kcache.signing import Signature, SignatureError
 from kcache.standing import Standing, directory_standing
 from kcache.store.local import LocalArtifactStore
+from kcache_client._disk_full import refuse_full, tolerate_full
 from kcache_client._packs import PACKS_DIR, PackEntry, PackFile, TierPacks
 from kcache_client._trust import ACCEPTED, Trust, Verdict
 from kcache_client._withdrawals import Withdrawals
@@ -441,7 +442,8 @@ class NodeTier:
                 return location
         except (OSError, KCacheError):
             pass  # absent, quarantined, not a regular file: written afresh below
-        atomic_write(location, data, durable=False)
+        with refuse_full(self.root, f"writing the kernel {digest} for its path"):
+            atomic_write(location, data, durable=False)
         return location
 
     def close(self) -> None:
@@ -622,6 +624,11 @@ class NodeTier:
             self.lock.let_go(recipe_key)
             self._refuse(f"the entry of recipe {recipe_key}", f"cannot be published: {exc}")
             return None
+        except OSError:  # a full disk: the kernel is used from memory (kcache_client._disk_full)
+            self.lock.let_go(recipe_key)
+            with tolerate_full(self.root, "keeping a kernel"):
+                raise
+            return None
         self.lock.let_go(recipe_key)
         with self._pending_lock:
             self._pending.append((base_key, meta, len(data)))
@@ -635,7 +642,8 @@ class NodeTier:
         with self._pending_lock:
             pending, self._pending = self._pending, []
         for base_key, meta, size in pending:
-            self._record(base_key, meta, size)
+            with tolerate_full(self.root, "recording a kernel"):
+                self._record(base_key, meta, size)
 
     def _record(self, base_key: str | None, meta: ArtifactMeta, size: int) -> None:
         """A published entry's record and manifest entry; may evict.
@@ -941,8 +949,8 @@ class NodeTier:
         """Remember what a server said (its default toolchain), so keys can be computed offline."""
         if not self.standing.writable:
             return
-        with contextlib.suppress(PermissionError):  # another user's file in a shared tier
-            atomic_write(
+        with contextlib.suppress(PermissionError), tolerate_full(self.root, "saving server facts"):
+            atomic_write(  # another user's file in a shared tier: suppressed
                 self._facts_path(url),
                 json.dumps({"url": url, "saved_at": time.time(), **facts}).encode(),
                 durable=False,  # a cache too: load_server_facts reads garbage as absent
@@ -1006,8 +1014,8 @@ class NodeTier:
         if not self.standing.writable or self.read_only:
             return
         body = {"manifest": manifest_digest, "at": time.time(), "kernels": sorted(entries)}
-        with contextlib.suppress(PermissionError):  # another user's marker in a shared tier
-            atomic_write(
+        with contextlib.suppress(PermissionError), tolerate_full(self.root, "marking a prefetch"):
+            atomic_write(  # another user's marker in a shared tier: suppressed
                 self._complete_path(manifest_digest), json.dumps(body).encode(), durable=False
             )
 

@@ -21,6 +21,7 @@ Hierarchy (every class is also a :class:`kcache.errors.KCacheError`)::
         ├── NoDeviceError (RuntimeError)               target "auto", Artifact.load() or a torch launch without a usable GPU
         ├── ArchitectureMismatchError (RuntimeError)   an artifact built for another GPU or a newer driver
         ├── LateCompileError                           a frozen cache missed its tiers after the warmup
+        ├── CacheDirFullError (StoreFullError)         the cache directory's filesystem is full (or the quota spent)
         └── WarmupError                                a warmup failed; raised identically on every rank
             ├── WarmupCompileError (CompileError)      ... because a recipe does not compile
             └── WarmupTimeoutError (TimeoutError)      ... because a rank did not arrive, or the leader ran out of time
@@ -34,13 +35,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError, RecipeError
+from kcache.errors import (
+    ArtifactNotFoundError,
+    CompileError,
+    KCacheError,
+    RecipeError,
+    StoreFullError,
+)
 from kcache.signing import SignatureError
 
 __all__ = [
     "ArchitectureMismatchError",
     "AuthenticationError",
     "BypassRefusedError",
+    "CacheDirFullError",
     "ClientError",
     "DigestMismatchError",
     "LateCompileError",
@@ -325,3 +333,30 @@ class LateCompileError(ClientError):
         self.recipe_key = recipe_key
         self.kernel = kernel
         self.target = target
+
+
+class CacheDirFullError(ClientError, StoreFullError):
+    """A write into the cache directory ``path`` (the node tier) failed: its filesystem has no
+    space left (``ENOSPC``) or its user's quota is spent (``EDQUOT``), as ``errno`` says.
+
+    The message names the directory and the ways out (free space, ``kcache cache clear``,
+    ``KCACHE_CACHE_MAX_BYTES``, another directory with ``--cache-dir``/``KCACHE_CACHE_DIR``).
+    Raised where a file was needed (``Artifact.path``, a local compile, whose result lives
+    in the directory); a kernel fetched from a server is used from memory instead, with one
+    warning saying the same (:mod:`kcache_client._disk_full`).
+    """
+
+    def __init__(self, path: str, code: int, doing: str) -> None:
+        from kcache.dirs import full_cache_dir_message
+
+        message = full_cache_dir_message(path, code, doing)
+        StoreFullError.__init__(self, code, message)
+        self.path = path
+        self.doing = doing
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.errno, self.doing))
