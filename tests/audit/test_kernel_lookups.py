@@ -9,7 +9,9 @@ compile avoided at most once per process and kernel, a reason for every miss.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib.util
 import itertools
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -18,7 +20,6 @@ import pytest
 import sqlalchemy as sa
 from kcache_server import migrate
 from kcache_server.auditing.counts import write_events
-from kcache_server.auditing.lookups import backfill
 from kcache_server.auditing.stats import compute_stats
 from kcache_server.auditing.stats_models import StatsQuery
 from kcache_server.db import open_database
@@ -207,8 +208,29 @@ def test_two_writers_record_a_lookup_once(known: sa.Engine) -> None:
     assert len(_lookups(known)) == 1
 
 
+def _frozen_backfill() -> Any:
+    """Migration 0016's own copy of the writer's decisions (migrations never import live code)."""
+    path = migrate.migrations_dir() / "versions" / "0016_kernel_lookups.py"
+    spec = importlib.util.spec_from_file_location("kcache_migration_0016", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._backfill
+
+
+def test_no_migration_imports_live_code() -> None:
+    """A revision does what it did when written: it carries frozen copies, never imports kcache."""
+    for path in sorted((migrate.migrations_dir() / "versions").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                assert not any(n.split(".")[0].startswith("kcache") for n in names), path.name
+
+
 def test_the_backfill_records_what_the_writer_did(known: sa.Engine) -> None:
-    """0016's upgrade: the same decisions, from the raw events already written."""
+    """0016's upgrade: the same decisions as the writer's, from the raw events already written."""
+    backfill = _frozen_backfill()
     _write(
         known,
         _event("compiled", "k1", pid=50),

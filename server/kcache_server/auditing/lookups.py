@@ -64,7 +64,6 @@ __all__ = [
     "ERROR_REASONS",
     "LOOKUP_OUTCOMES",
     "REASONS",
-    "backfill",
     "identity_of",
     "process_of",
     "reason_text",
@@ -358,22 +357,3 @@ def _decided(
     else:
         row["reason"] = _miss_reason(conn, event)
     return row
-
-
-def backfill(conn: sa.Connection, chunk: int = 20_000) -> int:
-    """Record the kernel lookups of every raw event already written, oldest first (0016).
-
-    The same decisions the writer makes, over ``audit_events`` in id order; events
-    already rolled up (only hourly counts left) start none. Returns the lookups recorded.
-    """
-    ev = _events.c
-    columns = [c for c in _events.c if c.name != "id"]
-    after, total = 0, 0
-    while True:
-        rows = conn.execute(
-            sa.select(ev.id, *columns).where(ev.id > after).order_by(ev.id).limit(chunk)
-        ).all()
-        if not rows:
-            return total
-        after = rows[-1].id
-        total += len(record_lookups(conn, [dict(r._mapping) for r in rows]))
