@@ -236,7 +236,7 @@ with KernelCache(cache_dir=cfg["tier"], settings=settings) as cache:
     art = cache.get(Recipe.from_dict(cfg["recipe"]))
     art.check()
 print(json.dumps({"origin": art.origin, "cryptography": "cryptography" in sys.modules,
-                  "verifier": signing._verifier is not None}))
+                  "verifier": signing._verifier is not None, "tqdm": "tqdm" in sys.modules}))
 """
 
 
@@ -273,6 +273,9 @@ def test_a_fresh_process_imports_no_crypto_where_nothing_is_verified(
         assert found["origin"] == "node"
         assert found["cryptography"] is False  # never imported: OpenSSL's own, or nothing
         assert found["verifier"] is (standing == "shared")  # a private tier verifies nothing
+        assert (
+            found["tqdm"] is False
+        )  # a warmup's progress bar only (its objects cost a collection)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 
