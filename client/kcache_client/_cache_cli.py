@@ -14,7 +14,9 @@ it (a server removes whole artifacts, so there a shared one is refused and its d
 asked for), while ``cache rm DIGEST`` removes the artifact for every recipe. ``cache
 clear`` asks on the terminal first (``--yes`` does not ask; without a terminal it is
 required), and ``pin --job`` with a job id the server never saw is an error that pins
-nothing, not "pinned 0".
+nothing, not "pinned 0". ``rm --dry-run`` and ``clear --dry-run`` make the same decisions
+and print what they would remove (count, bytes, keys and kernels), removing nothing and
+asking nothing; on a server they are worked out from its listing, nothing is sent.
 
 Strings that came from a server or from index files (kernel names) are printed with
 control characters escaped, never sent raw to the terminal.
@@ -244,10 +246,31 @@ def _refuse_shared(keys: Sequence[str], entries: Sequence[dict[str, Any]]) -> No
 
 def _removal_text(body: dict[str, Any]) -> str:
     lines = []
+    dry = bool(body.get("dry_run"))
+    removed = "would remove" if dry else "removed"
     if "recipes_removed" in body:
         count = int(body["recipes_removed"])
-        lines.append(f"removed {count} recipe {'entry' if count == 1 else 'entries'}")
-    lines.append(f"removed {body['evicted']} artifacts, {format_size(body['bytes_freed'])} freed")
+        lines.append(f"{removed} {count} recipe {'entry' if count == 1 else 'entries'}")
+    freed = "would be freed" if dry else "freed"
+    lines.append(
+        f"{removed} {body['evicted']} artifacts, {format_size(body['bytes_freed'])} {freed}"
+    )
+    if dry:
+        rows = [
+            [
+                (a["recipe_keys"][0] if a["recipe_keys"] else a["digest"])[:16],
+                a["kernel"] or "-",
+                a["target"] or "-",
+                format_size(a["size"]),
+            ]
+            for a in body.get("artifacts") or ()
+        ]
+        if rows:
+            table = _table(["key", "kernel", "target", "size"], rows)
+            lines.extend("  " + line for line in table.splitlines())
+        more = int(body["evicted"]) - len(rows)
+        if more > 0:
+            lines.append(f"  ... and {more} more (not listed)")
     for digest, others in (body.get("kept") or {}).items():
         lines.append(
             f"kept artifact {digest[:16]}: {len(others)} other recipe key(s) name it "
@@ -260,6 +283,8 @@ def _removal_text(body: dict[str, Any]) -> str:
         )
     if body.get("unknown"):
         lines.append(f"not stored: {' '.join(body['unknown'])}")
+    if dry:
+        lines.append("dry run: nothing was removed")
     return "\n".join(lines)
 
 
@@ -417,15 +442,56 @@ def _cmd_rm(args: argparse.Namespace) -> int:
             entries = _server_entries(server)
             keys = _keys(args.keys, lambda: _known_of_entries(entries), f"the server {server.url}")
             _refuse_shared(keys, entries)
-            body = server.request("POST", "/v1/cache/remove", json={"keys": keys}).json()
+            if args.dry_run:
+                body = _server_would_remove(keys, entries)
+            else:
+                body = server.request("POST", "/v1/cache/remove", json={"keys": keys}).json()
         _emit(args, body, _removal_text(body))
         return 0 if not body.get("unknown") and not body.get("pinned") else 1
-    data = _tier_remove(_tier(args), args.keys)
+    data = _tier_remove(_tier(args), args.keys, dry_run=args.dry_run)
     _emit(args, data, _removal_text(data))
     return 0 if not data["unknown"] else 1
 
 
-def _tier_remove(tier: NodeTier, values: Sequence[str]) -> dict[str, Any]:
+def _listed(entry: dict[str, Any]) -> dict[str, Any]:
+    """What a dry run names of an artifact it would remove (the same fields everywhere)."""
+    return {
+        "digest": entry["digest"],
+        "recipe_keys": list(entry["recipe_keys"]),
+        "kernel": entry.get("kernel") or "",
+        "target": entry.get("target") or "",
+        "size": int(entry["size"]),
+    }
+
+
+def _server_would_remove(keys: Sequence[str], entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What ``POST /v1/cache/remove`` of ``keys`` would answer, from the server's listing,
+    and the artifacts it would remove: whole artifacts (a recipe key stands for its
+    artifact once :func:`_refuse_shared` let it), pinned ones kept. Nothing is sent."""
+    by_key = {k: e for e in entries for k in (e["digest"], *e["recipe_keys"])}
+    chosen: dict[str, dict[str, Any]] = {}
+    pinned: list[str] = []
+    unknown: list[str] = []
+    for key in keys:
+        entry = by_key.get(key)
+        if entry is None:
+            unknown.append(key)
+        elif entry["pinned"]:
+            pinned.append(key)
+        else:
+            chosen[entry["digest"]] = entry
+    listed = [_listed(e) for e in chosen.values()]
+    return {
+        "dry_run": True,
+        "evicted": len(listed),
+        "bytes_freed": sum(e["size"] for e in listed),
+        "artifacts": listed,
+        "pinned": pinned,
+        "unknown": unknown,
+    }
+
+
+def _tier_remove(tier: NodeTier, values: Sequence[str], *, dry_run: bool = False) -> dict[str, Any]:
     """Remove what each value names from a node tier: a recipe key its entry, a digest its artifact.
 
     A recipe key's artifact goes too when no other recipe key names it (recipes that
@@ -434,6 +500,9 @@ def _tier_remove(tier: NodeTier, values: Sequence[str]) -> dict[str, Any]:
     A kept artifact's manifest entry stays too (the tier's index has no removal of one):
     a local compile of the removed recipe may match it by its dependencies and find the
     same bytes again instead of compiling.
+
+    ``dry_run``: the same decisions, and the artifacts they would remove listed, with
+    nothing forgotten or removed.
     """
     entries = tier.entries()
     known = [_Known(k, "recipe key", e.kernel) for e in entries for k in e.recipe_keys]
@@ -447,7 +516,8 @@ def _tier_remove(tier: NodeTier, values: Sequence[str]) -> dict[str, Any]:
     for key in keys:
         if key in by_recipe:
             entry = by_recipe[key]
-            tier.index.forget(key)
+            if not dry_run:
+                tier.index.forget(key)
             forgotten.setdefault(entry.digest, set()).add(key)
         elif key in by_digest:
             blobs.add(key)
@@ -460,6 +530,17 @@ def _tier_remove(tier: NodeTier, values: Sequence[str]) -> dict[str, Any]:
             kept[digest] = others
         else:
             blobs.add(digest)
+    if dry_run:
+        listed = [_listed(vars(e)) for e in entries if e.digest in blobs]
+        return {
+            "dry_run": True,
+            "recipes_removed": sum(len(g) for g in forgotten.values()),
+            "evicted": len(listed),
+            "bytes_freed": sum(e["size"] for e in listed),
+            "artifacts": listed,
+            "kept": kept,
+            "unknown": unknown,
+        }
     removal = tier.remove(sorted(blobs)) if blobs else None
     return {
         "recipes_removed": sum(len(g) for g in forgotten.values()),
@@ -491,10 +572,20 @@ def _cmd_clear(args: argparse.Namespace) -> int:
         with _closing(server):
             info = server.request("GET", "/v1/cache").json()
             unpinned = int(info["artifacts"]) - int(info["pinned_artifacts"])
+            unpinned_bytes = int(info["bytes_used"]) - int(info["pinned_bytes"])
             what = (
                 f"every unpinned artifact of the server {server.url} ({unpinned} artifacts, "
-                f"{format_size(int(info['bytes_used']) - int(info['pinned_bytes']))})"
+                f"{format_size(unpinned_bytes)})"
             )
+            if args.dry_run:
+                listed = [_listed(e) for e in _server_entries(server) if not e["pinned"]]
+                body = {
+                    "dry_run": True,
+                    "evicted": unpinned,
+                    "bytes_freed": unpinned_bytes,
+                    "artifacts": listed,
+                }
+                return _emit(args, body, _removal_text(body))
             if not _confirm(args, what):
                 print("kcache: nothing removed", file=sys.stderr)
                 return 1
@@ -502,6 +593,15 @@ def _cmd_clear(args: argparse.Namespace) -> int:
         return _emit(args, body, _removal_text(body))
     tier = _tier(args)
     usage = tier.usage()
+    if args.dry_run:
+        entries = tier.entries()
+        data = {
+            "dry_run": True,
+            "evicted": usage.entries,
+            "bytes_freed": usage.bytes_used,
+            "artifacts": [_listed(vars(e)) for e in entries],
+        }
+        return _emit(args, data, _removal_text(data))
     what = (
         f"every entry of the cache directory {_show(tier.root)} ({usage.entries} artifacts, "
         f"{format_size(usage.bytes_used)})"
@@ -619,6 +719,11 @@ def register(subparsers: Any) -> None:
     )
     rm.add_argument("keys", nargs="+", metavar="KEY")
     _where(rm, server_default=on_server)
+    rm.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would be removed (count, bytes, keys and kernels); remove nothing",
+    )
     rm.set_defaults(func=_cmd_rm)
     clear = sub.add_parser(
         "clear",
@@ -629,6 +734,12 @@ def register(subparsers: Any) -> None:
     )
     _where(clear, server_default=on_server)
     clear.add_argument("--yes", action="store_true", help="do not ask: remove them")
+    clear.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would be removed (count, bytes, keys and kernels); remove nothing, "
+        "ask nothing",
+    )
     clear.set_defaults(func=_cmd_clear)
 
     server_default = "the server (default $KCACHE_URL)"
