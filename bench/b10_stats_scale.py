@@ -36,7 +36,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import sqlalchemy as sa
@@ -136,10 +136,15 @@ def fill(url: str, n: int) -> tuple[float, float]:
     stay so: the bench's database is dropped after, and reads do not depend on it).
     """
     from kcache_server.auditing.counts import rebuild
-    from kcache_server.models import AuditCount, AuditDigest, AuditDivergence, AuditEvent
+    from kcache_server.models import (
+        audit_counts_table,
+        audit_digests_table,
+        audit_divergences_table,
+        audit_events_table,
+    )
 
-    tables = [AuditEvent, AuditCount, AuditDigest, AuditDivergence]
-    indexes = sorted(cast(sa.Table, AuditEvent.__table__).indexes, key=lambda i: str(i.name))
+    tables = [audit_events_table, audit_counts_table, audit_digests_table, audit_divergences_table]
+    indexes = sorted(audit_events_table.indexes, key=lambda i: str(i.name))
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     pg = engine.dialect.name == "postgresql"
     if not pg:
@@ -157,7 +162,7 @@ def fill(url: str, n: int) -> tuple[float, float]:
         with engine.begin() as conn:
             if pg:
                 for table in tables:
-                    conn.exec_driver_sql(f"ALTER TABLE {table.__tablename__} SET UNLOGGED")
+                    conn.exec_driver_sql(f"ALTER TABLE {table.name} SET UNLOGGED")
         started = time.perf_counter()
         with engine.begin() as conn:
             if pg:

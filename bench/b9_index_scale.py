@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import sqlalchemy as sa
@@ -86,10 +86,9 @@ def fill(
     url: str, n: int, sample: list[tuple[dict[str, Any], str, bytes]], toolchain: str
 ) -> float:
     """Insert ``n`` artifacts and their aliases; seconds taken."""
-    from kcache_server.models import Artifact, RecipeAlias
+    from kcache_server.models import artifacts_table as artifacts
+    from kcache_server.models import recipe_aliases_table as aliases
 
-    artifacts = cast(sa.Table, Artifact.__table__)
-    aliases = cast(sa.Table, RecipeAlias.__table__)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     started = time.perf_counter()
     try:
