@@ -104,8 +104,7 @@ def full_cache_dir_message(path: str | os.PathLike[str], code: int, doing: str) 
 def mark_cache_dir(root: Path) -> None:
     """Create ``root`` as a cache directory: the tag is written before any blob can be, so
     :func:`directory_kind` never mistakes a cache that is being filled for a server's."""
-    tag = root / CACHE_TAG_FILE
-    if tag.exists():
+    if os.path.exists(f"{root}/{CACHE_TAG_FILE}"):
         return
     root.mkdir(parents=True, exist_ok=True)
     _write_marker(root, CACHE_TAG_FILE, _CACHE_TAG)
@@ -164,14 +163,17 @@ def cache_layout(root: Path) -> CacheLayout:
     or compiles again), so at worst a kernel is stored twice, and each release's
     eviction counts only its own files against the cap.
     """
-    # Blobs or index first, the file second: a creator writes the file before either.
-    filled = (root / "blobs").is_dir() or (root / "index").is_dir()
     marker = root / LAYOUT_FILE
-    try:
-        named = marker.read_text().strip()
-    except FileNotFoundError:
-        if filled:
+    named = _read_marker(marker)
+    if named is None:
+        # A creator writes the file before blobs or an index, so blobs or an index seen
+        # without it are an earlier release's: read again after looking (a creator may
+        # have written both since the first read).
+        filled = (root / "blobs").is_dir() or (root / "index").is_dir()
+        named = _read_marker(marker)
+        if named is None and filled:
             return "fanout"
+    if named is None:
         root.mkdir(parents=True, exist_ok=True)
         _write_marker(root, LAYOUT_FILE, "flat\n")
         return "flat"
@@ -182,3 +184,16 @@ def cache_layout(root: Path) -> CacheLayout:
             "directory (KCACHE_CACHE_DIR)"
         )
     return "flat" if named == "flat" else "fanout"
+
+
+def _read_marker(path: Path) -> str | None:
+    """A marker file's text, or None where there is none: one open and one read (every
+    process's ``KernelCache()`` reads the layout; ``read_text`` costs twice the calls)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.read(fd, 64).decode(errors="replace").strip()
+    finally:
+        os.close(fd)

@@ -31,6 +31,7 @@ __all__ = [
     "fsync_dir",
     "identity",
     "is_disk_full",
+    "make_dirs",
     "open_regular",
     "read_file",
     "read_file_identified",
@@ -196,6 +197,22 @@ def regular_files(directory: str | os.PathLike[str], depth: int = 0) -> Iterator
 def identity(st: os.stat_result) -> FileIdentity:
     """The :data:`FileIdentity` of a file ``os.stat`` or ``os.fstat`` described."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def make_dirs(path: str) -> None:
+    """Make the directory ``path`` (and its parents) unless it is there: one ``mkdir`` when it
+    is (``Path.mkdir(parents=True, exist_ok=True)`` adds a ``stat`` and pathlib's own work,
+    paid for each of a node tier's directories in every process's ``KernelCache()``).
+
+    A file of that name is not checked for here: what is written below it fails, and the
+    node tier's standing check (:func:`kcache.standing.directory_standing`) refuses it.
+    """
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(path, exist_ok=True)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -51,6 +51,7 @@ import filelock
 
 from kcache.dirwatch import rename_watch
 from kcache.errors import LockTimeoutError
+from kcache.fsutil import make_dirs
 from kcache.keys import require_hex_key
 
 try:
@@ -182,7 +183,7 @@ class FileKeyLock:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root) / "locks"
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_dirs(str(self.root))
         self._keys = str(self.root / "keys.lock")
         # key -> (thread, its byte) for the locks held through this object (let_go).
         self._held: dict[str, tuple[int, _KeyRange]] = {}

@@ -87,6 +87,7 @@ which its owner could rewrite between the check and the load.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -258,8 +259,7 @@ class NodeTier:
         #: verdict is kept with the pack file it judged (PackEntry.verdict).
         self.packs = TierPacks(self.root)
         self.lock_timeout = lock_timeout
-        #: The cap and its water marks (``max_bytes`` None: the default; 0: unbounded).
-        self.marks = WaterMarks(default_tier_cap(self.root) if max_bytes is None else max_bytes)
+        self._max_bytes = max_bytes
         self._evict_lock_path = self.root / "locks" / "evict.lock"
         # digest -> when this process last stamped it; bounded, the oldest forgotten first.
         self._touched: LruCache[str, float] = LruCache(max_entries=100_000)
@@ -293,6 +293,13 @@ class NodeTier:
                 self.standing.reason,
                 "" if self.standing.writable else ", and nothing is written into it or removed",
             )
+
+    @functools.cached_property
+    def marks(self) -> WaterMarks:
+        """The cap and its water marks (``max_bytes`` None: the default, from the filesystem's
+        size, read when first needed: a process that only reads never asks; 0: unbounded)."""
+        cap = self._max_bytes
+        return WaterMarks(default_tier_cap(self.root) if cap is None else cap)
 
     def check_standing(self) -> Standing:
         """The tier's standing now (:func:`kcache.standing.directory_standing`); a read-only

@@ -22,7 +22,7 @@ from typing import Any
 import filelock
 
 from kcache.artifact import ArtifactMeta, CompileFailure, ManifestEntry
-from kcache.fsutil import UnsafeFileError, atomic_write, read_file, regular_files
+from kcache.fsutil import UnsafeFileError, atomic_write, make_dirs, read_file, regular_files
 from kcache.index.base import MANIFEST_LIMIT
 from kcache.keys import is_hex_key, require_hex_key
 
@@ -49,9 +49,9 @@ class FileIndex:
         self.root = Path(root) / "index"
         self.durable = durable
         self.flat = flat
-        for sub in ("recipes", "artifacts", "manifests", ".locks"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._root_str = str(self.root)
+        for sub in ("recipes", "artifacts", "manifests", ".locks"):
+            make_dirs(f"{self._root_str}/{sub}")
 
     def _path(self, kind: str, key: str) -> Path:
         return Path(self._path_str(kind, key))

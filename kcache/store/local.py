@@ -33,6 +33,7 @@ from kcache.fsutil import (
     UnsafeFileError,
     atomic_write,
     fsync_dir,
+    make_dirs,
     read_file,
     regular_files,
 )
@@ -67,8 +68,8 @@ class LocalArtifactStore:
         self.flat = flat
         self.blobs = self.root / "blobs"
         self.quarantine_dir = self.root / "quarantine"
-        self.blobs.mkdir(parents=True, exist_ok=True)
         self._blobs_str = str(self.blobs)
+        make_dirs(self._blobs_str)
         # Where a blob's name goes, below blobs/: the glob that lists blobs and staging files.
         self._below = "" if flat else "*/*/"
         self._depth = 0 if flat else 2  # directory levels below blobs/ (regular_files)

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from kcache.fsutil import TMP_PREFIX, UnsafeFileError, atomic_write, read_file, regular_files
+from kcache.fsutil import (
+    TMP_PREFIX,
+    UnsafeFileError,
+    atomic_write,
+    make_dirs,
+    read_file,
+    regular_files,
+)
 
 
 @pytest.mark.parametrize("durable", [True, False])
@@ -86,3 +93,12 @@ def test_a_walk_lists_regular_files_and_never_descends_through_a_link(tmp_path: 
     assert [e.name for e in regular_files(tree, 1)] == ["blob"]
     (tmp_path / "linked-tree").symlink_to(tree)
     assert list(regular_files(tmp_path / "linked-tree", 1)) == []  # the root itself a link
+
+
+def test_make_dirs_makes_missing_parents_and_leaves_what_is_there(tmp_path: Path) -> None:
+    deep = tmp_path / "a" / "b" / "c"
+    make_dirs(str(deep))
+    assert deep.is_dir()
+    (deep / "kept").write_text("x")
+    make_dirs(str(deep))  # there already: nothing changes, nothing raised
+    assert (deep / "kept").read_text() == "x"
