@@ -1,8 +1,9 @@
-"""``kcache cache info|ls|rm|clear`` and ``kcache pin|unpin``: see and clear a cache, pin kernels.
+"""``kcache cache info|stats|ls|rm|clear`` and ``kcache pin|unpin``: see and clear a cache, pin kernels.
 
 ``kcache cache`` works on a node tier (the user's cache directory, or ``--cache-dir``)
-the way ``ccache -s``/``-C`` and ``hf cache scan`` do, and with ``--server URL`` (an
-``admin`` token) on a server's store through ``/v1/cache``. ``kcache pin`` and
+the way ``ccache -s``/``-z``/``-C`` and ``hf cache scan`` do (``cache stats``: its hits and
+misses since ``cache stats --zero``, :mod:`kcache_client._tier_stats`), and with
+``--server URL`` (an ``admin`` token) on a server's store through ``/v1/cache``. ``kcache pin`` and
 ``kcache unpin`` manage a server's pins (``/v1/pins``); a node tier has none.
 
 Keys are taken as ``cache ls`` prints them: any unique start of a recipe key or digest
@@ -426,6 +427,65 @@ def _cmd_tier_stats(args: argparse.Namespace) -> int:
     return _tier_info(_tier(args), args)
 
 
+def _cmd_stats(args: argparse.Namespace) -> int:
+    """``kcache cache stats [--zero]``: the node tier's hits and misses since the mark
+    (:mod:`kcache_client._tier_stats`), with its size, like ``ccache -s``/``-z``."""
+    from kcache_client import _tier_stats
+
+    tier = _tier(args)
+    if args.zero:
+        if not tier.standing.writable:
+            raise ClientError(
+                f"the cache directory {_show(tier.root)} is not writable here "
+                f"({_show(tier.standing.reason)}): its statistics cannot be zeroed"
+            )
+        at = _tier_stats.zero(tier.root)
+        data = {"location": str(tier.root), "zeroed_at": at}
+        return _emit(args, data, f"statistics of {_show(tier.root)} zeroed: counting from now")
+    counts = _tier_stats.read(tier.root)
+    usage = tier.usage()
+    cap = usage.marks.cap
+    share = f" ({usage.bytes_used / cap * 100:.1f}%)" if cap else ""
+    rate = counts.hit_rate
+    data = {
+        "location": str(usage.root),
+        "since": counts.mark if counts.mark is not None else counts.first,
+        "zeroed_at": counts.mark,
+        "hits": counts.hits,
+        "misses": counts.misses,
+        "hit_rate": rate,
+        **counts.counts,
+        "processes": counts.processes,
+        "bytes_used": usage.bytes_used,
+        "bytes_cap": cap or None,
+        "entries": usage.entries,
+    }
+    if counts.mark is not None:
+        since = f"{_when(counts.mark)}, the mark (kcache cache stats --zero)"
+    elif counts.first is not None:
+        since = f"{_when(counts.first)}, the first process counted (never zeroed)"
+    else:
+        since = "- (nothing counted yet; never zeroed)"
+    c = counts.counts
+    text = "\n".join(
+        [
+            f"location       {_show(usage.root)}",
+            f"since          {since}",
+            f"hits           {counts.hits} (answered by the node tier or its layers)",
+            f"misses         {counts.misses} ({c['server_fetches']} from the server, "
+            f"{c['local_compiles']} compiled here)",
+            f"hit rate       {'-' if rate is None else f'{rate * 100:.1f} %'}",
+            f"memory hits    {c['memory_hits']} (a process asking again: not counted above)",
+            f"prefetched     {c['bundle_entries']} kernels put into the tier by prefetches",
+            f"processes      {counts.processes} (each writes its counts when it ends)",
+            f"size           {format_size(usage.bytes_used)} of "
+            f"{format_size(cap) if cap else 'no cap'}{share}",
+            f"entries        {usage.entries}",
+        ]
+    )
+    return _emit(args, data, text)
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     server = _server(args, required=False)
     if server is not None:
@@ -694,7 +754,7 @@ def _where(parser: argparse.ArgumentParser, *, server_default: str) -> None:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``kcache cache`` (info, ls, rm, clear), ``kcache pin`` and ``kcache unpin``."""
+    """Add ``kcache cache`` (info, stats, ls, rm, clear), ``kcache pin`` and ``kcache unpin``."""
     on_server = "work on this server's store instead (needs an admin token)"
     cache = subparsers.add_parser(
         "cache", help="see and clear a node tier (default) or, with --server, a server's store"
@@ -705,6 +765,20 @@ def register(subparsers: Any) -> None:
     )
     _where(info, server_default=on_server)
     info.set_defaults(func=_cmd_info)
+    stats = sub.add_parser(
+        "stats",
+        help="hits, misses, hit rate, size and entries of the node tier since the mark (ccache -s)",
+        description="The node tier's statistics, like `ccache -s`: lookups it answered (hits) "
+        "and those that needed the server or a compile here (misses), since the mark that "
+        "--zero sets (like `ccache -z`), with its size and entries. Each process writes its "
+        "counts when it ends: processes still running are not in them yet.",
+    )
+    stats.add_argument(
+        "--cache-dir", help="the node tier (default $KCACHE_CACHE_DIR or ~/.cache/kcache/client)"
+    )
+    stats.add_argument("--zero", action="store_true", help="set the mark: count from now")
+    stats.add_argument("--json", action="store_true", help="print JSON")
+    stats.set_defaults(func=_cmd_stats)
     ls = sub.add_parser("ls", help="entries, most recently used first: key, kernel, target, size")
     _where(ls, server_default=on_server)
     ls.add_argument("--limit", type=int, default=100, help="show at most this many (default 100)")
