@@ -48,6 +48,7 @@ from typing import Any
 
 from kcache.artifact import ArtifactMeta
 from kcache.errors import KCacheError
+from kcache.foreign import ForeignBinding
 
 __all__ = [
     "ALGORITHM",
@@ -424,6 +425,10 @@ class SigningKey:
         """Sign a bundle's entries (:class:`BundleDigest`)."""
         return Signature(self.key_id, _b64(self._private.sign(entries.message())))
 
+    def sign_foreign(self, binding: ForeignBinding) -> Signature:
+        """Sign a foreign binding: "published by <writer>" (:meth:`ForeignBinding.message`)."""
+        return Signature(self.key_id, _b64(self._private.sign(binding.message())))
+
     def endorse(self, public_key: str) -> Signature:
         """This key's endorsement of ``public_key`` (base64url): "sign with it after me"."""
         raw = _unb64(public_key, "the endorsed public key")
@@ -496,6 +501,14 @@ class TrustedKeys:
         if signature is None:
             raise SignatureError(f"{what} carries no signature")
         self._verify(signature, signed_message(recipe_key, meta), what)
+
+    def verify_foreign(self, binding: ForeignBinding, signature: Signature | None) -> None:
+        """Raise :class:`SignatureError` unless ``signature`` by a trusted key covers the
+        foreign ``binding`` (its name, files and writer)."""
+        what = f"the {binding.library} entry {binding.key} published by {binding.writer}"
+        if signature is None:
+            raise SignatureError(f"{what} carries no signature")
+        self._verify(signature, binding.message(), what)
 
     def verify_bundle(self, entries: BundleDigest, signature: Signature) -> None:
         """Raise :class:`SignatureError` unless ``signature`` by a trusted key covers the

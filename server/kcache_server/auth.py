@@ -44,7 +44,7 @@ from kcache_server.errors import (
 )
 from kcache_server.models import tokens_table as _tokens
 from kcache_server.models import utcnow
-from kcache_server.scopes import SCOPES
+from kcache_server.scopes import ALL_SCOPES, PUBLISH, SCOPES
 
 __all__ = [
     "PRINCIPAL_KEY",
@@ -58,6 +58,9 @@ __all__ = [
 ]
 
 _RANK = {scope: i for i, scope in enumerate(SCOPES)}
+# ``publish`` sits outside the chain: it reads and reports as ``report`` does, and only it
+# (or ``admin``) publishes foreign artifacts (Principal.allows).
+_RANK_OF = {**_RANK, PUBLISH: _RANK["report"]}
 # Token names are printed by `kcache token list`: printable, no control characters.
 # A token made elsewhere (`kcache token create --token-file`): printable ASCII, no spaces.
 _TOKEN_VALUE = re.compile(r"[!-~]{24,512}")
@@ -79,10 +82,12 @@ class Principal:
     @cached_property
     def _rank(self) -> int:
         """The highest rank among the scopes (-1 with none known): asked on every request."""
-        return max((_RANK[s] for s in self.scopes if s in _RANK), default=-1)
+        return max((_RANK_OF[s] for s in self.scopes if s in _RANK_OF), default=-1)
 
     def allows(self, scope: str) -> bool:
         """True when one of the scopes includes ``scope``."""
+        if scope == PUBLISH:
+            return PUBLISH in self.scopes or "admin" in self.scopes
         return self._rank >= _RANK[scope]
 
     def require(self, scope: str, what: str) -> None:
@@ -133,10 +138,10 @@ class TokenStore:
                 "token", "a given token is 24 to 512 printable ASCII characters without spaces"
             )
         scope_set = (
-            sorted(set(scopes), key=_RANK.__getitem__) if set(scopes) <= set(_RANK) else None
+            sorted(set(scopes), key=ALL_SCOPES.index) if set(scopes) <= set(ALL_SCOPES) else None
         )
         if not scope_set:
-            raise InvalidRequestError("scope", f"choose from {', '.join(SCOPES)}")
+            raise InvalidRequestError("scope", f"choose from {', '.join(ALL_SCOPES)}")
         if not isinstance(name, str) or not _TOKEN_NAME.fullmatch(name):
             raise InvalidRequestError(
                 "name", "a token name is 1 to 256 printable characters (no control characters)"

@@ -47,6 +47,7 @@ from kcache.errors import (
     UnlistedIncludeError,
     UnresolvedRecipeError,
 )
+from kcache.foreign import ForeignConflictError
 from kcache_server.request_ids import current_request_id
 
 __all__ = [
@@ -227,6 +228,8 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     # A recipe pinned to a set's earlier contents: a conflict with the server's state, which
     # the client resolves by pinning the current contents (kcache_client does, once).
     IncludeSetChangedError: ErrorInfo(409, "include_set_changed"),
+    # A foreign group naming one file twice with other bytes (docs/design.md section 10).
+    ForeignConflictError: ErrorInfo(409, "conflict"),
     RecipeError: ErrorInfo(422, "invalid_recipe"),
     CompileTimeoutError: ErrorInfo(422, "compile_timeout"),
     ArtifactTooLargeError: ErrorInfo(422, "artifact_too_large"),

@@ -36,6 +36,7 @@ from kcache_server.models import (
 from kcache_server.models import artifacts_table as _artifacts
 from kcache_server.models import compile_charges_table as _charges
 from kcache_server.models import evictions_table as _evictions
+from kcache_server.models import foreign_files_table as _foreign_files
 from kcache_server.models import manifests_table as _manifests
 from kcache_server.models import negative_entries_table as _negatives
 from kcache_server.models import pins_table as _pins
@@ -180,21 +181,27 @@ class SqlIndex:
         return None if failure.expired() else failure
 
     def digests(self) -> set[str]:
-        """Every digest an artifact row names (what garbage collection must keep)."""
+        """Every digest an artifact row or a foreign file names (what garbage collection must keep)."""
         with self.engine.connect() as conn:
-            return set(conn.execute(sa.select(_artifacts.c.digest)).scalars())
+            return set(conn.execute(sa.select(_artifacts.c.digest)).scalars()) | set(
+                conn.execute(sa.select(_foreign_files.c.digest)).scalars()
+            )
 
     def names(self, digest: str) -> bool:
-        """True when an artifact row names ``digest`` now (garbage collection's last check)."""
+        """True when an artifact row or a foreign file names ``digest`` now (garbage collection's last check)."""
         _check(digest)
         with self.engine.connect() as conn:
             row = conn.execute(
                 sa.select(_artifacts.c.digest).where(_artifacts.c.digest == digest)
             ).first()
+            if row is None:
+                row = conn.execute(
+                    sa.select(_foreign_files.c.digest).where(_foreign_files.c.digest == digest)
+                ).first()
         return row is not None
 
     def named(self, digests: Sequence[str]) -> set[str]:
-        """Those of ``digests`` an artifact row names now (eviction's last check, batched)."""
+        """Those of ``digests`` an artifact row or a foreign file names now (eviction's last check, batched)."""
         found: set[str] = set()
         with self.engine.connect() as conn:
             for start in range(0, len(digests), _EVICT_BATCH):
@@ -203,6 +210,13 @@ class SqlIndex:
                     conn.execute(
                         sa.select(_artifacts.c.digest).where(
                             self._among(_artifacts.c.digest, chunk)
+                        )
+                    ).scalars()
+                )
+                found.update(  # a foreign file's blob is kept as an artifact's is
+                    conn.execute(
+                        sa.select(_foreign_files.c.digest).where(
+                            self._among(_foreign_files.c.digest, chunk)
                         )
                     ).scalars()
                 )

@@ -9,7 +9,9 @@ token reported per minute, for its bound), and for bounded storage ``pins``
 ``compile_charges`` (who caused each compile, for quotas), ``quota_accounts`` and
 ``quota_reservations`` (bytes promised to compiles in progress, per caller), and
 ``withdrawals`` (bindings verification found wrong, read by every replica and client), and
-``signing_keys`` (the keys the servers sharing the database sign with, checked at start-up). Alembic
+``signing_keys`` (the keys the servers sharing the database sign with, checked at start-up), and
+``foreign_bindings`` with ``foreign_files`` (artifacts a library's own cache hook published
+under the library's key, docs/design.md section 10). Alembic
 migrations under ``kcache_server/migrations/`` must agree with these; a test checks it
 on SQLite and PostgreSQL.
 """
@@ -52,6 +54,8 @@ __all__ = [
     "Base",
     "CompileCharge",
     "EvictionLogEntry",
+    "ForeignBinding",
+    "ForeignFile",
     "ManifestRow",
     "NegativeEntry",
     "Pin",
@@ -75,6 +79,8 @@ __all__ = [
     "audit_rollups_table",
     "compile_charges_table",
     "evictions_table",
+    "foreign_bindings_table",
+    "foreign_files_table",
     "manifests_table",
     "metadata",
     "negative_entries_table",
@@ -625,6 +631,54 @@ class SigningKeyRow(Base):
     note: Mapped[str | None] = mapped_column(String(SIGNING_KEY_NOTE_LENGTH), nullable=True)
 
 
+#: Bounds of a foreign binding's names (docs/design.md section 10), as the routes check them.
+FOREIGN_LIBRARY_LENGTH = 32
+FOREIGN_LABEL_LENGTH = 128
+FOREIGN_KEY_LENGTH = 256
+FOREIGN_FILE_NAME_LENGTH = 256
+
+
+class ForeignBinding(Base):
+    """A group of files a library's own cache hook published under the library's key.
+
+    Named by (library, version, target, toolchain, key) as the library reports them;
+    ``binding_key`` is the sha256 of that name (:func:`kcache.signing.foreign_binding_key`),
+    unique. ``writer`` is who published it (``token:<name>``, ``client:<address>``): the
+    server signs "published by <writer>", never "compiled by kcache". The first publish
+    of a name wins; its files are ``foreign_files`` rows, written in the same transaction.
+    """
+
+    __tablename__ = "foreign_bindings"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    binding_key: Mapped[Hex64] = mapped_column(unique=True)
+    library: Mapped[str] = mapped_column(String(FOREIGN_LIBRARY_LENGTH))
+    version: Mapped[str] = mapped_column(String(FOREIGN_LABEL_LENGTH))
+    target: Mapped[str] = mapped_column(String(FOREIGN_LABEL_LENGTH))
+    toolchain: Mapped[str] = mapped_column(String(FOREIGN_LABEL_LENGTH))
+    key: Mapped[str] = mapped_column(String(FOREIGN_KEY_LENGTH))
+    writer: Mapped[str] = mapped_column(String(REPORTER_LENGTH))
+    size: Mapped[int] = mapped_column(BigInteger)  # the group's bytes, all files
+    published_at: Mapped[Stamp]
+    last_used_at: Mapped[Stamp] = mapped_column(index=True)
+
+
+class ForeignFile(Base):
+    """One file of a foreign binding's group: its name in the group and its blob."""
+
+    __tablename__ = "foreign_files"
+    __table_args__ = (UniqueConstraint("binding_id", "name"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    binding_id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"),
+        ForeignKey("foreign_bindings.id", ondelete="CASCADE"),
+    )
+    name: Mapped[str] = mapped_column(String(FOREIGN_FILE_NAME_LENGTH))
+    digest: Mapped[Hex64] = mapped_column(index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+
+
 # Each model's Core table, typed as sa.Table (a declarative class's ``__table__`` is typed
 # as a FromClause), for the modules that query with Core: import these, do not cast again.
 
@@ -650,3 +704,5 @@ verification_events_table = cast(Table, VerificationEvent.__table__)
 recipe_records_table = cast(Table, RecipeRecord.__table__)
 withdrawals_table = cast(Table, Withdrawal.__table__)
 signing_keys_table = cast(Table, SigningKeyRow.__table__)
+foreign_bindings_table = cast(Table, ForeignBinding.__table__)
+foreign_files_table = cast(Table, ForeignFile.__table__)

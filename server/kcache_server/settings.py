@@ -219,6 +219,12 @@ class Settings(BaseSettings):
         ge=1024,
         description="compiler output above this is refused (422), never stored",
     )
+    foreign_max_bytes: int = Field(
+        default=32 << 20,
+        ge=1024,
+        description="the largest file a library cache hook may publish (PUT /v1/foreign/blobs, 413 "
+        "past it; max_request_bytes bounds every body too)",
+    )
     min_free_bytes: int = Field(
         default=256 << 20,
         ge=0,

@@ -19,6 +19,7 @@ from kcache_server.auditing.writer import AuditLog
 from kcache_server.auth import TokenStore
 from kcache_server.backends import Backends
 from kcache_server.fairness import CallerSlots, current_caller
+from kcache_server.foreign import ForeignStore
 from kcache_server.metrics import ServerMetrics
 from kcache_server.recipe_checks import RecipeChecks
 from kcache_server.recipe_records import RecipeRecords
@@ -49,6 +50,8 @@ class ServerState:
     signer: ArtifactSigner = field(init=False)
     #: Recipes compiled or served, kept to explain misses (written by the audit writer's thread).
     recipe_records: RecipeRecords = field(init=False)
+    #: Foreign artifacts: what library cache hooks published (docs/design.md section 10).
+    foreign: ForeignStore = field(init=False)
 
     def __post_init__(self) -> None:
         threads = self.settings.request_threads
@@ -73,6 +76,7 @@ class ServerState:
             recipe_records=self.recipe_records,
         )
         self.recipes = RecipeChecks(self.backends)
+        self.foreign = ForeignStore(self.backends.db, self.backends.store, self.signer)
 
     async def run(self, func: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a blocking call on a worker thread under the shared limiter and the caller's share."""

@@ -12,6 +12,7 @@ a new route without one fails :func:`test_every_json_route_has_a_sample`.
 from __future__ import annotations
 
 import copy
+import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 
 from tests.support import ServerThread, unique, vector_add
 
+_FOREIGN_BYTES = b"\x7fELF-ish"
+_FOREIGN_DIGEST = hashlib.sha256(_FOREIGN_BYTES).hexdigest()
+_FOREIGN_NS = {"version": "14.2.0", "target": "sm_90", "toolchain": "nvrtc-13.0"}
 BROKEN = {"source": "__global__ void broken() { this is not cuda; }", "target": "sm_80"}
 
 
@@ -148,6 +152,54 @@ def _samples(recipe_key: str, digest: str, server: ServerThread) -> list[Sample]
             params={"group_by": "rank", "job_id": "contract-job"},
         ),
         Sample("GET", "/v1/stats", "/v1/stats", 422, params={"since": "yesterday-ish"}),
+        # Foreign artifacts (an open loopback server grants publish): a file, its group, lookups.
+        Sample(
+            "PUT",
+            "/v1/blobs/{digest}",
+            f"/v1/blobs/{_FOREIGN_DIGEST}",
+            200,
+            content=_FOREIGN_BYTES,
+        ),
+        Sample(
+            "PUT",
+            "/v1/foreign/{library}/{key}",
+            "/v1/foreign/cupy/contract.cubin",
+            200,
+            {
+                **_FOREIGN_NS,
+                "files": [
+                    {"name": "payload", "digest": _FOREIGN_DIGEST, "size": len(_FOREIGN_BYTES)}
+                ],
+            },
+        ),
+        Sample(
+            "PUT",
+            "/v1/foreign/{library}/{key}",
+            "/v1/foreign/cupy/contract2.cubin",
+            404,
+            {**_FOREIGN_NS, "files": [{"name": "payload", "digest": missing, "size": 9}]},
+        ),
+        Sample(
+            "GET",
+            "/v1/foreign/{library}/{key}",
+            "/v1/foreign/cupy/contract.cubin",
+            200,
+            params=_FOREIGN_NS,
+        ),
+        Sample(
+            "GET",
+            "/v1/foreign/{library}/{key}",
+            "/v1/foreign/cupy/absent.cubin",
+            404,
+            params=_FOREIGN_NS,
+        ),
+        Sample(
+            "DELETE",
+            "/v1/foreign/{library}/{key}",
+            "/v1/foreign/cupy/contract.cubin",
+            200,
+            params=_FOREIGN_NS,
+        ),
         # Storage (admin; an open loopback server grants it): clearing comes last.
         Sample(
             "POST", "/v1/pins", "/v1/pins", 200, {"recipe_keys": [recipe_key], "group": "contract"}
@@ -359,9 +411,15 @@ def test_head_answers_what_get_would_with_no_body(contract: Contract) -> None:
     assert "application/octet-stream" in responses["200"]["content"]
 
 
-@pytest.mark.parametrize("method", ["OPTIONS", "PUT", "PATCH"])
 @pytest.mark.parametrize(
-    "route", ["/v1/blobs/{digest}", "/v1/pins", "/v1/recipes/{recipe_key}", "/v1/resolve"]
+    ("route", "method"),
+    [
+        (route, method)
+        for route in ("/v1/blobs/{digest}", "/v1/pins", "/v1/recipes/{recipe_key}", "/v1/resolve")
+        for method in ("OPTIONS", "PUT", "PATCH")
+        if (route, method) != ("/v1/blobs/{digest}", "PUT")  # a foreign file's upload
+    ]
+    + [("/v1/blobs/{digest}", "DELETE")],
 )
 def test_a_405_allows_exactly_the_documented_methods(
     contract: Contract, method: str, route: str

@@ -7,6 +7,7 @@ from kcache_server.routes import (
     dashboard,
     events,
     explain,
+    foreign,
     health,
     jobs,
     keys,
@@ -41,6 +42,7 @@ ROUTERS = [
     withdrawals.router,
     jobs.router,
     bundle.router,
+    foreign.router,
 ]
 
 __all__ = ["ROUTERS"]

@@ -37,6 +37,7 @@ __all__ = [
     "INLINE_BODY_BYTES",
     "Admin",
     "Compiler",
+    "Publisher",
     "Reader",
     "Reporter",
     "State",
@@ -47,6 +48,7 @@ __all__ = [
     "read_body",
     "require_admin",
     "require_compile",
+    "require_publish",
     "require_read",
     "require_report",
 ]
@@ -123,6 +125,8 @@ require_read = _requiring("read", "this request")
 require_report = _requiring("report", "posting client audit events")
 #: A token that may compile, route-wide (a resolve asks for it only with ``compile`` true).
 require_compile = _requiring("compile", "reading a recorded recipe (its source)")
+#: A token that may publish foreign artifacts (``publish``, or ``admin``).
+require_publish = _requiring("publish", "publishing foreign artifacts")
 #: A token with the ``admin`` scope (pins, the store, verification).
 require_admin = _requiring("admin", "managing pins, the store and verification")
 
@@ -132,6 +136,8 @@ Reader = Annotated[Principal, Depends(require_read)]
 Reporter = Annotated[Principal, Depends(require_report)]
 #: The calling principal, checked for at least the ``compile`` scope.
 Compiler = Annotated[Principal, Depends(require_compile)]
+#: The calling principal, checked for the ``publish`` scope (or ``admin``).
+Publisher = Annotated[Principal, Depends(require_publish)]
 #: The calling principal, checked for the ``admin`` scope.
 Admin = Annotated[Principal, Depends(require_admin)]
 #: The server state.

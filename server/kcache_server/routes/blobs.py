@@ -1,4 +1,8 @@
-"""``GET``/``HEAD /v1/blobs/{digest}``: content-addressed bytes, immutable.
+"""``GET``/``HEAD /v1/blobs/{digest}``: content-addressed bytes, immutable; ``PUT``: a foreign file's bytes.
+
+``PUT`` (publish scope) stores the bytes a foreign group will name (docs/design.md
+section 10): checked against the digest, at most ``foreign_max_bytes``; the group is
+published after, by ``PUT /v1/foreign/{library}/{key}`` (:mod:`~kcache_server.routes.foreign`).
 
 Behind the deploy's nginx (``accel_redirect`` set) a ``GET`` whose bytes this process
 has verified is answered with the headers and ``X-Accel-Redirect`` instead of the bytes
@@ -9,23 +13,25 @@ sends the file. ``HEAD`` carries no bytes and is answered here in any case.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, Field
 
 from kcache.errors import ArtifactNotFoundError
 from kcache.store.base import ArtifactStore
 from kcache_server.accel_redirect import ACCEL_HEADER, accel_path, accel_wanted, on_disk
+from kcache_server.errors import PayloadTooLargeError
 from kcache_server.http_cache import blob_headers, etag_matches
-from kcache_server.routes._deps import ERRORS, Reader, State
-from kcache_server.schemas import DigestPath, check_key
+from kcache_server.routes._deps import ERRORS, Publisher, Reader, State
+from kcache_server.schemas import HEX_KEY_PATTERN, DigestPath, SchemaPattern, check_key
 from kcache_server.state import ServerState
 
 router = APIRouter(prefix="/v1/blobs", tags=["blobs"])
 
-__all__ = ["bytes_answer", "router"]
+__all__ = ["BlobStored", "bytes_answer", "router"]
 
 _BYTES = "application/octet-stream"
 _RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -87,3 +93,45 @@ async def bytes_answer(
         redirect = {**headers, "X-Accel-Redirect": accel_path(prefix, digest)}
         return Response(b"", media_type=_BYTES, headers=redirect)
     return Response(data, media_type=_BYTES, headers=headers)
+
+
+class BlobStored(BaseModel):
+    """Body of ``PUT /v1/blobs/{digest}``."""
+
+    digest: Annotated[str, SchemaPattern(HEX_KEY_PATTERN)]
+    size: int
+    stored: bool = Field(description="false: the store held these bytes already")
+
+
+_BYTES_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "a foreign file's bytes, at most {setting:foreign_max_bytes} bytes "
+        "(foreign_max_bytes); they must hash to the digest",
+        "content": {_BYTES: {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+@router.put("/{digest}", response_model=BlobStored, responses=ERRORS, openapi_extra=_BYTES_BODY)
+async def put_blob(digest: DigestPath, request: Request, _: Publisher, state: State) -> BlobStored:
+    """Store a foreign file's bytes (idempotent); the group that names them is published after."""
+    check_key(digest, "digest")
+    limit = state.settings.foreign_max_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(
+            f"the file is {int(declared)} bytes; the limit is {limit} (foreign_max_bytes)"
+        )
+    chunks: list[bytes] = []
+    seen = 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > limit:
+            raise PayloadTooLargeError(
+                f"the file is over the limit of {limit} bytes (foreign_max_bytes)"
+            )
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    stored: bool = await state.run(state.foreign.store_blob, digest, data)
+    return BlobStored(digest=digest, size=len(data), stored=stored)

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kcache_server.scopes import SCOPES
+from kcache_server.scopes import ALL_SCOPES
 
 if TYPE_CHECKING:
     from kcache_server.settings import Settings
@@ -606,9 +606,10 @@ def register(subparsers: Any) -> None:
     create.add_argument(
         "--scope",
         action="append",
-        choices=list(SCOPES),
+        choices=list(ALL_SCOPES),
         help="repeatable (default read); each includes the ones before it: "
-        "read < report (post client audit events) < compile < admin",
+        "read < report (post client audit events) < compile < admin; publish (foreign "
+        "artifacts from library cache hooks) reads and reports, and admin includes it",
     )
     create.add_argument(
         "--token-file",

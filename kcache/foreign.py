@@ -1,0 +1,175 @@
+"""Foreign bindings: a group of files a library's own cache hook published under the library's key.
+
+kcache did not compile these and cannot check what their compile read; what it vouches
+for is "published by <writer> under <namespace>/<key>" (docs/design.md section 10). A
+binding is named by (library, version, target, toolchain, key), each as the library
+reports it; :func:`binding_key` is the sha256 of that name, which the server keys its row
+by and a node tier files the group under. :meth:`ForeignBinding.message` is what the
+server's signature covers: a prefix no recipe binding's message has, so a signature of
+one never verifies as the other. The client and the server check names with the same
+patterns (:func:`check_name`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kcache.errors import KCacheError
+
+__all__ = [
+    "FILE_NAME_PATTERN",
+    "KEY_PATTERN",
+    "LABEL_PATTERN",
+    "LIBRARY_PATTERN",
+    "MAX_FILES",
+    "ForeignBinding",
+    "ForeignConflictError",
+    "ForeignFileRef",
+    "ForeignNameError",
+    "binding_key",
+    "check_name",
+]
+
+#: A library's name: lowercase, as ``cupy``, ``cuda-core``, ``triton`` (never ``blobs``).
+LIBRARY_PATTERN = "^[a-z][a-z0-9_-]{0,31}$"
+#: A version, target or toolchain as the library reports it.
+LABEL_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._+:-]{0,127}$"
+#: The library's key, verbatim (others are hex-encoded or hashed by the hook).
+KEY_PATTERN = "^[A-Za-z0-9_][A-Za-z0-9._=-]{0,255}$"
+#: A file's name within its group (Triton's ``kernel.cubin``, ``__grp__kernel.json``).
+FILE_NAME_PATTERN = "^[A-Za-z0-9_][A-Za-z0-9._=+-]{0,255}$"
+#: Files in one group at most.
+MAX_FILES = 64
+#: What the signature of a foreign binding signs before its canonical JSON.
+MESSAGE_PREFIX = b"kcache-foreign/v1:"
+#: Libraries that cannot be a name: ``blobs`` is the route of a foreign file's bytes.
+RESERVED_LIBRARIES = frozenset({"blobs"})
+
+_PATTERNS = {
+    "library": re.compile(LIBRARY_PATTERN[1:-1]),
+    "version": re.compile(LABEL_PATTERN[1:-1]),
+    "target": re.compile(LABEL_PATTERN[1:-1]),
+    "toolchain": re.compile(LABEL_PATTERN[1:-1]),
+    "key": re.compile(KEY_PATTERN[1:-1]),
+    "name": re.compile(FILE_NAME_PATTERN[1:-1]),
+}
+_HEX64 = re.compile("[0-9a-f]{64}")
+
+
+class ForeignNameError(KCacheError, ValueError):
+    """A foreign binding's name or group is malformed; ``field`` names what."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class ForeignConflictError(ForeignNameError):
+    """A group names one file twice with other bytes."""
+
+
+def check_name(field: str, value: object) -> str:
+    """``value`` when it is a valid ``field`` (library, version, target, toolchain, key, name)."""
+    pattern = _PATTERNS[field]
+    if not isinstance(value, str) or pattern.fullmatch(value) is None:
+        raise ForeignNameError(
+            field, f"{field} must match {pattern.pattern!r} (got {str(value)[:80]!r})"
+        )
+    if field == "library" and value in RESERVED_LIBRARIES:
+        raise ForeignNameError(field, f"{value!r} cannot be a library's name")
+    return value
+
+
+def binding_key(library: str, version: str, target: str, toolchain: str, key: str) -> str:
+    """The sha256 of a foreign binding's name: what the server and a node tier file it under."""
+    name = [
+        check_name(f, v)
+        for f, v in zip(_NAME_FIELDS, (library, version, target, toolchain, key), strict=True)
+    ]
+    return hashlib.sha256(b"kcache-foreign\x00" + "\x00".join(name).encode("ascii")).hexdigest()
+
+
+_NAME_FIELDS = ("library", "version", "target", "toolchain", "key")
+
+
+@dataclass(frozen=True)
+class ForeignFileRef:
+    """One file of a group: its name in the group, its digest and size."""
+
+    name: str
+    digest: str
+    size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"name": self.name, "digest": self.digest, "size": self.size}
+
+
+@dataclass(frozen=True)
+class ForeignBinding:
+    """A published group under a library's key, and who published it."""
+
+    library: str
+    version: str
+    target: str
+    toolchain: str
+    key: str
+    files: tuple[ForeignFileRef, ...]
+    writer: str
+
+    @property
+    def binding_key(self) -> str:
+        """:func:`binding_key` of this binding's name."""
+        return binding_key(self.library, self.version, self.target, self.toolchain, self.key)
+
+    @property
+    def size(self) -> int:
+        """The group's bytes."""
+        return sum(f.size for f in self.files)
+
+    def message(self) -> bytes:
+        """The bytes the server's signature covers ("published by <writer>")."""
+        body = {
+            "library": self.library,
+            "version": self.version,
+            "target": self.target,
+            "toolchain": self.toolchain,
+            "key": self.key,
+            "files": sorted([f.name, f.digest, f.size] for f in self.files),
+            "writer": self.writer,
+        }
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return MESSAGE_PREFIX + text.encode("ascii")
+
+
+def check_files(
+    files: Sequence[Mapping[str, Any]], max_size: int | None = None
+) -> tuple[ForeignFileRef, ...]:
+    """A group's files, each checked (names unique, digests hex, sizes within ``max_size``)."""
+    if not isinstance(files, Sequence) or not 1 <= len(files) <= MAX_FILES:
+        raise ForeignNameError("files", f"a group has 1 to {MAX_FILES} files")
+    out: list[ForeignFileRef] = []
+    seen: set[str] = set()
+    for item in files:
+        if not isinstance(item, Mapping):
+            raise ForeignNameError("files", "each file is {name, digest, size}")
+        name = check_name("name", item.get("name"))
+        digest, size = item.get("digest"), item.get("size")
+        if not isinstance(digest, str) or _HEX64.fullmatch(digest) is None:
+            raise ForeignNameError("files", f"file {name}: digest must be 64 lowercase hex digits")
+        if type(size) is not int or size < 0 or (max_size is not None and size > max_size):
+            bound = "" if max_size is None else f" at most {max_size}"
+            raise ForeignNameError("files", f"file {name}: size must be an integer{bound}")
+        ref = ForeignFileRef(name, digest, size)
+        if name in seen:
+            if ref not in out:
+                raise ForeignConflictError("files", f"file {name} is named twice, with other bytes")
+            continue  # the same file named twice is named once
+        seen.add(name)
+        out.append(ref)
+    return tuple(sorted(out, key=lambda f: f.name))

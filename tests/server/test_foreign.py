@@ -1,0 +1,274 @@
+"""Foreign artifacts (docs/design.md section 10): library cache hooks' bytes under the library's key.
+
+One real server (SQLite) with tokens per scope for the module: publishing needs
+``publish`` (or ``admin``), a group is refused until every blob it names is stored, the
+first publish of a name wins, a lookup is signed "published by <writer>" under a message
+no recipe binding has, audited, and garbage collection keeps a foreign file's blob.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from kcache.foreign import ForeignBinding, ForeignFileRef, binding_key
+from kcache.signing import SignatureError, TrustedKeys, signed_message
+from tests.support import ServerThread, unique
+
+NAMESPACE = {"version": "14.2.0", "target": "sm_90", "toolchain": "nvrtc-13.0"}
+
+
+@dataclass
+class Foreign:
+    server: ServerThread
+    tokens: dict[str, str]
+
+    def client(self, scope: str) -> httpx.Client:
+        return self.server.client(self.tokens[scope])
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Foreign]:
+    from kcache_server import Settings
+
+    data = tmp_path_factory.mktemp("foreign") / "data"
+    server = ServerThread(
+        Settings(
+            data_dir=data,
+            compile_workers=1,
+            audit={"flush_s": 0.05},
+            auth_cache_s=0.0,
+            foreign_max_bytes=4096,
+        )
+    )
+    try:
+        tokens = {
+            scope: server.state.tokens.create(f"t-{scope}", scopes)
+            for scope, scopes in {
+                "read": ["read"],
+                "compile": ["compile"],
+                "publish": ["publish"],
+                "admin": ["admin"],
+            }.items()
+        }
+        yield Foreign(server, tokens)
+    finally:
+        server.stop()
+
+
+def _blob(http: httpx.Client, data: bytes) -> str:
+    digest = hashlib.sha256(data).hexdigest()
+    answer = http.put(
+        f"/v1/blobs/{digest}",
+        content=data,
+        headers={"content-type": "application/octet-stream"},
+    )
+    assert answer.status_code == 200, answer.text
+    return digest
+
+
+def _publish(http: httpx.Client, library: str, key: str, files: dict[str, bytes]) -> httpx.Response:
+    refs = [
+        {"name": name, "digest": _blob(http, data), "size": len(data)}
+        for name, data in files.items()
+    ]
+    return http.put(f"/v1/foreign/{library}/{key}", json={**NAMESPACE, "files": refs})
+
+
+def _binding(entry: dict[str, Any]) -> ForeignBinding:
+    files = tuple(ForeignFileRef(f["name"], f["digest"], f["size"]) for f in entry["files"])
+    return ForeignBinding(
+        entry["library"],
+        entry["version"],
+        entry["target"],
+        entry["toolchain"],
+        entry["key"],
+        files,
+        entry["writer"],
+    )
+
+
+def test_publish_then_lookup_is_signed_as_published_by_the_writer(foreign: Foreign) -> None:
+    key = unique("kern") + ".cubin"
+    cubin = os.urandom(300)
+    with foreign.client("publish") as http:
+        answer = _publish(http, "cupy", key, {"payload": cubin})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["published"] is True
+    with foreign.client("read") as http:
+        got = http.get(f"/v1/foreign/cupy/{key}", params=NAMESPACE)
+        assert got.status_code == 200, got.text
+        entry = got.json()
+        keys = http.get("/v1/keys").json()
+        (file,) = entry["files"]
+        assert http.get(f"/v1/blobs/{file['digest']}").content == cubin
+    assert entry["writer"] == "token:t-publish"
+    assert entry["binding_key"] == binding_key("cupy", *NAMESPACE.values(), key)
+    trusted = TrustedKeys(k["public_key"] for k in keys["keys"])
+    from kcache.signing import Signature
+
+    signature = Signature.from_dict(entry["signature"])
+    binding = _binding(entry)
+    trusted.verify_foreign(binding, signature)  # "published by token:t-publish"
+    # Another writer, another file, another name: the signature covers each.
+    for changed in (
+        ForeignBinding(
+            *[
+                getattr(binding, f)
+                for f in ("library", "version", "target", "toolchain", "key", "files")
+            ],
+            "token:other",
+        ),
+        ForeignBinding("cupy", "14.1.0", "sm_90", "nvrtc-13.0", key, binding.files, binding.writer),
+    ):
+        with pytest.raises(SignatureError):
+            trusted.verify_foreign(changed, signature)
+    # Never "compiled by kcache": the message has a prefix no recipe binding's has.
+    assert binding.message().startswith(b"kcache-foreign/v1:")
+    assert not binding.message().startswith(b"{")
+    assert signed_message.__name__  # (the recipe message is canonical JSON, starting with "{")
+
+
+def test_a_lookup_that_misses_is_404_and_both_are_audited(foreign: Foreign) -> None:
+    key = unique("missing")
+    with foreign.client("read") as http:
+        answer = http.get(f"/v1/foreign/triton/{key}", params=NAMESPACE)
+        assert answer.status_code == 404
+        assert answer.json()["error"] == "not_found"
+    foreign.server.state.audit.flush()
+    import sqlalchemy as sa
+
+    with foreign.server.state.backends.db.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT outcome, route, kernel, target FROM audit_events WHERE kernel = :k"),
+            {"k": f"foreign:triton:{key}"},
+        ).all()
+    assert [tuple(r) for r in rows] == [("miss", "foreign", f"foreign:triton:{key}", "sm_90")]
+
+
+def test_who_may_publish(foreign: Foreign) -> None:
+    data = os.urandom(64)
+    digest = hashlib.sha256(data).hexdigest()
+    for scope in ("read", "compile"):
+        with foreign.client(scope) as http:
+            answer = http.put(f"/v1/blobs/{digest}", content=data)
+            assert answer.status_code == 403, (scope, answer.text)
+            assert "publish" in answer.json()["detail"]
+            body = {**NAMESPACE, "files": [{"name": "a", "digest": digest, "size": 64}]}
+            assert http.put(f"/v1/foreign/cupy/{unique('k')}", json=body).status_code == 403
+    with foreign.client("admin") as http:
+        assert _publish(http, "cupy", unique("adm"), {"a": data}).status_code == 200
+    with foreign.client("publish") as http:  # publish reads too
+        assert http.get(f"/v1/foreign/cupy/{unique('x')}", params=NAMESPACE).status_code == 404
+        # but does not remove
+        assert http.delete(f"/v1/foreign/cupy/{unique('x')}", params=NAMESPACE).status_code == 403
+
+
+def test_a_group_is_refused_until_every_blob_is_stored(foreign: Foreign) -> None:
+    key = unique("grp")
+    stored, absent = os.urandom(100), os.urandom(100)
+    with foreign.client("publish") as http:
+        files = [
+            {"name": "kernel.cubin", "digest": _blob(http, stored), "size": 100},
+            {
+                "name": "__grp__kernel.json",
+                "digest": hashlib.sha256(absent).hexdigest(),
+                "size": 100,
+            },
+        ]
+        answer = http.put(f"/v1/foreign/triton/{key}", json={**NAMESPACE, "files": files})
+        assert answer.status_code == 404, answer.text
+        assert answer.json()["error"] == "not_found"
+        assert "__grp__kernel.json" in answer.json()["detail"]
+        wrong_size = [files[0], {**files[1], "digest": files[0]["digest"], "size": 99}]
+        answer = http.put(f"/v1/foreign/triton/{key}", json={**NAMESPACE, "files": wrong_size})
+        assert answer.status_code == 422 and answer.json()["field"] == "files"
+        assert http.get(f"/v1/foreign/triton/{key}", params=NAMESPACE).status_code == 404
+        _blob(http, absent)
+        answer = http.put(f"/v1/foreign/triton/{key}", json={**NAMESPACE, "files": files})
+        assert answer.status_code == 200, answer.text
+        got = http.get(f"/v1/foreign/triton/{key}", params=NAMESPACE).json()
+    assert sorted(f["name"] for f in got["files"]) == ["__grp__kernel.json", "kernel.cubin"]
+
+
+def test_the_first_publish_wins_until_an_admin_removes_it(foreign: Foreign) -> None:
+    key = unique("first")
+    first, second = os.urandom(50), os.urandom(50)
+    with foreign.client("publish") as http:
+        assert _publish(http, "cupy", key, {"payload": first}).json()["published"] is True
+        again = _publish(http, "cupy", key, {"payload": second}).json()
+        assert (again["published"], again["same"]) == (False, False)
+        assert again["entry"]["files"][0]["digest"] == hashlib.sha256(first).hexdigest()
+        same = _publish(http, "cupy", key, {"payload": first}).json()
+        assert (same["published"], same["same"]) == (False, True)
+    with foreign.client("admin") as http:
+        assert http.delete(f"/v1/foreign/cupy/{key}", params=NAMESPACE).json() == {"removed": True}
+        assert http.delete(f"/v1/foreign/cupy/{key}", params=NAMESPACE).json() == {"removed": False}
+    with foreign.client("publish") as http:
+        assert _publish(http, "cupy", key, {"payload": second}).json()["published"] is True
+
+
+def test_namespaces_are_apart(foreign: Foreign) -> None:
+    key = unique("ns")
+    with foreign.client("publish") as http:
+        assert _publish(http, "cupy", key, {"payload": b"x" * 10}).status_code == 200
+        for other in ({"version": "14.1.0"}, {"target": "sm_80"}, {"toolchain": "nvrtc-12.8"}):
+            params = {**NAMESPACE, **other}
+            assert http.get(f"/v1/foreign/cupy/{key}", params=params).status_code == 404
+        assert http.get(f"/v1/foreign/cuda-core/{key}", params=NAMESPACE).status_code == 404
+
+
+def test_bounds_and_bad_names(foreign: Foreign) -> None:
+    big = os.urandom(4097)
+    digest = hashlib.sha256(big).hexdigest()
+    with foreign.client("publish") as http:
+        answer = http.put(f"/v1/blobs/{digest}", content=big)
+        assert answer.status_code == 413, answer.text
+        assert "foreign_max_bytes" in answer.json()["detail"]
+        wrong = http.put(f"/v1/blobs/{'0' * 64}", content=b"abc")
+        assert wrong.status_code == 422 and wrong.json()["field"] == "body"
+        assert http.put("/v1/blobs/not-a-digest", content=b"abc").status_code == 400
+        assert http.get("/v1/foreign/cupy/a%20b", params=NAMESPACE).status_code == 400
+        assert http.get("/v1/foreign/CuPy/abc", params=NAMESPACE).status_code == 400
+        bad = http.get("/v1/foreign/cupy/abc", params={**NAMESPACE, "target": "sm 90"})
+        assert bad.status_code == 422 and bad.json()["field"] == "query.target"
+        unknown = http.get("/v1/foreign/cupy/abc", params={**NAMESPACE, "arch": "sm_90"})
+        assert unknown.status_code == 422 and unknown.json()["field"] == "query.arch"
+        assert http.get("/v1/foreign/cupy/abc").status_code == 422  # the namespace is required
+        same = {**NAMESPACE, "files": [{"name": "a", "digest": "0" * 64, "size": 1}] * 2}
+        assert http.put(f"/v1/foreign/cupy/{unique('k')}", json=same).status_code == 404
+        other = {"name": "a", "digest": "1" * 64, "size": 1}
+        twice = {**NAMESPACE, "files": [same["files"][0], other]}
+        answer = http.put(f"/v1/foreign/cupy/{unique('k')}", json=twice)
+        assert answer.status_code == 409 and answer.json()["error"] == "conflict"
+        many = {
+            **NAMESPACE,
+            "files": [{"name": f"f{i}", "digest": "0" * 64, "size": 1} for i in range(65)],
+        }
+        assert http.put(f"/v1/foreign/cupy/{unique('k')}", json=many).status_code == 422
+
+
+def test_garbage_collection_keeps_a_foreign_file(foreign: Foreign) -> None:
+    from kcache.maintenance import collect_garbage
+
+    data = os.urandom(200)
+    with foreign.client("publish") as http:
+        assert _publish(http, "cupy", unique("gc"), {"payload": data}).status_code == 200
+        orphan = _blob(http, os.urandom(200))  # stored, named by no group
+    state = foreign.server.state
+    digest = hashlib.sha256(data).hexdigest()
+    index = state.backends.index
+    assert digest in index.digests() and index.names(digest)
+    assert index.named([digest, orphan]) == {digest}
+    report = collect_garbage(
+        state.backends.store, index.digests(), grace_seconds=-1, still_referenced=index.names
+    )
+    assert state.backends.store.has(digest)
+    assert not state.backends.store.has(orphan)
+    assert report.blobs >= 1
