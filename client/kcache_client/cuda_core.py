@@ -16,6 +16,9 @@ cuda.core's ``ObjectCode`` made from the cached bytes, with the lowered names as
 symbol mapping, so ``get_kernel(name_expression)`` works on every hit (cuda.core's own
 ``cache=`` stores the bare binary and refuses name expressions for that reason).
 
+:class:`ProgramCache` is cuda.core's own ``compile(..., cache=ProgramCache())`` over
+kcache's foreign artifacts: this node's tier and the fleet's server, under cuda.core's
+key (:mod:`kcache_client._cuda_core_cache`, docs/design.md section 10).
 :func:`program_cache` is for code that keeps cuda.core's ``Program`` and passes
 ``compile(..., cache=...)``: a ``cuda.core.utils.ProgramCacheResource`` (cuda.core
 1.x) whose entries live in kcache's node tier, under its size cap and LRU eviction
@@ -51,6 +54,7 @@ from kcache_client import _bypass
 from kcache_client._adapter_plans import cuda_core_plan, refuse_extras
 from kcache_client._adapters import cuda_core, default_cache, require
 from kcache_client._bypass import Bypass
+from kcache_client._cuda_core_cache import ProgramCache
 from kcache_client.errors import RecipeRefusedError, RequestRejectedError
 
 if TYPE_CHECKING:
@@ -58,7 +62,7 @@ if TYPE_CHECKING:
     from kcache_client._cache import KernelCache
     from kcache_client._tier import NodeTier
 
-__all__ = ["PROGRAM_CACHE_KERNEL", "Program", "program_cache"]
+__all__ = ["PROGRAM_CACHE_KERNEL", "Program", "ProgramCache", "program_cache"]
 
 #: The ``kernel`` field of node-tier entries stored by :func:`program_cache`.
 PROGRAM_CACHE_KERNEL = "cuda.core ProgramCacheResource entry"

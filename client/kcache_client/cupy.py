@@ -27,6 +27,11 @@ keying, as CuPy applies it, and CuPy's own headers come from its include directo
 registered as an include set (:func:`cupy_include_set`). A compile error raises CuPy's
 ``cupy.cuda.compiler.CompileException`` (chained from kcache's error), and modules and
 kernels pickle by their arguments, reloading from the cache on the other side.
+
+:func:`install_backend` puts kcache behind CuPy's own kernel cache hook instead, for
+every CuPy compile (``ElementwiseKernel``, ``ReductionKernel``, ``cupy.fuse``, CuPy's
+own kernels): see :mod:`kcache_client._cupy_backend` (compiles that read user headers
+through ``-I`` are never shared that way; they belong to ``RawModule`` here).
 """
 
 from __future__ import annotations
@@ -45,13 +50,14 @@ from kcache_client import _bypass
 from kcache_client._adapter_plans import CUPY_PREPENDED_HEADERS, cupy_plan
 from kcache_client._adapters import default_cache, require
 from kcache_client._bypass import Bypass
+from kcache_client._cupy_backend import install_backend, uninstall_backend
 from kcache_client.errors import RecipeRefusedError, RequestRejectedError
 
 if TYPE_CHECKING:
     from kcache_client._artifact import Artifact
     from kcache_client._cache import KernelCache
 
-__all__ = ["RawKernel", "RawModule", "cupy_include_set"]
+__all__ = ["RawKernel", "RawModule", "cupy_include_set", "install_backend", "uninstall_backend"]
 
 _EXTRA = "cupy-cuda13x (or the cupy-cuda12x wheel matching your CUDA)"
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)

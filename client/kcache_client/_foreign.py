@@ -1,0 +1,473 @@
+"""Foreign artifacts on the client: what library cache hooks look up and publish (docs/design.md section 10).
+
+:class:`ForeignCache` is what kcache's CuPy backend, cuda.core resource and Triton cache
+manager stand on. A group of files is named by a :class:`ForeignName` (library, version,
+target, toolchain, the library's key) and looked up
+
+0. in this process's memory (what it published or found, bounded: :data:`MEMORY_BYTES`);
+1. in the node tier (the user's private tier: a shared tier's entries need kcache's own
+   signatures, which a foreign binding does not have, so a shared tier is skipped), where
+   a group is one blob (:func:`pack_group`), so a reader finds all of it or none;
+2. on the server: ``GET /v1/foreign/...`` (the group, signed "published by <writer>",
+   checked with the keys trusted for the server) and each file by digest, each checked;
+   a file that is gone makes the whole group a miss. A server hit is kept in the tier.
+
+A lookup never raises: a server that cannot be reached, refuses, or answers something
+that does not check is a miss (the library then compiles), and a server that could not
+be reached is not asked again for :data:`DOWN_S` seconds, so a dead server costs one
+short connect per half minute, not one per compile. ``KCACHE_OFFLINE=1`` sends nothing.
+
+:meth:`ForeignCache.put` is called after the library's compile: it keeps the group in
+memory and in the node tier at once (a later lookup of this node finds it, a cache that
+must read its own writes does), and queues it (at most :data:`QUEUE` groups; past that
+the publish is dropped and counted) for one background thread per process, which
+publishes it (each file's bytes, then the group, in one transaction on the server); a
+process waits at exit at most :data:`EXIT_FLUSH_S` seconds for the queue. Publishing needs a token with the
+``publish`` scope; a 403 stops this process's publishing with one warning.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+from urllib.parse import quote
+
+from kcache.artifact import ArtifactMeta
+from kcache.foreign import ForeignBinding, ForeignNameError, binding_key, check_files, check_name
+from kcache.signing import Signature, SignatureError
+
+if TYPE_CHECKING:
+    import httpx
+
+    from kcache_client._cache import KernelCache
+
+__all__ = [
+    "DOWN_S",
+    "EXIT_FLUSH_S",
+    "QUEUE",
+    "ForeignCache",
+    "ForeignName",
+    "pack_group",
+    "unpack_group",
+]
+
+log = logging.getLogger("kcache_client.foreign")
+
+#: Seconds a server that could not be reached is not asked again.
+DOWN_S = 30.0
+#: Groups waiting to be published, at most; past it a write is dropped (counted).
+QUEUE = 256
+#: Seconds a process waits at exit for its queued writes.
+EXIT_FLUSH_S = 5.0
+#: One wait to connect, and for the next bytes, of a lookup (a miss costs at most these).
+CONNECT_S, READ_S = 2.0, 30.0
+_MAGIC = b"kcache-foreign-group/1\n"
+#: Bytes of groups kept in a process's memory.
+MEMORY_BYTES = 256 << 20
+
+
+class ForeignName(NamedTuple):
+    """A foreign binding's name: the library, its version, target and toolchain, and its key."""
+
+    library: str
+    version: str
+    target: str
+    toolchain: str
+    key: str
+
+    @property
+    def binding_key(self) -> str:
+        """:func:`kcache.foreign.binding_key`: what the server and the node tier file it under."""
+        return binding_key(*self)
+
+    def path(self) -> str:
+        """The route of this name (without the query)."""
+        return f"/v1/foreign/{quote(self.library, safe='')}/{quote(self.key, safe='')}"
+
+    def query(self) -> dict[str, str]:
+        """The namespace, as the route's query."""
+        return {"version": self.version, "target": self.target, "toolchain": self.toolchain}
+
+
+def pack_group(files: Mapping[str, bytes]) -> bytes:
+    """A group as one blob: a header line naming each file and its size, then the bytes in order."""
+    names = sorted(files)
+    header = json.dumps([[n, len(files[n])] for n in names], separators=(",", ":"))
+    return b"".join([_MAGIC, header.encode("utf-8"), b"\n", *(files[n] for n in names)])
+
+
+def unpack_group(blob: bytes) -> dict[str, bytes] | None:
+    """Inverse of :func:`pack_group`; None for a blob that is not one whole group."""
+    if not blob.startswith(_MAGIC):
+        return None
+    end = blob.find(b"\n", len(_MAGIC))
+    try:
+        listed = json.loads(blob[len(_MAGIC) : end])
+        offset, files = end + 1, {}
+        for name, size in listed:
+            if not isinstance(name, str) or type(size) is not int or size < 0:
+                return None
+            files[name] = blob[offset : offset + size]
+            offset += size
+    except (ValueError, TypeError):
+        return None
+    if (
+        end < 0
+        or offset != len(blob)
+        or any(len(v) != s for v, (_, s) in zip(files.values(), listed, strict=True))
+    ):
+        return None
+    return files
+
+
+class ForeignCache:
+    """Foreign groups through the node tier and the server of ``cache``; see the module docstring."""
+
+    def __init__(self, cache: KernelCache | None = None) -> None:
+        if cache is None:
+            from kcache_client._adapters import default_cache
+
+            cache = default_cache()
+        self.cache = cache
+        settings = cache.settings
+        self.url = settings.url.rstrip("/") if settings.url else None
+        self._token = settings.token
+        self._offline = bool(getattr(settings, "offline", False))
+        self._http: httpx.Client | None = None
+        self._http_lock = threading.Lock()
+        self._down_until = 0.0
+        self._publish_refused = False
+        self._queue: queue.Queue[tuple[ForeignName, dict[str, bytes]] | None] = queue.Queue(QUEUE)
+        self._writer: threading.Thread | None = None
+        self._writer_lock = threading.Lock()
+        self._warned: set[str] = set()
+        self._memory: OrderedDict[ForeignName, dict[str, bytes]] = OrderedDict()
+        self._memory_bytes = 0
+        self._memory_lock = threading.Lock()
+        #: What this process's lookups and writes did: node_hits, server_hits, misses,
+        #: refused (answers that did not check), unreachable, published, kept, dropped, failed.
+        self.counts: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ lookups
+    def get(self, name: ForeignName) -> dict[str, bytes] | None:
+        """The group under ``name`` (file name -> bytes), or None: never raises."""
+        with self._memory_lock:
+            found = self._memory.get(name)
+            if found is not None:
+                self._memory.move_to_end(name)
+        if found is not None:
+            self.counts["memory_hits"] += 1
+            return found
+        try:
+            found = self._from_tier(name)
+            if found is not None:
+                self.counts["node_hits"] += 1
+                self._remember(name, found)
+                return found
+            found = self._from_server(name)
+        except Exception as exc:  # a hook's lookup is a miss whatever went wrong
+            self._warn("lookup", f"a foreign lookup failed ({type(exc).__name__}: {exc}); a miss")
+            found = None
+        if found is None:
+            self.counts["misses"] += 1
+            return None
+        self.counts["server_hits"] += 1
+        self._remember(name, found)
+        self._keep(name, found)
+        return found
+
+    def _remember(self, name: ForeignName, files: dict[str, bytes]) -> None:
+        size = sum(len(v) for v in files.values())
+        if size > MEMORY_BYTES:
+            return
+        with self._memory_lock:
+            old = self._memory.pop(name, None)
+            if old is not None:
+                self._memory_bytes -= sum(len(v) for v in old.values())
+            self._memory[name] = files
+            self._memory_bytes += size
+            while self._memory_bytes > MEMORY_BYTES:
+                _, dropped = self._memory.popitem(last=False)
+                self._memory_bytes -= sum(len(v) for v in dropped.values())
+
+    def _drop(self, name: ForeignName) -> bool:
+        with self._memory_lock:
+            old = self._memory.pop(name, None)
+            if old is not None:
+                self._memory_bytes -= sum(len(v) for v in old.values())
+        return old is not None
+
+    def clear_memory(self) -> None:
+        """Forget every group this process holds in memory."""
+        with self._memory_lock:
+            self._memory.clear()
+            self._memory_bytes = 0
+
+    def forget(self, name: ForeignName) -> bool:
+        """Remove ``name`` from this process's memory and the node tier (never from the server:
+        that is an admin's ``DELETE``); True when either held it."""
+        held = self._drop(name)
+        if self._tier_usable() and self._from_tier(name) is not None:
+            self.cache.tier.remove([name.binding_key])
+            held = True
+        return held
+
+    def local_names(self, library: str) -> list[str]:
+        """Binding keys of ``library`` in memory and the node tier (what a hook's ``len`` counts)."""
+        with self._memory_lock:
+            names = {n.binding_key for n in self._memory if n.library == library}
+        if self._tier_usable():
+            prefix = f"foreign:{library}:"
+            names.update(
+                k
+                for entry in self.cache.tier.entries()
+                if entry.kernel.startswith(prefix)
+                for k in entry.recipe_keys
+            )
+        return sorted(names)
+
+    def _tier_usable(self) -> bool:
+        tier = self.cache.tier
+        return not tier.standing.signed_only and not tier.read_only
+
+    def _from_tier(self, name: ForeignName) -> dict[str, bytes] | None:
+        if not self._tier_usable():
+            return None
+        hit = self.cache.tier.lookup(name.binding_key)
+        if hit is None:
+            return None
+        meta, blob = hit
+        if meta.kind != "foreign":
+            return None
+        return unpack_group(blob)
+
+    def _client(self) -> httpx.Client:
+        with self._http_lock:
+            if self._http is None:
+                import httpx
+
+                headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+                self._http = httpx.Client(
+                    base_url=self.url or "",
+                    headers=headers,
+                    timeout=httpx.Timeout(READ_S, connect=CONNECT_S),
+                    follow_redirects=False,
+                )
+            return self._http
+
+    def _reachable(self) -> bool:
+        return bool(self.url) and not self._offline and time.monotonic() >= self._down_until
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response | None:
+        """One try; None (and the server taken for down a while) when it cannot be reached."""
+        import httpx
+
+        try:
+            return self._client().request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            self._down_until = time.monotonic() + DOWN_S
+            self.counts["unreachable"] += 1
+            self._warn(
+                "down",
+                f"{self.url} cannot be reached ({exc}); foreign lookups miss for {DOWN_S:.0f} s",
+            )
+            return None
+
+    def _from_server(self, name: ForeignName) -> dict[str, bytes] | None:
+        if not self._reachable():
+            return None
+        reply = self._request("GET", name.path(), params=name.query())
+        if reply is None or reply.status_code == 404:
+            return None
+        if reply.status_code != 200:
+            self._warn(
+                f"status{reply.status_code}",
+                f"{self.url} answered a foreign lookup with HTTP {reply.status_code}; a miss",
+            )
+            return None
+        binding = self._checked(name, reply)
+        if binding is None:
+            return None
+        files: dict[str, bytes] = {}
+        for ref in binding.files:
+            got = self._request("GET", f"/v1/blobs/{ref.digest}")
+            if got is None or got.status_code != 200:
+                return None  # a file gone (evicted, set aside): the whole group is a miss
+            data = got.content
+            if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.digest:
+                self.counts["refused"] += 1
+                self._warn(
+                    "digest", f"a foreign file from {self.url} did not match its digest; a miss"
+                )
+                return None
+            files[ref.name] = data
+        return files
+
+    def _checked(self, name: ForeignName, reply: httpx.Response) -> ForeignBinding | None:
+        """The answer's binding if it is well formed, names ``name`` and is signed by a key
+        trusted for the server; else None, counted and warned once."""
+        where = f"{self.url}{name.path()}"
+        try:
+            body = reply.json()
+            files = check_files(body["files"])
+            binding = ForeignBinding(
+                check_name("library", body["library"]),
+                check_name("version", body["version"]),
+                check_name("target", body["target"]),
+                check_name("toolchain", body["toolchain"]),
+                check_name("key", body["key"]),
+                files,
+                str(body["writer"]),
+            )
+            if ForeignName(*[getattr(binding, f) for f in ForeignName._fields]) != name:
+                raise ValueError("the answer names another binding")
+            signature = Signature.from_dict(body["signature"])
+            keys = self.cache.trust._answer_keys(  # the keys trusted for this server
+                self.url or "", signature, self._server_keys, where
+            )
+            keys.verify_foreign(binding, signature)
+        except (ValueError, KeyError, TypeError, ForeignNameError, SignatureError) as exc:
+            self.counts["refused"] += 1
+            self._warn("refused", f"{where}: the answer does not check ({exc}); a miss")
+            return None
+        return binding
+
+    def _server_keys(self) -> Any:
+        reply = self._request("GET", "/v1/keys")
+        if reply is None or reply.status_code != 200:
+            raise ValueError("GET /v1/keys did not answer")
+        return reply.json()
+
+    # ------------------------------------------------------------------ writes
+    def put(self, name: ForeignName, files: Mapping[str, bytes]) -> bool:
+        """Queue ``files`` under ``name`` for the tier and the server; False when dropped (queue full)."""
+        try:
+            binding_key(*name)
+        except ForeignNameError as exc:
+            self._warn("name", f"a foreign name was refused ({exc}); not kept")
+            return False
+        group = {k: bytes(v) for k, v in files.items()}
+        self._remember(name, group)
+        try:
+            self._keep(name, group)
+        except Exception as exc:  # the node tier is best effort here too
+            self._warn("keep", f"a foreign group was not kept in the node tier ({exc})")
+        if not self._reachable() or self._publish_refused:
+            return True
+        self._start_writer()
+        try:
+            self._queue.put_nowait((name, group))
+        except queue.Full:
+            self.counts["dropped"] += 1
+            self._warn("full", f"{QUEUE} foreign writes are waiting; further ones are dropped")
+            return False
+        return True
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write is done (True), or ``timeout`` seconds (False)."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _start_writer(self) -> None:
+        with self._writer_lock:
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_loop, name="kcache-foreign-writer", daemon=True
+                )
+                self._writer.start()
+                atexit.register(self.flush, EXIT_FLUSH_S)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is not None:
+                    self._publish(*item)
+            except Exception as exc:  # a write is best effort: the library has its result
+                self.counts["failed"] += 1
+                self._warn("write", f"a foreign write failed ({type(exc).__name__}: {exc})")
+            finally:
+                self._queue.task_done()
+
+    def _keep(self, name: ForeignName, files: Mapping[str, bytes]) -> None:
+        """Keep the group in the node tier (one blob: all of it or none)."""
+        if not self._tier_usable():
+            return
+        blob = pack_group(files)
+        meta = ArtifactMeta(
+            digest=hashlib.sha256(blob).hexdigest(),
+            size=len(blob),
+            kind="foreign",
+            target=name.target,
+            toolchain=f"{name.library}-{name.version}/{name.toolchain}",
+            kernel=f"foreign:{name.library}:{name.key}",
+        )
+        key = name.binding_key
+        if self.cache.tier.publish(key, None, meta, blob) is not None:
+            self.counts["kept"] += 1
+
+    def _publish(self, name: ForeignName, files: Mapping[str, bytes]) -> None:
+        if self._publish_refused or not self._reachable():
+            return
+        refs = []
+        for file_name in sorted(files):
+            data = files[file_name]
+            digest = hashlib.sha256(data).hexdigest()
+            reply = self._request(
+                "PUT",
+                f"/v1/blobs/{digest}",
+                content=data,
+                headers={"content-type": "application/octet-stream"},
+            )
+            if not self._published_ok(reply):
+                return
+            refs.append({"name": file_name, "digest": digest, "size": len(data)})
+        reply = self._request("PUT", name.path(), json={**name.query(), "files": refs})
+        if self._published_ok(reply):
+            self.counts["published"] += 1
+
+    def _published_ok(self, reply: httpx.Response | None) -> bool:
+        if reply is None:
+            return False
+        if reply.status_code == 200:
+            return True
+        if reply.status_code in (401, 403):
+            self._publish_refused = True
+            self._warn(
+                "publish",
+                f"{self.url} refused a foreign publish (HTTP {reply.status_code}): "
+                "give KCACHE_TOKEN the publish scope (kcache token create NAME --scope publish); "
+                "this process publishes nothing more",
+            )
+        else:
+            self.counts["failed"] += 1
+            self._warn(
+                f"put{reply.status_code}",
+                f"{self.url} refused a foreign publish: HTTP {reply.status_code} {reply.text[:200]}",
+            )
+        return False
+
+    def _warn(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("kcache: %s", message)
+
+    def close(self) -> None:
+        """Finish the queued writes (bounded) and close the connections."""
+        self.flush(EXIT_FLUSH_S)
+        with self._http_lock:
+            if self._http is not None:
+                self._http.close()
+                self._http = None
