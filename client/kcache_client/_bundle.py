@@ -29,7 +29,8 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -60,9 +61,12 @@ from kcache_client.errors import ResponseRefusedError
 __all__ = [
     "BundleCache",
     "PrefetchResult",
+    "Received",
+    "fetch_teed",
     "load_bundle_file",
     "open_layers",
     "prefetch",
+    "publish_received",
     "write_bundle_file",
 ]
 
@@ -183,8 +187,85 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
         return result(len(manifest) - len(lacking), fetched, missing, 1 if lacking else 0)
 
 
-def _fetch(cache: BundleCache, keys: list[str], held: dict[str, str]) -> tuple[int, list[str]]:
+@dataclass(frozen=True)
+class Received:
+    """A bundle answer's bytes that came by another way than this process's own request: a
+    peer's copy of the server's answer, sent over the job's process group
+    (:mod:`~kcache_client._fanout`). Checked exactly as the server's answer is
+    (:func:`_fetch`): nothing a peer sends is trusted more than the server's word.
+    ``where`` names it in errors."""
+
+    chunks: Iterable[bytes]
+    where: str
+
+
+def publish_received(
+    cache: BundleCache, keys: list[str], received: Received
+) -> tuple[int, list[str]]:
+    """Check and keep a bundle answer to a request for ``keys`` that a peer forwarded, as if
+    this process had asked the server itself (:func:`_fetch`); (kept, missing)."""
+    return _fetch(cache, keys, {}, received=received)
+
+
+def fetch_teed(
+    cache: BundleCache, keys: list[str], tee: Callable[[bytes], object]
+) -> tuple[int, list[str]]:
+    """One bundle request for ``keys`` (:func:`_fetch`), each piece of the answer also handed
+    to ``tee`` as it arrives (a copy for the job's other nodes); (kept, missing)."""
+    return _fetch(cache, keys, {}, tee=tee)
+
+
+def _opened(
+    cache: BundleCache,
+    remote: Remote,
+    keys: list[str],
+    received: Received | None,
+    tee: Callable[[bytes], object] | None,
+) -> AbstractContextManager[Iterable[bytes]]:
+    """The answer's pieces: the server's to this request, or what a peer forwarded."""
+    if received is not None:
+        return nullcontext(received.chunks)
+    cache.stats.add("bundle_requests")
+    answer = remote.bundle(keys, context=cache.context())
+    return answer if tee is None else _teed(answer, tee)
+
+
+class _teed(AbstractContextManager[Iterable[bytes]]):
+    """A request's answer whose pieces are also handed to ``tee``."""
+
+    def __init__(
+        self, answer: AbstractContextManager[Iterator[bytes]], tee: Callable[[bytes], object]
+    ) -> None:
+        self._answer = answer
+        self._tee = tee
+
+    def __enter__(self) -> Iterable[bytes]:
+        chunks = self._answer.__enter__()
+
+        def pieces() -> Iterator[bytes]:
+            for piece in chunks:
+                self._tee(piece)
+                yield piece
+
+        return pieces()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._answer.__exit__(*exc)
+
+
+def _fetch(
+    cache: BundleCache,
+    keys: list[str],
+    held: dict[str, str],
+    *,
+    received: Received | None = None,
+    tee: Callable[[bytes], object] | None = None,
+) -> tuple[int, list[str]]:
     """One bundle request for ``keys``, its entries checked and kept; (kept, missing).
+
+    ``received``: no request; the bytes a peer forwarded of the server's answer to one
+    for ``keys``, checked and kept the same way. ``tee``: each piece of the answer is
+    also handed to it as it arrives.
 
     Each entry's framing, size and digest are checked as it arrives, and the entries go
     into one pack of the node tier (:mod:`~kcache_client._packs`), put in place once the
@@ -195,17 +276,17 @@ def _fetch(cache: BundleCache, keys: list[str], held: dict[str, str]) -> tuple[i
     through :meth:`NodeTier.publish`, which knows what the tier's standing allows.
     """
     remote = cache._require_server()
-    where = f"{remote.url}/v1/bundle"
+    where = f"{remote.url}/v1/bundle" if received is None else received.where
     tier = cache.tier
     missing: list[str] = []
-    cache.stats.add("bundle_requests")
+    opened = _opened(cache, remote, keys, received, tee)
     if not tier.standing.writable or tier.read_only:
-        return _fetch_each(cache, remote, keys, held, missing)
+        return _fetch_each(cache, remote, opened, where, keys, held, missing)
     signed = BundleDigest()
     arrived: list[tuple[str, ArtifactMeta, Signature]] = []
     pack = tier.packs.writer()
     try:
-        with remote.bundle(keys, context=cache.context()) as chunks:
+        with opened as chunks:
             reader = BundleReader(
                 chunks, max_entry_bytes=remote.max_artifact_bytes, where=where, max_items=len(keys)
             )
@@ -281,12 +362,17 @@ def _keep(
 
 
 def _fetch_each(
-    cache: BundleCache, remote: Remote, keys: list[str], held: dict[str, str], missing: list[str]
+    cache: BundleCache,
+    remote: Remote,
+    opened: AbstractContextManager[Iterable[bytes]],
+    where: str,
+    keys: list[str],
+    held: dict[str, str],
+    missing: list[str],
 ) -> tuple[int, list[str]]:
     """:func:`_fetch` into a tier this process does not write packs into: entry by entry."""
-    where = f"{remote.url}/v1/bundle"
     fetched = 0
-    with remote.bundle(keys, context=cache.context()) as chunks:
+    with opened as chunks:
         reader = BundleReader(
             chunks, max_entry_bytes=remote.max_artifact_bytes, where=where, max_items=len(keys)
         )

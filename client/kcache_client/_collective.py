@@ -198,6 +198,11 @@ class StoreCollective:
         return self._world_size
 
     @property
+    def store(self) -> Any:
+        """The key-value store the calls run over (a fan-out meets its side group there)."""
+        return self._store
+
+    @property
     def job_ranks(self) -> list[int]:
         """The members as the job numbers them (torch's global ranks), by group rank."""
         return list(self._names)

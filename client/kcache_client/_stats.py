@@ -26,6 +26,12 @@ class CacheStats:
     #: ``POST /v1/bundle`` requests a prefetch sent, and the entries they published.
     bundle_requests: int = 0
     bundle_entries: int = 0
+    #: Bundles this process forwarded over the job's process group, received from a peer
+    #: and kept, and fan-outs it took part in that failed (its node then asked the server
+    #: itself): kcache_client._fanout.
+    fanout_sent: int = 0
+    fanout_received: int = 0
+    fanout_failures: int = 0
     #: ``GET /v1/withdrawals`` requests sent (kcache_client._withdrawals).
     withdrawal_requests: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
