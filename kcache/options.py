@@ -46,9 +46,11 @@ from kcache.targets import parse_target
 
 __all__ = [
     "ALLOWED_FLAGS",
+    "CONTROL_CHARACTERS",
     "CUPY_IMPLICIT_FLAGS",
     "INCLUDE_DIR_MAX_BYTES",
     "INCLUDE_DIR_MAX_FILES",
+    "INCLUDE_NAME_REGEX",
     "TranslatedOptions",
     "cuda_core_option_strings",
     "cuda_core_recipe_fields",
@@ -83,6 +85,28 @@ _NOT_CARRIED = (
     "options); remove it, or compile this kernel without kcache"
 )
 
+#: What a single line of recipe text (a flag, a name expression) never holds: the C0
+#: and C1 control characters, as the inside of a regex class that Python's ``re`` and
+#: ECMA-262 read alike (:mod:`kcache.recipe` checks lines with it, the server's
+#: published patterns use it too).
+CONTROL_CHARACTERS = "\\x00-\\x1f\\x7f-\\x9f"
+# A character of a flag in a recipe, and one that is not a space either (Python's ASCII
+# "\S" and "." within a line, written so that ECMA-262 reads them alike).
+_CHAR = f"[^{CONTROL_CHARACTERS}]"
+_NON_SPACE = f"[^{CONTROL_CHARACTERS} ]"
+# An include name's characters: its first is not "." (nor "/"); a later part's may be.
+_NAME_FIRST = "[A-Za-z0-9_+\\-]"
+_NAME_CHAR = "[A-Za-z0-9_.+\\-]"
+# A later part: never empty, "." or "..".
+_NAME_PART = f"(?:{_NAME_FIRST}{_NAME_CHAR}*|\\.{_NAME_FIRST}{_NAME_CHAR}*|\\.\\.{_NAME_CHAR}+)"
+#: An include name (and a program ``name``), every rule of
+#: :func:`kcache.recipe.check_include_name` but its length: relative, safe characters,
+#: no empty, ``.`` or ``..`` part. In the regex syntax Python's ``re`` and ECMA-262 read
+#: alike, unanchored (the server publishes it as a JSON Schema pattern, ``^(?:...)$``).
+#: Here, beside the flags, as ``-I`` directories are read by it (kcache.recipe imports it).
+INCLUDE_NAME_REGEX = f"{_NAME_FIRST}{_NAME_CHAR}*(?:/{_NAME_PART})*"
+_INCLUDE_NAME_RE = re.compile(INCLUDE_NAME_REGEX)
+
 _Kind = Literal["setting", "bool", "macro", "undef", "include", "arch", "lto", "drop", "refuse"]
 
 
@@ -114,7 +138,7 @@ _SPECS: tuple[_Spec, ...] = (
         "macro",
         r".+",
         field="define_macro",
-        recipe=(r"-D\S.*", r"--define-macro=.+"),
+        recipe=(f"-D{_NON_SPACE}{_CHAR}*", f"--define-macro={_CHAR}+"),
     ),
     _Spec(
         "--undefine-macro",
@@ -122,7 +146,7 @@ _SPECS: tuple[_Spec, ...] = (
         "undef",
         r".+",
         field="undefine_macro",
-        recipe=(r"-U\S+", r"--undefine-macro=\S+"),
+        recipe=(f"-U{_NON_SPACE}+", f"--undefine-macro={_NON_SPACE}+"),
     ),
     _Spec("--include-path", "-I", "include", r".+", field="include_path"),
     _Spec("--relocatable-device-code", "-rdc", "setting", _BOOL, "-rdc", "relocatable_device_code"),
@@ -367,7 +391,8 @@ def _recipe_forms(spec: _Spec) -> tuple[str, ...]:
 
 
 #: The NVRTC options a recipe may carry, each matched whole (``fullmatch``): this table's,
-#: written as :func:`_recipe_forms` says. Everything else is refused: options that read
+#: written as :func:`_recipe_forms` says, in the regex syntax Python's ``re`` and ECMA-262
+#: read alike (explicit classes, no ``\\S``, ``\\d`` or ``.``). Everything else is refused: options that read
 #: or write files (-I, PCH, traces, output), options that the recipe's own fields own
 #: (-arch is `target`, -dlto is `output`/`lto`), and anything unknown.
 #: :mod:`kcache.recipe` checks flags with it; the server publishes it as a JSON Schema
@@ -394,11 +419,6 @@ _DIAG = ("--diag-error", "--diag-suppress", "--diag-warn")
 _MACRO_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\([A-Za-z0-9_, .]*\))?(?:=.*)?", re.ASCII | re.S)
 _MACRO_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _OPT_LEVEL_RE = re.compile(r"-O[0-9]")
-# Relative include names of safe characters whose parts are not "." or "..": kcache.recipe's rule.
-_INCLUDE_NAME_PART_RE = re.compile(
-    r"(?!\.\.?(?:/|\Z))[A-Za-z0-9_+\-][A-Za-z0-9_.+\-]*(?:/(?!\.\.?(?:/|\Z))[A-Za-z0-9_+\-][A-Za-z0-9_.+\-]*)*",
-    re.ASCII,
-)
 
 
 @dataclass(frozen=True)
@@ -662,8 +682,9 @@ def _header_files(root: Path) -> Iterable[tuple[str, Path]]:
             if filename.startswith(".") or path.suffix.lower() not in _HEADER_SUFFIXES:
                 continue
             relative = path.relative_to(root).as_posix()
-            # Only names a recipe takes (the recipe checks them again): others are never inputs.
-            if not _INCLUDE_NAME_PART_RE.fullmatch(relative) or len(relative) > 256:
+            # Only names a recipe takes (the recipe checks them again, and their length,
+            # LIMITS.name_chars): others are never inputs.
+            if not _INCLUDE_NAME_RE.fullmatch(relative) or len(relative) > 256:
                 continue
             if path.is_file():
                 found.append((relative, path))

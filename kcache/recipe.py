@@ -22,13 +22,19 @@ from kcache.keys import (
     sha256_hex,
 )
 from kcache.lru import LruCache
-from kcache.options import ALLOWED_FLAGS, recipe_flag_refusal
+from kcache.options import (
+    ALLOWED_FLAGS,
+    CONTROL_CHARACTERS,
+    INCLUDE_NAME_REGEX,
+    recipe_flag_refusal,
+)
 from kcache.specialization import SpecValue, normalize_specialization, render_macros
 from kcache.targets import Target, parse_target
 
 __all__ = [
     "ALLOWED_FLAGS",
     "CONTROL_CHARACTERS",
+    "INCLUDE_NAME_REGEX",
     "LIMITS",
     "LinkInput",
     "Output",
@@ -62,20 +68,12 @@ LIMITS = _Limits()
 _FIELDS = frozenset(RECIPE_FIELDS)
 # Every pattern here is applied with fullmatch ("$" would accept a trailing newline),
 # with ASCII classes (a Unicode "\d" accepts "٩٠" as 90).
-_INCLUDE_NAME_RE = re.compile(r"[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*")
-# Every rule of check_include_name at once: safe characters, no empty, "." or ".." part.
-_GOOD_INCLUDE_NAME_RE = re.compile(
-    r"(?!(?:.*/)?\.\.?(?:/|\Z))(?!.*//)[A-Za-z0-9_+\-][A-Za-z0-9_.+\-/]*(?<!/)"
-)
+_INCLUDE_NAME_RE = re.compile(INCLUDE_NAME_REGEX)
 _SET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
 #: An entry of ``include_sets``: a registered set's name, pinned to the digest of its
 #: contents (``name@<sha256>``) once resolved (:meth:`Recipe.with_defaults`).
 _SET_ENTRY_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9_\-]{0,63})(?:@([0-9a-f]{64}))?")
 _TOOLCHAIN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]{0,127}")
-#: What a single line of recipe text (a flag, a name expression) never holds: the C0
-#: and C1 control characters, as the inside of a regex class that Python's ``re`` and
-#: ECMA-262 read alike (the server's published patterns use it too).
-CONTROL_CHARACTERS = "\\x00-\\x1f\\x7f-\\x9f"
 _CONTROL_RE = re.compile(f"[{CONTROL_CHARACTERS}]")
 
 # sha256 of header texts seen lately, by text: every new set of headers is hashed
@@ -584,13 +582,18 @@ def _check_line(field_name: str, value: object, limit: int) -> str:
 
 
 def check_include_name(field_name: str, name: object) -> str:
-    """Include names are relative, free of ``..``, and made of safe characters."""
+    """Include names are relative, free of ``..``, and made of safe characters.
+
+    The rule is :data:`INCLUDE_NAME_REGEX` (:mod:`kcache.options`, which reads ``-I``
+    directories by it) and the length; the checks after it only
+    say what is wrong with a name it refuses.
+    """
     if (
         isinstance(name, str)
         and len(name) <= LIMITS.name_chars
-        and _GOOD_INCLUDE_NAME_RE.fullmatch(name)
+        and _INCLUDE_NAME_RE.fullmatch(name)
     ):
-        return name  # the common case in one regex; the checks below say what is wrong
+        return name
     if not isinstance(name, str) or not name:
         raise RecipeError(field_name, "include names are non-empty strings")
     if "\x00" in name:
@@ -601,9 +604,7 @@ def check_include_name(field_name: str, name: object) -> str:
         raise RecipeError(field_name, f"{name!r} must be a relative name, not an absolute path")
     if any(part in ("..", ".", "") for part in name.split("/")):
         raise RecipeError(field_name, f"{name!r} must not contain '..', '.' or empty path parts")
-    if not _INCLUDE_NAME_RE.fullmatch(name):
-        raise RecipeError(field_name, f"{name!r} may hold only letters, digits and _.+-/")
-    return name
+    raise RecipeError(field_name, f"{name!r} may hold only letters, digits and _.+-/")
 
 
 def _check_headers(headers: object) -> None:

@@ -5,8 +5,9 @@ A recipe is validated by the core (:meth:`kcache.recipe.Recipe.from_dict`, then
 module states the same rules for the published OpenAPI document, built from the
 core's own table of a recipe's fields (:data:`kcache.keys.RECIPE_FIELDS`: what the
 keys hash, so exactly the properties published), limits and patterns
-(:data:`kcache.recipe.LIMITS`, :data:`kcache.recipe.ALLOWED_FLAGS`, the target
-grammar :func:`kcache.targets.target_regex`, :mod:`kcache.specialization`) and
+(:data:`kcache.recipe.LIMITS`, :data:`kcache.recipe.ALLOWED_FLAGS`,
+:data:`kcache.recipe.INCLUDE_NAME_REGEX`, the target grammar
+:func:`kcache.targets.target_regex`, :mod:`kcache.specialization`) and
 from what this server runs: its toolchain id, the targets its NVRTC compiles for,
 and its registered include sets. So the schema allows exactly what the server
 takes, with these exceptions that JSON Schema cannot state (each is said in the
@@ -23,10 +24,11 @@ a cubin linked with nvJitLink (``lto: true``, ``link`` allowed), a plain cubin
 :attr:`~kcache.recipe.LIMITS.link_depth` deep, one schema per level (``LinkedRecipe1``
 ...), the deepest linking digests only.
 
-Every pattern is ECMA-262 that means the same in Python's ``re``, Rust's ``regex``
-and JavaScript (explicit classes instead of ``\\S``, ``\\d`` or ``.``), anchored
-with ``^...$``; ``tests/server/test_recipe_schema.py`` checks each one against the
-core's check it states.
+Every pattern is the core's own regex, written once in the syntax that means the same
+in Python's ``re``, Rust's ``regex`` and JavaScript (explicit classes instead of
+``\\S``, ``\\d`` or ``.``), anchored with ``^...$``; nothing here restates or
+translates a rule. ``tests/server/test_recipe_schema.py`` checks that ECMA-262 reads
+each one as the core's check does.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 
 from kcache import specialization
 from kcache.keys import RECIPE_FIELDS
-from kcache.recipe import ALLOWED_FLAGS, CONTROL_CHARACTERS, LIMITS
+from kcache.recipe import ALLOWED_FLAGS, CONTROL_CHARACTERS, INCLUDE_NAME_REGEX, LIMITS
 from kcache.targets import TARGET_FAMILIES, target_regex
 from kcache_server.schemas import HEX_KEY_PATTERN
 
@@ -53,52 +55,14 @@ __all__ = [
     "target_pattern",
 ]
 
-# Characters of an include name: a part is never "." or "..", never empty, and the
-# first character of the name is not "." or "/" (kcache.recipe.check_include_name).
-_NAME_FIRST = "[A-Za-z0-9_+\\-]"
-_NAME_CHAR = "[A-Za-z0-9_.+\\-]"
-_NAME_PART = f"(?:{_NAME_FIRST}{_NAME_CHAR}*|\\.{_NAME_FIRST}{_NAME_CHAR}*|\\.\\.{_NAME_CHAR}+)"
-#: An include name (and a program ``name``): relative, no ``.``/``..``/empty parts.
-INCLUDE_NAME_PATTERN = f"^{_NAME_FIRST}{_NAME_CHAR}*(?:/{_NAME_PART})*$"
+#: An include name (and a program ``name``): :data:`kcache.recipe.INCLUDE_NAME_REGEX`.
+INCLUDE_NAME_PATTERN = f"^(?:{INCLUDE_NAME_REGEX})$"
 #: Text without a NUL (``source``, header texts).
 NO_NUL_PATTERN = "^[^\\x00]*$"
-# A character of a single line (kcache.recipe._check_line): no C0 or C1 control.
-_LINE_CHAR = f"[^{CONTROL_CHARACTERS}]"
-#: A single line of recipe text (a name expression): no control character.
-LINE_PATTERN = f"^{_LINE_CHAR}*$"
-# ... and not whitespace either: Python's ASCII \S within a line (the space, and the
-# tab, newline, vertical tab, form feed and carriage return that are controls already).
-_LINE_NON_SPACE = f"[^{CONTROL_CHARACTERS} ]"
-
-
-def _portable_flags(pattern: str) -> str:
-    r"""The core's flag pattern with the classes whose meaning differs between regex engines spelt out.
-
-    ``\S`` (ASCII, in the core) and ``.`` become explicit classes that also leave
-    out the control characters a flag may not hold; ``\d`` becomes ``[0-9]``.
-    """
-    out: list[str] = []
-    i, in_class = 0, False
-    while i < len(pattern):
-        char = pattern[i]
-        if char == "\\":
-            pair = pattern[i : i + 2]
-            out.append(
-                {"\\S": _LINE_NON_SPACE, "\\d": "[0-9]"}.get(pair, pair) if not in_class else pair
-            )
-            i += 2
-            continue
-        if char == "[" and not in_class:
-            in_class = True
-        elif char == "]" and in_class:
-            in_class = False
-        out.append(_LINE_CHAR if char == "." and not in_class else char)
-        i += 1
-    return "".join(out)
-
-
+#: A single line of recipe text (a name expression): no C0 or C1 control character.
+LINE_PATTERN = f"^[^{CONTROL_CHARACTERS}]*$"
 #: A flag the core allows (:data:`kcache.recipe.ALLOWED_FLAGS`), on one line.
-FLAG_PATTERN = f"^{_portable_flags(ALLOWED_FLAGS.pattern)}$"
+FLAG_PATTERN = f"^(?:{ALLOWED_FLAGS.pattern})$"
 #: A specialization key (``kcache.specialization``).
 SPEC_KEY_PATTERN = f"^(?:{specialization.KEY_RE.pattern})$"
 #: A string value of a specialization.

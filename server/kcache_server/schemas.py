@@ -42,6 +42,7 @@ from pydantic_core import CoreSchema, PydanticCustomError
 from kcache.errors import InvalidKeyError
 from kcache.keys import HEX_KEY_REGEX, KEY_PREFIX_REGEX, MIN_KEY_PREFIX, require_hex_key
 from kcache.outcomes import ResolveStatus
+from kcache.recipe import CONTROL_CHARACTERS
 from kcache_server.errors import BadRequestError, InvalidRequestError
 
 __all__ = [
@@ -96,13 +97,10 @@ INT32_MAX = 2**31 - 1
 #: ends the string (a trailing newline does not match), so the pattern is as
 #: full-string as the check's ``fullmatch``.
 HEX_KEY_PATTERN = f"^(?:{HEX_KEY_REGEX})$"
-# C0 and C1 control characters (NUL included), as the inside of a regex class that
-# Python's re and ECMA-262 read alike: the label check and its published pattern.
-_CONTROL = "\\x00-\\x1f\\x7f-\\x9f"
 #: What :func:`check_label` accepts: no C0 or C1 control character. (A lone
 #: surrogate is refused too; JSON Schema patterns cannot name one, nor can JSON
 #: text that a schema-driven client sends carry one.)
-PRINTABLE_PATTERN = f"^[^{_CONTROL}]*$"
+PRINTABLE_PATTERN = f"^[^{CONTROL_CHARACTERS}]*$"
 
 
 @dataclass(frozen=True)
@@ -126,7 +124,7 @@ class SchemaPattern:
 
 # C0 and C1 control characters (NUL included) and UTF-16 surrogates: none of them
 # belongs in a name, and PostgreSQL refuses NUL outright.
-_UNPRINTABLE = re.compile(f"[{_CONTROL}\\ud800-\\udfff]")
+_UNPRINTABLE = re.compile(f"[{CONTROL_CHARACTERS}\\ud800-\\udfff]")
 
 
 def check_label(value: str) -> str:
