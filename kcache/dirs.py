@@ -61,8 +61,9 @@ def user_cache_dir(name: str, override_env: str | None = None) -> Path:
     explicit = os.environ.get(override_env) if override_env else None
     if explicit:
         return Path(explicit)
-    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache_home) / "kcache" / name
+    # Strings, one Path at the end: this runs in every process's KernelCache().
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(os.path.join(cache_home, "kcache", name))
 
 
 def toolchain_dir() -> Path:

@@ -182,9 +182,10 @@ class FileKeyLock:
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root) / "locks"
-        make_dirs(str(self.root))
-        self._keys = str(self.root / "keys.lock")
+        locks = os.path.join(root, "locks")  # strings, one Path: every KernelCache() makes one
+        make_dirs(locks)
+        self.root = Path(locks)
+        self._keys = os.path.join(locks, "keys.lock")
         # key -> (thread, its byte) for the locks held through this object (let_go).
         self._held: dict[str, tuple[int, _KeyRange]] = {}
         self._held_guard = threading.Lock()

@@ -96,8 +96,11 @@ def default_known_servers() -> Path:
     explicit = os.environ.get("KCACHE_KNOWN_SERVERS", "").strip()
     if explicit:
         return Path(explicit).expanduser()
-    config = os.environ.get("XDG_CONFIG_HOME", "").strip() or str(Path.home() / ".config")
-    return Path(config) / "kcache" / "known_servers.json"
+    config = os.environ.get("XDG_CONFIG_HOME", "").strip()
+    config = config or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(
+        os.path.join(config, "kcache", "known_servers.json")
+    )  # one Path: every KernelCache()
 
 
 class KnownServers:
