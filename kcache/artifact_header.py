@@ -18,6 +18,11 @@ The other way, a fetch may say what its client does when it misses:
 ``POST /v1/resolve`` of the same recipe follows a 404, and that resolve is the lookup
 the caller sees (compiled, waited, or a miss). The server then does not audit the 404
 itself, so one lookup is counted once, with its real outcome.
+
+A fetch also says who asks, as a resolve's ``context`` does (client id, host, pid, job
+id, rank, world size): ``X-KCache-Context`` (:data:`CONTEXT_HEADER`), the fields
+form-encoded (:func:`encode_context`, :func:`decode_context`), so the audit event of a
+fetch carries the job and process its resolve would have.
 """
 
 from __future__ import annotations
@@ -33,11 +38,16 @@ from kcache.deps import Dependency
 from kcache.keys import canonical_json, is_hex_key
 
 __all__ = [
+    "CONTEXT_FIELDS",
+    "CONTEXT_HEADER",
     "HEADER",
     "MAX_CHARS",
+    "MAX_CONTEXT_CHARS",
     "ON_MISS_HEADER",
     "ON_MISS_RESOLVE",
+    "decode_context",
     "decode_meta",
+    "encode_context",
     "encode_meta",
     "parse_meta",
 ]
@@ -48,6 +58,13 @@ HEADER = "X-KCache-Meta"
 ON_MISS_HEADER = "X-KCache-On-Miss"
 #: :data:`ON_MISS_HEADER`'s value for "a resolve of the same recipe follows".
 ON_MISS_RESOLVE = "resolve"
+#: A fetch's request header: who asks (a resolve's ``context``), form-encoded.
+CONTEXT_HEADER = "X-KCache-Context"
+#: The context's fields, and which of them are integers.
+CONTEXT_FIELDS = ("client_id", "host", "pid", "job_id", "rank", "world_size")
+_CONTEXT_INTS = frozenset({"pid", "rank", "world_size"})
+#: The longest context value taken (six fields of at most 256 characters, encoded).
+MAX_CONTEXT_CHARS = 8 * 1024
 #: The longest value sent: well under what HTTP clients accept for all headers together
 #: (httpx: 100 KiB), and what a proxy in front must allow (nginx: ``proxy_buffer_size 64k``).
 MAX_CHARS = 32 * 1024
@@ -154,3 +171,37 @@ def _number(data: dict[str, Any], name: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{where}: {name} must be a finite number")
     return float(value)
+
+
+def encode_context(context: dict[str, Any]) -> str:
+    """The :data:`CONTEXT_HEADER` value of a context (its known fields that are set)."""
+    from urllib.parse import urlencode
+
+    return urlencode([(k, str(context[k])) for k in CONTEXT_FIELDS if context.get(k) is not None])
+
+
+def decode_context(value: str | None) -> dict[str, Any]:
+    """The fields of a :data:`CONTEXT_HEADER` value, as a resolve's ``context`` would hold
+    them (integers as ints); an unknown field, a repeated one, an integer that is not one,
+    or a value over :data:`MAX_CONTEXT_CHARS` is dropped (the rest stays), never an error:
+    the context labels a lookup, it decides nothing."""
+    from urllib.parse import parse_qsl
+
+    if not value or len(value) > MAX_CONTEXT_CHARS:
+        return {}
+    out: dict[str, Any] = {}
+    try:
+        pairs = parse_qsl(value, keep_blank_values=False, max_num_fields=len(CONTEXT_FIELDS) * 2)
+    except ValueError:
+        return {}
+    for name, text in pairs:
+        if name not in CONTEXT_FIELDS or name in out:
+            continue
+        if name in _CONTEXT_INTS:
+            try:
+                out[name] = int(text)
+            except ValueError:
+                continue
+        else:
+            out[name] = text
+    return out

@@ -44,6 +44,7 @@ from typing import Any, cast
 import anyio
 
 from kcache.artifact import ArtifactMeta, CompileFailure
+from kcache.artifact_header import decode_context
 from kcache.deps import include_set_files_unchanged, proven
 from kcache.engine import Resolution, failure_error
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, KCacheError
@@ -513,9 +514,19 @@ class Resolver:
             self._known.put(recipe_key, known)
 
     def record_fetch(
-        self, recipe_key: str, meta: ArtifactMeta | None, started: float, outcome: Outcome
+        self,
+        recipe_key: str,
+        meta: ArtifactMeta | None,
+        started: float,
+        outcome: Outcome,
+        context: str | None = None,
     ) -> None:
-        """Audit a ``GET /v1/recipes/{key}/artifact`` (identical hits are tallied, not rowed)."""
+        """Audit a ``GET /v1/recipes/{key}/artifact`` (identical hits are tallied, not rowed).
+
+        ``context`` is the request's ``X-KCache-Context`` as sent: who asked (a resolve's
+        context fields), read only when a row is made; hits are tallied per context, so
+        each job and process keeps its own row, as its resolves do.
+        """
         latency_ms = (time.perf_counter() - started) * 1000.0
 
         def make() -> AuditRecord:
@@ -528,11 +539,30 @@ class Resolver:
                 kernel=meta.kernel if meta else None,
                 target=meta.target if meta else None,
                 toolchain=meta.toolchain if meta else None,
+                **fetch_context(context),
             )
 
         if meta is not None and outcome == "hit":
             self.audit.tally(
-                ("fetch", recipe_key, meta.digest), make, latency_ms, meta.compile_seconds
+                ("fetch", recipe_key, meta.digest, context), make, latency_ms, meta.compile_seconds
             )
         else:
             self.audit.record(make())
+
+
+def fetch_context(value: str | None) -> dict[str, Any]:
+    """A fetch's ``X-KCache-Context`` as the audit columns a resolve's context fills: the
+    fields that decode and fit :class:`Context` (its bounds), the others left out."""
+    fields = decode_context(value)
+    if not fields:
+        return {}
+    try:
+        return Context.model_validate(fields).model_dump(exclude_none=True)
+    except ValueError:  # pydantic's ValidationError: one field out of bounds
+        kept = {}
+        for name, item in fields.items():
+            try:
+                kept.update(Context.model_validate({name: item}).model_dump(exclude_none=True))
+            except ValueError:
+                continue
+        return kept

@@ -8,8 +8,14 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 
+from kcache.artifact_header import (
+    CONTEXT_HEADER,
+    MAX_CHARS,
+    MAX_CONTEXT_CHARS,
+    ON_MISS_HEADER,
+    ON_MISS_RESOLVE,
+)
 from kcache.artifact_header import HEADER as META_HEADER
-from kcache.artifact_header import MAX_CHARS, ON_MISS_HEADER, ON_MISS_RESOLVE
 from kcache.errors import ArtifactNotFoundError, CompileError
 from kcache.signing import HEADER as SIGNATURE_HEADER
 from kcache_server.errors import ArtifactSetAsideError
@@ -97,6 +103,18 @@ async def recipe_artifact(
             ),
         ),
     ] = None,
+    context: Annotated[
+        str | None,
+        Header(
+            alias=CONTEXT_HEADER,
+            max_length=MAX_CONTEXT_CHARS,
+            description=(
+                "who asks, form-encoded as a resolve's context fields (client_id, host, pid, "
+                "job_id, rank, world_size): recorded with the fetch's audit event; a field "
+                "that does not fit is left out, never refused"
+            ),
+        ),
+    ] = None,
 ) -> Response:
     """The artifact's bytes and its metadata in one round trip; ``ETag`` is the digest.
 
@@ -119,22 +137,22 @@ async def recipe_artifact(
         headers = artifact_headers(meta)
         headers[SIGNATURE_HEADER] = state.signer.sign(recipe_key, meta).header_value()
         if etag_matches(request.headers.get("if-none-match"), meta.digest):
-            resolver.record_fetch(recipe_key, meta, started, "hit")
+            resolver.record_fetch(recipe_key, meta, started, "hit", context)
             return Response(status_code=304, headers=headers)
         data = await resolver.blob(meta.digest)
     except ArtifactNotFoundError as exc:  # evicted, collected, or set aside as damaged
         resolver.forget(recipe_key)
         if on_miss != ON_MISS_RESOLVE:  # else the resolve that follows is the lookup
-            resolver.record_fetch(recipe_key, None, started, "miss")
+            resolver.record_fetch(recipe_key, None, started, "miss", context)
         if isinstance(exc, ArtifactSetAsideError) and exc.recipe_key is None:
             raise ArtifactSetAsideError(exc.digest, recipe_key) from None
         raise
     except CompileError:
         # A recorded failure answers here (422): the caller's lookup ends in that error,
         # and no resolve follows to count it.
-        resolver.record_fetch(recipe_key, None, started, "error")
+        resolver.record_fetch(recipe_key, None, started, "error", context)
         raise
-    resolver.record_fetch(recipe_key, meta, started, "hit")
+    resolver.record_fetch(recipe_key, meta, started, "hit", context)
     return await bytes_answer(
         request, state, meta.digest, data, headers
     )  # behind nginx: a redirect

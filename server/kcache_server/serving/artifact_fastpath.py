@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from kcache.artifact import ArtifactMeta
+from kcache.artifact_header import CONTEXT_HEADER, MAX_CONTEXT_CHARS
 from kcache.keys import is_hex_key
 from kcache.lru import LruCache
 from kcache.signing import HEADER as SIGNATURE_HEADER
@@ -54,6 +55,7 @@ ROUTE = "/v1/recipes/{recipe_key}/artifact"
 _OCTETS = (b"content-type", b"application/octet-stream")
 SIGNATURE = SIGNATURE_HEADER.lower().encode()
 _ACCEL = ACCEL_HEADER.lower().encode()
+_CONTEXT = CONTEXT_HEADER.lower().encode()
 
 
 class ArtifactFastPath:
@@ -119,7 +121,7 @@ class ArtifactFastPath:
         data = resolver.cached_blob(meta.digest)
         if data is None:
             return None
-        authorization = if_none_match = accel = None
+        authorization = if_none_match = accel = context = None
         for name, value in headers:
             if name == b"authorization":
                 if authorization is not None:
@@ -129,6 +131,8 @@ class ArtifactFastPath:
                 if_none_match = value.decode("latin-1")
             elif name == _ACCEL:
                 accel = value.decode("latin-1")
+            elif name == _CONTEXT:
+                context = value.decode("latin-1")
         principal = self.tokens.authenticate_cached(authorization)
         if principal is None or not principal.allows("read"):
             return None  # the route produces the precise 401/403
@@ -142,11 +146,13 @@ class ArtifactFastPath:
         if redirect and not on_disk(encoded.local_path):
             return None  # the route puts the local copy back (from the bucket), then redirects
         signature = (SIGNATURE, self.signer.header_pair(recipe_key, meta))
-        return WarmFetch(recipe_key, meta, data, encoded, signature, fresh, redirect)
+        if context is not None and len(context) > MAX_CONTEXT_CHARS:
+            return None  # the route refuses it (422), as for any header over its bound
+        return WarmFetch(recipe_key, meta, data, encoded, signature, fresh, redirect, context)
 
     def finish(self, answer: WarmFetch, started: float) -> None:
         """Audit the fetch and count it, as the route does, once its answer was sent."""
-        self.resolver.record_fetch(answer.recipe_key, answer.meta, started, "hit")
+        self.resolver.record_fetch(answer.recipe_key, answer.meta, started, "hit", answer.context)
         (self.not_modified if answer.not_modified else self.ok).inc()
         self.seconds.observe(time.perf_counter() - started)
 
@@ -222,6 +228,8 @@ class WarmFetch(NamedTuple):
     not_modified: bool
     #: Answer with ``X-Accel-Redirect`` and no body: nginx sends the bytes.
     redirect: bool = False
+    #: The request's ``X-KCache-Context`` (who asks), for the audit event.
+    context: str | None = None
 
     def response(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """Status, headers (a new request id among them) and body."""
