@@ -9,16 +9,22 @@ the tier are shown apart too.
 
 **Nothing is written on the hit path.** Each process keeps its counts in memory and writes
 them once, when it ends (``atexit``; :func:`flush` too), as one small file of its own,
-``stats/<host>.<pid>.<random>.json`` under the tier, holding the process's totals (so a
+``stats/p.<host>.<pid>.<random>.json`` under the tier, holding the process's totals (so a
 second write replaces the first). ``kcache cache stats`` sums the files. A process still
 running is not in the sum yet, and one killed (``SIGKILL``, ``os._exit``) never is. A
 forked child starts from zero under a name of its own.
 
 **The mark** (``kcache cache stats --zero``): the files' totals at that moment are noted in
 ``stats/zero.<uid>.json`` with the time; later sums subtract them (the newest mark of any
-user counts). The files of this user's processes that have ended are removed then (the
-only clean-up: one file per process stays until a mark). A process running across the
-mark that had written nothing before it counts whole after it.
+user counts). The files of this user's processes that have ended are removed then. A
+process running across the mark that had written nothing before it counts whole after it.
+
+**Bounded.** A process that writes its file then folds the files of this user's ended
+processes of this host into one, ``stats/total.<host>.<uid>.json`` (what they add since
+the mark, and how many processes), and removes them, under a lock of that user's (a
+process that finds it taken leaves the work): the directory holds a file per running
+process, a total per user and host, and the marks, however many processes came and went.
+A crash between writing the total and removing a folded file counts that file twice.
 
 **Permissions.** The tier's own rules hold: in a shared tier (root mode ``1777``/``1775``)
 ``stats/`` gets the root's mode when this module makes it, so every user writes their
@@ -57,6 +63,10 @@ __all__ = ["COUNTS", "STATS_DIR", "TierCounts", "flush", "read", "track", "zero"
 STATS_DIR = "stats"
 #: The counters summed: CacheStats' names.
 COUNTS = ("node_hits", "memory_hits", "server_fetches", "local_compiles", "bundle_entries")
+#: Beside the counters in a file: how many processes it stands for (1; a total, many).
+_PROCESSES = "processes"
+_TOTAL_PREFIX = "total."
+_PROCESS_PREFIX = "p."
 _VERSION = 1
 _MAX_FILE = 64 * 1024  # a process's file is a few hundred bytes; a mark a few KB per process
 _MAX_COUNT = 1 << 62
@@ -64,7 +74,8 @@ _MARK_PREFIX = "zero."
 _OPEN_DIR = (
     os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 )
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
 
 
 @dataclass
@@ -86,8 +97,8 @@ def _process_name() -> str:
     """This process's file name: host, pid and a random part (pids are reused)."""
     global _name
     if not _name:
-        host = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())
-        _name = f"{host[:64] or 'host'}.{os.getpid()}.{secrets.token_hex(4)}.json"
+        host = _safe(socket.gethostname())
+        _name = f"{_PROCESS_PREFIX}{host}.{os.getpid()}.{secrets.token_hex(4)}.json"
     return _name
 
 
@@ -141,11 +152,12 @@ def flush() -> None:
             "uid": os.geteuid(),
             "since": since,
             "written": time.time(),
-            "counts": counts,
+            "counts": {**counts, _PROCESSES: 1},
         }
         # A full disk or a directory taken away: the counts are lost, the process is not.
         with contextlib.suppress(OSError):
             _write(Path(root), _process_name(), body)
+            _fold(Path(root))
 
 
 def _stats_dir(root: Path) -> int:
@@ -239,45 +251,58 @@ def _number(value: object) -> float | None:
 
 
 def _counts(value: object) -> dict[str, int] | None:
-    """A file's counts (every one of :data:`COUNTS`, a small non-negative int), or None."""
+    """A file's counts (every one of :data:`COUNTS`, and how many processes they are of: a
+    small non-negative int each), or None."""
     if not isinstance(value, dict):
         return None
     out = {}
-    for name in COUNTS:
-        count = value.get(name, 0)
+    for name in (*COUNTS, _PROCESSES):
+        count = value.get(name, 1 if name == _PROCESSES else 0)
         if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count < _MAX_COUNT:
             return None
         out[name] = count
     return out
 
 
+def _newest_mark(marks: list[dict[str, Any]]) -> tuple[float | None, dict[str, Any]]:
+    """The newest mark's time and the counts it noted, by file (None, {}: never zeroed)."""
+    mark = max(marks, key=lambda m: float(m["at"]), default=None)
+    return (float(mark["at"]), mark["seen"]) if mark is not None else (None, {})
+
+
+def _since_mark(
+    name: str, body: dict[str, Any], at: float | None, seen: dict[str, Any]
+) -> dict[str, int]:
+    """What the file ``name`` adds after the mark (``at``, ``seen``): its counts less those
+    noted then; nothing for a file written before it and not noted (a race with it)."""
+    counts = _counts(body["counts"])
+    assert counts is not None  # checked by _files
+    if at is None:
+        return counts
+    before = _counts(seen.get(name)) if name in seen else None
+    if before is None:
+        return counts if float(body["written"]) >= at else dict.fromkeys(counts, 0)
+    return {k: max(0, v - before[k]) for k, v in counts.items()}
+
+
 def read(root: str | os.PathLike[str]) -> TierCounts:
     """The counts every ended process wrote into ``root``, less those noted at the newest mark."""
     root = Path(root)
     files, marks = _files(root)
-    mark = max(marks, key=lambda m: float(m["at"]), default=None)
-    at = float(mark["at"]) if mark is not None else None
-    seen: dict[str, Any] = mark["seen"] if mark is not None else {}
+    at, seen = _newest_mark(marks)
     total = dict.fromkeys(COUNTS, 0)
     processes = 0
     first: float | None = None
     for name, body in files.items():
-        counts = _counts(body["counts"])
-        assert counts is not None  # checked by _files
-        if at is not None:
-            before = _counts(seen.get(name)) if name in seen else None
-            if before is None and float(body["written"]) < at:
-                continue  # written before the mark and not noted: a race with it, counted then
-            if before is not None:
-                counts = {k: max(0, v - before[k]) for k, v in counts.items()}
-        if not any(counts.values()):
+        counts = _since_mark(name, body, at, seen)
+        if not any(counts[k] for k in COUNTS):
             continue
-        processes += 1
+        processes += max(1, counts[_PROCESSES])
         since = _number(body.get("since"))
         if since is not None:
             first = since if first is None else min(first, since)
-        for k, v in counts.items():
-            total[k] += v
+        for k in COUNTS:
+            total[k] += counts[k]
     if at is not None and first is not None:
         first = max(first, at)
     return TierCounts(root, total, processes, at, first)
@@ -302,6 +327,75 @@ def zero(root: str | os.PathLike[str]) -> float:
             seen[name] = counts
     _write(root, f"{_MARK_PREFIX}{uid}.json", {"version": _VERSION, "at": now, "seen": seen})
     return now
+
+
+def _fold(root: Path) -> None:
+    """Fold the files of this user's ended processes of this host into its total (module
+    docstring), unless another process of this user is at it."""
+    import fcntl
+
+    host, uid = socket.gethostname(), os.geteuid()
+    directory = os.open(root / STATS_DIR, _OPEN_DIR)
+    try:
+        lock = os.open(
+            f".fold.{uid}.lock", os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600, dir_fd=directory
+        )
+    finally:
+        os.close(directory)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another process of this user folds now
+        files, marks = _files(root)
+        at, seen = _newest_mark(marks)
+        name = f"{_TOTAL_PREFIX}{_safe(host)}.{uid}.json"
+        ended = [
+            (n, b)
+            for n, b in files.items()
+            if n.startswith(_PROCESS_PREFIX)
+            and b.get("uid") == uid
+            and b.get("host") == host
+            and not _alive(b.get("pid"))
+        ]
+        if not ended:
+            return
+        kept = files.get(name)
+        total = _counts(kept["counts"]) if kept is not None else dict.fromkeys(COUNTS, 0)
+        assert total is not None
+        if kept is None:
+            total[_PROCESSES] = 0
+        since = [_number(b.get("since")) for _, b in ended] + [
+            _number(kept.get("since")) if kept is not None else None
+        ]
+        for n, body in ended:
+            added = _since_mark(n, body, at, seen)
+            if any(added[k] for k in COUNTS):  # a process noted at the mark, which went on
+                added[_PROCESSES] = max(1, added[_PROCESSES])
+            for k in total:
+                total[k] += added[k]
+        _write(
+            root,
+            name,
+            {
+                "version": _VERSION,
+                "host": host,
+                "uid": uid,
+                "pid": None,
+                "since": min((s for s in since if s is not None), default=None),
+                "written": time.time(),
+                "counts": total,
+            },
+        )
+        for n, _ in ended:
+            with contextlib.suppress(OSError):
+                os.unlink(root / STATS_DIR / n)
+    finally:
+        os.close(lock)
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)[:64] or "host"
 
 
 def _alive(pid: object) -> bool:

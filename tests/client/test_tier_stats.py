@@ -60,6 +60,9 @@ def test_hits_misses_and_the_mark_across_processes(tmp_path: Path) -> None:
     assert body["hit_rate"] == pytest.approx(0.6)
     assert body["processes"] == 5 and body["zeroed_at"] is None and body["since"] is not None
     assert body["entries"] == 2 and body["bytes_used"] > 0
+    # Ended processes' files are folded into one total by the next process that ends.
+    names = [p.name for p in _written(tmp_path / "cache")]
+    assert len(names) == 2 and names[0].startswith("p.") and names[1].startswith("total."), names
     text = _ok("cache", "stats", env=env, cwd=tmp_path)
     assert "hits           3 " in text and "misses         2 (0 from the server, 2 compiled" in text
     assert "hit rate       60.0 %" in text and "never zeroed" in text and "entries        2" in text
@@ -71,12 +74,21 @@ def test_hits_misses_and_the_mark_across_processes(tmp_path: Path) -> None:
     assert after["zeroed_at"] == pytest.approx(zeroed["zeroed_at"])
     assert after["entries"] == 2  # the mark zeroes counts, never entries
     # The ended processes' files went with the mark: only the mark is left.
-    left = sorted(p.name for p in (tmp_path / "cache" / "stats").iterdir())
+    left = [p.name for p in _written(tmp_path / "cache")]
     assert left == [f"zero.{os.geteuid()}.json"]
     _ok("get", "k.cu", "--target", "sm_90", env=env, cwd=tmp_path)
     again = _stats(env, tmp_path)
     assert (again["hits"], again["misses"], again["processes"]) == (1, 0, 1)
+    _ok("get", "k.cu", "--target", "sm_80", env=env, cwd=tmp_path)  # folds the one before
+    folded = _stats(env, tmp_path)
+    assert (folded["hits"], folded["misses"], folded["processes"]) == (2, 0, 2)
+    assert sum(p.name.startswith("p.") for p in _written(tmp_path / "cache")) == 1
     assert "the mark (kcache cache stats --zero)" in _ok("cache", "stats", env=env, cwd=tmp_path)
+
+
+def _written(root: Path) -> list[Path]:
+    """The counts' files under ``root/stats`` (not the hidden lock files)."""
+    return sorted(p for p in (root / "stats").iterdir() if not p.name.startswith("."))
 
 
 def _recipe(tag: str) -> Recipe:
@@ -95,8 +107,8 @@ def test_counts_stay_in_memory_until_the_process_writes_them(tmp_path: Path) -> 
             cache.get(recipe)  # a node-tier hit, then two memory hits
         assert not (root / "stats").exists()  # nothing written on the way
         tier_stats.flush()
-        (mine,) = (root / "stats").iterdir()
-        assert mine.name.split(".")[1] == str(os.getpid())
+        (mine,) = _written(root)
+        assert mine.name.split(".")[2] == str(os.getpid())
         assert stat.S_IMODE(mine.stat().st_mode) == 0o644
         counts = tier_stats.read(root).counts
         assert (counts["local_compiles"], counts["node_hits"], counts["memory_hits"]) == (1, 1, 2)
@@ -109,7 +121,7 @@ def test_counts_stay_in_memory_until_the_process_writes_them(tmp_path: Path) -> 
             finally:
                 os._exit(0)
         assert os.waitpid(pid, 0)[1] == 0
-    files = sorted((root / "stats").iterdir())
+    files = _written(root)
     assert len(files) == 2
     child = json.loads(next(f for f in files if f != mine).read_text())
     assert child["pid"] == pid and child["counts"]["memory_hits"] == 1
@@ -193,3 +205,56 @@ class NodeTierCounts:
 
     def __exit__(self, *exc: object) -> None:
         tier_stats.flush()
+
+
+_ACROSS = """
+import sys
+from kcache import Recipe
+from kcache_client import ClientSettings, KernelCache
+from kcache_client import _tier_stats
+root, wait, *sources = sys.argv[1:]
+settings = ClientSettings.from_env(url="", send_events=False, local_compile=True)
+cache = KernelCache(cache_dir=root, settings=settings)
+for n, source in enumerate(sources):
+    if n == 1 and wait == "wait":
+        _tier_stats.flush()
+        print("flushed", flush=True)
+        sys.stdin.readline()  # the mark is set meanwhile
+    cache.get(Recipe(source=open(source).read(), target="sm_80"))
+"""
+
+
+def test_a_process_running_across_the_mark_counts_what_came_after(tmp_path: Path) -> None:
+    env = user_env(tmp_path)
+    tag = unique("across").replace("-", "_")
+    root = tmp_path / "cache"
+    sources = []
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.cu").write_text(VECTOR_ADD.replace("add(", f"{name}_{tag}("))
+        sources.append(str(tmp_path / f"{name}.cu"))
+
+    def run(wait: str, *chosen: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-c", _ACROSS, str(root), wait, *chosen],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    with run("no", *sources) as compiling:  # three misses, compiled here
+        assert compiling.wait(timeout=300) == 0
+    with run("wait", sources[0], sources[1]) as running:
+        assert running.stdout is not None and running.stdin is not None
+        assert running.stdout.readline().strip() == "flushed"  # its hit of a, before the mark
+        _ok("cache", "stats", "--zero", env=env, cwd=tmp_path)
+        running.stdin.write("\n")
+        running.stdin.close()
+        assert running.wait(timeout=120) == 0
+    after = _stats(env, tmp_path)
+    assert (after["hits"], after["misses"]) == (1, 0)  # b, after the mark; a was before it
+    with run("no", sources[2]) as last:  # a hit of c; folds the one that ended
+        assert last.wait(timeout=120) == 0
+    folded = _stats(env, tmp_path)
+    assert (folded["hits"], folded["misses"], folded["processes"]) == (2, 0, 2)
+    assert [p.name.split(".")[0] for p in _written(root)] == ["p", "total", "zero"]
