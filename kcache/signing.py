@@ -54,6 +54,7 @@ __all__ = [
     "ALGORITHM",
     "HEADER",
     "BundleDigest",
+    "DefaultToolchain",
     "Signature",
     "SignatureError",
     "SigningKey",
@@ -73,6 +74,8 @@ _ENDORSEMENT = b"kcache-key-endorsement/v1:"
 _MESSAGE_VERSION = 1
 #: What a bundle's signature signs before its entries' digest: never another message.
 _BUNDLE = b"kcache-bundle/v1:"
+#: What a server's word on its default toolchain signs before it: never another message.
+_DEFAULT_TOOLCHAIN = b"kcache-default-toolchain/v1:"
 
 
 class SignatureError(KCacheError, ValueError):
@@ -305,6 +308,22 @@ class BundleDigest:
 
 
 @dataclass(frozen=True)
+class DefaultToolchain:
+    """A server's word that recipes without a toolchain are compiled with ``toolchain``, as
+    of ``issued_at`` (its clock, epoch seconds): what ``GET /v1/toolchains`` signs, so a node
+    tier can keep it for the processes that start after (``kcache_client`` keys recipes
+    with it without asking, while it is young: ``KernelCache.default_toolchain``)."""
+
+    toolchain: str
+    issued_at: int
+
+    def message(self) -> bytes:
+        """The bytes the server's signature covers."""
+        body = {"default_toolchain": self.toolchain, "issued_at": self.issued_at}
+        return _DEFAULT_TOOLCHAIN + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
 class Signature:
     """A signature and the id of the key that made it."""
 
@@ -425,6 +444,10 @@ class SigningKey:
         """Sign a bundle's entries (:class:`BundleDigest`)."""
         return Signature(self.key_id, _b64(self._private.sign(entries.message())))
 
+    def sign_default_toolchain(self, word: DefaultToolchain) -> Signature:
+        """Sign the server's default toolchain as of a moment (:class:`DefaultToolchain`)."""
+        return Signature(self.key_id, _b64(self._private.sign(word.message())))
+
     def sign_foreign(self, binding: ForeignBinding) -> Signature:
         """Sign a foreign binding: "published by <writer>" (:meth:`ForeignBinding.message`)."""
         return Signature(self.key_id, _b64(self._private.sign(binding.message())))
@@ -509,6 +532,10 @@ class TrustedKeys:
         if signature is None:
             raise SignatureError(f"{what} carries no signature")
         self._verify(signature, binding.message(), what)
+
+    def verify_default_toolchain(self, word: DefaultToolchain, signature: Signature) -> None:
+        """Raise :class:`SignatureError` unless ``signature`` by a trusted key covers ``word``."""
+        self._verify(signature, word.message(), f"the default toolchain {word.toolchain}")
 
     def verify_bundle(self, entries: BundleDigest, signature: Signature) -> None:
         """Raise :class:`SignatureError` unless ``signature`` by a trusted key covers the

@@ -64,6 +64,7 @@ from kcache_client._trust import Trust
 from kcache_client._warmup import WarmupResult, warmup
 from kcache_client._withdrawal_watch import WithdrawalWatch
 from kcache_client._withdrawals import Pair
+from kcache_client._server_facts import kept_default, signed_default
 from kcache_client.errors import (
     RecipeRefusedError,
     RemoteNotFoundError,
@@ -315,17 +316,21 @@ class KernelCache:
     def default_toolchain(self) -> str:
         """The server's default toolchain id (``GET /v1/toolchains``), cached for the process.
 
-        It is also saved in the node tier, so a process started while the server is
-        down still keys recipes as it did; failing that, a local NVRTC's id is used
-        when local compiles are enabled.
+        It is also saved in the node tier with the server's signature: a process that starts
+        while that is young takes it from there without asking (kcache_client._server_facts),
+        and one started while the server is down still keys recipes as it did; failing
+        that, a local NVRTC's id is used when local compiles are enabled.
         """
         with self._toolchain_lock:
             if self._toolchain_default is not None:
                 return self._toolchain_default
-            try:
-                default = str(self.toolchains()["default"])
-            except ServerUnavailableError as exc:
-                default = self._offline_toolchain(exc)
+            facts = self.tier.load_server_facts(self.url) if self.url is not None else None
+            default = kept_default(facts, self.trust)
+            if default is None:
+                try:
+                    default = str(self.toolchains()["default"])
+                except ServerUnavailableError as exc:
+                    default = self._offline_toolchain(exc)
             self._toolchain_default = default
             return default
 
@@ -338,6 +343,7 @@ class KernelCache:
             {
                 "default_toolchain": body["default"],
                 "include_set_digests": server_set_digests(body),
+                **signed_default(body),
             },
         )
         return body

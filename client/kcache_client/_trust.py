@@ -57,7 +57,7 @@ import filelock
 from kcache.artifact import ArtifactMeta
 from kcache.errors import KCacheError
 from kcache.fsutil import atomic_write
-from kcache.signing import BundleDigest, Signature, SignatureError, TrustedKeys
+from kcache.signing import BundleDigest, DefaultToolchain, Signature, SignatureError, TrustedKeys
 from kcache_client.errors import UntrustedArtifactError
 
 __all__ = ["ACCEPTED", "KnownServers", "Trust", "Verdict", "default_known_servers"]
@@ -377,6 +377,19 @@ class Trust:
             entries.add(recipe_key, meta)
         try:
             keys.verify_bundle(entries, signature)
+        except SignatureError as exc:
+            return Verdict(str(exc))
+        return ACCEPTED
+
+    def default_toolchain_verdict(self, word: DefaultToolchain, signature: Signature) -> Verdict:
+        """Whether ``signature`` is this client's server's word on its default toolchain (a
+        key given, or pinned for the server: never a first contact, which would be a
+        request anyway; the caller asks the server instead)."""
+        keys = self.given or self._entry_keys_of(signature.key_id)
+        if signature.key_id not in keys:
+            return Verdict(self.foreign_key(signature.key_id), lasting=False)
+        try:
+            keys.verify_default_toolchain(word, signature)
         except SignatureError as exc:
             return Verdict(str(exc))
         return ACCEPTED

@@ -415,7 +415,8 @@ class ArtifactBody(BaseModel):
 
 
 class SignatureBody(BaseModel):
-    """The server's Ed25519 signature of ``recipe_key`` -> the artifact (GET /v1/keys has the keys)."""
+    """An Ed25519 signature by the server (of ``recipe_key`` -> the artifact, or of its default
+    toolchain; GET /v1/keys has the keys)."""
 
     key_id: str = Field(description="16 hex digits: the signing key's id")
     signature: str = Field(description="64 bytes, base64url without padding")
@@ -501,6 +502,15 @@ class ToolchainsResponse(BaseModel):
     include_sets: list[str]
     #: name -> sha256 of the set's contents: what ``name@<digest>`` in a recipe pins.
     include_set_digests: dict[str, str] = {}
+    #: When ``default_signature`` was made (the server's clock, epoch seconds).
+    default_issued_at: int = Field(
+        description="when the server signed its default toolchain (epoch seconds)"
+    )
+    default_signature: SignatureBody = Field(
+        description="the server's signature of its default toolchain as of default_issued_at "
+        "(kcache-default-toolchain/v1): a node tier keeps it, and processes that start while it "
+        "is young key recipes with it without asking"
+    )
 
 
 class HealthBody(BaseModel):

@@ -22,12 +22,21 @@ it was made from, so a warm fetch or resolve hit pays a dictionary lookup.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 from kcache.artifact import ArtifactMeta
 from kcache.lru import LruCache
-from kcache.signing import ALGORITHM, HEADER, BundleDigest, Signature, SignatureError, SigningKey
+from kcache.signing import (
+    ALGORITHM,
+    HEADER,
+    BundleDigest,
+    DefaultToolchain,
+    Signature,
+    SignatureError,
+    SigningKey,
+)
 
 __all__ = ["HEADER", "ArtifactSigner"]
 
@@ -76,6 +85,11 @@ class ArtifactSigner:
     def sign_bundle(self, entries: BundleDigest) -> Signature:
         """The signature of a bundle's entries (:class:`~kcache.signing.BundleDigest`)."""
         return self.key.sign_bundle(entries)
+
+    def sign_default_toolchain(self, toolchain: str) -> tuple[int, Signature]:
+        """The time now and the signature of ``toolchain`` as the default as of then."""
+        issued_at = int(time.time())
+        return issued_at, self.key.sign_default_toolchain(DefaultToolchain(toolchain, issued_at))
 
     def header_pair(self, recipe_key: str, meta: ArtifactMeta) -> bytes:
         """``HEADER: value`` ready for the HTTP protocol's answer (memoised), without CRLF."""
