@@ -57,6 +57,7 @@ from kcache_client._http import RetryNotice, Transport
 from kcache_client._include_pins import IncludeSetPins, server_set_digests
 from kcache_client._local import LocalCompiler
 from kcache_client._remote import Remote, ResolveAnswer
+from kcache_client._server_facts import kept_default, signed_default
 from kcache_client._settings import ClientSettings
 from kcache_client._stats import CacheStats
 from kcache_client._tier import NodeTier
@@ -64,7 +65,6 @@ from kcache_client._trust import Trust
 from kcache_client._warmup import WarmupResult, warmup
 from kcache_client._withdrawal_watch import WithdrawalWatch
 from kcache_client._withdrawals import Pair
-from kcache_client._server_facts import kept_default, signed_default
 from kcache_client.errors import (
     RecipeRefusedError,
     RemoteNotFoundError,
