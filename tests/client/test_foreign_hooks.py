@@ -12,6 +12,7 @@ takes kcache's resource as ``cache=``.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import sys
@@ -345,3 +346,65 @@ def test_cuda_core_compile_uses_the_fleet(fleet: Fleet) -> None:
     found = core.Program(source, "c++", options=options).compile("cubin", cache=second)
     assert second.foreign.counts["server_hits"] == 1
     assert bytes(found.code) == bytes(built.code)
+
+
+# ---------------------------------------------------------------- Triton's cache manager
+
+
+def _triton_node(fleet: Fleet, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, token: str) -> None:
+    import kcache_client.triton as kt
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / unique("triton")))
+    monkeypatch.setattr(kt, "_foreign", ForeignCache(fleet.node(token=token)))
+
+
+def test_triton_groups_travel_whole(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import kcache_client.triton as kt
+
+    key = unique("TRITONKEY").upper().replace("-", "")
+    files = {
+        "add.cubin": os.urandom(3000),
+        "add.ptx": b".version 8.7",
+        "add.json": b'{"name": "add"}',
+    }
+    _triton_node(fleet, monkeypatch, tmp_path, fleet.publish)
+    writer = kt.CacheManager(key)
+    assert writer.get_group("add.json") is None  # a miss: Triton compiles
+    group = {name: writer.put(data, name) for name, data in files.items()}
+    writer.put(b"launcher", "launcher.so")  # no group: stays on this node
+    writer.put_group("add.json", group)
+    assert writer.get_group("add.json") == group
+    assert kt._foreign.flush(30) and kt._foreign.counts["published"] == 1
+
+    _triton_node(fleet, monkeypatch, tmp_path, fleet.read)  # another node, empty caches
+    reader = kt.CacheManager(key)
+    got = reader.get_group("add.json")
+    assert got is not None and sorted(got) == sorted(files)
+    assert {name: Path(path).read_bytes() for name, path in got.items()} == files
+    assert all(path.startswith(reader.cache_dir) for path in got.values())
+    assert reader.get_file("launcher.so") is None and not reader.has_file("launcher.so")
+    # Triton's own layout: the group file names local paths, written after its files.
+    written = json.loads(Path(reader.cache_dir, "__grp__add.json").read_text())
+    assert written == {"child_paths": got}
+
+
+def test_triton_a_group_cut_half_way_is_never_returned(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import kcache_client.triton as kt
+
+    key = unique("CUT").upper().replace("-", "")
+    _triton_node(fleet, monkeypatch, tmp_path, fleet.publish)
+    writer = kt.CacheManager(key)
+    first = writer.put(b"cubin", "k.cubin")
+    writer.put(b"{}", "k.json")  # the process dies before put_group: nothing published
+    assert kt._foreign.flush(30) and kt._foreign.counts["published"] == 0
+    # A group file naming a file that is gone is not a group (nor published whole).
+    Path(writer.cache_dir, "__grp__k.json").write_text(
+        json.dumps({"child_paths": {"k.cubin": first, "k.json": first + ".gone"}})
+    )
+    assert writer.get_group("k.json") is None
+    _triton_node(fleet, monkeypatch, tmp_path, fleet.read)
+    assert kt.CacheManager(key).get_group("k.json") is None
