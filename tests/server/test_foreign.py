@@ -272,3 +272,67 @@ def test_garbage_collection_keeps_a_foreign_file(foreign: Foreign) -> None:
     assert state.backends.store.has(digest)
     assert not state.backends.store.has(orphan)
     assert report.blobs >= 1
+
+
+# ---------------------------------------------------------------- the service, on both databases
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def foreign_store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
+    """A ForeignStore over a database at the head revision (SQLite, or a fresh PostgreSQL)."""
+    from kcache_server.db import open_database
+    from kcache_server.foreign import ForeignStore
+    from kcache_server.signer import ArtifactSigner
+
+    from kcache.store.local import LocalArtifactStore
+    from tests.support import pg_database, upgrade
+
+    signer = ArtifactSigner.load(tmp_path / "key.pem", create=True)
+    store = LocalArtifactStore(tmp_path / "blobs")
+
+    def made(url: str) -> Any:
+        upgrade(url)
+        db = open_database(url)
+        return ForeignStore(db, store, signer), db
+
+    if request.param == "sqlite":
+        service, db = made(f"sqlite:///{tmp_path / 'kcache.db'}")
+        yield service
+        db.dispose()
+    else:
+        with pg_database("kcache_foreign") as url:
+            service, db = made(url)
+            yield service
+            db.dispose()
+
+
+def test_racing_publishes_of_one_name_bind_one_group(foreign_store: Any) -> None:
+    import threading
+
+    groups = []
+    for i in range(8):
+        data = f"writer {i}".encode()
+        foreign_store.store_blob(hashlib.sha256(data).hexdigest(), data)
+        ref = ForeignFileRef("payload", hashlib.sha256(data).hexdigest(), len(data))
+        groups.append(
+            ForeignBinding("cupy", "14.2.0", "sm_90", "nvrtc-13.0", "raced", (ref,), f"token:w{i}")
+        )
+    results: list[Any] = [None] * len(groups)
+    barrier = threading.Barrier(len(groups))
+
+    def publish(i: int) -> None:
+        barrier.wait()
+        results[i] = foreign_store.publish(groups[i])
+
+    threads = [threading.Thread(target=publish, args=(i,)) for i in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(published for _, published in results) == 1
+    (winner,) = [found.binding for found, published in results if published]
+    assert {found.binding for found, _ in results} == {winner}  # every writer sees the one binding
+    stored = foreign_store.get(winner.binding_key)
+    assert stored is not None and stored.binding == winner
+    assert foreign_store.delete(winner.binding_key)
+    assert foreign_store.get(winner.binding_key) is None
