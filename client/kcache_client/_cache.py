@@ -43,12 +43,18 @@ from typing import Any
 import httpx
 
 from kcache.artifact import ArtifactMeta
-from kcache.artifact_header import ON_MISS_HEADER, ON_MISS_RESOLVE
+from kcache.artifact_header import (
+    CONTEXT_HEADER,
+    ON_MISS_HEADER,
+    ON_MISS_RESOLVE,
+    encode_context,
+)
 from kcache.errors import CompileError, IncludeSetChangedError, KCacheError, ToolchainError
 from kcache.job_manifest import JobManifest, ManifestKernel
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
 from kcache.signing import Signature, load_backend
+from kcache_client import _tier_stats
 from kcache_client._artifact import Artifact, ArtifactOrigin, Judgement
 from kcache_client._bundle import PrefetchResult, open_layers, prefetch
 from kcache_client._events import EventSink, tally_key
@@ -171,6 +177,11 @@ class KernelCache:
             trust=self.trust,
         )
         self.stats = CacheStats()
+        _tier_stats.track(self.tier, self.stats)  # written at exit: kcache cache stats
+        self.host = settings.hostname
+        self.client_id = settings.client_id or f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.rank = int(os.environ.get("RANK", "0") or 0)
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
         self._transport = (
             Transport(
                 settings.url,
@@ -180,7 +191,11 @@ class KernelCache:
                 client=http_client,
                 # Every request says that a fetch that misses is followed by a resolve
                 # (only the fetch route reads it): the transport sends no per-request headers.
-                headers={ON_MISS_HEADER: ON_MISS_RESOLVE},
+                headers={
+                    ON_MISS_HEADER: ON_MISS_RESOLVE,
+                    # Who asks, as a resolve's context says: a fetch's audit event carries it.
+                    CONTEXT_HEADER: encode_context(self.context()),
+                },
                 on_retry=on_retry,
                 give_up_after_outage=give_up_after_outage,
                 offline=settings.offline,
@@ -251,10 +266,6 @@ class KernelCache:
         self._toolchain_lock = threading.Lock()
         #: What include sets are pinned to before keying (kcache_client._include_pins).
         self.include_pins = IncludeSetPins(settings.include_sets, self._server_set_digests)
-        self.host = settings.hostname
-        self.client_id = settings.client_id or f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.rank = int(os.environ.get("RANK", "0") or 0)
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
         self._closed = False
         # atexit holds only a weak reference, so an unused cache can still be collected.
         ref = weakref.ref(self)
