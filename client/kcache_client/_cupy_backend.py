@@ -51,6 +51,8 @@ _DEPTH = 6
 PAYLOAD = "payload"
 
 _INCLUDE_DIR = ("-I", "--include-path")
+#: Option tuples whose verdict a backend remembers (CuPy compiles with few distinct ones).
+_VERDICTS = 4096
 _PRE_INCLUDE = ("-include", "--pre-include")
 
 _installed: Any = None
@@ -90,12 +92,15 @@ def _within(path: str, roots: Iterable[str]) -> bool:
     return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
 
 
-def shareable_options(options: Sequence[Any] | None, allowed_roots: Iterable[str]) -> str | None:
+def shareable_options(
+    options: Sequence[Any] | None, allowed_roots: Iterable[str], *, real_roots: bool = False
+) -> str | None:
     """Why a compile with ``options`` must not be shared (None: it may be).
 
     Shared only when every include directory is under ``allowed_roots`` (CuPy's own
     headers and the CUDA headers, which CuPy's key covers through its version and
     NVRTC's) and nothing is pre-included; unknown options (None) are never shared.
+    ``real_roots``: the roots are resolved already (``os.path.realpath``).
     """
     if options is None:
         return "the compile's options could not be found"
@@ -108,7 +113,7 @@ def shareable_options(options: Sequence[Any] | None, allowed_roots: Iterable[str
     dirs, cut = _option_values(strings, _INCLUDE_DIR)
     if cut:
         return "an include option without its directory"
-    roots = [os.path.realpath(r) for r in allowed_roots]
+    roots = list(allowed_roots) if real_roots else [os.path.realpath(r) for r in allowed_roots]
     for directory in dirs:
         if not _within(directory, roots):
             return f"the include directory {directory} (cupy#941: CuPy's key does not cover its headers)"
@@ -168,7 +173,9 @@ def _backend_class(base: type) -> Any:
                 self.fallback = fallback
                 self.version = version
                 self._toolchain = toolchain
-                self.roots = roots
+                self.roots = [os.path.realpath(r) for r in roots]
+                #: options -> why they are not shared (None: shared), decided once each.
+                self._verdicts: dict[tuple[Any, ...], str | None] = {}
                 #: Compiles kept off the fleet, by reason (first words).
                 self.unshared: dict[str, int] = {}
                 self._warned = False
@@ -179,7 +186,7 @@ def _backend_class(base: type) -> Any:
 
                 frame = _caller_frame()
                 options = None if frame is None else frame.f_locals.get("options")
-                why = shareable_options(options, self.roots)
+                why = self._verdict(options)
                 if why is None and frame is not None:
                     arch = frame.f_locals.get("arch")
                     backend = frame.f_locals.get("backend") or "nvrtc"
@@ -205,6 +212,21 @@ def _backend_class(base: type) -> Any:
                         "backend; nothing is shared through kcache (CuPy's disk cache is used)"
                     )
                 return None
+
+            def _verdict(self, options: Any) -> str | None:
+                if not isinstance(options, tuple):
+                    return shareable_options(options, self.roots, real_roots=True)
+                try:
+                    return self._verdicts[options]
+                except KeyError:
+                    pass
+                except TypeError:  # an option that cannot be hashed: decided each time
+                    return shareable_options(options, self.roots, real_roots=True)
+                why = shareable_options(options, self.roots, real_roots=True)
+                if len(self._verdicts) >= _VERDICTS:
+                    self._verdicts.clear()
+                self._verdicts[options] = why
+                return why
 
             def load(self, name: str) -> bytes | None:
                 foreign_name = self._name(name)
