@@ -57,6 +57,7 @@ from kcache.signing import Signature, load_backend
 from kcache_client import _tier_stats
 from kcache_client._artifact import Artifact, ArtifactOrigin, Judgement
 from kcache_client._bundle import PrefetchResult, open_layers, prefetch
+from kcache_client._event_spool import NodeEventSpool
 from kcache_client._events import EventSink, tally_key
 from kcache_client._freeze import FreezeMode, Freezer, after_warmup_mode, parse_mode
 from kcache_client._http import RetryNotice, Transport
@@ -215,7 +216,11 @@ class KernelCache:
         )
         self._local = LocalCompiler(self.tier, settings)
         self._events = (
-            EventSink(self._transport)
+            # One sender per node where the tier is this user's (kcache_client._event_spool).
+            EventSink(
+                self._transport,
+                spool=NodeEventSpool.for_tier(self.tier, self._transport.url, settings.token),
+            )
             if self._transport is not None and settings.send_events and not settings.offline
             else None
         )

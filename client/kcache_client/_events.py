@@ -10,6 +10,10 @@ a bounded wait, so a clean shutdown loses nothing. If the server is down, events
 are kept (up to ``max_pending``) and sent with the next batch; past that limit the
 oldest are dropped and counted in ``dropped``, because a training job must never
 run out of memory over audit records.
+
+Given a node's spool (:class:`~kcache_client._event_spool.NodeEventSpool`: a private node
+tier), batches are appended to it instead, and the one process of the node that holds the
+spool's lock sends them all: one post per interval per node, not per process.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+from kcache_client._event_spool import NodeEventSpool
 from kcache_client._http import Transport
 from kcache_client._settings import RetryPolicy
 from kcache_client.errors import ClientError, ServerUnavailableError
@@ -56,8 +61,10 @@ class EventSink:
         batch_size: int = 256,
         interval_s: float = 2.0,
         max_pending: int = 100_000,
+        spool: NodeEventSpool | None = None,
     ) -> None:
         self._transport = transport
+        self._spool = spool
         self._batch_size = batch_size
         self._interval_s = interval_s
         self._pending: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_pending)
@@ -122,15 +129,21 @@ class EventSink:
             return sum(e.get("count", 1) for e in self._pending)
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Send everything queued now, from the calling thread; True if the queue emptied."""
+        """Send everything queued now, from the calling thread; True if the queue emptied.
+
+        With a spool: everything queued is spooled, and the node's spool is sent if this
+        process can be its sender (the lock free, or held here); else its sender sends it.
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self._send_one_batch():
-                return self.pending() == 0
+                break
+        self._drain_spool(deadline)
         return self.pending() == 0
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread and deliver what is left (bounded by ``timeout``)."""
+        """Stop the thread and deliver what is left (bounded by ``timeout``); a node's
+        sender lets another process take over."""
         with self._cond:
             if self._closed:
                 return
@@ -139,6 +152,8 @@ class EventSink:
         if self._thread is not None:
             self._thread.join(timeout)
         self.flush(timeout)
+        if self._spool is not None:
+            self._spool.release()
 
     # ------------------------------------------------------------------ internals
     def _take(self) -> list[dict[str, Any]]:
@@ -152,10 +167,13 @@ class EventSink:
         return batch
 
     def _send_one_batch(self) -> bool:
-        """Send one batch; False when there was nothing to send or the server refused it."""
+        """Send (or spool) one batch; False when there was nothing to send or the server
+        refused it."""
         batch = self._take()
         if not batch:
             return False
+        if self._spool is not None and self._spool.append(batch):
+            return True
         try:
             self._transport.request(
                 "POST", "/v1/events", json={"events": batch}, ok=(200, 202), retry=_EVENT_RETRY
@@ -176,6 +194,41 @@ class EventSink:
         self.sent += sum(e.get("count", 1) for e in batch)
         return True
 
+    def _drain_spool(self, deadline: float) -> None:
+        """Send the node's spool if this process is (or can now be) its sender; then, if
+        lines arrived meanwhile and nobody else took over, again (until ``deadline``)."""
+        spool = self._spool
+        if spool is None:
+            return
+        while time.monotonic() < deadline and spool.lead():
+            spool.drain(self._post_spooled, self._batch_size)
+            if not self._closed:
+                return  # a live sender keeps the lock, and sends again in an interval
+            # Ending: let go first, then look: a process that spooled after the drain and
+            # found the lock taken is not stranded (it is taken again here, or by it).
+            spool.release()
+            if not spool.holds_lines():
+                return
+
+    def _post_spooled(self, batch: list[dict[str, Any]]) -> bool:
+        """Post a batch taken from the node's spool: False when the server could not be
+        reached (the spool keeps it), True when it was delivered or refused for good."""
+        try:
+            self._transport.request(
+                "POST", "/v1/events", json={"events": batch}, ok=(200, 202), retry=_EVENT_RETRY
+            )
+        except ServerUnavailableError:
+            self.failures += 1
+            return False
+        except ClientError as exc:
+            if not self.failures:
+                log.warning("audit events refused by the server, dropped: %s", exc)
+            self.failures += 1
+            self.dropped += sum(e.get("count", 1) for e in batch)
+            return True
+        self.sent += sum(e.get("count", 1) for e in batch)
+        return True
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -186,3 +239,4 @@ class EventSink:
             while self._send_one_batch():
                 if self.pending() < self._batch_size:
                     break
+            self._drain_spool(time.monotonic() + self._interval_s)
