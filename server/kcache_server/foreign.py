@@ -13,8 +13,11 @@ The server signs "published by <writer>" (:meth:`ForeignStore.signature`), never
 from __future__ import annotations
 
 import hashlib
+import heapq
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -24,12 +27,15 @@ from kcache.lru import LruCache
 from kcache.signing import Signature
 from kcache.store.base import ArtifactStore
 from kcache_server.errors import InvalidRequestError
+from kcache_server.index import pinned
+from kcache_server.models import artifacts_table as _artifacts
 from kcache_server.models import foreign_bindings_table as _bindings
 from kcache_server.models import foreign_files_table as _files
+from kcache_server.models import pins_table as _pins
 from kcache_server.models import utcnow
 from kcache_server.signer import ArtifactSigner
 
-__all__ = ["ForeignStore", "StoredBinding"]
+__all__ = ["EvictedBinding", "ForeignStore", "StoredBinding", "least_recently_used_of_both"]
 
 #: A hit refreshes ``last_used_at`` when it is older than this.
 _TOUCH_AFTER = timedelta(seconds=60)
@@ -44,6 +50,62 @@ class StoredBinding:
     binding: ForeignBinding
     published_at: datetime
     last_used_at: datetime
+
+
+@dataclass(frozen=True)
+class EvictedBinding:
+    """A foreign binding an eviction removed: its key, its bytes, its files' digests."""
+
+    binding_key: str
+    size: int
+    digests: tuple[str, ...]
+
+
+def _unpinned_binding() -> sa.ColumnElement[bool]:
+    """True for a binding no pin names (a pin names a binding by its ``binding_key``)."""
+    return ~_bindings.c.binding_key.in_(sa.select(_pins.c.recipe_key))
+
+
+def least_recently_used_of_both(db: sa.Engine, to_free: int) -> tuple[list[str], list[str]]:
+    """(artifact digests, foreign binding keys): the least recently used of both, unpinned,
+    in one order of last use, until ``to_free`` bytes are chosen (docs/design.md section 10).
+
+    Both queries stream in their index's order and are merged; reading stops once enough
+    is chosen. The store's evictor asks this only when foreign bindings exist; otherwise
+    its artifacts-only choice is unchanged.
+    """
+    last_use = sa.func.coalesce(_artifacts.c.last_used_at, _artifacts.c.created_at)
+    artifacts = (
+        sa.select(last_use, _artifacts.c.digest, _artifacts.c.size)
+        .where(~pinned(_artifacts.c.digest))
+        .order_by(last_use, _artifacts.c.digest)
+    )
+    bindings = (
+        sa.select(_bindings.c.last_used_at, _bindings.c.binding_key, _bindings.c.size)
+        .where(_unpinned_binding())
+        .order_by(_bindings.c.last_used_at, _bindings.c.binding_key)
+    )
+    digests: list[str] = []
+    keys: list[str] = []
+    chosen = 0
+    with db.connect() as one, db.connect() as other:
+
+        def rows(
+            conn: sa.Connection, query: sa.Select[Any], kind: int
+        ) -> Iterator[tuple[Any, ...]]:
+            for at, name, size in conn.execution_options(yield_per=2000).execute(query):
+                yield (_aware(at), kind, name, int(size))
+
+        for _, kind, name, size in heapq.merge(rows(one, artifacts, 0), rows(other, bindings, 1)):
+            if chosen >= to_free:
+                break
+            (digests if kind == 0 else keys).append(name)
+            chosen += size
+    return digests, keys
+
+
+def _aware(at: datetime) -> datetime:
+    return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)
 
 
 class ForeignStore:
@@ -160,6 +222,52 @@ class ForeignStore:
             conn.execute(sa.delete(_bindings).where(_bindings.c.id == row_id))
         self._signatures.discard(binding_key)
         return True
+
+    def usage(self) -> tuple[int, int]:
+        """(bindings, bytes) stored: what they add to the store's size against its cap."""
+        with self.db.connect() as conn:
+            count, size = conn.execute(
+                sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(_bindings.c.size), 0))
+            ).one()
+        return int(count), int(size)
+
+    def evict(
+        self, binding_keys: Sequence[str], *, unused_since: datetime | None = None
+    ) -> list[EvictedBinding]:
+        """Remove these bindings' rows (never a pinned one, nor with ``unused_since`` one used
+        after it); their blobs are the caller's to collect, where no row names them."""
+        evicted: list[EvictedBinding] = []
+        keys = list(binding_keys)
+        for start in range(0, len(keys), 500):
+            chunk = keys[start : start + 500]
+            conds = [_bindings.c.binding_key.in_(chunk), _unpinned_binding()]
+            if unused_since is not None:
+                conds.append(_bindings.c.last_used_at <= unused_since)
+            with self.db.begin() as conn:
+                rows = conn.execute(
+                    sa.select(_bindings.c.id, _bindings.c.binding_key, _bindings.c.size).where(
+                        *conds
+                    )
+                ).all()
+                if not rows:
+                    continue
+                ids = [r.id for r in rows]
+                files = conn.execute(
+                    sa.select(_files.c.binding_id, _files.c.digest).where(
+                        _files.c.binding_id.in_(ids)
+                    )
+                ).all()
+                conn.execute(sa.delete(_files).where(_files.c.binding_id.in_(ids)))
+                conn.execute(sa.delete(_bindings).where(_bindings.c.id.in_(ids)))
+            by_id: dict[int, list[str]] = {}
+            for binding_id, digest in files:
+                by_id.setdefault(binding_id, []).append(digest)
+            for r in rows:
+                self._signatures.discard(r.binding_key)
+                evicted.append(
+                    EvictedBinding(r.binding_key, int(r.size), tuple(by_id.get(r.id, ())))
+                )
+        return evicted
 
     def signature(self, binding: ForeignBinding) -> Signature:
         """The server's signature of "published by <writer>" for ``binding`` (memoised)."""

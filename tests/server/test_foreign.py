@@ -336,3 +336,81 @@ def test_racing_publishes_of_one_name_bind_one_group(foreign_store: Any) -> None
     assert stored is not None and stored.binding == winner
     assert foreign_store.delete(winner.binding_key)
     assert foreign_store.get(winner.binding_key) is None
+
+
+def test_foreign_bindings_share_the_cap_and_the_lru_order_with_artifacts(
+    tmp_path: Any,
+) -> None:
+    """Eviction frees the least recently used of artifacts and foreign bindings alike; a pin
+    (by binding key) keeps a binding; an evicted binding's blobs are collected."""
+    from datetime import timedelta
+
+    import sqlalchemy as sa
+    from kcache_server import Settings
+    from kcache_server.models import artifacts_table, foreign_bindings_table, utcnow
+
+    from tests.support import vector_add
+
+    server = ServerThread(
+        Settings(
+            data_dir=tmp_path / "data",
+            compile_workers=1,
+            audit={"flush_s": 0.05},
+            max_store_bytes=1 << 20,  # no pass at first: the test runs one when all is in
+            eviction_interval_s=3600,
+            eviction_blob_grace_s=0,
+        )
+    )
+    try:
+        with server.client() as http:
+            compiled = http.post("/v1/resolve", json={"recipe": vector_add(unique("evict"))})
+            assert compiled.status_code == 200, compiled.text
+            artifact = compiled.json()["artifact"]
+            keys, names = [], []
+            for i in range(5):
+                names.append(unique(f"g{i}"))
+                answer = _publish(http, "cupy", names[-1], {"payload": os.urandom(2000)})
+                keys.append(answer.json()["entry"]["binding_key"])
+            pin = http.post("/v1/pins", json={"recipe_keys": [keys[0]], "group": "keep"})
+            assert pin.status_code == 200, pin.text
+        state = server.state
+        db = state.backends.db
+        now = utcnow()
+        with db.begin() as conn:  # ages: the artifact oldest, then g0 (pinned), g1, ... g4
+            conn.execute(
+                sa.update(artifacts_table)
+                .where(artifacts_table.c.digest == artifact["digest"])
+                .values(last_used_at=now - timedelta(hours=10))
+            )
+            for i, key in enumerate(keys):
+                conn.execute(
+                    sa.update(foreign_bindings_table)
+                    .where(foreign_bindings_table.c.binding_key == key)
+                    .values(last_used_at=now - timedelta(hours=5 - i))
+                )
+        total = artifact["size"] + 5 * 2000
+        evictor = server.app.state.evictor
+        # Cap the store so that a pass must free the artifact and two bindings' worth.
+        target_low = total - artifact["size"] - 2 * 2000 + 1000  # freeing g1 too is not enough
+        evictor.marks = type(evictor.marks)(int(target_low / 0.8), 0.9, 0.8)
+        report = evictor.run_pass()
+        assert report is not None and report.evicted == 3, report
+        files = {
+            row.binding_key
+            for row in db.connect().execute(sa.select(foreign_bindings_table.c.binding_key))
+        }
+        # g0 is pinned, though older than g1; g1 and g2 were the least recently used after the
+        # artifact; g3 and g4 stay.
+        assert files == {keys[0], keys[3], keys[4]}
+        assert state.backends.index.artifact(artifact["digest"]) is None  # the oldest of all
+        with server.client() as http:
+            assert http.get(f"/v1/foreign/cupy/{names[1]}", params=NAMESPACE).status_code == 404
+            assert http.get(f"/v1/foreign/cupy/{names[0]}", params=NAMESPACE).status_code == 200
+        left = sum(
+            row.size for row in db.connect().execute(sa.select(foreign_bindings_table.c.size))
+        )
+        assert left <= evictor.marks.low_bytes
+        # The evicted bindings' blobs went (grace 0); the kept ones' stayed.
+        assert len(list(state.backends.store.digests())) == len(files)
+    finally:
+        server.stop()

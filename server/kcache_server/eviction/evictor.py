@@ -21,6 +21,7 @@ from kcache_server.eviction.blobs import EvictedBlobs
 from kcache_server.eviction.lock import EvictorLock
 from kcache_server.eviction.log import EvictionLog
 from kcache_server.eviction.reports import RemovalReport, StoreInfo
+from kcache_server.foreign import EvictedBinding, least_recently_used_of_both
 from kcache_server.index import RemovedArtifact, StoreUsage
 from kcache_server.models import utcnow
 from kcache_server.state import ServerState
@@ -139,19 +140,28 @@ class StoreEvictor:
         began = utcnow()
         self.log.prune()
         used = self.index.usage()
-        to_free = self.marks.to_free(used.bytes)
+        # Foreign bindings (docs/design.md section 10) share the cap and the LRU order.
+        foreign = self.state.foreign
+        foreign_count, foreign_bytes = foreign.usage()
+        total = used.bytes + foreign_bytes
+        to_free = self.marks.to_free(total)
         if to_free <= 0:
-            return PassReport(used.bytes)
+            return PassReport(total)
         # This process's hits still queued in the audit writer are recency too: write them first.
         self.state.audit.flush()
-        victims = self.index.least_recently_used(to_free)
+        if foreign_count:
+            victims, foreign_victims = least_recently_used_of_both(self.state.backends.db, to_free)
+        else:
+            victims, foreign_victims = self.index.least_recently_used(to_free), []
         evicted = self.index.evict(victims, "lru", unused_since=began)
         self._removed(evicted)
-        freed = sum(e.size for e in evicted)
-        left = used.bytes - freed
+        gone = foreign.evict(foreign_victims, unused_since=began) if foreign_victims else []
+        self._removed_foreign(gone)
+        freed = sum(e.size for e in evicted) + sum(g.size for g in gone)
+        left = total - freed
         if self.marks.over(left):
             self._complain_over(left, used)
-        report = PassReport(used.bytes, len(evicted), freed, time.perf_counter() - started)
+        report = PassReport(total, len(evicted) + len(gone), freed, time.perf_counter() - started)
         log.info(
             "evictor: %d artifacts (%d bytes) evicted in %.2fs; the store holds %d of %d bytes",
             report.evicted,
@@ -208,6 +218,19 @@ class StoreEvictor:
         metrics.evictions.inc(len(evicted))
         metrics.evicted_bytes.inc(sum(e.size for e in evicted))
         self.blobs.collect([e.digest for e in evicted])
+
+    def _removed_foreign(self, gone: list[EvictedBinding]) -> None:
+        """After foreign bindings' rows are gone: count them, delete their blobs (where no row
+        names them), drop those bytes from this process's memory."""
+        if not gone:
+            return
+        metrics = self.state.metrics
+        metrics.evictions.inc(len(gone))
+        metrics.evicted_bytes.inc(sum(g.size for g in gone))
+        digests = sorted({d for g in gone for d in g.digests})
+        for digest in digests:
+            self.state.resolver.forget_blob(digest)
+        self.blobs.collect(digests)
 
     def _forget(self, evicted: Sequence[RemovedArtifact]) -> None:
         resolver = self.state.resolver
