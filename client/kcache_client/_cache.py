@@ -59,6 +59,7 @@ from kcache_client._artifact import Artifact, ArtifactOrigin, Judgement
 from kcache_client._bundle import PrefetchResult, open_layers, prefetch
 from kcache_client._event_spool import NodeEventSpool
 from kcache_client._events import EventSink, tally_key
+from kcache_client._fanout import prefetch_in_group
 from kcache_client._freeze import FreezeMode, Freezer, after_warmup_mode, parse_mode
 from kcache_client._http import RetryNotice, Transport
 from kcache_client._include_pins import IncludeSetPins, server_set_digests
@@ -606,8 +607,11 @@ class KernelCache:
         is nothing to tear down.
 
         ``manifest`` (a :class:`~kcache.job_manifest.JobManifest`, e.g. a previous run's) is
-        prefetched first (:meth:`prefetch`: one bundle request per node, none when the
-        node holds it); ``recipes`` may then be empty, and the warmup is the barrier.
+        prefetched first: over a torch process group, one bundle request per job, its
+        bytes broadcast to the nodes that lack it and checked there as the server's answer
+        (:mod:`~kcache_client._fanout`; every rank passes the manifest); else as
+        :meth:`prefetch` (one request per node). A node that holds it asks nothing;
+        ``recipes`` may then be empty, and the warmup is the barrier.
         ``then``: what the cache does after the barrier with a kernel its tiers lack
         (:mod:`~kcache_client._freeze`): ``"freeze"`` (the mode KCACHE_AFTER_WARMUP names,
         else ``warn``), ``"warn"``, ``"error"``, ``"allow"``, or None (KCACHE_AFTER_WARMUP's
@@ -621,8 +625,8 @@ class KernelCache:
         try:
             if watch is not None:  # a job start: its first local answer reads withdrawals first
                 watch.expire(True)
-            if manifest is not None:
-                self.prefetch(manifest)
+            if manifest is not None:  # one request per job, fanned out over the group
+                prefetch_in_group(self, manifest, group, timeout=timeout, host=self.host)
             result = warmup(
                 self,
                 recipes,
