@@ -414,3 +414,28 @@ def test_foreign_bindings_share_the_cap_and_the_lru_order_with_artifacts(
         assert len(list(state.backends.store.digests())) == len(files)
     finally:
         server.stop()
+
+
+def test_a_job_token_with_compile_and_publish(
+    make_settings: Any, serve: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kcache token create job --scope compile --scope publish``: both, and report below them."""
+    from kcache_server.auth import Principal
+
+    from kcache.cli import main
+
+    settings = make_settings()
+    server = serve(settings)
+    argv = ["token", "create", "job", "--data-dir", str(settings.data_dir)]
+    assert main([*argv, "--scope", "compile", "--scope", "publish"]) == 0
+    token = capsys.readouterr().out.strip()
+    assert [t.scopes for t in server.state.tokens.list()] == [("compile", "publish")]
+    job = Principal("job", frozenset({"compile", "publish"}))
+    assert all(job.allows(s) for s in ("read", "report", "compile", "publish"))
+    assert not job.allows("admin")
+    alone = Principal("p", frozenset({"publish"}))
+    assert alone.allows("report") and not alone.allows("compile")
+    assert not Principal("c", frozenset({"compile"})).allows("publish")
+    assert Principal("a", frozenset({"admin"})).allows("publish")
+    with server.client(token) as http:
+        assert _publish(http, "cupy", unique("job"), {"payload": b"job"}).status_code == 200
