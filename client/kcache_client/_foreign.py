@@ -255,11 +255,14 @@ class ForeignCache:
                 import httpx
 
                 headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+                # A plain-http server needs no TLS context (its certificate store costs
+                # 20 ms to load), as kcache_client._wire decides; redirects are never followed.
                 self._http = httpx.Client(
                     base_url=self.url or "",
                     headers=headers,
                     timeout=httpx.Timeout(READ_S, connect=CONNECT_S),
                     follow_redirects=False,
+                    verify=not (self.url or "").startswith("http://"),
                 )
             return self._http
 
