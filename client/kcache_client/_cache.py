@@ -675,15 +675,22 @@ class KernelCache:
         )
         return JobManifest.from_dict(body)
 
-    def prefetch(self, manifest: JobManifest) -> PrefetchResult:
+    def prefetch(
+        self, manifest: JobManifest, group: Any = None, *, timeout: float = 1800.0
+    ) -> PrefetchResult:
         """Every artifact of ``manifest`` this node's tiers lack, in one streamed request.
 
         Design: Bundles (:mod:`~kcache_client._bundle`). Each entry is checked (digest and
         the server's signature) before it is published into the node tier; a tier whose
         completeness marker names the manifest makes no request at all. Keys the server
         has no artifact for are the result's ``missing`` (they are looked up as usual later).
+        ``group`` (a torch process group or a Collective; every member calls this): one
+        request per job, fanned out to the nodes that lack it (:mod:`~kcache_client._fanout`),
+        every wait bounded by ``timeout`` as a warmup's.
         """
-        return prefetch(self, manifest)
+        if group is None:
+            return prefetch(self, manifest)
+        return prefetch_in_group(self, manifest, group, timeout=timeout, host=self.host)
 
     # ------------------------------------------------------------------ tiers
     def check_withdrawals(self) -> None:

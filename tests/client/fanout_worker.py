@@ -14,6 +14,8 @@ its cache's bundle and fan-out counters, or the WarmupError it raised.
 ``kill`` (SIGKILL itself after ``after`` pieces of the broadcast), ``corrupt`` (the
 source flips a byte of the bundle after its request, so a piece arrives damaged),
 ``forge`` (the source re-signs every entry and the trailer with a key of its own).
+``api``: ``"prefetch"`` makes the rank call ``prefetch(manifest, group)`` and then
+``warmup([])`` instead.
 """
 
 from __future__ import annotations
@@ -109,7 +111,11 @@ def main() -> None:
     out: dict[str, Any] = {"rank": rank}
     started = time.monotonic()
     try:
-        cache.warmup([], None, timeout=cfg["timeout"], manifest=manifest)
+        if cfg.get("api") == "prefetch":  # KernelCache.prefetch with the group, then a warmup
+            cache.prefetch(manifest, dist.group.WORLD, timeout=cfg["timeout"])
+            cache.warmup([], None, timeout=cfg["timeout"])
+        else:
+            cache.warmup([], None, timeout=cfg["timeout"], manifest=manifest)
         right = []
         for kernel in manifest.kernels:
             found = cache.tier.lookup_signed(kernel.recipe_key)

@@ -57,6 +57,7 @@ def run_ranks(
     hosts: list[str] = HOSTS,
     fault: dict[str, Any] | None = None,
     timeout: float = TIMEOUT,
+    api: str = "warmup",
 ) -> list[dict[str, Any]]:
     """One process per rank (the test hosts the store), waited for (bounded); their reports."""
     world = len(hosts)
@@ -73,6 +74,7 @@ def run_ranks(
         "retry": RETRY,
         "chunk": 4096,
         "fault": fault,
+        "api": api,
         "out": str(out),
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -150,9 +152,10 @@ def test_a_damaged_or_foreign_pack_from_a_peer_is_refused_and_the_node_asks_the_
 ) -> None:
     """The source damages a byte of what it forwards, or signs it with a key of its own:
     each receiving leader refuses it as it would the server's answer and asks the server.
-    Three nodes of one rank each."""
+    Three nodes of one rank each; the forged case through ``prefetch(manifest, group)``."""
     fault = {"kind": kind, "rank": 0}
-    reports = run_ranks(tmp_path, proxy.url, manifest, hosts=["a", "b", "c"], fault=fault)
+    api = "prefetch" if kind == "forge" else "warmup"
+    reports = run_ranks(tmp_path, proxy.url, manifest, hosts=["a", "b", "c"], fault=fault, api=api)
     assert all(r.get("ok") and r["right"] for r in reports), reports
     assert [r["fanout_failures"] for r in reports] == [0, 1, 1]
     assert [r["fanout_received"] for r in reports] == [0, 0, 0]
