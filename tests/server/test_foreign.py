@@ -150,6 +150,20 @@ def test_a_lookup_that_misses_is_404_and_both_are_audited(foreign: Foreign) -> N
             {"k": f"foreign:triton:{key}"},
         ).all()
     assert [tuple(r) for r in rows] == [("miss", "foreign", f"foreign:triton:{key}", "sm_90")]
+    # Hits are tallied: a warm loop of lookups is a few rows with their counts, not a row each.
+    with foreign.client("publish") as http:
+        assert _publish(http, "triton", key, {"payload": b"now here"}).status_code == 200
+        for _ in range(20):
+            assert http.get(f"/v1/foreign/triton/{key}", params=NAMESPACE).status_code == 200
+    foreign.server.state.audit.flush()
+    with foreign.server.state.backends.db.connect() as conn:
+        hits = conn.execute(
+            sa.text(
+                "SELECT count(*), sum(count) FROM audit_events WHERE kernel = :k AND outcome = 'hit'"
+            ),
+            {"k": f"foreign:triton:{key}"},
+        ).one()
+    assert hits[1] == 20 and hits[0] < 20
 
 
 def test_who_may_publish(foreign: Foreign) -> None:

@@ -220,17 +220,25 @@ async def lookup(
     found: StoredBinding | None = await state.run(
         state.foreign.get, binding_key(library, version, target, toolchain, key)
     )
-    state.audit.record(
-        AuditRecord(
+    latency_ms = (time.perf_counter() - started) * 1000.0
+
+    def record() -> AuditRecord:
+        return AuditRecord(
             outcome="hit" if found is not None else "miss",
             route="foreign",
-            latency_ms=(time.perf_counter() - started) * 1000.0,
+            latency_ms=latency_ms,
             kernel=f"foreign:{library}:{key}"[:1024],
             target=target[:32],
             toolchain=f"{library}-{version}/{toolchain}"[:128],
             error=None if found is not None else "not_found",
         )
-    )
+
+    if found is not None:  # identical hits between two flushes: one row and its count
+        state.audit.tally(
+            ("foreign", library, version, target, toolchain, key), record, latency_ms, 0.0
+        )
+    else:
+        state.audit.record(record())
     if found is None:
         raise ArtifactNotFoundError(
             f"no {library} {version} entry {key} for {target} ({toolchain}): a miss, the library compiles"
