@@ -32,6 +32,7 @@ import atexit
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -147,6 +148,8 @@ class ForeignCache:
         self._publish_refused = False
         self._queue: queue.Queue[tuple[ForeignName, dict[str, bytes]] | None] = queue.Queue(QUEUE)
         self._writer: threading.Thread | None = None
+        self._writer_pid = 0
+        self._exit_hook = False
         self._writer_lock = threading.Lock()
         self._warned: set[str] = set()
         self._memory: OrderedDict[ForeignName, dict[str, bytes]] = OrderedDict()
@@ -376,6 +379,8 @@ class ForeignCache:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write is done (True), or ``timeout`` seconds (False)."""
+        if self._writer is not None and self._writer_pid != os.getpid():
+            return True  # a forked child's inherited queue: the parent sends it
         deadline = time.monotonic() + timeout
         while self._queue.unfinished_tasks:
             if time.monotonic() > deadline:
@@ -385,16 +390,27 @@ class ForeignCache:
 
     def _start_writer(self) -> None:
         with self._writer_lock:
+            if self._writer is not None and self._writer_pid != os.getpid():
+                # A forked child has the parent's queue but not its thread: a queue and a
+                # thread of its own (what the parent had queued is the parent's to send).
+                self._queue = queue.Queue(QUEUE)
+                self._writer = None
             if self._writer is None:
+                self._writer_pid = os.getpid()
                 self._writer = threading.Thread(
-                    target=self._write_loop, name="kcache-foreign-writer", daemon=True
+                    target=self._write_loop,
+                    args=(self._queue,),
+                    name="kcache-foreign-writer",
+                    daemon=True,
                 )
                 self._writer.start()
-                atexit.register(self.flush, EXIT_FLUSH_S)
+                if not self._exit_hook:
+                    self._exit_hook = True
+                    atexit.register(self.flush, EXIT_FLUSH_S)
 
-    def _write_loop(self) -> None:
+    def _write_loop(self, work: queue.Queue[tuple[ForeignName, dict[str, bytes]] | None]) -> None:
         while True:
-            item = self._queue.get()
+            item = work.get()
             try:
                 if item is not None:
                     self._publish(*item)
@@ -402,7 +418,7 @@ class ForeignCache:
                 self.counts["failed"] += 1
                 self._warn("write", f"a foreign write failed ({type(exc).__name__}: {exc})")
             finally:
-                self._queue.task_done()
+                work.task_done()
 
     def _keep(self, name: ForeignName, files: Mapping[str, bytes]) -> None:
         """Keep the group in the node tier (one blob: all of it or none)."""

@@ -408,3 +408,30 @@ def test_triton_a_group_cut_half_way_is_never_returned(
     assert writer.get_group("k.json") is None
     _triton_node(fleet, monkeypatch, tmp_path, fleet.read)
     assert kt.CacheManager(key).get_group("k.json") is None
+
+
+def test_a_forked_child_publishes_with_a_writer_of_its_own(fleet: Fleet) -> None:
+    """A DataLoader-style fork: the child has the parent's queue but not its thread; its own
+    writes still go out, and its exit does not wait on the parent's queue."""
+    foreign = ForeignCache(fleet.node())
+    foreign.put(_name(), {"payload": b"parent"})
+    assert foreign.flush(30)
+    child_name = _name()
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 1
+        try:
+            started = time.monotonic()
+            foreign.put(child_name, {"payload": b"child"})
+            done = foreign.flush(20)
+            code = (
+                0
+                if done and foreign.counts["published"] == 2 and time.monotonic() - started < 15
+                else 3
+            )
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    reader = ForeignCache(fleet.node(token=fleet.read))
+    assert reader.get(child_name) == {"payload": b"child"}
