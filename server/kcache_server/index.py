@@ -36,6 +36,7 @@ from kcache_server.models import (
 from kcache_server.models import artifacts_table as _artifacts
 from kcache_server.models import compile_charges_table as _charges
 from kcache_server.models import evictions_table as _evictions
+from kcache_server.models import foreign_bindings_table as _foreign
 from kcache_server.models import foreign_files_table as _foreign_files
 from kcache_server.models import manifests_table as _manifests
 from kcache_server.models import negative_entries_table as _negatives
@@ -452,7 +453,8 @@ class SqlIndex:
 
     # ------------------------------------------------------------------ bounded storage
     def usage(self) -> StoreUsage:
-        """Artifacts and bytes stored, how many of them are pinned, and the oldest and newest use."""
+        """Artifacts and foreign bindings stored and their bytes, how many of them are pinned, and
+        the oldest and newest use."""
         is_pinned = pinned(_artifacts.c.digest)
         with self.engine.connect() as conn:
             count, size, oldest, newest = conn.execute(
@@ -469,8 +471,30 @@ class SqlIndex:
                 ).where(is_pinned)
             ).one()
             pins = conn.execute(sa.select(sa.func.count()).select_from(_pins)).scalar_one()
+            # Foreign bindings (docs/design.md section 10) are stored bytes too, under one cap.
+            f_count, f_size, f_oldest, f_newest = conn.execute(
+                sa.select(
+                    sa.func.count(),
+                    sa.func.coalesce(sa.func.sum(_foreign.c.size), 0),
+                    sa.func.min(_foreign.c.last_used_at),
+                    sa.func.max(_foreign.c.last_used_at),
+                )
+            ).one()
+            f_pinned_count, f_pinned_size = (0, 0)
+            if f_count:
+                f_pinned_count, f_pinned_size = conn.execute(
+                    sa.select(
+                        sa.func.count(), sa.func.coalesce(sa.func.sum(_foreign.c.size), 0)
+                    ).where(_foreign.c.binding_key.in_(sa.select(_pins.c.recipe_key)))
+                ).one()
         return StoreUsage(
-            int(count), int(size), int(pinned_count), int(pinned_size), int(pins), oldest, newest
+            int(count) + int(f_count),
+            int(size) + int(f_size),
+            int(pinned_count) + int(f_pinned_count),
+            int(pinned_size) + int(f_pinned_size),
+            int(pins),
+            min((t for t in (oldest, f_oldest) if t is not None), default=None),
+            max((t for t in (newest, f_newest) if t is not None), default=None),
         )
 
     def least_recently_used(self, to_free: int) -> list[str]:

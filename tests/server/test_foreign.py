@@ -403,6 +403,13 @@ def test_foreign_bindings_share_the_cap_and_the_lru_order_with_artifacts(
                     .values(last_used_at=now - timedelta(hours=5 - i))
                 )
         total = artifact["size"] + 5 * 2000
+        usage = state.backends.index.usage()  # the store's size counts foreign bindings too
+        assert (usage.artifacts, usage.bytes) == (6, total)
+        assert (usage.pinned_artifacts, usage.pinned_bytes) == (1, 2000)
+        assert usage.oldest_use is not None and usage.oldest_use < now - timedelta(hours=9)
+        with server.client() as http:
+            info = http.get("/v1/cache").json()
+            assert info["bytes_used"] == total and info["artifacts"] == 6
         evictor = server.app.state.evictor
         # Cap the store so that a pass must free the artifact and two bindings' worth.
         target_low = total - artifact["size"] - 2 * 2000 + 1000  # freeing g1 too is not enough

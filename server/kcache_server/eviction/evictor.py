@@ -139,11 +139,11 @@ class StoreEvictor:
         started = time.perf_counter()
         began = utcnow()
         self.log.prune()
-        used = self.index.usage()
+        used = self.index.usage()  # foreign bindings' bytes included
         # Foreign bindings (docs/design.md section 10) share the cap and the LRU order.
         foreign = self.state.foreign
-        foreign_count, foreign_bytes = foreign.usage()
-        total = used.bytes + foreign_bytes
+        foreign_count, _ = foreign.usage()
+        total = used.bytes
         to_free = self.marks.to_free(total)
         if to_free <= 0:
             return PassReport(total)
