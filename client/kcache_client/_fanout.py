@@ -289,6 +289,17 @@ class _Exchange:
 
         dist: Any = torch.distributed  # PrefixStore and Backend.broadcast are not in its stubs
         until = time.monotonic() + limit
+        spool = tempfile.TemporaryFile(prefix="kcache-fanout-")  # noqa: SIM115 (closed by its reader)
+        self.spool = spool
+        sizes: list[int] = []
+        fetcher = None
+        if self.index == 0:  # the request runs while the group meets (tens of ms of each)
+            fetcher = threading.Thread(
+                target=lambda: sizes.append(self._fetch(spool, most)),
+                name="kcache-fanout-fetch",
+                daemon=True,
+            )
+            fetcher.start()
         group: Any = dist.ProcessGroupGloo(
             dist.PrefixStore(self.prefix, self.store),
             self.index,
@@ -303,10 +314,9 @@ class _Exchange:
             group.broadcast(tensor, 0, timedelta(seconds=left)).wait()
 
         length = torch.zeros(1, dtype=torch.int64)
-        spool = tempfile.TemporaryFile(prefix="kcache-fanout-")  # noqa: SIM115 (closed by its reader)
-        self.spool = spool
-        if self.index == 0:
-            size = self._fetch(spool, most)
+        if fetcher is not None:
+            fetcher.join(max(0.0, until - time.monotonic()))
+            size = sizes[0] if sizes else _NOTHING  # none: the request outlived the budget
             length[0] = size
             broadcast(length)
             if size == _NOTHING:
