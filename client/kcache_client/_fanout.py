@@ -133,7 +133,9 @@ def prefetch_in_group(
     if not isinstance(answers, list) or len(answers) != coll.world_size:
         raise _malformed("gather of the nodes' prefetches", 0, "not one entry per rank")
     for rank, answer in enumerate(answers):
-        failed = answer.get("error") if isinstance(answer, dict) else None
+        if not isinstance(answer, dict):
+            raise _malformed("prefetch", rank, "not an object")
+        failed = answer.get("error")
         if failed is not None:
             if not isinstance(failed, dict) or not isinstance(failed.get("message"), str):
                 raise _malformed("prefetch", rank, "an error without a message")
