@@ -410,7 +410,6 @@ class ServerThread:
         import uvicorn
         from kcache_server import create_app
         from kcache_server.serving.app import serving_app
-        from kcache_server.serving.http_protocol import CoalescingHttpToolsProtocol
 
         self.settings = settings
         self.app = create_app(settings)
@@ -424,8 +423,8 @@ class ServerThread:
             log_level="warning",
             lifespan="on",
             timeout_graceful_shutdown=10,
-            http=CoalescingHttpToolsProtocol,  # as `kcache serve` runs it
-            access_log=settings.access_log,  # (with the access log on, it answers nothing itself)
+            http="httptools",  # as `kcache serve` runs it
+            access_log=settings.access_log,
         )
         self.server = uvicorn.Server(config)
         #: Exceptions this server may log with a traceback: name -> why (allow_tracebacks).

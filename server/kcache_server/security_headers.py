@@ -9,8 +9,7 @@
 The framework's answers get them from the request-id middleware in
 :mod:`kcache_server.serving.app` (:func:`secure`), which already rewrites every answer's
 headers; the fast paths (:mod:`~kcache_server.serving.artifact_fastpath`,
-:mod:`~kcache_server.serving.resolve_fastpath`, and through them
-:mod:`~kcache_server.serving.http_protocol`) put :data:`NOSNIFF` into the header lists they
+:mod:`~kcache_server.serving.resolve_fastpath`) put :data:`NOSNIFF` into the header lists they
 encode once, so a warm answer costs nothing more.
 """
 

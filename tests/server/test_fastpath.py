@@ -7,9 +7,18 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import httpx
 from kcache_server.serving.artifact_fastpath import ROUTE, ArtifactFastPath
 
-from tests.support import audit_rows, requests_counted, unique, vector_add
+from tests.support import (
+    VECTOR_ADD,
+    ServerProcess,
+    audit_rows,
+    requests_counted,
+    unique,
+    upgrade,
+    vector_add,
+)
 
 
 class _Inner:
@@ -213,24 +222,27 @@ def _raw(url: str, request: bytes) -> bytes:
     return data
 
 
-def test_the_protocol_answers_warm_fetches_as_the_asgi_path_does(
-    make_settings: Any, serve: Any, monkeypatch: Any
+def test_warm_fetches_are_answered_as_the_route_answers_them(
+    make_settings: Any, serve: Any
 ) -> None:
-    """kcache serve's HTTP protocol answers a warm fetch in its parser callback; an escaped
-    path (``recip%65s``) sends the same fetch through uvicorn's ASGI cycle to the fast path: same
-    status, bytes and headers (but the request id and date), both audited and counted."""
+    """A warm fetch answered by the fast path in front of the app gets the route's status,
+    bytes and headers (but the request id and date), ``nosniff`` among them; an escaped
+    path (``recip%65s``, decoded by uvicorn) and pipelined or HTTP/1.0 requests too; every
+    one audited and counted."""
     server = serve(make_settings(auth_cache_s=60.0))
     with server.client() as client:
         key = client.post("/v1/resolve", json={"recipe": vector_add(unique())}).json()["recipe_key"]
         path = f"/v1/recipes/{key}/artifact"
-        assert client.get(path).status_code == 200  # the route warms the caches
-        # An escape in the path: the protocol leaves it to uvicorn, which decodes it for the
-        # fast path (a query string would go to the app, which refuses unknown parameters).
+        state = server.state
+        state.resolver.forget(key)  # the next fetch is the route's, which warms the caches
+        routed = client.get(path)
+        assert state.resolver.cached_artifact(key) is not None
+        # A query string would go to the app, which refuses unknown parameters.
         escaped = path.replace("/recipes/", "/recip%65s/")
-        direct, through_asgi = client.get(path), client.get(escaped)
+        direct, through_escape = client.get(path), client.get(escaped)
         etag = direct.headers["etag"]
         fresh = client.get(path, headers={"If-None-Match": etag})
-        fresh_asgi = client.get(escaped, headers={"If-None-Match": etag})
+        fresh_escaped = client.get(escaped, headers={"If-None-Match": etag})
 
     def same(reply: Any) -> tuple[int, bytes, list[tuple[str, str]]]:
         skip = {"x-request-id", "date"}
@@ -240,10 +252,12 @@ def test_the_protocol_answers_warm_fetches_as_the_asgi_path_does(
             sorted((k, v) for k, v in reply.headers.items() if k not in skip),
         )
 
-    assert same(direct) == same(through_asgi) and direct.status_code == 200
-    assert same(fresh) == same(fresh_asgi) and fresh.status_code == 304
-    assert direct.headers["x-request-id"] != through_asgi.headers["x-request-id"]
-    assert direct.headers["server"] == through_asgi.headers["server"] == "uvicorn"
+    assert same(direct) == same(routed)
+    assert direct.headers["x-content-type-options"] == "nosniff"
+    assert same(direct) == same(through_escape) and direct.status_code == 200
+    assert same(fresh) == same(fresh_escaped) and fresh.status_code == 304
+    assert direct.headers["x-request-id"] != through_escape.headers["x-request-id"]
+    assert direct.headers["server"] == through_escape.headers["server"] == "uvicorn"
 
     # Pipelined on one connection, then closed as asked: each answered in order.
     one = f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
@@ -262,3 +276,23 @@ def test_the_protocol_answers_warm_fetches_as_the_asgi_path_does(
     server.stop()
     rows = audit_rows(server.settings.database_url, route="fetch", outcome="hit", recipe_key=key)
     assert sum(row.count for row in rows) == 9
+
+
+def test_kcache_serve_answers_on_stock_uvicorn(tmp_path: Path) -> None:
+    """The real command (stock uvicorn, the fast paths in front): a compile, a fetch, a 304, a 404."""
+    db_url = f"sqlite:///{tmp_path / 'kcache.db'}"
+    upgrade(db_url)
+    with (
+        ServerProcess(tmp_path / "data", db_url=db_url) as server,
+        httpx.Client(base_url=server.url) as c,
+    ):
+        body = {"recipe": {"source": VECTOR_ADD, "target": "sm_90"}, "compile": True}
+        key = c.post("/v1/resolve", json=body, timeout=120).raise_for_status().json()["recipe_key"]
+        first = c.get(f"/v1/recipes/{key}/artifact")
+        assert first.status_code == 200 and first.content.startswith(b"\x7fELF")
+        assert int(first.headers["content-length"]) == len(first.content)
+        again = c.get(
+            f"/v1/recipes/{key}/artifact", headers={"If-None-Match": first.headers["etag"]}
+        )
+        assert again.status_code == 304 and again.content == b""
+        assert c.get(f"/v1/recipes/{'0' * 64}/artifact").status_code == 404

@@ -7,11 +7,8 @@ from :mod:`~kcache_server.http_cache`, the memory caches from the
 ``GET /v1/recipes/{recipe_key}/artifact`` is what every rank of every job sends. When
 the key's metadata and the blob are already in this process's memory caches, and the
 caller's token is decided by the token cache, this ASGI middleware answers with two
-``send`` calls: no routing, dependency injection, thread hop or response object.
-Deciding (:meth:`ArtifactFastPath.prepare`) and recording (:meth:`ArtifactFastPath.finish`)
-are apart from sending, so ``kcache serve``'s HTTP protocol
-(:mod:`~kcache_server.serving.http_protocol`) answers the same fetch from its parser callback,
-before uvicorn builds an ASGI request at all.
+``send`` calls: no routing, dependency injection, thread hop or response object
+(:meth:`ArtifactFastPath.prepare` decides, :meth:`ArtifactFastPath.finish` records).
 It still audits the fetch and counts it in the request metrics, exactly as the
 FastAPI route (``routes/recipes.py``) does; anything else (a cold key, a token the
 database must check, an error) goes to that route unchanged, which also fills the
@@ -158,25 +155,15 @@ class ArtifactFastPath:
 
 
 class EncodedHeaders(NamedTuple):
-    """An artifact's response headers, as ASGI header pairs and as HTTP/1.1 lines.
-
-    ``meta`` is what they were made from; the lines are what the HTTP protocol writes
-    (:mod:`~kcache_server.serving.http_protocol`), around the request id, in the pairs' order.
-    """
+    """An artifact's response headers as ASGI header pairs; ``meta`` is what they were made from."""
 
     meta: ArtifactMeta
     #: The metadata headers (``ETag``, ``Cache-Control``, ``X-KCache-Meta``, ...) and ``nosniff``.
     pairs: list[tuple[bytes, bytes]]
     #: A 200's content type and length, after the request id.
     body_pairs: list[tuple[bytes, bytes]]
-    #: ``pairs`` as ``name: value\r\n`` lines.
-    lines: bytes
-    #: ``body_pairs`` as lines.
-    body_lines: bytes
     #: A redirected 200's ``X-Accel-Redirect``, content type and empty length (no prefix: none).
     accel_pairs: list[tuple[bytes, bytes]]
-    #: ``accel_pairs`` as lines.
-    accel_lines: bytes
     #: The blob's local file, which nginx sends (with a prefix only).
     local_path: str
 
@@ -195,21 +182,7 @@ class EncodedHeaders(NamedTuple):
         if accel is not None:
             redirect = accel_path(accel, meta.digest).encode()
             accel_pairs = [(b"x-accel-redirect", redirect), _OCTETS, (b"content-length", b"0")]
-        return cls(
-            meta,
-            pairs,
-            body_pairs,
-            header_lines(pairs),
-            header_lines(body_pairs),
-            accel_pairs,
-            header_lines(accel_pairs),
-            local_path,
-        )
-
-
-def header_lines(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:
-    """Header pairs as HTTP/1.1 header lines."""
-    return b"".join(name + b": " + value + b"\r\n" for name, value in pairs)
+        return cls(meta, pairs, body_pairs, accel_pairs, local_path)
 
 
 class WarmFetch(NamedTuple):
@@ -244,13 +217,3 @@ class WarmFetch(NamedTuple):
             )
         pairs = [*self.headers.pairs, self.signature, request_id, *self.headers.body_pairs]
         return 200, pairs, self.data
-
-    def http_parts(self) -> tuple[int, bytes, bytes]:
-        """:meth:`response` with its headers as HTTP/1.1 lines (most of them encoded once)."""
-        headers = self.headers
-        request_id = header_lines((self.signature, (HEADER, new_request_id().encode())))
-        if self.not_modified:
-            return 304, headers.lines + request_id, b""
-        if self.redirect:
-            return 200, b"".join((headers.lines, request_id, headers.accel_lines)), b""
-        return 200, b"".join((headers.lines, request_id, headers.body_lines)), self.data

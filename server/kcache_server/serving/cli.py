@@ -184,7 +184,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kcache_server.serving.app import SETTINGS_ENV, create_app, serving_app
-    from kcache_server.serving.http_protocol import CoalescingHttpToolsProtocol as http
+
+    # Stock uvicorn through its public API; httptools (uvicorn[standard]) parses.
+    http = "httptools"
 
     if settings.workers > 1:
         # Each uvicorn worker process builds its own app (and compile pool) from these settings.

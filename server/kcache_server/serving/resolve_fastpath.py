@@ -41,15 +41,12 @@ from kcache_server.schemas import Context
 from kcache_server.security_headers import NOSNIFF
 from kcache_server.state import ServerState
 
-__all__ = ["DECLINED", "ROUTE", "ResolveFastPath", "ResolveHit"]
+__all__ = ["ROUTE", "ResolveFastPath", "ResolveHit"]
 
 
 #: The path served, and the route template the metrics label it with (the route's own).
 ROUTE = "/v1/resolve"
 _CONTENT_TYPE = (b"content-type", b"application/json")
-#: A scope key set by ``kcache serve``'s HTTP protocol on a resolve it already offered to
-#: :meth:`ResolveFastPath.answer` and that was no hit: the app answers it directly.
-DECLINED = "kcache.resolve_declined"
 #: Bytes of encoded answers kept; past it the least recently used are encoded again.
 _MAX_ENCODED_BYTES = 64 << 20
 
@@ -100,7 +97,6 @@ class ResolveFastPath:
             and scope["method"] == "POST"
             and scope["path"] == ROUTE
             and not scope.get("query_string")  # the app refuses a query parameter
-            and DECLINED not in scope
         ):
             replayed = await self._serve(scope, receive, send)
             if replayed is None:
