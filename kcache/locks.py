@@ -9,38 +9,41 @@ lock that timed out) publish the same bytes under the same name.
 another holder had the key first (the caller then re-checks the index and, if
 that holder published, reports ``waited`` instead of compiling).
 
-``FileKeyLock`` locks one byte per key of a single file, ``<root>/locks/keys.lock``,
-with Linux's open-file-description (OFD) record locks: no file is created per key
-(a cold node tier paid an inode creation, 0.1-0.4 ms on the benchmark machine's
-ext4, for each kernel's lock file, and kept one file per key it ever fetched), and
-the kernel drops a lock when its holder dies. Where OFD locks do not exist (not
-Linux), a ``filelock`` file per key does the same. (Earlier releases flocked a file
-per key: while both run on one node they do not exclude each other, which costs
-duplicate work only.) A holder whose result is visible already may let go before
-its block ends (``let_go``).
+``FileKeyLock`` locks one file per key, ``<root>/locks/<key>.lock``, with ``filelock``'s
+``flock`` of a descriptor (``lock_descriptor``), which the kernel drops when its holder
+dies (a forked child closes its copy of a held descriptor). The holder removes its
+file before it lets go, so ``locks/`` holds the keys being worked on now, not one file
+per key ever fetched; a lock taken on a file removed meanwhile (no links left) counts
+as not had, so a waiter never holds a removed file. A lock file is writable by whoever
+may create files in ``locks/`` (``0666`` in a shared ``1777`` tier: every user's
+processes open it). Where no lock can be had (a filesystem without ``flock``, a file
+this user may not open, a link planted in its place) the caller goes ahead as the
+holder: at worst a kernel is made twice. (Earlier releases locked a byte per key of
+``locks/keys.lock``: while both run on one node they do not exclude each other, which
+also costs duplicate work only.) A holder whose result is visible already may let go
+before its block ends (``let_go``).
 
 ``FileKeyLock.hold_unless(key, timeout, published)`` is for waiters that can see the
 holder's result without the lock (a node tier: entries are published by atomic
 rename and every read verifies): it yields what ``published()`` found while
-waiting, with the lock never taken, or None once the lock is held. Waiters that
-took the lock only to find the entry went through it one after another, a convoy
-that cost a rank more than its own fetch. Given the directory the result is renamed
-into, a waiter sleeps in its own thread until a rename there (inotify,
-:mod:`kcache.dirwatch`), waking every so often to see whether the holder let go
-without publishing. Otherwise it sleeps until the holder lets go (a blocking shared
-lock of the key's byte, taken by a thread of a small pool: ``fcntl`` has no timeout);
-the hand-offs to and from that thread cost about 150 us of CPU per wait on a loaded
-node. Either way every waiter wakes at once. Waiters that looked in turns instead
-kept the cores of a loaded node busy; a thread started per wait cost milliseconds.
+waiting, with the lock never taken, or None once the lock is held. Waiters that took
+the lock only to find the entry went through it one after another, a convoy that
+cost a rank more than its own fetch.
+
+A waiter naps, 1 ms first (a node's fetch from the server takes about that), doubled
+up to 50 ms (a compile takes seconds: a few percent more at most). After each nap it
+only checks that the key's file is still there (a ``stat``) while the naps grow: the
+holder removes it as it lets go, right after publishing. Once the file is gone, or
+at the longest naps (a holder that published and holds on, or died and left its
+file), it looks (``published()``) and then tries the lock. (A look and a try at every
+nap tripled the CPU B8's eight ranks spent, with ``filelock.FileLock`` tries.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,31 +52,34 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import filelock
 
-from kcache.dirwatch import rename_watch
 from kcache.errors import LockTimeoutError
 from kcache.fsutil import make_dirs
 from kcache.keys import require_hex_key
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: a filelock file per key
-    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["FileKeyLock", "KeyLock", "SingleFlight", "try_file_lock"]
 
 T = TypeVar("T")
 
-#: Whether OFD record locks exist here (Linux 3.15 and later).
-_OFD = fcntl is not None and hasattr(fcntl, "F_OFD_SETLK")
-# hold_unless: the pause before trying again when another waiter was quicker.
-_RETRY_S = 0.001
-# hold_unless with a watch: a waiter's first nap, doubled each time up to the last.
-_WATCH_NAP_S = 0.005
-_WATCH_NAP_MAX_S = 0.2
+# A waiter's first nap between tries of a key's lock, doubled each time up to the last.
+_FIRST_NAP_S = 0.001
+_LAST_NAP_S = 0.05
 # try_file_lock: the pause between tries while another process holds the lock.
 _FILE_LOCK_POLL_S = 0.05
-# Errors that mean the filesystem keeps no record locks: go ahead as if the lock were had.
-_NO_LOCKS = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL})
+# Errors that mean no lock is to be had here: go ahead as if it were (ENOSYS: no flock on
+# this filesystem; EACCES/EPERM: a file or directory not writable here; ELOOP/EISDIR: a
+# link or a directory where a key's file goes, which another user of a shared tier can make).
+_NO_LOCKS = frozenset(
+    {
+        errno.ENOLCK,
+        errno.ENOSYS,
+        errno.EOPNOTSUPP,
+        errno.EINVAL,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ELOOP,
+        errno.EISDIR,
+    }
+)
 
 
 @runtime_checkable
@@ -112,11 +118,7 @@ class SingleFlight:
 
     @contextlib.contextmanager
     def hold_unless(
-        self,
-        key: str,
-        timeout: float,
-        published: Callable[[], T | None],
-        where: str | None = None,
+        self, key: str, timeout: float, published: Callable[[], T | None]
     ) -> Iterator[T | None]:
         """:meth:`FileKeyLock.hold_unless` behind this process's own queue for ``key``.
 
@@ -140,7 +142,7 @@ class SingleFlight:
                 with inner.hold(key, timeout):
                     yield None
                 return
-            with looking(key, timeout, published, where) as found:
+            with looking(key, timeout, published) as found:
                 yield found
 
     def let_go(self, key: str) -> None:
@@ -185,17 +187,20 @@ class FileKeyLock:
         locks = os.path.join(root, "locks")  # strings, one Path: every KernelCache() makes one
         make_dirs(locks)
         self.root = Path(locks)
-        self._keys = os.path.join(locks, "keys.lock")
-        # key -> (thread, its byte) for the locks held through this object (let_go).
-        self._held: dict[str, tuple[int, _KeyRange]] = {}
+        self._dir = locks
+        # key -> (thread, its key file) for the locks held through this object (let_go).
+        self._held: dict[str, tuple[int, _KeyFile]] = {}
         self._held_guard = threading.Lock()
+
+    def path(self, key: str) -> str:
+        """The lock file of ``key`` (there while someone holds it, or left by one that died)."""
+        return f"{self._dir}/{require_hex_key(key, 'key')}.lock"
 
     def let_go(self, key: str) -> None:
         """Let go of ``key`` now, before the holding block ends, if this thread holds it here.
 
         For a holder that has made its result visible (a node tier that wrote the
         entry's alias) and has only bookkeeping left: the waiters may go on at once.
-        Nothing where OFD locks do not exist.
         """
         with self._held_guard:
             held = self._held.get(key)
@@ -205,7 +210,68 @@ class FileKeyLock:
         held[1].give_up()
 
     @contextlib.contextmanager
-    def _holding(self, key: str, lock: _KeyRange) -> Iterator[None]:
+    def hold(self, key: str, timeout: float) -> Iterator[bool]:
+        """Try without waiting first, so the caller learns whether it waited."""
+        lock = _KeyFile(self.path(key), self._dir)
+        waited = not lock.take()
+        if waited:
+            self._outwait(lock, key, timeout, None)
+        with self._holding(key, lock):
+            yield waited
+
+    @contextlib.contextmanager
+    def hold_unless(
+        self, key: str, timeout: float, published: Callable[[], T | None]
+    ) -> Iterator[T | None]:
+        """Hold ``key``'s lock, unless ``published()`` finds the holder's result first.
+
+        Yields None with the lock held (free at once, or once the holder let go without
+        publishing: it failed, or died and the kernel released its lock), or what
+        ``published()`` returned while this process waited, with the lock never taken.
+        A waiter looks (``published()``, which must need no lock) before each try of
+        the lock: the holder publishes before it lets go, so the waiters find the
+        entry instead of passing through the lock one after another. Raises
+        LockTimeoutError after ``timeout``.
+        """
+        lock = _KeyFile(self.path(key), self._dir)
+        if not lock.take():
+            found = self._outwait(lock, key, timeout, published)
+            if found is not None:
+                yield found
+                return
+        with self._holding(key, lock):
+            yield None
+
+    def _outwait(
+        self,
+        lock: _KeyFile,
+        key: str,
+        timeout: float,
+        published: Callable[[], T | None] | None,
+    ) -> T | None:
+        """Nap and try until ``lock`` is had (None) or ``published()`` finds the result."""
+        deadline = time.monotonic() + timeout
+        nap = _FIRST_NAP_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LockTimeoutError(
+                    f"waited {timeout:.0f}s for the lock of {key} in {self._dir}"
+                )
+            time.sleep(min(nap, left))
+            longest = nap >= _LAST_NAP_S
+            nap = min(2 * nap, _LAST_NAP_S)
+            if not longest and os.path.exists(lock.path):
+                continue  # held still: its holder removes the file as it lets go
+            if published is not None:  # the holder publishes before it lets go: look first
+                found = published()
+                if found is not None:
+                    return found
+            if lock.take():
+                return None
+
+    @contextlib.contextmanager
+    def _holding(self, key: str, lock: _KeyFile) -> Iterator[None]:
         """Note ``lock`` as this thread's for :meth:`let_go` while the caller's block runs."""
         with self._held_guard:
             self._held[key] = (threading.get_ident(), lock)
@@ -215,262 +281,99 @@ class FileKeyLock:
             with self._held_guard:
                 if key in self._held and self._held[key][1] is lock:
                     del self._held[key]
-
-    @contextlib.contextmanager
-    def hold(self, key: str, timeout: float) -> Iterator[bool]:
-        """Try without waiting first, so the caller learns whether it waited."""
-        if not _OFD:
-            with self._per_key_file(key, timeout) as waited:
-                yield waited
-            return
-        with _KeyRange(self._keys, key) as lock:
-            waited = not lock.take()
-            if waited:
-                deadline = time.monotonic() + timeout
-                while True:
-                    self._await_release(lock, key, timeout, deadline)
-                    if lock.take():
-                        break
-            with self._holding(key, lock):
-                yield waited
-
-    @contextlib.contextmanager
-    def hold_unless(
-        self,
-        key: str,
-        timeout: float,
-        published: Callable[[], T | None],
-        where: str | None = None,
-    ) -> Iterator[T | None]:
-        """Hold ``key``'s lock, unless ``published()`` finds the holder's result first.
-
-        Yields None with the lock held (free at once, or once the holder let go without
-        publishing: it failed, or died and the kernel released its lock), or what
-        ``published()`` returned while this process waited, with the lock never taken.
-        A waiter looks (``published()``, which must need no lock) before it tries the
-        lock: the holder publishes before it lets go, so the waiters find the entry, all
-        at once, instead of passing through the lock one after another. Raises
-        LockTimeoutError after ``timeout``.
-
-        ``where`` is the directory the holder's result is renamed into: the waiter then
-        sleeps until a rename there (:mod:`kcache.dirwatch`), or for a short while at most
-        (the holder may fail, or die, without publishing), instead of until the holder
-        lets go; without it, or without inotify, it sleeps until the holder lets go.
-        """
-        if not _OFD:  # the portable lock, and a look under it (by the caller)
-            with self._per_key_file(key, timeout):
-                yield None
-            return
-        with _KeyRange(self._keys, key) as lock:
-            if lock.take():
-                with self._holding(key, lock):
-                    yield None
-                return
-            found = self._outwait(lock, key, timeout, published, where)
-            if found is not None:
-                yield found
-                return
-            with self._holding(key, lock):
-                yield None
-
-    def _outwait(
-        self,
-        lock: _KeyRange,
-        key: str,
-        timeout: float,
-        published: Callable[[], T | None],
-        where: str | None,
-    ) -> T | None:
-        """Wait until ``published()`` finds the result (returned) or ``lock`` is had (None)."""
-        deadline = time.monotonic() + timeout
-        watch = rename_watch(where) if where is not None else None
-        try:
-            naps = 0
-            while True:
-                if watch is None:
-                    self._await_release(lock, key, timeout, deadline)
-                found = published()  # with a watch: armed before this look, so nothing slips by
-                if found is not None:
-                    return found
-                if lock.take():
-                    return None
-                if watch is None:
-                    # Another waiter took it, or holds its shared lock a moment.
-                    time.sleep(_RETRY_S)
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise LockTimeoutError(
-                        f"waited {timeout:.0f}s for the lock of {key} in {self._keys}"
-                    )
-                # Woken by a rename there, or after a nap that grows to _WATCH_NAP_MAX_S:
-                # a holder that failed or died lets go without renaming anything in.
-                watch.wait(min(left, _WATCH_NAP_S * 2**naps, _WATCH_NAP_MAX_S))
-                naps = min(naps + 1, 16)
-        finally:
-            if watch is not None:
-                watch.close()
-
-    def _await_release(self, lock: _KeyRange, key: str, timeout: float, deadline: float) -> None:
-        """Return once the holder of ``key`` lets go; LockTimeoutError past ``deadline``."""
-        if not _released(lock, deadline - time.monotonic()):
-            raise LockTimeoutError(f"waited {timeout:.0f}s for the lock of {key} in {self._keys}")
-
-    @contextlib.contextmanager
-    def _per_key_file(self, key: str, timeout: float) -> Iterator[bool]:
-        """A ``filelock`` file per key (where OFD locks do not exist); yields whether it waited."""
-        require_hex_key(key, "key")
-        path = self.root / key[:2] / f"{key}.lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = filelock.FileLock(str(path), thread_local=False)
-        waited = False
-        try:
-            lock.acquire(timeout=0)
-        except filelock.Timeout:
-            waited = True
-            try:
-                lock.acquire(timeout=timeout)
-            except filelock.Timeout as exc:
-                raise LockTimeoutError(f"waited {timeout:.0f}s for the lock {path}") from exc
-        try:
-            yield waited
-        finally:
-            lock.release()
+            lock.give_up()  # nothing if let go already
 
 
-class _Flock(ctypes.Structure):
-    """``struct flock`` (fcntl(2)), with the platform's own field sizes and padding."""
+class _KeyFile:
+    """One key's lock file, locked through a descriptor of its own (two threads of one
+    process exclude each other as two processes do) with ``filelock.lock_descriptor``:
+    the ``flock`` that filelock's ``FileLock`` takes, without its acquire's bookkeeping
+    (120-350 us a try, which tripled what B8's eight ranks spent on the lock)."""
 
-    _fields_ = [
-        ("l_type", ctypes.c_short),
-        ("l_whence", ctypes.c_short),
-        ("l_start", ctypes.c_int64),
-        ("l_len", ctypes.c_int64),
-        ("l_pid", ctypes.c_int),
-    ]
-
-
-class _KeyRange:
-    """One key's byte of the shared lock file, through a descriptor of its own.
-
-    OFD locks belong to the open file description, so two descriptors (two threads,
-    two processes) exclude each other, and closing the descriptor releases the lock.
-    The byte is the key's first 60 bits: two keys that share them only wait for each
-    other.
-    """
-
-    def __init__(self, path: str, key: str) -> None:
-        assert fcntl is not None
-        offset = int(require_hex_key(key, "key")[:15], 16)
+    def __init__(self, path: str, directory: str) -> None:
         self.path = path
-        self._exclusive = bytes(_Flock(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
-        self._unlock = bytes(_Flock(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
-        #: The same byte, shared: granted once no one holds it exclusively.
-        self.shared = bytes(_Flock(fcntl.F_RDLCK, os.SEEK_SET, offset, 1, 0))
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        try:
-            self._fd = os.open(path, flags, 0o644)
-        except FileNotFoundError:  # the locks directory was removed (a cleared cache)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._fd = os.open(path, flags, 0o644)
+        self._dir = directory
+        self._fd: int | None = None
 
     def take(self) -> bool:
-        """Take the lock if no other description holds the byte; True also without record locks."""
-        assert fcntl is not None
+        """Take the lock if no one holds it; True also where no lock is to be had (_NO_LOCKS)."""
         try:
-            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, self._exclusive)
+            fd = _open_key_file(self.path, self._dir)
         except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return False
             if exc.errno in _NO_LOCKS:
-                # No record locks on this filesystem: go ahead as the holder; at worst
-                # the node downloads (or compiles) a kernel twice.
                 return True
             raise
+        try:
+            # A file its holder removed meanwhile is no one's lock any more: try again later.
+            if not filelock.lock_descriptor(fd, blocking=False) or os.fstat(fd).st_nlink == 0:
+                os.close(fd)
+                return False
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in _NO_LOCKS:
+                return True
+            raise
+        self._fd = fd
+        _HELD.add(self)
         return True
 
     def give_up(self) -> None:
-        """Release the lock now (the descriptor stays open until the block ends)."""
-        assert fcntl is not None
+        """Remove the file, if it is still the one held, and let go (nothing if not held)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        _HELD.discard(self)
         try:
-            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, self._unlock)
-        except OSError as exc:
-            if exc.errno not in _NO_LOCKS:  # none was taken there
-                raise
-
-    def __enter__(self) -> _KeyRange:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self._fd)  # releases the lock, if it was taken
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.lstat(self.path), os.fstat(fd)):
+                    os.unlink(self.path)
+            with contextlib.suppress(OSError):  # not only the close: a forked child shares fd
+                filelock.unlock_descriptor(fd)
+        finally:
+            os.close(fd)
 
 
-def _released(lock: _KeyRange, timeout: float) -> bool:
-    """Whether the holder of ``lock``'s byte let go (or died) within ``timeout`` seconds."""
-    if timeout <= 0:
-        return False
-    wait = _Wait(lock.path, lock.shared)
-    _WAITERS.put(wait)
-    return wait.done.wait(timeout)
+def _open_key_file(path: str, directory: str) -> int:
+    """A descriptor of ``path``, made if absent with ``0644`` plus ``directory``'s write bits."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return os.open(path, flags)
+    except FileNotFoundError:  # the directory was removed (a cleared cache)
+        make_dirs(directory)
+        fd = os.open(path, flags | os.O_EXCL, 0o644)
+    with contextlib.suppress(OSError):  # not the umask's: others open it too in a shared tier
+        os.fchmod(fd, _lock_file_mode(directory))
+    return fd
 
 
-class _Wait:
-    """One wait for a key's holder to let go: the shared request, and the event that tells."""
-
-    def __init__(self, path: str, shared: bytes) -> None:
-        self.path = path
-        self.shared = shared
-        self.done = threading.Event()
+#: The key files held in this process: a forked child closes its copies of their
+#: descriptors (and holds none), so that a lock goes when its holder dies even while the
+#: child lives on.
+_HELD: set[_KeyFile] = set()
 
 
-class _WaitPool:
-    """Daemon threads that each block in ``F_OFD_SETLKW`` for one :class:`_Wait` at a time.
-
-    ``fcntl`` has no timeout, so a thread blocks for the waiter, which waits on an event
-    with its own timeout. The thread takes the shared lock once the holder lets go (or
-    dies), drops it at once and sets the event; a waiter that gave up leaves its
-    thread blocked until then. Threads are kept for later waits, and one is started
-    only when all are busy: starting one per wait cost a rank milliseconds on a loaded
-    node.
-    """
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """No threads, no waits (also in a forked child: the threads stayed with the parent)."""
-        self._jobs: queue.SimpleQueue[_Wait] = queue.SimpleQueue()
-        self._guard = threading.Lock()
-        self._idle = 0
-
-    def put(self, wait: _Wait) -> None:
-        """Have a thread wait for ``wait`` (an idle one, else a new one)."""
-        with self._guard:
-            start = self._idle == 0
-            if not start:
-                self._idle -= 1
-        self._jobs.put(wait)
-        if start:
-            threading.Thread(target=self._serve, name="kcache-lock-wait", daemon=True).start()
-
-    def _serve(self) -> None:
-        assert fcntl is not None
-        while True:
-            wait = self._jobs.get()
-            with contextlib.suppress(OSError):  # no lock to wait on: the waiter just looks
-                fd = os.open(wait.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                try:
-                    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, wait.shared)
-                finally:
-                    os.close(fd)  # the shared lock goes with it
-            wait.done.set()
-            with self._guard:
-                self._idle += 1
+def _close_held_in_child() -> None:
+    for held in _HELD:
+        fd, held._fd = held._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _HELD.clear()
 
 
-_WAITERS = _WaitPool()
-if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
-    os.register_at_fork(after_in_child=_WAITERS.reset)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+def _lock_file_mode(directory: str) -> int:
+    """``0644`` plus ``directory``'s group and other write bits: whoever may make a key's lock
+    file there may open another's (a shared ``1777`` tier's are ``0666``)."""
+    try:
+        return 0o644 | (os.stat(directory).st_mode & 0o022)
+    except OSError:
+        return 0o644
 
 
 @contextlib.contextmanager
@@ -478,23 +381,12 @@ def try_file_lock(path: Path, wait_s: float) -> Iterator[bool]:
     """Hold the file lock at ``path`` across processes: yields True while held, False when it
     was not had within ``wait_s`` (the caller then leaves the work to the holder).
 
-    A ``flock`` of the file, as ``filelock`` takes it (the two exclude each other, so
-    releases that used ``filelock`` here share the lock), without its machinery: a node
-    tier's first publish in each process asks for its eviction lock, and ``filelock``
-    cost 0.2-0.5 ms of CPU per call. Released when the block ends or the holder dies.
+    A ``flock`` of the file through ``filelock.lock_descriptor``, as ``filelock.FileLock``
+    takes it (the two exclude each other, so releases that used ``FileLock`` here share
+    the lock), without its bookkeeping: a node tier's first publish in each process asks
+    for its eviction lock, and ``FileLock`` cost 0.2-0.5 ms of CPU per call. Released
+    when the block ends or the holder dies.
     """
-    if fcntl is None:  # pragma: no cover - Windows
-        lock = filelock.FileLock(str(path), thread_local=False)
-        try:
-            lock.acquire(timeout=wait_s)
-        except filelock.Timeout:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            lock.release()
-        return
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags, 0o644)
@@ -503,16 +395,12 @@ def try_file_lock(path: Path, wait_s: float) -> Iterator[bool]:
         fd = os.open(path, flags, 0o644)
     try:
         deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    yield False
-                    return
-                time.sleep(min(_FILE_LOCK_POLL_S, left))
+        while not filelock.lock_descriptor(fd, blocking=False):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                yield False
+                return
+            time.sleep(min(_FILE_LOCK_POLL_S, left))
         yield True
     finally:
         os.close(fd)  # releases the lock, if it was had

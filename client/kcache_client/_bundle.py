@@ -166,7 +166,7 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
     def marker() -> bool | None:
         return True if _marked_complete(tiers, manifest) else None
 
-    with tier.hold_unless(manifest.digest, marker, watch=tier.complete_dir()) as found:
+    with tier.hold_unless(manifest.digest, marker) as found:
         if found:
             return result(len(manifest), 0, (), 0)
         tier.flush()

@@ -4,7 +4,7 @@ Every process of a node (every rank, every job) opens the same directory. Blobs
 are published by the core's atomic write under their digest, index entries by
 atomic rename, so readers never see half a file and two processes that download
 the same blob agree. The per-key lock (in-process single-flight around a record
-lock of one byte per key, :class:`~kcache.locks.FileKeyLock`) only makes the node
+file lock per key, :class:`~kcache.locks.FileKeyLock`) only makes the node
 download a blob once instead of once per rank, and its holder lets go as soon as
 the entry's alias is written. It guards no correctness: on a shared filesystem where
 locks are advisory or granted to everyone, the worst is a duplicate download.
@@ -142,8 +142,9 @@ _DIRS = (
     "locks",
     "packs",
 )
-#: The lock files under ``locks/`` (kcache.locks.FileKeyLock's, and the eviction lock).
-_LOCK_FILES = ("keys.lock", "evict.lock")
+#: The lock files under ``locks/`` made up front (the eviction lock; kcache.locks.FileKeyLock
+#: makes a key's own while it is held, writable by all in a shared tier).
+_LOCK_FILES = ("evict.lock",)
 #: Where a server's facts are kept (its default toolchain, include sets' digests).
 _SERVERS_DIR = "servers"
 #: Entries refused here are warned about once each, up to this many per process.
@@ -923,20 +924,14 @@ class NodeTier:
             yield waited
 
     @contextlib.contextmanager
-    def hold_unless(
-        self, recipe_key: str, published: Callable[[], T | None], *, watch: str | None = None
-    ) -> Iterator[T | None]:
+    def hold_unless(self, recipe_key: str, published: Callable[[], T | None]) -> Iterator[T | None]:
         """The per-key download lock, unless another process publishes the key meanwhile.
 
         Yields None with the lock held, or what ``published()`` (a look in this tier)
         found while waiting, without ever taking the lock: reading the tier needs no
         lock (entries appear by atomic rename, blobs are verified), and ranks that
         each took the lock in turn only to read the entry made a convoy (B8).
-        ``watch`` is the directory the holder's result appears in (default: the key's
-        alias directory; a prefetch's completeness marker has its own).
         """
-        # The holder renames the entry's alias into this directory, then lets go.
-        aliases = watch or os.path.dirname(self.index.alias_path(recipe_key))
 
         def looked() -> T | None:
             # Asked first when this process is about to wait for another's fetch: the
@@ -945,7 +940,7 @@ class NodeTier:
                 self.flush()
             return published()
 
-        with self.lock.hold_unless(recipe_key, self.lock_timeout, looked, aliases) as found:
+        with self.lock.hold_unless(recipe_key, self.lock_timeout, looked) as found:
             yield found
 
     # ---------------------------------------------------------------- server facts
@@ -1002,14 +997,6 @@ class NodeTier:
             and found[0].digest == digest
             and os.path.isfile(self.location(digest))
         )
-
-    def complete_dir(self) -> str:
-        """Where completeness markers appear (what a prefetch's waiters watch; made if absent)."""
-        path = self.root / "index" / "complete"
-        if self.standing.writable:
-            with contextlib.suppress(OSError):  # a watch of a missing directory is a plain wait
-                path.mkdir(exist_ok=True)
-        return str(path)
 
     def _complete_path(self, manifest_digest: str) -> Path:
         name = require_hex_key(manifest_digest, "manifest digest")

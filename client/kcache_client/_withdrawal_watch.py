@@ -136,9 +136,7 @@ class WithdrawalWatch:
             return
         lock_key = sha256_hex(f"kcache withdrawals\0{self.remote.url}")
         try:
-            with tier.hold_unless(
-                lock_key, self._published, watch=os.path.dirname(self.known.path)
-            ) as found:
+            with tier.hold_unless(lock_key, self._published) as found:
                 if found is None:
                     self.known.load()
                     if not self._shared_recently():

@@ -1,8 +1,12 @@
 """The node tier's per-key lock and publish order: what lets waiting ranks go on early.
 
-* Keys are locked as bytes of one file (OFD record locks): no file per key, keys
-  exclude each other only when they are the same, across processes and threads.
-  Waiters are woken by threads kept for the purpose; a forked child starts its own.
+* A key's lock is a file of its own (``filelock``), there only while someone holds or
+  waits for the key: its holder removes it before letting go, and a waiter that took
+  the removed file's lock takes the new one instead, so keys exclude each other only
+  when they are the same, across processes and threads, and nothing piles up.
+* In a shared (``1777``) tier a key's file is writable by every user, who wait for each
+  other; a link planted where a key's file goes lets a process go ahead without the lock.
+* A child forked while its parent held a key does not keep the key once the parent dies.
 * A publish writes the recipe's alias first and lets go of the key at once, so other
   processes take the entry before the holder has written the artifact record and the
   manifest; an entry whose record and manifest a crash lost still reads, lists and
@@ -12,8 +16,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 from pathlib import Path
@@ -30,21 +38,24 @@ from kcache.locks import FileKeyLock
 KEY = "4d" * 32
 BASE = "5e" * 32
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="OFD record locks are Linux's")
+
+def _other_process_finds(root: Path, key: str, uid: int | None = None) -> str:
+    """What another process (as ``uid``) gets when it tries ``key`` once: "free" or "busy"."""
+    done = subprocess.run(
+        [sys.executable, "-c", _TRY_ONCE, str(root), key, str(uid or "")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.stdout.strip() in ("free", "busy"), done.stderr
+    return done.stdout.strip()
 
 
-def _other_process_finds(root: Path, key: str) -> str:
-    """What another process gets when it tries ``key`` once: "free" or "busy"."""
-    return subprocess.run(
-        [sys.executable, "-c", _TRY_ONCE, str(root), key], capture_output=True, text=True
-    ).stdout.strip()
-
-
-def test_keys_are_bytes_of_one_file_and_exclude_only_themselves(tmp_path: Path) -> None:
+def test_each_key_has_a_file_while_held_and_excludes_only_itself(tmp_path: Path) -> None:
     lock = FileKeyLock(tmp_path)
     keys = [f"{i:02x}" * 32 for i in range(40)]
     with lock.hold(keys[0], timeout=5) as waited:
         assert not waited
+        assert os.path.isfile(lock.path(keys[0]))
         assert _other_process_finds(tmp_path, keys[0]) == "busy"
         assert _other_process_finds(tmp_path, keys[1]) == "free"
         # Another thread of this process (its own descriptor) is excluded as well.
@@ -54,8 +65,121 @@ def test_keys_are_bytes_of_one_file_and_exclude_only_themselves(tmp_path: Path) 
     for key in keys:
         with lock.hold(key, timeout=5):
             pass
-    assert sorted(p.name for p in (tmp_path / "locks").iterdir()) == ["keys.lock"]
+    assert list((tmp_path / "locks").iterdir()) == []  # no file per key ever held
     assert _other_process_finds(tmp_path, keys[0]) == "free"
+
+
+def test_contenders_exclude_each_other_although_each_holder_removes_its_file(
+    tmp_path: Path,
+) -> None:
+    """Waiters that opened a file its holder then removed must not hold it beside a new one."""
+    inside: list[int] = []
+    most = [0]
+    guard = threading.Lock()
+    problems: list[str] = []
+
+    def contend(rounds: int) -> None:
+        lock = FileKeyLock(tmp_path)  # an object (and descriptors) per thread, as per process
+        for turn in range(rounds):
+            with lock.hold(KEY, timeout=60):
+                with guard:
+                    inside.append(1)
+                    most[0] = max(most[0], len(inside))
+                if not os.path.isfile(lock.path(KEY)):
+                    problems.append("held a file that is gone")
+                threading.Event().wait(0.001)
+                with guard:
+                    inside.pop()
+                if turn % 2:  # half of the holds let go before their block ends, as a tier's
+                    lock.let_go(KEY)
+
+    threads = [threading.Thread(target=contend, args=(25,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most == [1] and problems == []
+    assert list((tmp_path / "locks").iterdir()) == []
+
+
+def test_a_key_file_in_a_shared_directory_is_writable_by_all(tmp_path: Path) -> None:
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    (shared / "locks").mkdir(parents=True)
+    os.chmod(shared / "locks", 0o1777)
+    for root, mode in ((private, 0o644), (shared, 0o666)):
+        lock = FileKeyLock(root)
+        with lock.hold(KEY, timeout=5):
+            assert stat.S_IMODE(os.stat(lock.path(KEY)).st_mode) == mode, root
+
+
+def test_a_link_planted_where_a_key_file_goes_costs_only_the_lock(tmp_path: Path) -> None:
+    lock = FileKeyLock(tmp_path)
+    target = tmp_path / "elsewhere"
+    target.write_text("not a lock")
+    os.symlink(target, lock.path(KEY))
+    with lock.hold(KEY, timeout=5) as waited:  # no lock to be had: the caller goes ahead
+        assert not waited
+    assert os.path.islink(lock.path(KEY)) and target.read_text() == "not a lock"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="other uids need root to start as")
+def test_users_of_a_shared_tier_wait_for_each_other(tmp_path: Path) -> None:
+    work = Path(tempfile.mkdtemp(prefix="kcache-lock-users-"))  # where other uids can reach
+    try:
+        os.chmod(work, 0o755)
+        (work / "locks").mkdir()
+        os.chmod(work / "locks", 0o1777)  # as a shared tier's (NodeTier._share_dirs)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_FOREVER, str(work), KEY, "65533"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            assert os.stat(FileKeyLock(work).path(KEY)).st_uid == 65533
+            assert _other_process_finds(work, KEY, uid=65532) == "busy"
+            holder.kill()
+            holder.wait()
+            assert _other_process_finds(work, KEY, uid=65532) == "free"
+        finally:
+            holder.kill()
+            holder.wait()
+        # The dead holder's file stays (the other user may not remove it) and serves on.
+        assert os.path.isfile(FileKeyLock(work).path(KEY))
+        assert _other_process_finds(work, KEY, uid=65532) == "free"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_by_a_holder_does_not_keep_the_key_once_the_holder_dies(
+    tmp_path: Path,
+) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_AND_FORK, str(tmp_path), KEY],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    child = int(holder.stdout.readline())
+    try:
+        assert _other_process_finds(tmp_path, KEY) == "busy"
+        holder.kill()
+        holder.wait()
+        assert _other_process_finds(tmp_path, KEY) == "free"  # the child still runs
+    finally:
+        holder.kill()
+        holder.wait()
+        os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_inside_a_hold_leaves_the_parents_lock_alone(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_INSIDE, str(tmp_path), KEY], capture_output=True, text=True
+    )
+    assert done.stdout.split() == ["there", "busy"], done.stderr
+    assert _other_process_finds(tmp_path, KEY) == "free"
 
 
 def test_a_holder_that_lets_go_frees_the_key_before_its_block_ends(tmp_path: Path) -> None:
@@ -68,6 +192,7 @@ def test_a_holder_that_lets_go_frees_the_key_before_its_block_ends(tmp_path: Pat
         outsider.join()
         assert _other_process_finds(tmp_path, KEY) == "busy"  # only the holding thread may
         lock.let_go(KEY)
+        assert not os.path.exists(lock.path(KEY))
         assert _other_process_finds(tmp_path, KEY) == "free"
     assert _other_process_finds(tmp_path, KEY) == "free"
 
@@ -144,9 +269,8 @@ def _wait_for_a_holder(root: Path, key: str) -> object:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_waits_with_threads_of_its_own(tmp_path: Path) -> None:
-    """The parent's waiting threads stay behind in a fork: the child must start its own."""
-    assert _wait_for_a_holder(tmp_path, KEY) == "entry"  # the parent has an idle thread now
+def test_a_forked_child_waits_for_a_holder_as_its_parent_does(tmp_path: Path) -> None:
+    assert _wait_for_a_holder(tmp_path, KEY) == "entry"
     pid = os.fork()
     if pid == 0:  # the child: exit 0 only if its wait ends as the parent's did
         code = 1
@@ -204,13 +328,60 @@ def test_an_entry_whose_record_a_crash_lost_reads_lists_evicts_and_heals(tmp_pat
 
 _TRY_ONCE = textwrap.dedent(
     """
-    import sys
+    import encodings.ascii, os, sys  # imported while root can read the interpreter's files
     from kcache.errors import LockTimeoutError
     from kcache.locks import FileKeyLock
+    if sys.argv[3]:
+        os.setgid(int(sys.argv[3]))
+        os.setuid(int(sys.argv[3]))
     try:
         with FileKeyLock(sys.argv[1]).hold(sys.argv[2], timeout=0.05):
             print("free")
     except LockTimeoutError:
         print("busy")
+    """
+)
+_HOLD_FOREVER = textwrap.dedent(
+    """
+    import encodings.ascii, os, sys, time
+    from kcache.locks import FileKeyLock
+    os.setgid(int(sys.argv[3]))
+    os.setuid(int(sys.argv[3]))
+    with FileKeyLock(sys.argv[1]).hold(sys.argv[2], timeout=5):
+        print("held", flush=True)
+        time.sleep(600)
+    """
+)
+_HOLD_AND_FORK = textwrap.dedent(
+    """
+    import os, sys, time
+    from kcache.locks import FileKeyLock
+    with FileKeyLock(sys.argv[1]).hold(sys.argv[2], timeout=5):
+        child = os.fork()
+        if child == 0:
+            time.sleep(600)
+            os._exit(0)
+        print(child, flush=True)
+        time.sleep(600)
+    """
+)
+_FORK_INSIDE = textwrap.dedent(
+    """
+    import os, sys
+    from kcache.errors import LockTimeoutError
+    from kcache.locks import FileKeyLock
+    lock = FileKeyLock(sys.argv[1])
+    with lock.hold(sys.argv[2], timeout=5):
+        child = os.fork()
+        if child:  # the child has left its block (and its copy of the lock) by now
+            os.waitpid(child, 0)
+            print("there" if os.path.exists(lock.path(sys.argv[2])) else "gone")
+            try:
+                with FileKeyLock(sys.argv[1]).hold(sys.argv[2], timeout=0.05):
+                    print("free")
+            except LockTimeoutError:
+                print("busy")
+    if not child:
+        os._exit(0)
     """
 )
