@@ -90,6 +90,8 @@ def test_every_route_answers_with_nosniff_and_html_with_a_csp(served: Served) ->
         "digest": served.digest,
         "name": "dashboard.js",
         "job_id": "security-headers-job",
+        "library": "cupy",  # a foreign entry (section 10 of docs/design.md) nobody published
+        "key": "0123abcd",
     }
     routes = _routes(served.server.app)
     assert len(routes) >= 20, routes
