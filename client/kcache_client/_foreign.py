@@ -44,6 +44,7 @@ from urllib.parse import quote
 from kcache.artifact import ArtifactMeta
 from kcache.foreign import ForeignBinding, ForeignNameError, binding_key, check_files, check_name
 from kcache.signing import Signature, SignatureError
+from kcache_client.errors import UntrustedArtifactError
 
 if TYPE_CHECKING:
     import httpx
@@ -336,11 +337,17 @@ class ForeignCache:
             if ForeignName(*[getattr(binding, f) for f in ForeignName._fields]) != name:
                 raise ValueError("the answer names another binding")
             signature = Signature.from_dict(body["signature"])
-            keys = self.cache.trust._answer_keys(  # the keys trusted for this server
-                self.url or "", signature, self._server_keys, where
+            self.cache.trust.check_foreign(
+                self.url or "", binding, signature, self._server_keys, where
             )
-            keys.verify_foreign(binding, signature)
-        except (ValueError, KeyError, TypeError, ForeignNameError, SignatureError) as exc:
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+            ForeignNameError,
+            SignatureError,
+            UntrustedArtifactError,
+        ) as exc:
             self.counts["refused"] += 1
             self._warn("refused", f"{where}: the answer does not check ({exc}); a miss")
             return None

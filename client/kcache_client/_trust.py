@@ -56,6 +56,7 @@ import filelock
 
 from kcache.artifact import ArtifactMeta
 from kcache.errors import KCacheError
+from kcache.foreign import ForeignBinding
 from kcache.fsutil import atomic_write
 from kcache.signing import BundleDigest, DefaultToolchain, Signature, SignatureError, TrustedKeys
 from kcache_client.errors import UntrustedArtifactError
@@ -249,6 +250,23 @@ class Trust:
         keys = self._answer_keys(url, signature, fetch_keys, where)
         try:
             keys.verify_bundle(entries, signature)
+        except SignatureError as exc:
+            raise UntrustedArtifactError(where, f"{exc}; {self._checked_against(url)}") from None
+
+    def check_foreign(
+        self,
+        url: str,
+        binding: ForeignBinding,
+        signature: Signature,
+        fetch_keys: Callable[[], Any],
+        where: str,
+    ) -> None:
+        """Refuse (:class:`UntrustedArtifactError`) a foreign binding ("published by
+        <writer>", docs/design.md section 10) unless a key trusted for ``url`` signed it, as
+        :meth:`check_answer` checks a recipe's answer."""
+        keys = self._answer_keys(url, signature, fetch_keys, where)
+        try:
+            keys.verify_foreign(binding, signature)
         except SignatureError as exc:
             raise UntrustedArtifactError(where, f"{exc}; {self._checked_against(url)}") from None
 
