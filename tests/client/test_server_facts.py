@@ -88,3 +88,24 @@ def test_a_word_is_taken_only_signed_by_a_trusted_key_and_young(tmp_path: Path) 
     assert kept_default({**fresh, "default_signature": {"key_id": "x"}}, trust, now) is None
     assert kept_default(None, trust, now) is None
     assert signed_default({"default": "nvrtc-13.5.0"}) == {}  # a server that does not sign
+
+
+def test_a_complete_tier_makes_no_request_in_a_job_s_next_processes(
+    proxy: Proxy, kserver: KcacheServer, tmp_path: Path
+) -> None:
+    """Issue 48's warm node: a manifest the tier holds whole, recipes without a toolchain."""
+    recipes = [_recipe(unique("warm").replace("-", "_") + f"_{i}") for i in range(3)]
+    settings = _settings(tmp_path)
+    with KernelCache(proxy.url, cache_dir=tmp_path / "seed", settings=settings) as cache:
+        cache.warmup(recipes, progress=False)
+        manifest = cache.manifest("warm-job")
+    with KernelCache(proxy.url, cache_dir=tmp_path / "tier", settings=settings) as cache:
+        cache.prefetch(manifest)  # the job's first process fills the node
+        digests = [cache.get(r).digest for r in recipes]
+    sent = proxy.count()
+    for _ in range(2):  # the job's next processes on the node
+        with KernelCache(proxy.url, cache_dir=tmp_path / "tier", settings=settings) as cache:
+            assert cache.prefetch(manifest).requests == 0
+            arts = [cache.get(r) for r in recipes]
+        assert [a.digest for a in arts] == digests and {a.origin for a in arts} == {"node"}
+    assert proxy.count() == sent, proxy.paths("GET", "/") + proxy.paths("POST", "/")
