@@ -64,6 +64,7 @@ __all__ = [
     "Received",
     "fetch_teed",
     "load_bundle_file",
+    "marked_complete",
     "open_layers",
     "prefetch",
     "publish_received",
@@ -126,7 +127,7 @@ def _held(tiers: Sequence[NodeTier], key: str) -> str | None:
     return None
 
 
-def _marked_complete(tiers: Sequence[NodeTier], manifest: JobManifest) -> bool:
+def marked_complete(tiers: Sequence[NodeTier], manifest: JobManifest) -> bool:
     """The tier's marker names every key of the manifest, and their files are all still here."""
     marked = tiers[0].marked(manifest.digest)
     if marked is None or sorted(k for k, _ in marked) != manifest.recipe_keys:
@@ -157,20 +158,20 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
             time.monotonic() - started,
         )
 
-    if _marked_complete(tiers, manifest):
+    if marked_complete(tiers, manifest):
         return result(len(manifest), 0, (), 0)
 
     # One process per node asks (the lock guards no correctness: publishing is atomic,
     # so without it the worst is a second request); the others find its marker as soon
     # as it appears, without queueing for the lock one after another (a convoy: B12).
     def marker() -> bool | None:
-        return True if _marked_complete(tiers, manifest) else None
+        return True if marked_complete(tiers, manifest) else None
 
     with tier.hold_unless(manifest.digest, marker) as found:
         if found:
             return result(len(manifest), 0, (), 0)
         tier.flush()
-        if _marked_complete(tiers, manifest):
+        if marked_complete(tiers, manifest):
             return result(len(manifest), 0, (), 0)
         held: dict[str, str] = {}
         lacking: list[str] = []
@@ -421,7 +422,7 @@ def write_bundle_file(
     Returns how many entries it holds. The file appears whole or not at all (written
     beside it and renamed).
     """
-    if not _marked_complete(_tiers(cache), manifest):
+    if not marked_complete(_tiers(cache), manifest):
         done = prefetch(cache, manifest)
         if done.missing:
             raise KCacheError(

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # imported when a command runs: `kcache --help` stays instant
     from kcache_client._http import Transport
     from kcache_client._tier import NodeTier
 
-__all__ = ["register"]
+__all__ = ["register", "text_table"]
 
 #: The most entries one listing asks a server for (its own limit).
 _LISTING = 10_000
@@ -72,7 +72,7 @@ def _when(value: float | str | None) -> str:
     return f"{local:%Y-%m-%d %H:%M:%S} ({ago:.0f} s ago)"
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[_show(h) for h in headers]] + [[_show(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
@@ -209,7 +209,7 @@ def _server_ls(server: Transport, args: argparse.Namespace) -> int:
         ]
         for e in body["entries"]
     ]
-    return _emit(args, body, _table(["key", "kernel", "target", "size", "last used", ""], rows))
+    return _emit(args, body, text_table(["key", "kernel", "target", "size", "last used", ""], rows))
 
 
 def _server_entries(server: Transport) -> list[dict[str, Any]]:
@@ -267,7 +267,7 @@ def _removal_text(body: dict[str, Any]) -> str:
             for a in body.get("artifacts") or ()
         ]
         if rows:
-            table = _table(["key", "kernel", "target", "size"], rows)
+            table = text_table(["key", "kernel", "target", "size"], rows)
             lines.extend("  " + line for line in table.splitlines())
         more = int(body["evicted"]) - len(rows)
         if more > 0:
@@ -410,7 +410,7 @@ def _tier_ls(tier: NodeTier, args: argparse.Namespace) -> int:
         ]
         for e in entries
     ]
-    return _emit(args, data, _table(["key", "kernel", "target", "size", "last used"], rows))
+    return _emit(args, data, text_table(["key", "kernel", "target", "size", "last used"], rows))
 
 
 # ---------------------------------------------------------------------- commands
@@ -698,7 +698,9 @@ def _cmd_pin(args: argparse.Namespace) -> int:
                 ]
                 for p in body["pins"]
             ]
-            return _emit(args, body, _table(["recipe key", "group", "size", "by", "pinned"], rows))
+            return _emit(
+                args, body, text_table(["recipe key", "group", "size", "by", "pinned"], rows)
+            )
         keys = _keys(args.keys, lambda: _pinnable(server), f"the server {server.url}")
         if not keys and not args.job:
             raise ClientError(

@@ -60,13 +60,13 @@ from kcache_client._bundle import (
     BundleCache,
     PrefetchResult,
     Received,
-    _marked_complete,
     fetch_teed,
+    marked_complete,
     prefetch,
     publish_received,
 )
 from kcache_client._collective import StoreCollective, as_collective
-from kcache_client._warmup import _collective, _error_dict, _malformed
+from kcache_client._warmup import error_dict, malformed, run_collective
 from kcache_client.errors import WarmupError
 
 __all__ = ["CHUNK", "bound", "budget", "prefetch_in_group"]
@@ -105,11 +105,11 @@ def prefetch_in_group(
         tier.packs.refresh()
     mine = {
         "host": host,
-        "complete": _marked_complete(tiers, manifest),
+        "complete": marked_complete(tiers, manifest),
         "able": _able(cache, coll),
         "nonce": secrets.token_hex(10),
     }
-    gathered = _collective(
+    gathered = run_collective(
         lambda: coll.all_gather(mine), "all-gather of the nodes' manifests (fan-out)", 0
     )
     _check_gathered(gathered, coll.world_size)
@@ -126,19 +126,19 @@ def prefetch_in_group(
                 _fan_out(cache, manifest, coll, takers, gathered[takers[0]]["nonce"], timeout)
             prefetch(cache, manifest)  # the node's own request where the fan-out left a gap
         except Exception as exc:  # shared below, so that every rank raises the same
-            error = _error_dict(exc, coll.rank)
-    answers = _collective(
+            error = error_dict(exc, coll.rank)
+    answers = run_collective(
         lambda: coll.all_gather({"error": error}), "gather of the nodes' prefetches", leader
     )
     if not isinstance(answers, list) or len(answers) != coll.world_size:
-        raise _malformed("gather of the nodes' prefetches", 0, "not one entry per rank")
+        raise malformed("gather of the nodes' prefetches", 0, "not one entry per rank")
     for rank, answer in enumerate(answers):
         if not isinstance(answer, dict):
-            raise _malformed("prefetch", rank, "not an object")
+            raise malformed("prefetch", rank, "not an object")
         failed = answer.get("error")
         if failed is not None:
             if not isinstance(failed, dict) or not isinstance(failed.get("message"), str):
-                raise _malformed("prefetch", rank, "an error without a message")
+                raise malformed("prefetch", rank, "an error without a message")
             raise WarmupError.from_dict(failed)
     return prefetch(cache, manifest)  # the node's other ranks: the tier its leader filled
 
@@ -162,7 +162,7 @@ def _able(cache: BundleCache, coll: Any) -> bool:
 def _check_gathered(gathered: Any, size: int) -> None:
     """Refuse an all-gather that is not one entry per rank as :func:`prefetch_in_group` sends them."""
     if not isinstance(gathered, list) or len(gathered) != size:
-        raise _malformed("all-gather of the nodes' manifests", 0, f"not a list of {size} entries")
+        raise malformed("all-gather of the nodes' manifests", 0, f"not a list of {size} entries")
     for rank, entry in enumerate(gathered):
         if not (
             isinstance(entry, dict)
@@ -171,9 +171,7 @@ def _check_gathered(gathered: Any, size: int) -> None:
             and isinstance(entry.get("able"), bool)
             and isinstance(entry.get("nonce"), str)
         ):
-            raise _malformed(
-                "node's manifest", rank, "not an object of host, complete, able, nonce"
-            )
+            raise malformed("node's manifest", rank, "not an object of host, complete, able, nonce")
 
 
 def _fan_out(

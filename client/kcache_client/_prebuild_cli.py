@@ -99,7 +99,7 @@ def progress_line(item: PrebuildItem, done: int, total: int) -> str:
 
 def summary(result: PrebuildResult) -> str:
     """The kernels x targets table and a line of counts."""
-    from kcache_client._cache_cli import _table
+    from kcache_client._cache_cli import text_table
 
     by_kernel: dict[str, list[str]] = {}
     labels: dict[str, str] = {}
@@ -120,7 +120,7 @@ def summary(result: PrebuildResult) -> str:
     line = f"{len(result.manifest)} kernels x {len(result.targets)} targets: " + ", ".join(words)
     if result.dry_run:
         line += " (dry run: nothing compiled)"
-    return _table(["kernel", *result.targets], rows) + "\n" + line
+    return text_table(["kernel", *result.targets], rows) + "\n" + line
 
 
 def failure_lines(result: PrebuildResult) -> list[str]:

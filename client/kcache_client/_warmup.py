@@ -37,7 +37,7 @@ from kcache_client.errors import (
     WarmupTimeoutError,
 )
 
-__all__ = ["WarmupResult", "warmup"]
+__all__ = ["WarmupResult", "error_dict", "malformed", "run_collective", "warmup"]
 
 _T = TypeVar("_T")
 
@@ -141,9 +141,9 @@ def _warmup_group(
             "recipes": [(r.key(), r.to_dict()) for r in concrete_or_error],
         }
     except Exception as exc:  # shared with everyone below, so no rank waits for this one
-        concrete_or_error = _error_dict(exc, rank)
+        concrete_or_error = error_dict(exc, rank)
         mine = {"host": cache.host, "error": concrete_or_error}
-    gathered = _collective(lambda: coll.all_gather(mine), "all-gather of the recipes", 0)
+    gathered = run_collective(lambda: coll.all_gather(mine), "all-gather of the recipes", 0)
     _check_gathered(gathered, size)
     for entry in gathered:
         if "error" in entry:
@@ -168,11 +168,13 @@ def _warmup_group(
             cache, list(union.values()), compile, show, timeout * _LEADER_SHARE, leader, context
         )
     if per_node:
-        answers = _collective(
+        answers = run_collective(
             lambda: coll.all_gather(payload), "gather of the leaders' outcomes", leader
         )
     else:
-        answers = [_collective(lambda: coll.broadcast(payload, 0), "broadcast of the outcomes", 0)]
+        answers = [
+            run_collective(lambda: coll.broadcast(payload, 0), "broadcast of the outcomes", 0)
+        ]
     _check_outcomes(answers, leaders if per_node else [0])
     # Every leader's failure is checked in rank order, so with several leaders
     # (per_node) every rank still raises the same error, not only its node's ranks.
@@ -219,7 +221,7 @@ def _lead(
         )
         return {"outcomes": {}, "error": error.to_dict()}, {}
     except Exception as exc:
-        return {"outcomes": {}, "error": _error_dict(exc, leader)}, {}
+        return {"outcomes": {}, "error": error_dict(exc, leader)}, {}
     finally:
         pool.shutdown(wait=False)  # a stuck request must not hold the broadcast back
     keys = [r.key() for r in union]
@@ -275,7 +277,7 @@ def _outcome(key: str, result: Artifact | KCacheError) -> dict[str, Any]:
     }
 
 
-def _error_dict(exc: BaseException, leader: int) -> dict[str, Any]:
+def error_dict(exc: BaseException, leader: int) -> dict[str, Any]:
     """A failure as plain data, identical on every rank that receives it."""
     if isinstance(exc, WarmupError):
         return exc.to_dict()
@@ -320,7 +322,7 @@ def _raise_first_error(
         )
 
 
-def _malformed(what: str, rank: int, problem: str) -> WarmupError:
+def malformed(what: str, rank: int, problem: str) -> WarmupError:
     """The error of data a rank shared that no kcache warmup sends (the same on every rank)."""
     return WarmupError(
         f"warmup: malformed {what} from rank {rank} (of the group): {problem}",
@@ -332,14 +334,14 @@ def _malformed(what: str, rank: int, problem: str) -> WarmupError:
 def _check_gathered(gathered: Any, size: int) -> None:
     """Refuse an all-gather of the recipes that is not one entry per rank as warmups send them."""
     if not isinstance(gathered, list) or len(gathered) != size:
-        raise _malformed("all-gather of the recipes", 0, f"not a list of {size} entries")
+        raise malformed("all-gather of the recipes", 0, f"not a list of {size} entries")
     for rank, entry in enumerate(gathered):
         if not isinstance(entry, dict) or not isinstance(entry.get("host"), str):
-            raise _malformed("recipes", rank, "not an object naming its host")
+            raise malformed("recipes", rank, "not an object naming its host")
         if "error" in entry:
             error = entry["error"]
             if not isinstance(error, dict) or not isinstance(error.get("message"), str):
-                raise _malformed("recipes", rank, "an error without a message")
+                raise malformed("recipes", rank, "an error without a message")
             continue
         recipes = entry.get("recipes")
         if not isinstance(recipes, list) or not all(
@@ -349,7 +351,7 @@ def _check_gathered(gathered: Any, size: int) -> None:
             and isinstance(item[1], dict)
             for item in recipes
         ):
-            raise _malformed("recipes", rank, "not a list of [key, recipe] pairs")
+            raise malformed("recipes", rank, "not a list of [key, recipe] pairs")
 
 
 def _check_outcomes(answers: Any, leaders: list[int]) -> None:
@@ -357,17 +359,17 @@ def _check_outcomes(answers: Any, leaders: list[int]) -> None:
     for rank in leaders:
         answer = answers[rank] if isinstance(answers, list) and rank < len(answers) else None
         if not isinstance(answer, dict) or not isinstance(answer.get("outcomes"), dict):
-            raise _malformed("outcomes", rank, "not an object with outcomes")
+            raise malformed("outcomes", rank, "not an object with outcomes")
         error = answer.get("error")
         if error is not None and (
             not isinstance(error, dict) or not isinstance(error.get("message"), str)
         ):
-            raise _malformed("outcomes", rank, "an error without a message")
+            raise malformed("outcomes", rank, "an error without a message")
         if not all(isinstance(o, dict) for o in answer["outcomes"].values()):
-            raise _malformed("outcomes", rank, "an outcome that is not an object")
+            raise malformed("outcomes", rank, "an outcome that is not an object")
 
 
-def _collective(op: Callable[[], _T], what: str, leader: int) -> _T:
+def run_collective(op: Callable[[], _T], what: str, leader: int) -> _T:
     """Run a collective; a peer that died or timed out becomes the same error on every rank.
 
     A WarmupError passes as it is: the built-in collectives raise one that every member
