@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kcache.dirs import cache_dir, data_dir, directory_kind, toolchain_dir
-from kcache.errors import KCacheError
+from kcache.errors import KCacheError, ToolchainAbsentError
 
 __all__ = ["Check", "as_json", "run_checks", "summary"]
 
@@ -71,7 +71,10 @@ def _toolchain() -> list[Check]:
     try:
         toolchain = load_toolchain()
     except KCacheError as exc:
-        if _compiler_absent(exc) and importlib.util.find_spec("kcache_server") is None:
+        if (
+            isinstance(exc, ToolchainAbsentError)
+            and importlib.util.find_spec("kcache_server") is None
+        ):
             # A client-only install (the README's): kernels come from a server; only
             # local compiles (no server, or --local) need NVRTC here.
             return [
@@ -107,13 +110,6 @@ def _toolchain() -> list[Check]:
             )
         )
     return checks
-
-
-def _compiler_absent(exc: KCacheError) -> bool:
-    """Whether ``exc`` says NVRTC is not installed at all (rather than installed and broken)."""
-    return isinstance(exc.__cause__, ImportError) or str(exc).startswith(
-        "cannot locate the NVRTC/nvJitLink libraries"
-    )
 
 
 def _sandbox() -> Check:

@@ -43,6 +43,7 @@ __all__ = [
     "RecipeError",
     "StoreFullError",
     "StoreUnavailableError",
+    "ToolchainAbsentError",
     "ToolchainError",
     "UnlistedIncludeError",
     "UnresolvedRecipeError",
@@ -128,6 +129,11 @@ class UnlistedIncludeError(RecipeError):
 
 class ToolchainError(KCacheError, RuntimeError):
     """NVRTC or nvJitLink is not installed, or could not be loaded or prepared."""
+
+
+class ToolchainAbsentError(ToolchainError):
+    """NVRTC or nvJitLink is not installed at all (rather than installed and broken): a
+    client-only install, which fetches kernels from a server and compiles none itself."""
 
 
 class DependencyTraceError(ToolchainError):

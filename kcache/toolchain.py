@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from kcache import toolchain_memo
 from kcache.dirs import toolchain_dir
-from kcache.errors import RecipeError, ToolchainError
+from kcache.errors import RecipeError, ToolchainAbsentError, ToolchainError
 
 if TYPE_CHECKING:
     from kcache.recipe import Recipe
@@ -235,7 +235,7 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
         from cuda.bindings import nvjitlink, nvrtc
         from cuda.pathfinder import load_nvidia_dynamic_lib
     except ImportError as exc:
-        raise ToolchainError(
+        raise ToolchainAbsentError(
             f"compiling needs NVRTC and nvJitLink through cuda-bindings ({exc}): "
             f"{nvrtc_install_advice()}"
         ) from exc
@@ -243,7 +243,7 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
     try:
         located = [load_nvidia_dynamic_lib("nvrtc"), load_nvidia_dynamic_lib("nvJitLink")]
     except Exception as exc:  # pathfinder raises several unrelated types
-        raise ToolchainError(
+        raise ToolchainAbsentError(
             f"cannot locate the NVRTC/nvJitLink libraries ({exc}): {nvrtc_install_advice()}"
         ) from exc
     nvrtc_lib, jitlink_lib = (Path(lib.abs_path) for lib in located)
