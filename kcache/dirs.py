@@ -32,6 +32,7 @@ __all__ = [
     "data_dir",
     "directory_kind",
     "full_cache_dir_message",
+    "is_kcache_cache_dir",
     "mark_cache_dir",
     "toolchain_dir",
     "user_cache_dir",
@@ -100,6 +101,20 @@ def full_cache_dir_message(path: str | os.PathLike[str], code: int, doing: str) 
         "its size with KCACHE_CACHE_MAX_BYTES, or use another directory: --cache-dir DIR or "
         "KCACHE_CACHE_DIR (cache_dir= in Python)"
     )
+
+
+def is_kcache_cache_dir(path: Path) -> bool:
+    """Whether ``path`` is a kcache cache directory (its ``CACHEDIR.TAG`` is kcache's).
+
+    Such a directory is never part of an include set (kcache.include_sets): a node tier or
+    local cache kept under a project's directory changes with every lookup (lock files,
+    statistics, spooled events) and holds no header anyone includes.
+    """
+    try:
+        with open(path / CACHE_TAG_FILE, "rb") as tag:
+            return tag.read(len(_CACHE_TAG) + 1) == _CACHE_TAG.encode()
+    except OSError:
+        return False
 
 
 def mark_cache_dir(root: Path) -> None:

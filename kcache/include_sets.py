@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from kcache.dirs import is_kcache_cache_dir
 from kcache.errors import RecipeError
 from kcache.recipe import include_set_name
 
@@ -66,7 +67,19 @@ class IncludeSet:
     root: Path
 
     def resolve(self, relative: str) -> Path | None:
-        """The file ``relative`` inside this set, or None if it is absent or escapes the root."""
+        """The file ``relative`` inside this set, or None if it is absent, escapes the root,
+        or is inside a kcache cache directory (:func:`is_kcache_cache_dir`)."""
+        path = self._inside(relative)
+        if path is None:
+            return None
+        for parent in path.parents:
+            if parent == self.root or not parent.is_relative_to(self.root):
+                break
+            if is_kcache_cache_dir(parent):
+                return None
+        return path
+
+    def _inside(self, relative: str) -> Path | None:
         path = (self.root / relative).resolve()
         if path == self.root or not path.is_relative_to(self.root) or not path.is_file():
             return None
@@ -146,11 +159,14 @@ class IncludeSets:
         """Every regular file's path relative to the root, sorted; links are followed only inside it."""
         found: list[str] = []
         for dirpath, dirnames, filenames in os.walk(item.root):  # no followlinks: no loops
-            dirnames.sort()
             base = Path(dirpath)
+            if base != item.root and is_kcache_cache_dir(base):
+                dirnames[:] = []  # a cache under the set (its files change with every lookup)
+                continue
+            dirnames.sort()
             for filename in filenames:
                 relative = (base / filename).relative_to(item.root).as_posix()
-                if item.resolve(relative) is not None:
+                if item._inside(relative) is not None:  # the walk skipped cache directories
                     found.append(relative)
             if len(found) > MAX_SET_FILES:
                 raise ValueError(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kcache.dirs import mark_cache_dir
 from kcache.errors import UnlistedIncludeError
 from kcache.include_sets import IncludeSets
 from kcache.nvrtc import compile_recipe
@@ -58,3 +59,27 @@ def test_the_cli_takes_its_own_advice(project: Path) -> None:
     (project / "tile.h").write_text("#define TILE 9\n")
     edited = kcache(*args, env=env, cwd=project)
     assert edited.returncode == 0 and '"compiled"' in edited.stdout, edited.stderr
+
+
+def test_a_cache_directory_under_a_set_is_not_part_of_it(tmp_path: Path) -> None:
+    """A node tier kept inside a project changes with every lookup (lock files, statistics):
+    the set's digest does not, and no file of it is a file of the set."""
+    (tmp_path / "tile.h").write_text("#define TILE 8\n")
+    cache = tmp_path / "cache"
+    mark_cache_dir(cache)
+    (cache / "locks").mkdir()
+    sets = IncludeSets({"local": str(tmp_path)})
+    before = sets.digest("local", max_age_s=0)
+    (cache / "locks" / ("a" * 64 + ".lock")).write_text("")
+    (cache / "stats.json").write_text("{}")
+    assert sets.digest("local", max_age_s=0) == before
+    assert sets.file_hash("local", "cache/stats.json") is None
+    (tmp_path / "other.h").write_text("#define OTHER 1\n")  # the set's own files still count
+    assert sets.digest("local", max_age_s=0) != before
+    # A directory tagged by another tool (not kcache's tag) stays part of the set.
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "CACHEDIR.TAG").write_text(
+        "Signature: 8a477f597d28d172789f06886806bc55\n"
+    )
+    (tmp_path / "build" / "gen.h").write_text("#define GEN 1\n")
+    assert sets.file_hash("local", "build/gen.h") is not None
