@@ -142,8 +142,7 @@ class IncludeSets:
             known = self._digests.get(item.name)
         if known is not None and max_age_s > 0 and now - known[0] < max_age_s:
             return known[1], known[2]
-        # The walk resolved each file (and left cache directories out): hashed as found.
-        files = {relative: self._hash(path) for relative, path in self._files(item).items()}
+        files = {relative: self.file_hash(item.name, relative) for relative in self._files(item)}
         lines = [f"{relative}\0{digest or '-'}\n" for relative, digest in files.items()]
         digest = hashlib.sha256("".join(lines).encode()).hexdigest()
         frozen = MappingProxyType(files)
@@ -156,10 +155,9 @@ class IncludeSets:
         return {name: self.digest(name, max_age_s=max_age_s) for name in self.names}
 
     @staticmethod
-    def _files(item: IncludeSet) -> dict[str, Path]:
-        """Every regular file's path relative to the root, sorted, and where it resolves;
-        links are followed only inside it."""
-        found: dict[str, Path] = {}
+    def _files(item: IncludeSet) -> list[str]:
+        """Every regular file's path relative to the root, sorted; links are followed only inside it."""
+        found: list[str] = []
         for dirpath, dirnames, filenames in os.walk(item.root):  # no followlinks: no loops
             base = Path(dirpath)
             if base != item.root and is_kcache_cache_dir(base):
@@ -168,23 +166,20 @@ class IncludeSets:
             dirnames.sort()
             for filename in filenames:
                 relative = (base / filename).relative_to(item.root).as_posix()
-                path = item._inside(relative)  # the walk skipped cache directories
-                if path is not None:
-                    found[relative] = path
+                if item._inside(relative) is not None:  # the walk skipped cache directories
+                    found.append(relative)
             if len(found) > MAX_SET_FILES:
                 raise ValueError(
                     f"include set {item.name!r}: {item.root} holds more than {MAX_SET_FILES} files"
                 )
-        return dict(sorted(found.items()))
+        return sorted(found)
 
     def file_hash(self, set_name: str, relative: str) -> str | None:
         """sha256 of a file in a set, or None if the set or file is gone."""
         item = self._sets.get(set_name)
         path = item.resolve(relative) if item else None
-        return None if path is None else self._hash(path)
-
-    def _hash(self, path: Path) -> str | None:
-        """sha256 of the file at ``path`` (memoised by its stat), or None if it is gone."""
+        if path is None:
+            return None
         try:
             st = path.stat()
         except OSError:
