@@ -174,15 +174,23 @@ class EventSink:
             return False
         if self._spool is not None and self._spool.append(batch):
             return True
+        delivered = self._post(batch)
+        if delivered is None:
+            with self._cond:  # keep them, in order, for the next attempt
+                self._pending.extendleft(reversed(batch))
+            return False
+        return delivered
+
+    def _post(self, batch: list[dict[str, Any]]) -> bool | None:
+        """``POST /v1/events`` of ``batch``: True when delivered, False when the server refused
+        it (dropped and counted), None when the server could not be reached."""
         try:
             self._transport.request(
                 "POST", "/v1/events", json={"events": batch}, ok=(200, 202), retry=_EVENT_RETRY
             )
         except ServerUnavailableError:
             self.failures += 1
-            with self._cond:  # keep them, in order, for the next attempt
-                self._pending.extendleft(reversed(batch))
-            return False
+            return None
         except ClientError as exc:
             # The server refused the batch itself (auth, validation): resending cannot help.
             # A token without the report scope (a read-only one) lands here every time.
@@ -213,21 +221,7 @@ class EventSink:
     def _post_spooled(self, batch: list[dict[str, Any]]) -> bool:
         """Post a batch taken from the node's spool: False when the server could not be
         reached (the spool keeps it), True when it was delivered or refused for good."""
-        try:
-            self._transport.request(
-                "POST", "/v1/events", json={"events": batch}, ok=(200, 202), retry=_EVENT_RETRY
-            )
-        except ServerUnavailableError:
-            self.failures += 1
-            return False
-        except ClientError as exc:
-            if not self.failures:
-                log.warning("audit events refused by the server, dropped: %s", exc)
-            self.failures += 1
-            self.dropped += sum(e.get("count", 1) for e in batch)
-            return True
-        self.sent += sum(e.get("count", 1) for e in batch)
-        return True
+        return self._post(batch) is not None
 
     def _run(self) -> None:
         while True:
