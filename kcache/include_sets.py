@@ -142,7 +142,11 @@ class IncludeSets:
             known = self._digests.get(item.name)
         if known is not None and max_age_s > 0 and now - known[0] < max_age_s:
             return known[1], known[2]
-        files = {relative: self.file_hash(item.name, relative) for relative in self._files(item)}
+        # The walk found each file and where it resolves: hashed there, not resolved again.
+        files = {
+            relative: None if path is None else self._hash(path)
+            for relative, path in self._files(item).items()
+        }
         lines = [f"{relative}\0{digest or '-'}\n" for relative, digest in files.items()]
         digest = hashlib.sha256("".join(lines).encode()).hexdigest()
         frozen = MappingProxyType(files)
@@ -155,9 +159,12 @@ class IncludeSets:
         return {name: self.digest(name, max_age_s=max_age_s) for name in self.names}
 
     @staticmethod
-    def _files(item: IncludeSet) -> list[str]:
-        """Every regular file's path relative to the root, sorted; links are followed only inside it."""
-        found: list[str] = []
+    def _files(item: IncludeSet) -> dict[str, Path | None]:
+        """Every regular file's path relative to the root, sorted, and where it is: a link is
+        followed only inside the root (None where it leads into a cache directory, as
+        :meth:`IncludeSet.resolve` says); any other file is where the walk found it, since the
+        walk follows no directory link and skips cache directories."""
+        found: dict[str, Path | None] = {}
         for dirpath, dirnames, filenames in os.walk(item.root):  # no followlinks: no loops
             base = Path(dirpath)
             if base != item.root and is_kcache_cache_dir(base):
@@ -165,21 +172,27 @@ class IncludeSets:
                 continue
             dirnames.sort()
             for filename in filenames:
-                relative = (base / filename).relative_to(item.root).as_posix()
-                if item._inside(relative) is not None:  # the walk skipped cache directories
-                    found.append(relative)
+                path = base / filename
+                relative = path.relative_to(item.root).as_posix()
+                if path.is_symlink():
+                    if item._inside(relative) is not None:
+                        found[relative] = item.resolve(relative)
+                elif path.is_file():
+                    found[relative] = path
             if len(found) > MAX_SET_FILES:
                 raise ValueError(
                     f"include set {item.name!r}: {item.root} holds more than {MAX_SET_FILES} files"
                 )
-        return sorted(found)
+        return dict(sorted(found.items()))
 
     def file_hash(self, set_name: str, relative: str) -> str | None:
         """sha256 of a file in a set, or None if the set or file is gone."""
         item = self._sets.get(set_name)
         path = item.resolve(relative) if item else None
-        if path is None:
-            return None
+        return None if path is None else self._hash(path)
+
+    def _hash(self, path: Path) -> str | None:
+        """sha256 of the file at ``path`` (memoised by its stat), or None if it is gone."""
         try:
             st = path.stat()
         except OSError:

@@ -10,6 +10,7 @@ directory: it succeeds, recording ``local:tile.h``, and misses once the header c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,30 @@ def test_a_cache_directory_under_a_set_is_not_part_of_it(tmp_path: Path) -> None
     )
     (tmp_path / "build" / "gen.h").write_text("#define GEN 1\n")
     assert sets.file_hash("local", "build/gen.h") is not None
+
+
+def test_the_walk_hashes_every_kind_of_entry_as_a_lookup_by_name_does(tmp_path: Path) -> None:
+    """The walk hashes each file where it found it, without resolving it again; what it lists
+    and each digest equal what :meth:`IncludeSets.file_hash` says of that name: a plain file,
+    a link inside the set, a link out of it (not listed), a link into a cache directory
+    (listed, unreadable), a file under a cache directory (not listed), a FIFO (not listed)."""
+    root = tmp_path / "set"
+    (root / "sub").mkdir(parents=True)
+    (root / "plain.h").write_text("#define PLAIN 1\n")
+    (root / "sub" / "deep.h").write_text("#define DEEP 1\n")
+    (root / "inside.h").symlink_to("sub/deep.h")
+    (tmp_path / "outside.h").write_text("#define OUT 1\n")
+    (root / "escapes.h").symlink_to(tmp_path / "outside.h")
+    cache = root / "cache"
+    mark_cache_dir(cache)
+    (cache / "held.h").write_text("#define HELD 1\n")
+    (root / "into_cache.h").symlink_to("cache/held.h")
+    (root / "dangling.h").symlink_to("missing.h")
+    os.mkfifo(root / "pipe")
+    sets = IncludeSets({"s": str(root)})
+    _, files = sets.contents("s", max_age_s=0)
+    assert sorted(files) == ["inside.h", "into_cache.h", "plain.h", "sub/deep.h"]
+    assert files["into_cache.h"] is None
+    assert files["inside.h"] == files["sub/deep.h"] is not None
+    for relative, digest in files.items():
+        assert sets.file_hash("s", relative) == digest, relative
