@@ -295,7 +295,7 @@ def test_memory_forgets_what_a_later_check_withdraws(feed: Feed, tmp_path: Path)
         assert cache.get(recipe).origin == "node"
         assert cache.get(recipe).origin == "memory"
         feed.rows = [_row(4, recipe.key(), meta.digest)]
-        watch = cache._withdrawal_watch
+        watch = cache._lookup.watch
         assert watch is not None
         watch._checked = time.monotonic() - 3600  # as if the interval had passed
         with pytest.raises(RemoteNotFoundError):
