@@ -308,6 +308,37 @@ def test_large_bodies_and_unservable_hits_go_to_the_route(pair: Pair) -> None:
     assert edited["artifact"]["digest"] != first["artifact"]["digest"]
 
 
+def test_a_declined_body_is_parsed_once_and_answered_by_the_route(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A miss, a compile and a refused scope pass the fast path to the route: one parse each."""
+    checks = pair.fast.state.recipes
+    parse = checks.parse_resolve
+    parsed: list[bytes] = []
+
+    def counted(raw: bytes, **kwargs: Any) -> Any:
+        parsed.append(raw)
+        return parse(raw, **kwargs)
+
+    monkeypatch.setattr(checks, "parse_resolve", counted)
+    recipe = vector_add(unique())
+    cases = [
+        ({"recipe": recipe, "compile": False}, pair.compiler, 404),  # a miss
+        ({"recipe": recipe}, pair.reader, 403),  # compiling takes the compile scope
+        ({"recipe": recipe}, pair.compiler, 200),  # compiled by the route
+    ]
+    for body, token, status in cases:
+        parsed.clear()
+        answer = _post(pair.fast, body, token)
+        assert answer.status_code == status, answer.text
+        assert parsed == [json.dumps(body).encode()]
+    assert answer.json()["status"] == "compiled"
+    assert answer.json()["base_key"]  # the route computed what the fast path left to it
+    parsed.clear()
+    assert _post(pair.fast, {"recipe": recipe}, pair.compiler).json()["status"] == "hit"
+    assert len(parsed) == 1  # answered by the fast path (memory), or by the route: one parse
+
+
 def _in_chain(app: Any) -> ResolveFastPath | None:
     """The resolve fast path in uvicorn's app chain (under uvicorn's own middleware), if any."""
     while app is not None and not isinstance(app, ResolveFastPath):

@@ -2,7 +2,10 @@
 
 The body is parsed, validated and keyed by :func:`~kcache_server.routes._deps.read_body`
 (on a worker thread when it is large), so a huge recipe never holds the event loop.
-What happens next is :class:`~kcache_server.resolving.Resolver`'s.
+What happens next is :class:`~kcache_server.resolving.Resolver`'s. A resolve the fast
+path (:mod:`~kcache_server.serving.resolve_fastpath`) read, parsed and validated but did
+not answer (a miss, a hit not in memory) is not parsed again: the fast path leaves its
+parse on the request's scope (:data:`PARSED_BODY`), and the route takes it for the same bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from fastapi import APIRouter, Request
 
 from kcache.errors import KCacheError
 from kcache.recipe import Recipe
+from kcache_server.asgi_types import Scope
 from kcache_server.errors import InvalidRequestError
 from kcache_server.recipe_checks import RecipeChecks
 from kcache_server.routes._deps import ERRORS, Reader, State, body_doc, read_body
@@ -24,6 +28,20 @@ from kcache_server.schemas import (
 )
 
 router = APIRouter(prefix="/v1/resolve", tags=["resolve"])
+
+#: The scope key under which the resolve fast path leaves ``(raw body, parsed body, recipe)``
+#: of a body it parsed and did not answer, for the route to take instead of parsing it again.
+PARSED_BODY = "kcache.resolve_parsed"
+
+
+def _parse_once(scope: Scope, checks: RecipeChecks, raw: bytes) -> tuple[ResolveRequest, Recipe]:
+    """``raw`` as the fast path parsed it, when it parsed these very bytes; else parsed here."""
+    parsed: tuple[bytes, ResolveRequest, Recipe] | None = scope.pop(PARSED_BODY, None)
+    if parsed is None or parsed[0] != raw:
+        return checks.parse_resolve(raw)
+    body, recipe = parsed[1], parsed[2]
+    recipe.base_key()  # what parse_resolve computes up front, and the fast path leaves to later
+    return body, recipe
 
 
 def _parse_batch(
@@ -51,7 +69,9 @@ def _parse_batch(
 )
 async def resolve(request: Request, principal: Reader, state: State) -> ResolveResponse:
     """Find the recipe's artifact, compiling it once (across replicas) on a miss if ``compile``."""
-    body, recipe = await read_body(request, state, state.recipes.parse_resolve)
+    body, recipe = await read_body(
+        request, state, lambda raw: _parse_once(request.scope, state.recipes, raw)
+    )
     if body.compile:
         principal.require("compile", "a resolve with compile true")
     return await state.resolver.resolve(recipe, compile=body.compile, context=body.context)

@@ -21,7 +21,9 @@ hit itself:
 Whenever anything is in doubt (no hit, a body that does not parse or validate, a token
 the token cache cannot decide or without the scopes the body needs, an unusual
 request) the request goes to the app with the body already read replayed to it, so
-the route produces every answer but a hit, errors included.
+the route produces every answer but a hit, errors included. A body that parsed is
+not parsed again there: its parse goes with the request
+(:data:`~kcache_server.routes.resolve.PARSED_BODY`), and the route takes it for those bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kcache_server.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from kcache_server.auth import Principal
 from kcache_server.request_ids import HEADER, new_request_id
 from kcache_server.routes._deps import INLINE_BODY_BYTES, is_json_content_type
+from kcache_server.routes.resolve import PARSED_BODY
 from kcache_server.schemas import Context
 from kcache_server.security_headers import NOSNIFF
 from kcache_server.state import ServerState
@@ -125,7 +128,7 @@ class ResolveFastPath:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        hit = self.answer(admitted[0], chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        hit = self.answer(admitted[0], chunks[0] if len(chunks) == 1 else b"".join(chunks), scope)
         if hit is None:
             return _replaying(messages, receive)
         self.record(hit)  # audited before answering, as the route does
@@ -163,14 +166,20 @@ class ResolveFastPath:
             return None  # the gate and the route produce the precise 401/403
         return principal, length
 
-    def answer(self, principal: Principal, raw: bytes) -> ResolveHit | None:
+    def answer(
+        self, principal: Principal, raw: bytes, scope: Scope | None = None
+    ) -> ResolveHit | None:
         """The hit this body asks for, encoded, or None for the app to answer it.
 
-        Nothing is recorded: :meth:`record` audits the hit, :meth:`count` counts it.
+        Nothing is recorded: :meth:`record` audits the hit, :meth:`count` counts it. A body
+        that parses is left on ``scope`` (:data:`~kcache_server.routes.resolve.PARSED_BODY`)
+        for the route, which reads the same bytes when this declines.
         """
         try:
             # The base key is in the encoded answer: a hit needs it once per key, not per request.
             body, recipe = self.recipes.parse_resolve(raw, base_key=False)
+            if scope is not None:
+                scope[PARSED_BODY] = (raw, body, recipe)
             if body.compile and not principal.allows("compile"):
                 return None  # the route answers 403
             looked_up = time.perf_counter()  # where the route's audit starts its clock
