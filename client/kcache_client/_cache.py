@@ -41,8 +41,8 @@ from kcache_client._freeze import FreezeMode, parse_mode
 from kcache_client._http import RetryNotice, Transport
 from kcache_client._include_pins import IncludeSetPins, server_set_digests
 from kcache_client._local import LocalCompiler
-from kcache_client._lookup import OFFLINE_LOGGER, Lookup
-from kcache_client._offline_keying import offline_set_digests, offline_toolchain
+from kcache_client._lookup import Lookup
+from kcache_client._offline import OFFLINE_LOGGER, offline_set_digests, offline_toolchain
 from kcache_client._remote import Remote
 from kcache_client._server_facts import kept_default, signed_default
 from kcache_client._settings import ClientSettings

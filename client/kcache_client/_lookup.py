@@ -22,21 +22,15 @@ fetch that misses, and only the fetch route reads it.
 leader runs). When the server cannot be reached the tier still answers, and a worker
 with NVRTC and local compiles enabled compiles with the core engine over the tier
 (:mod:`~kcache_client._local`). The server's side of each exchange, with every answer
-checked, is :mod:`~kcache_client._remote`. Memory and node-tier hits, which the server
-never sees, are reported to it as audit events (``local_hit``).
-
-What the path keeps is its own: the in-process copies, the process's manifest (what it
-was served), the freeze mode (:mod:`~kcache_client._freeze`) and the watch over the
-server's withdrawals (:mod:`~kcache_client._withdrawal_watch`), which every local answer
-consults.
+checked, is :mod:`~kcache_client._remote`. The path keeps the in-process copies, the
+process's manifest, the freeze mode (:mod:`~kcache_client._freeze`) and the watch over
+the server's withdrawals (:mod:`~kcache_client._withdrawal_watch`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -53,6 +47,7 @@ from kcache_client._events import EventSink, tally_key
 from kcache_client._freeze import Freezer
 from kcache_client._include_pins import IncludeSetPins
 from kcache_client._local import LocalCompiler
+from kcache_client._offline import tell_offline
 from kcache_client._remote import Remote, ResolveAnswer
 from kcache_client._settings import ClientSettings
 from kcache_client._stats import CacheStats
@@ -67,16 +62,11 @@ from kcache_client.errors import (
     ServerUnavailableError,
 )
 
-__all__ = ["OFFLINE_LOGGER", "Lookup"]
+__all__ = ["Lookup"]
 
 #: Recipes per ``/v1/resolve/batch`` request: big enough for the server to compile
 #: in parallel, small enough for the progress bar to move.
 _BATCH = 8
-#: The logger of the one line a process logs when its server first fails it (``kcache``
-#: commands, which say so in their own words, silence it).
-OFFLINE_LOGGER = "kcache_client.offline"
-_offline_log = logging.getLogger(OFFLINE_LOGGER)
-_offline_told = threading.Lock()  # held for good once the line is logged: once per process
 #: The server's code for a recipe pinned to an include set's earlier contents (409).
 INCLUDE_SET_CHANGED = "include_set_changed"
 _ORIGIN_OF_STATUS: dict[str, ArtifactOrigin] = {
@@ -84,25 +74,6 @@ _ORIGIN_OF_STATUS: dict[str, ArtifactOrigin] = {
     "compiled": "compiled",
     "waited": "waited",
 }
-
-
-def _tell_offline(offline: ServerUnavailableError, answer: str) -> None:
-    """Log, once per process, that the server did not answer and how the cache answered instead.
-
-    A training job whose server is down keeps running on its node tier (and local
-    compiles, where enabled), which is the point; but it should not do so without a
-    word, and a word per kernel would flood its log. A warning, so that a program
-    that configured no logging still shows it (Python's last-resort handler).
-    """
-    if not _offline_told.acquire(blocking=False):
-        return
-    _offline_log.warning(
-        "kcache server %s is unreachable (%s); %s. Logged once per process: later "
-        "answers without the server are not logged (KernelCache.stats counts them).",
-        offline.url,
-        offline.cause,
-        answer,
-    )
 
 
 def _nothing() -> None:
@@ -222,7 +193,7 @@ class Lookup:
                 art = self._from_tier(key, concrete)
                 if art is not None:
                     if self.url is not None:
-                        _tell_offline(offline, f"answered from the node tier {self.tier.root}")
+                        tell_offline(offline, f"answered from the node tier {self.tier.root}")
                     return art
         # Outside the lock: the local engine takes the same per-key lock itself.
         return self._compile_locally(concrete, key, compile, offline)
@@ -479,7 +450,7 @@ class Lookup:
         if origin != "node":
             self.stats.add("local_compiles")
         if self.url is not None:
-            _tell_offline(
+            tell_offline(
                 offline,
                 f"answered from the node tier {self.tier.root}"
                 if origin == "node"

@@ -1,4 +1,4 @@
-"""Keying without the server: its default toolchain and include sets as the node tier kept them.
+"""Without the server: keying from what the node tier kept, and the one line that says so.
 
 A recipe without a toolchain is keyed with the server's default, and one naming a server
 include set with that set's digest (:mod:`~kcache_client._include_pins`). ``KernelCache``
@@ -7,10 +7,14 @@ signed default is taken from there while it is young: :mod:`~kcache_client._serv
 When the server cannot be reached these read what the tier kept, so a process started while
 the server is down keys its recipes as before and finds them in the tier; failing that, a
 local NVRTC's toolchain is used where local compiles are on, and else the error says what
-is not known yet and where it was looked for.
+is not known yet and where it was looked for. Whatever answers instead (the tier, a local
+compile), the process logs once that its server did not answer (:func:`tell_offline`).
 """
 
 from __future__ import annotations
+
+import logging
+import threading
 
 from kcache.errors import ToolchainError
 from kcache_client._include_pins import server_set_digests
@@ -18,7 +22,32 @@ from kcache_client._local import LocalCompiler
 from kcache_client._tier import NodeTier
 from kcache_client.errors import ServerUnavailableError
 
-__all__ = ["offline_set_digests", "offline_toolchain"]
+__all__ = ["OFFLINE_LOGGER", "offline_set_digests", "offline_toolchain", "tell_offline"]
+
+#: The logger of the one line a process logs when its server first fails it (``kcache``
+#: commands, which say so in their own words, silence it).
+OFFLINE_LOGGER = "kcache_client.offline"
+_offline_log = logging.getLogger(OFFLINE_LOGGER)
+_offline_told = threading.Lock()  # held for good once the line is logged: once per process
+
+
+def tell_offline(offline: ServerUnavailableError, answer: str) -> None:
+    """Log, once per process, that the server did not answer and how the cache answered instead.
+
+    A training job whose server is down keeps running on its node tier (and local
+    compiles, where enabled), which is the point; but it should not do so without a
+    word, and a word per kernel would flood its log. A warning, so that a program
+    that configured no logging still shows it (Python's last-resort handler).
+    """
+    if not _offline_told.acquire(blocking=False):
+        return
+    _offline_log.warning(
+        "kcache server %s is unreachable (%s); %s. Logged once per process: later "
+        "answers without the server are not logged (KernelCache.stats counts them).",
+        offline.url,
+        offline.cause,
+        answer,
+    )
 
 
 def offline_toolchain(
