@@ -1,10 +1,10 @@
 """Packs: bundles a node tier keeps whole, one file each, not a file or four per kernel.
 
 A prefetch (:mod:`kcache_client._bundle`) writes the bundle answer it checks into
-``<tier>/packs/<id>.kcb`` as the entries arrive (the bundle format,
-:mod:`kcache.bundle_format`) and renames it into place at the end: one file per node and
-manifest. Publishing each kernel as a blob, an alias and a record was most of a cold
-node's prefetch, and reading those files back most of every rank's time after it (B12).
+``<tier>/packs/<id>.kcb`` as the entries arrive and renames it into place at the end
+(:class:`~kcache_client._pack_file.PackWriter`): one file per node and manifest.
+Publishing each kernel as a blob, an alias and a record was most of a cold node's prefetch,
+and reading those files back most of every rank's time after it (B12).
 Every process of the node finds the kernels there: it indexes a pack once (the entry
 header lines; the bytes are skipped), and a lookup reads an entry's bytes with one
 ``pread`` and checks their digest before handing them out.
@@ -25,86 +25,56 @@ indexes that file afresh and judges its entries again. The bytes an entry hands 
 read from the descriptor of the file that was judged, once, and checked against the
 digest its judged header names (:meth:`TierPacks.read`).
 
-A prefetch's pack keeps, in its trailer, the server's signature over all of its entries (the
-bundle's, which the prefetch verified): a shared tier judges the whole pack with that one
-verification, and each entry's own signature only where it does not verify. A private
-tier's pack carries its index beside it (``<pack>.idx``, bound to the pack file's inode and
-size), so that the node's other processes index it with one parse instead of one header
-line and one metadata check per entry; a shared tier never writes or reads one (another user
-could write it).
+The file itself (how a pack is written and indexed, the trailer signature by which a shared
+tier judges a prefetch's whole pack with one verification, the index a private tier keeps
+beside each pack) is :mod:`kcache_client._pack_file`'s; this module holds the tier's set of
+packs as this process indexed them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
 
 from kcache.artifact import ArtifactMeta
-from kcache.bundle_format import (
-    BundleError,
-    EntryHead,
-    IndexedEntry,
-    end_line,
-    entry_head,
-    header_line,
-    index_bundle,
-)
-from kcache.deps import Dependency
+from kcache.bundle_format import BundleError, IndexedEntry
 from kcache.fsutil import (
     TMP_PREFIX,
     FileIdentity,
     UnsafeFileError,
-    atomic_write,
     identity,
     open_regular,
-    read_file_identified,
     regular_files,
 )
 from kcache.keys import sha256_hex
-from kcache.signing import Signature, SignatureError
+from kcache.signing import Signature
+from kcache_client._pack_file import (
+    PACK_SUFFIX,
+    SIDECAR_SUFFIX,
+    PackWriter,
+    index_file,
+    pack_name,
+    read_sidecar,
+)
 from kcache_client._trust import Verdict
 
+# PackWriter is _pack_file's, handed on here: what a prefetch writes through (TierPacks.writer).
 __all__ = ["PACKS_DIR", "PackEntry", "PackFile", "PackWriter", "TierPacks"]
 
 _log = logging.getLogger("kcache_client")
 
 #: The packs' directory under the tier's root.
 PACKS_DIR = "packs"
-_SUFFIX = ".kcb"
-# A pack's entries are bounded as the server's answers are (the bundle reader's check).
-_MAX_ENTRY_BYTES = 1 << 30
 # A refusal that is not lasting (a key not pinned yet) is reused this long, then judged again.
 _TRANSIENT_S = 1.0
-# A pack's index beside it (a private tier's: _write_sidecar), its format, its bound.
-_SIDECAR = ".idx"
-_SIDECAR_FORMAT = "kcache-pack-index/1"
-_SIDECAR_MAX_BYTES = 256 << 20
-# A pack up to this size is indexed from one read of it (_index_file).
-_READ_WHOLE_BYTES = 64 << 20
 # A directory changed this recently may change again within its mtime's tick: listed anyway.
 _RACY_NS = 2_000_000_000
-
-
-def _pack_name(file_name: str) -> str | None:
-    """The pack id of a file name in the packs directory (32 hex and the suffix), or None."""
-    stem = file_name[: -len(_SUFFIX)]
-    if not file_name.endswith(_SUFFIX) or len(stem) != 32:
-        return None
-    try:
-        int(stem, 16)
-    except ValueError:
-        return None
-    return stem if stem == stem.lower() else None
 
 
 @dataclass
@@ -206,114 +176,13 @@ class PackFile:
     entries: dict[str, ArtifactMeta]
 
 
-class PackWriter:
-    """A pack being written: entries (checked by the caller) added in order, then committed.
-
-    The file is written beside its final name (a staging name the tier's listings
-    ignore) and renamed into place by :meth:`commit`, or thrown away by :meth:`abandon`
-    (what leaving a ``with`` block by an exception does).
-    """
-
-    def __init__(self, directory: str, *, sidecar: bool = False) -> None:
-        os.makedirs(directory, exist_ok=True)
-        self.name = secrets.token_hex(16)
-        self.path = os.path.join(directory, f"{self.name}{_SUFFIX}")
-        #: Whether :meth:`commit` writes the pack's index beside it (a private tier's packs:
-        #: :func:`_write_sidecar`).
-        self.sidecar = sidecar
-        self._partial = os.path.join(directory, f"{TMP_PREFIX}{self.name}{_SUFFIX}")
-        fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        self._out: BinaryIO = os.fdopen(fd, "wb", buffering=1 << 20)
-        first = header_line()
-        self._out.write(first)
-        self._size = len(first)
-        #: Where each entry's bytes lie, as an index of the file would find them.
-        self.index: list[IndexedEntry] = []
-        #: The signature over every entry that :meth:`commit` put in the trailer.
-        self.signature: Signature | None = None
-        self.bytes = 0
-        self._closed = False
-
-    @property
-    def count(self) -> int:
-        return len(self.index)
-
-    def add(
-        self,
-        recipe_key: str,
-        meta: ArtifactMeta,
-        data: bytes,
-        signature: Signature,
-        head_line: bytes = b"",
-    ) -> None:
-        """Append one entry (its bytes verified against ``meta`` by the caller).
-
-        ``head_line``: the entry's header line as a bundle reader read and checked it
-        (:attr:`~kcache.bundle_format.BundleEntry.head`), copied rather than encoded again.
-        """
-        head = head_line + b"\n" if head_line else entry_head(recipe_key, meta, signature)
-        self._out.write(head)
-        self._out.write(data)
-        self._out.write(b"\n")
-        self.index.append(
-            IndexedEntry(EntryHead(recipe_key, meta, signature), self._size + len(head))
-        )
-        self._size += len(head) + len(data) + 1
-        self.bytes += len(data)
-
-    def commit(self, signature: Signature | None = None) -> str | None:
-        """Put the pack in place (not synced: the tier is a cache); its name, or None if empty."""
-        if self._closed:
-            return self.name if self.count else None
-        self._closed = True
-        try:
-            if self.count:
-                trailer = end_line(self.count, 0, signature)
-                self.signature = signature
-                self._out.write(trailer)
-                self._size += len(trailer)
-            self._out.close()
-            if self.count:
-                os.rename(self._partial, self.path)
-                if self.sidecar:
-                    with contextlib.suppress(OSError):
-                        _write_sidecar(self.path, self.index, self.signature)
-                return self.name
-            return None
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._partial)
-
-    def abandon(self) -> None:
-        """Throw the pack away (nothing of it is used)."""
-        if not self._closed:
-            self._closed = True
-            with contextlib.suppress(OSError):
-                self._out.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._partial)
-
-    def __enter__(self) -> PackWriter:
-        return self
-
-    def __exit__(self, kind: object, *rest: object) -> None:
-        if kind is not None:
-            self.abandon()
-            return
-        try:
-            self.commit()
-        except OSError:
-            self.abandon()
-            raise
-
-
 class TierPacks:
     """The packs of one tier directory, as this process has indexed them (module docstring)."""
 
     def __init__(self, root: Path, *, sidecars: bool = False) -> None:
         self.directory = str(root / PACKS_DIR)
         #: Whether packs carry their index beside them, written and read (a private tier:
-        #: only this user wrote either file; :func:`_read_sidecar`).
+        #: only this user wrote either file; :func:`~kcache_client._pack_file.read_sidecar`).
         self.sidecars = sidecars
         self._packs: dict[str, _Pack] = {}
         self._by_key: dict[str, tuple[_Pack, IndexedEntry]] = {}
@@ -345,7 +214,7 @@ class TierPacks:
             names = {}
             replaced = []
             for entry in regular_files(self.directory):
-                name = _pack_name(entry.name)
+                name = pack_name(entry.name)
                 if name is None:
                     continue
                 names[name] = entry.path
@@ -371,7 +240,7 @@ class TierPacks:
             fd, st = open_regular(written.path)
         except OSError:
             return
-        if st.st_size != written._size:  # not the file written (replaced meanwhile): read it
+        if st.st_size != written.file_size:  # not the file written (replaced meanwhile): read it
             os.close(fd)
             self.refresh()
             return
@@ -402,8 +271,8 @@ class TierPacks:
             os.close(fd)
             return None
         try:
-            known = _read_sidecar(path, st) if self.sidecars else None
-            found, signature = known if known is not None else _index_file(fd, st.st_size, path)
+            known = read_sidecar(path, st) if self.sidecars else None
+            found, signature = known if known is not None else index_file(fd, st.st_size, path)
         except (BundleError, OSError) as exc:
             os.close(fd)
             self._refused.add(marker)
@@ -490,7 +359,7 @@ class TierPacks:
         self.refresh()
         listed = []
         for found in regular_files(self.directory):
-            name = _pack_name(found.name)
+            name = pack_name(found.name)
             if name is None:
                 continue
             try:
@@ -501,7 +370,7 @@ class TierPacks:
             metas = {} if pack is None else {k: e.head.meta for k, e in pack.entries.items()}
             size = st.st_size
             with contextlib.suppress(OSError):  # its index beside it goes with it (remove)
-                size += os.stat(found.path + _SIDECAR, follow_symlinks=False).st_size
+                size += os.stat(found.path + SIDECAR_SUFFIX, follow_symlinks=False).st_size
             listed.append(PackFile(name, found.path, size, st.st_mtime, metas))
         return listed
 
@@ -510,7 +379,7 @@ class TierPacks:
         (epoch seconds); how many. A live writer writes its file as the bundle arrives."""
         swept = 0
         for found in regular_files(self.directory):
-            if not (found.name.startswith(TMP_PREFIX) and found.name.endswith(_SUFFIX)):
+            if not (found.name.startswith(TMP_PREFIX) and found.name.endswith(PACK_SUFFIX)):
                 continue
             with contextlib.suppress(OSError):
                 if found.stat(follow_symlinks=False).st_mtime < older_than:
@@ -527,7 +396,7 @@ class TierPacks:
 
     def remove(self, name: str) -> int:
         """Delete the pack; the bytes freed (0 when it was gone, or is not this user's to delete)."""
-        path = os.path.join(self.directory, f"{name}{_SUFFIX}")
+        path = os.path.join(self.directory, f"{name}{PACK_SUFFIX}")
         try:
             size = os.stat(path, follow_symlinks=False).st_size
             os.unlink(path)
@@ -536,8 +405,8 @@ class TierPacks:
         except PermissionError:  # another user's pack in a shared tier: theirs to remove
             return 0
         with contextlib.suppress(OSError):
-            size += os.stat(path + _SIDECAR, follow_symlinks=False).st_size
-            os.unlink(path + _SIDECAR)
+            size += os.stat(path + SIDECAR_SUFFIX, follow_symlinks=False).st_size
+            os.unlink(path + SIDECAR_SUFFIX)
         with self._lock:
             self._drop(name)
         return size
@@ -583,96 +452,6 @@ class TierPacks:
             for name in list(self._packs):
                 self._drop(name)
             self._seen_ns = -1
-
-
-def _index_file(fd: int, size: int, path: str) -> tuple[list[IndexedEntry], Signature | None]:
-    """The entries of the pack open at ``fd`` (:func:`~kcache.bundle_format.index_bundle`),
-    and the signature its trailer carries over all of them (None when it has none).
-
-    A pack of up to :data:`_READ_WHOLE_BYTES` is read with one ``pread`` and indexed in
-    memory: indexing asks the position after every header line, which a buffered file
-    answers with a system call each. A larger one is indexed from the file, its bytes skipped.
-    """
-    if size <= _READ_WHOLE_BYTES:
-        whole = os.pread(fd, size + 1, 0)
-        found = index_bundle(io.BytesIO(whole), max_entry_bytes=_MAX_ENTRY_BYTES, where=path)
-    else:
-        with os.fdopen(os.dup(fd), "rb", buffering=1 << 16) as handle:
-            found = index_bundle(handle, max_entry_bytes=_MAX_ENTRY_BYTES, where=path)
-        whole = b""
-    if not found:
-        return found, None
-    start = found[-1].offset + found[-1].head.size + 1  # the trailer, checked by index_bundle
-    trailer = whole[start:] if whole else os.pread(fd, min(size - start, 1 << 16), start)
-    try:
-        signed = json.loads(trailer).get("signature")
-        return found, None if signed is None else Signature.from_dict(signed)
-    except (ValueError, AttributeError, SignatureError):
-        return found, None
-
-
-def _write_sidecar(path: str, index: list[IndexedEntry], signature: Signature | None) -> None:
-    """Write the index of the pack at ``path`` (just put in place) beside it, ``<pack>.idx``:
-    its entries' headers and offsets as one JSON document, and the pack file's inode and
-    size, so that a process of a private tier indexes the pack with one parse of the
-    document instead of one header line and one metadata check per entry (a rank's largest
-    cost on a complete tier: 13 -> 5 ms at 800 entries, B12)."""
-    st = os.stat(path, follow_symlinks=False)
-    body = {
-        "format": _SIDECAR_FORMAT,
-        "pack": [st.st_ino, st.st_size],
-        "signature": None if signature is None else signature.to_dict(),
-        "entries": [
-            [e.head.recipe_key, e.offset, e.head.meta.to_dict(), e.head.signature.to_dict()]
-            for e in index
-        ],
-    }
-    atomic_write(path + _SIDECAR, json.dumps(body, separators=(",", ":")).encode(), durable=False)
-
-
-def _read_sidecar(
-    path: str, st: os.stat_result
-) -> tuple[list[IndexedEntry], Signature | None] | None:
-    """The index :func:`_write_sidecar` wrote for the pack file ``st`` (its inode and size),
-    or None (absent, another file's, damaged: the pack is indexed itself).
-
-    Only a private tier reads it (``TierPacks.sidecars``): its writer is this user, as the
-    pack's is, so its metadata is taken as the pack's headers would be, without checking
-    each field again; the bytes an entry hands out are still checked against its digest."""
-    try:
-        raw, _ = read_file_identified(path + _SIDECAR, _SIDECAR_MAX_BYTES)
-        body = json.loads(raw)
-        if body.get("format") != _SIDECAR_FORMAT or body.get("pack") != [st.st_ino, st.st_size]:
-            return None
-        found = [
-            IndexedEntry(
-                EntryHead(key, _meta(meta), Signature(sig["key_id"], sig["signature"])), offset
-            )
-            for key, offset, meta, sig in body["entries"]
-        ]
-        signed = body.get("signature")
-        return found, None if signed is None else Signature.from_dict(signed)
-    except (OSError, UnsafeFileError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def _meta(data: dict[str, Any]) -> ArtifactMeta:
-    """Metadata as :meth:`ArtifactMeta.to_dict` wrote it (a private tier's own sidecar)."""
-    return ArtifactMeta(
-        digest=data["digest"],
-        size=data["size"],
-        kind=data["kind"],
-        target=data["target"],
-        toolchain=data["toolchain"],
-        lowered_names=data["lowered_names"],
-        compile_seconds=float(data["compile_seconds"]),
-        log=data["log"],
-        dependencies=tuple(Dependency(d["name"], d["sha256"]) for d in data["dependencies"]),
-        dependencies_exact=data["dependencies_exact"],
-        kernel=data["kernel"],
-        created_at=float(data["created_at"]),
-        dependency_check=data.get("dependency_check", 0),
-    )
 
 
 def _same_file(path: str, known: FileIdentity) -> bool:

@@ -162,7 +162,7 @@ def flush() -> None:
 
 def _stats_dir(root: Path) -> int:
     """A descriptor of ``root/stats`` (made if absent, with the root's mode in a shared
-    tier: see :meth:`NodeTier._share_dirs`), never through a link."""
+    tier: see :func:`kcache_client._tier_standing.share_dirs`), never through a link."""
     path = root / STATS_DIR
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o755)

@@ -52,10 +52,10 @@ def drop_from_tier(tier: NodeTier, pairs: Iterable[Pair]) -> int:
             continue
         gone.add(digest)
     if gone:
-        named = tier._aliases()  # the tier's own walk of its aliases
+        named = tier.size.aliases()  # the tier's own walk of its aliases
         for digest in gone - named.keys():
             with contextlib.suppress(OSError):
-                os.unlink(tier._record_path(digest))
+                os.unlink(tier.record_path(digest))
     return len(gone)
 
 

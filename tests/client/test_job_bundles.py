@@ -511,7 +511,7 @@ def test_a_damaged_pack_reads_as_absent_and_is_replaced(
 def test_a_pack_entry_signed_by_an_unknown_key_is_not_used(
     job: Job, manifest: JobManifest, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from kcache_client._packs import PackWriter
+    from kcache_client._pack_file import PackWriter
 
     # A pack planted in the tier: the server's bytes and metadata, signed by another key.
     with _cache(job.server.url, tmp_path / "src", job.known) as cache:

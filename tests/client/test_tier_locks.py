@@ -128,7 +128,7 @@ def test_users_of_a_shared_tier_wait_for_each_other(tmp_path: Path) -> None:
     try:
         os.chmod(work, 0o755)
         (work / "locks").mkdir()
-        os.chmod(work / "locks", 0o1777)  # as a shared tier's (NodeTier._share_dirs)
+        os.chmod(work / "locks", 0o1777)  # as a shared tier's (_tier_standing.share_dirs)
         holder = subprocess.Popen(
             [sys.executable, "-c", _HOLD_FOREVER, str(work), KEY, "65533"],
             stdout=subprocess.PIPE,

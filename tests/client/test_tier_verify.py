@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import kcache_client._tier as _tier
+import kcache_client._tier_reads as _tier_reads
 import pytest
 from client_harness import artifact_meta
 from kcache_client import NodeTier
@@ -31,13 +32,15 @@ BASE = "2b" * 32
 
 @pytest.fixture
 def hashes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bytes]]:
-    """The bytes the tier hashes, in order (through its own ``sha256_hex``)."""
+    """The bytes the tier hashes, in order (through its own ``sha256_hex``: its reads', and
+    ``checked_file``'s)."""
     seen: list[bytes] = []
 
     def sha256_hex(data: bytes) -> str:
         seen.append(bytes(data))
         return hashlib.sha256(data).hexdigest()
 
+    monkeypatch.setattr(_tier_reads, "sha256_hex", sha256_hex)
     monkeypatch.setattr(_tier, "sha256_hex", sha256_hex)
     yield seen
 
@@ -45,7 +48,7 @@ def hashes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bytes]]:
 @pytest.fixture
 def settled(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every file counts as settled at once (its ctime need not be 2 s old)."""
-    monkeypatch.setattr(_tier, "_SETTLED_NS", 0)
+    monkeypatch.setattr(_tier_reads, "_SETTLED_NS", 0)
 
 
 def _later(path: Path) -> None:
@@ -109,7 +112,7 @@ def test_a_settled_blob_is_hashed_once_and_a_new_file_again(
 def test_a_file_younger_than_its_timestamps_can_tell_is_hashed_at_every_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hashes: list[bytes]
 ) -> None:
-    monkeypatch.setattr(_tier, "_SETTLED_NS", 1 << 62)  # never settled
+    monkeypatch.setattr(_tier_reads, "_SETTLED_NS", 1 << 62)  # never settled
     data = b"fresh kernel " * 300
     meta = artifact_meta(data)
     tier = NodeTier(tmp_path, max_bytes=0)

@@ -32,7 +32,7 @@ from kcache_client import (
     KernelCache,
     LateCompileError,
     UntrustedArtifactError,
-    _tier,
+    _tier_reads,
 )
 from kcache_client._bundle import write_bundle_file
 from kcache_client._tier import NodeTier
@@ -199,7 +199,7 @@ def test_a_shared_entry_is_verified_once_per_file_and_load_does_not_verify_again
 ) -> None:
     tier_a, _, recipes, _ = built
     _, key = fleet
-    monkeypatch.setattr(_tier, "_SETTLED_NS", 0)  # every file's identity may be known at once
+    monkeypatch.setattr(_tier_reads, "_SETTLED_NS", 0)  # every file's identity may be known at once
     counting = _Counting(signing.verifier())
     monkeypatch.setattr(signing, "_verifier", counting)
     shared = _shared_dir()
@@ -508,14 +508,14 @@ def test_a_private_tiers_pack_is_indexed_from_its_sidecar_and_a_shared_tiers_nev
     later process indexes the pack from it, with the same entries; a sidecar that is not the
     pack's (another file, damaged) is ignored, and a shared tier's, which another user could
     have written, is never read."""
-    from kcache_client import _packs
+    from kcache_client import _pack_file
 
     server, key = fleet
     _, _, recipes, manifest = built
     parsed: list[str] = []
-    real = _packs.index_bundle
+    real = _pack_file.index_bundle
     monkeypatch.setattr(
-        _packs, "index_bundle", lambda *a, **k: parsed.append("pack") or real(*a, **k)
+        _pack_file, "index_bundle", lambda *a, **k: parsed.append("pack") or real(*a, **k)
     )
     settings = _settings(tmp_path / "h", trusted=key.public_key)
     shared = _shared_dir()
@@ -533,8 +533,8 @@ def test_a_private_tiers_pack_is_indexed_from_its_sidecar_and_a_shared_tiers_nev
             if where.parent == shared:  # one that is this very pack's, as another user could write
                 fd = os.open(pack, os.O_RDONLY)
                 try:
-                    _packs._write_sidecar(
-                        str(pack), *_packs._index_file(fd, os.fstat(fd).st_size, str(pack))
+                    _pack_file.write_sidecar(
+                        str(pack), *_pack_file.index_file(fd, os.fstat(fd).st_size, str(pack))
                     )
                 finally:
                     os.close(fd)

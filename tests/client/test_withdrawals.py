@@ -172,7 +172,7 @@ def test_a_tier_refuses_and_drops_a_withdrawn_binding_and_keeps_the_others(
     assert tier.lookup(bad_key) is None
     assert not os.path.exists(tier.index.alias_path(bad_key))  # dropped, not only refused
     assert tier.lookup(twin_key) is not None and tier.lookup(kept_key) is not None
-    assert os.path.exists(tier._record_path(bad.digest))  # the twin's alias still names it
+    assert os.path.exists(tier.record_path(bad.digest))  # the twin's alias still names it
     assert tier.held_digest(bad_key) is None and not tier.present(bad_key, bad.digest)
     # Published again (a replayed answer, an unpacked bundle): refused.
     assert tier.publish(bad_key, None, bad, tier.lookup(twin_key)[1]) is None  # type: ignore[index]
@@ -192,7 +192,7 @@ def test_the_last_binding_of_a_digest_takes_its_record_with_it(tmp_path: Path) -
     tier = NodeTier(tmp_path / "tier")
     key, meta, _ = _entry(tier, "alone")
     _withdraw(tier, (key, meta.digest))
-    assert not os.path.exists(tier._record_path(meta.digest))
+    assert not os.path.exists(tier.record_path(meta.digest))
     assert all(e.digest != meta.digest or not e.recipe_keys for e in tier.entries())
 
 

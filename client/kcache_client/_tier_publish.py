@@ -1,0 +1,187 @@
+"""Publishing into a node tier: the per-key download lock, the entry, its records later.
+
+The per-key lock (in-process single-flight around a record file lock per key,
+:class:`~kcache.locks.FileKeyLock`) only makes the node download a blob once instead of
+once per rank, and its holder lets go as soon as the entry's alias is written. It guards
+no correctness: on a shared filesystem where locks are advisory or granted to everyone,
+the worst is a duplicate download.
+
+Nothing is fsynced (``durable=False``), and crash consistency holds without it: what a
+reader trusts is checked on every read that could see a new file
+(:mod:`kcache_client._tier`), so a write that a crash or power loss cut short (a file
+empty, truncated, zeros, another file's old blocks) reads as absent: the kernel is fetched
+again and its publish replaces the file (``tests/client/test_tier_crash.py``). An fsync per
+file and directory was most of a cold rank's fetch time (B8); it would only make the
+refetch rarer.
+
+A tier holds one :class:`TierPublisher`, made when it is first asked for the lock or to
+publish: a process that only reads never imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from kcache.artifact import ArtifactMeta
+from kcache.errors import CorruptArtifactError
+from kcache.index.file import FileIndex
+from kcache.locks import SingleFlight
+from kcache.signing import Signature
+from kcache.standing import Standing
+from kcache.store.local import LocalArtifactStore
+from kcache_client._disk_full import tolerate_full
+from kcache_client._withdrawals import Withdrawals
+
+if TYPE_CHECKING:
+    from kcache_client._tier_size import TierSize
+
+__all__ = ["PublishingTier", "TierPublisher"]
+
+T = TypeVar("T")
+
+# Publishes whose record and manifest entry wait for a moment the process is idle, at most.
+_PENDING_MAX = 32
+
+
+class PublishingTier(Protocol):
+    """What :class:`TierPublisher` uses of its node tier (a :class:`~kcache_client._tier.NodeTier`)."""
+
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def store(self) -> LocalArtifactStore: ...
+
+    @property
+    def index(self) -> FileIndex: ...
+
+    @property
+    def lock(self) -> SingleFlight: ...
+
+    @property
+    def lock_timeout(self) -> float: ...
+
+    @property
+    def standing(self) -> Standing: ...
+
+    @property
+    def withdrawals(self) -> Withdrawals: ...
+
+    @property
+    def size(self) -> TierSize: ...
+
+    def refuse(self, what: str, problem: str) -> None: ...
+
+
+class TierPublisher:
+    """The per-key lock and the publishes of one tier, and what they leave to do (module docstring)."""
+
+    def __init__(self, tier: PublishingTier) -> None:
+        self._tier = tier
+        # (base key, metadata, size) of publishes whose record is not written yet (flush).
+        self._pending: list[tuple[str | None, ArtifactMeta, int]] = []
+        self._pending_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, recipe_key: str) -> Iterator[bool]:
+        """The per-key download lock; yields True when another process or thread had it first."""
+        with self._tier.lock.hold(recipe_key, self._tier.lock_timeout) as waited:
+            yield waited
+
+    @contextlib.contextmanager
+    def hold_unless(self, recipe_key: str, published: Callable[[], T | None]) -> Iterator[T | None]:
+        """The per-key download lock, unless another process publishes the key meanwhile.
+
+        Yields None with the lock held, or what ``published()`` (a look in this tier)
+        found while waiting, without ever taking the lock: reading the tier needs no
+        lock (entries appear by atomic rename, blobs are verified), and ranks that
+        each took the lock in turn only to read the entry made a convoy (B8).
+        """
+
+        def looked() -> T | None:
+            # Asked first when this process is about to wait for another's fetch: the
+            # moment for its own pending bookkeeping, which nothing waits for.
+            if self._pending:
+                self.flush()
+            return published()
+
+        with self._tier.lock.hold_unless(recipe_key, self._tier.lock_timeout, looked) as found:
+            yield found
+
+    def publish(
+        self,
+        recipe_key: str,
+        base_key: str | None,
+        meta: ArtifactMeta,
+        data: bytes,
+        signature: Signature | None = None,
+    ) -> Path | None:
+        """Store verified bytes and the recipe's alias (the blob first, as everywhere); the rest later.
+
+        The alias is what a hit reads, and this thread's lock of the key is let go as
+        soon as it is written: processes waiting for the key take the entry from there.
+        The artifact record, the manifest entry and the size accounting (which may
+        evict) wait in this process (:meth:`flush`) until it is idle anyway, waiting for
+        another process's fetch (:meth:`hold_unless`), or until 32 publishes are pending,
+        or until anything reads them here (listing, evicting, closing the cache). A
+        rank fetching kernels one after another thus goes on to its next kernel at once
+        (B8: eight ranks fetching the same kernels in turn). A record lost when a
+        process ends without closing costs what a crash's would (module docstring).
+        A thread of its own for that work cost a lone rank half as much time again (the
+        GIL).
+
+        ``signature`` (the server's, checked by the caller) is stored with the alias.
+        Nothing is published (None) into a tier that is not writable here, nor an
+        unsigned entry into one where only signed entries are used, nor where another
+        user's file stands in the way in a shared tier.
+
+        ``base_key`` None (an entry of a bundle, whose base key no signature covers): the
+        entry is found by its recipe key only, and not offered to a local engine's
+        manifest match under a base key it could not check.
+        """
+        tier = self._tier
+        if (
+            not tier.standing.writable
+            or (signature is None and tier.standing.signed_only)
+            or tier.withdrawals.withdrawn(recipe_key, meta.digest)
+        ):
+            tier.lock.let_go(recipe_key)
+            return None
+        try:
+            digest = tier.store.put(data)
+            if digest != meta.digest:  # the caller verified; this is a second line of defence
+                raise CorruptArtifactError(meta.digest, digest, None)
+            tier.index.write_alias(
+                recipe_key, meta, signature.to_dict() if signature is not None else None
+            )
+        except PermissionError as exc:
+            if not tier.standing.signed_only:
+                raise
+            # Another user's file (a stale or planted one) at this name in a shared tier.
+            tier.lock.let_go(recipe_key)
+            tier.refuse(f"the entry of recipe {recipe_key}", f"cannot be published: {exc}")
+            return None
+        except OSError:  # a full disk: the kernel is used from memory (kcache_client._disk_full)
+            tier.lock.let_go(recipe_key)
+            with tolerate_full(tier.root, "keeping a kernel"):
+                raise
+            return None
+        tier.lock.let_go(recipe_key)
+        with self._pending_lock:
+            self._pending.append((base_key, meta, len(data)))
+            due = len(self._pending) >= _PENDING_MAX
+        if due:
+            self.flush()
+        return tier.store.path(digest)
+
+    def flush(self) -> None:
+        """Write the records and manifest entries of this process's pending publishes; may evict."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for base_key, meta, size in pending:
+            with tolerate_full(self._tier.root, "recording a kernel"):
+                self._tier.size.record(base_key, meta, size)
