@@ -19,7 +19,10 @@ import sys
 from pathlib import Path
 
 import kcache_client._bundle
+import kcache_client._jobs  # a job step's modules, which the cache imports on first use
 import kcache_client._lean_http
+import kcache_client._tier_publish
+import kcache_client._tier_size
 import kcache_client._trust_cli  # noqa: F401  (imported while the interpreter can be read)
 from kcache_client import ClientSettings, KernelCache, RetryPolicy
 
