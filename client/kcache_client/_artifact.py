@@ -32,7 +32,7 @@ from kcache_client.errors import (
     UntrustedArtifactError,
 )
 
-__all__ = ["Artifact", "ArtifactOrigin", "Judgement", "check_loadable"]
+__all__ = ["Artifact", "ArtifactOrigin", "check_loadable"]
 
 #: Where ``KernelCache.get`` found an artifact: this process's ``memory``, the ``node``
 #: tier, a ``server`` hit, a compile on the server (``compiled`` by this request, or
@@ -207,53 +207,6 @@ def _device(core: Any, device: int | None) -> tuple[Any, tuple[int, int]]:
         ) from None
 
 
-class Judgement:
-    """The one check that found an artifact usable, made where it was found (a node-tier or
-    pack entry judged by the tier's standing and this client's trust, a server's answer whose
-    signature verified, a local compile), with the exact objects it judged.
-
-    :meth:`Artifact.check` (what ``load()`` runs first) accepts an artifact that still holds
-    them without checking again: ``get`` and ``load`` give one verdict, and a kernel's
-    signature is verified once per file, not once per ``get`` and again per ``load``. An
-    artifact whose bytes, metadata, signature, recipe key or trust were replaced since
-    (``dataclasses.replace``) no longer holds them and is checked in full.
-    """
-
-    __slots__ = ("data", "how", "meta", "recipe_key", "signature", "trust")
-
-    def __init__(
-        self,
-        trust: Trust | None,
-        recipe_key: str,
-        meta: ArtifactMeta,
-        signature: Signature | None,
-        data: bytes,
-        how: str,
-    ) -> None:
-        # A plain class, not a frozen dataclass: one is made per node-tier hit (B3).
-        self.trust = trust
-        self.recipe_key = recipe_key
-        self.meta = meta
-        self.signature = signature
-        self.data = data
-        #: How it was judged: ``signed`` (a server's answer, its signature verified), the
-        #: standing of the tier it was found in (``private``: this user's own entry, used as
-        #: it is; ``shared``, ``untrusted``: its signature verified), or ``compiled here``.
-        self.how = how
-
-    def holds_for(self, art: Artifact) -> bool:
-        """Whether ``art`` is what was judged: the same objects (bytes are immutable)."""
-        return (
-            art.data is self.data
-            and type(art.data) is bytes
-            and art.metadata is self.meta
-            and art.signature is self.signature
-            and art.trust is self.trust
-            and art.recipe_key == self.recipe_key
-            and art.digest == self.meta.digest
-        )
-
-
 @dataclass(frozen=True)
 class Artifact:
     """A compiled kernel whose bytes have been checked against ``digest``.
@@ -283,12 +236,27 @@ class Artifact:
     #: What the signature was checked against when it was found (checked again on load):
     #: the keys of the server this cache looks up through (kcache_client._trust).
     trust: Trust | None = field(default=None, repr=False, compare=False)
-    #: Returns the path of a file holding exactly the checked bytes (written from them
-    #: where the tier's own file is not one: a pack entry, a shared tier); see :attr:`path`.
-    materialize: Callable[[], str] | None = field(default=None, repr=False, compare=False)
-    #: The check that found it usable (:class:`Judgement`), which :meth:`check` relies on
-    #: while the artifact holds what it judged; None: checked in full by :meth:`check`.
-    judged: Judgement | None = field(default=None, repr=False, compare=False)
+    #: ``materialize(digest, data)`` returns the path of a file holding exactly ``data``,
+    #: the checked bytes of ``digest`` (written from them where the tier's own file is not
+    #: one: a pack entry, a shared tier); see :attr:`path`. One function per cache, not one
+    #: object per artifact: a rank holding 800 kernels keeps fewer objects for the
+    #: collector to walk (B12).
+    materialize: Callable[[str, bytes], str] | None = field(default=None, repr=False, compare=False)
+    #: How the one check that found it usable judged it, where it was found (:meth:`found`):
+    #: ``signed`` (a server's answer, its signature verified), the standing of the tier it
+    #: was found in (``private``: this user's own entry, used as it is; ``shared``,
+    #: ``untrusted``: its signature verified) or ``compiled here``. Not an argument of the
+    #: constructor, so ``dataclasses.replace`` drops it: an artifact altered after it was
+    #: found (its bytes, metadata, signature, key or trust replaced) is checked in full.
+    verdict: str | None = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def found(cls, verdict: str, **fields: Any) -> Artifact:
+        """An artifact as the check that found it usable left it, with that check's ``verdict``
+        (what :meth:`check`, and so ``load()``, accepts without checking again)."""
+        art = cls(**fields)
+        object.__setattr__(art, "verdict", verdict)  # a frozen field set once, where it is made
+        return art
 
     @property
     def path(self) -> Path:
@@ -301,7 +269,7 @@ class Artifact:
         ``data``).
         """
         if self.materialize is not None:
-            return Path(self.materialize())
+            return Path(self.materialize(self.digest, self.data))
         return Path(self.blob_path)
 
     @property
@@ -331,15 +299,15 @@ class Artifact:
         """Refuse an artifact whose bytes or signature no longer hold (what loading runs first).
 
         An artifact as ``get`` found it is accepted on the verdict made then
-        (:class:`Judgement`): one check, one verdict, so ``load()`` never refuses what
-        ``get`` returned, and pays no second verification. Otherwise (built by hand, or
-        altered after it was found: its metadata replaced, its bytes swapped, another
-        ``trust``) the bytes must hash to the metadata's digest (DigestMismatchError), and a
+        (:attr:`verdict`): one check, one verdict, so ``load()`` never refuses what
+        ``get`` returned, and pays no second verification (a kernel's signature is
+        verified once per file, not once per ``get`` and again per ``load``). Otherwise
+        (built by hand, or altered after it was found with ``dataclasses.replace``: its
+        metadata replaced, its bytes swapped, another ``trust``) the bytes must hash to the metadata's digest (DigestMismatchError), and a
         signature must verify for ``recipe_key`` -> ``metadata`` by a key trusted here
         (UntrustedArtifactError, naming the missing trust and the setting that gives it).
         """
-        judged = self.judged
-        if judged is not None and judged.holds_for(self):
+        if self.verdict is not None:
             return
         actual = hashlib.sha256(self.data).hexdigest()
         if actual != self.metadata.digest or self.digest != self.metadata.digest:

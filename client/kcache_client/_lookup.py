@@ -30,7 +30,6 @@ the server's withdrawals (:mod:`~kcache_client._withdrawal_watch`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -42,7 +41,7 @@ from kcache.job_manifest import ManifestKernel
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
 from kcache.signing import Signature
-from kcache_client._artifact import Artifact, ArtifactOrigin, Judgement
+from kcache_client._artifact import Artifact, ArtifactOrigin
 from kcache_client._events import EventSink, tally_key
 from kcache_client._freeze import Freezer
 from kcache_client._include_pins import IncludeSetPins
@@ -120,6 +119,8 @@ class Lookup:
         #: What this process was served, by recipe key: its manifest (KernelCache.manifest).
         self.used: dict[str, ManifestKernel] = {}
         self.freezer = Freezer(stats, events, context)
+        #: Every artifact's ``materialize``: one bound method, not one per artifact.
+        self._materialize = self._checked_file
         #: When the server's withdrawals are read, and what is done with them
         #: (kcache_client._withdrawals); None without a server.
         self.watch = (
@@ -334,7 +335,7 @@ class Lookup:
     ) -> Artifact:
         """The artifact found, with the verdict of the one check that found it usable (its
         digest and, where asked, its signature: the tier's lookup, the server answer's check,
-        a local compile), which ``load()`` relies on (:class:`Judgement`)."""
+        a local compile), which ``load()`` relies on (``Artifact.verdict``)."""
         trust = self.trust
         if origin == "local_compile":
             how = "compiled here"
@@ -342,7 +343,8 @@ class Lookup:
             how = (tier or self.tier).standing.kind  # private, shared, untrusted: its tier's
         else:
             how = "signed"
-        return Artifact(
+        return Artifact.found(
+            how,
             recipe_key=key,
             base_key="",  # the recipe's, computed when first read (Artifact.base_key)
             digest=meta.digest,
@@ -353,8 +355,7 @@ class Lookup:
             origin=origin,
             signature=signature,
             trust=trust,
-            materialize=functools.partial(self._checked_file, meta.digest, data),
-            judged=Judgement(trust, key, meta, signature, data, how),
+            materialize=self._materialize,
         )
 
     def _checked_file(self, digest: str, data: bytes) -> str:
