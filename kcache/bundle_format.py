@@ -342,10 +342,11 @@ class BundleReader:
 
 
 @dataclass(frozen=True)
-class IndexedEntry:
-    """Where an entry's bytes lie in a bundle file: ``head.size`` of them from ``offset``."""
+class IndexedEntry(EntryHead):
+    """An entry's checked header and where its bytes lie in a bundle file: ``size`` of them
+    from ``offset``. One object per entry (a tier indexes every entry of its packs, and a
+    rank holding 800 kernels crosses the collector's thresholds with fewer objects)."""
 
-    head: EntryHead
     offset: int
 
 
@@ -385,7 +386,7 @@ def index_bundle(handle: BinaryIO, *, max_entry_bytes: int, where: str) -> list[
             handle.seek(offset)
             data = handle.read(head.size)
             raise BundleError(f"{where}: {_misframed(len(found) + 1, head.size, data)}")
-        found.append(IndexedEntry(head, offset))
+        found.append(IndexedEntry(head.recipe_key, head.meta, head.signature, offset))
 
 
 def _misframed(number: int, size: int, data: bytes) -> str:

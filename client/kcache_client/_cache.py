@@ -436,7 +436,7 @@ class KernelCache:
     def manifest(self, job_id: str | None = None) -> JobManifest:
         """What this process was served so far (every ``get``, ``get_many`` and warmup), as a
         :class:`~kcache.job_manifest.JobManifest` of ``job_id`` (default the settings' job)."""
-        return JobManifest.of(list(self._lookup.used.values()), job_id or self.settings.job_id)
+        return JobManifest.of(self._lookup.manifest_kernels(), job_id or self.settings.job_id)
 
     def job_manifest(self, job_id: str | None = None) -> JobManifest:
         """The server's manifest of ``job_id`` (default this cache's job): every kernel its

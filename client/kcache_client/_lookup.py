@@ -116,8 +116,9 @@ class Lookup:
         self.prepare = prepare
         self.include_pins = include_pins
         self.memory: LruCache[str, Artifact] = LruCache(max_entries=settings.memory_entries)
-        #: What this process was served, by recipe key: its manifest (KernelCache.manifest).
-        self.used: dict[str, ManifestKernel] = {}
+        #: What this process was served, by recipe key: its manifest (KernelCache.manifest),
+        #: kept as the metadata each artifact holds anyway (no object more per kernel).
+        self.used: dict[str, ArtifactMeta] = {}
         self.freezer = Freezer(stats, events, context)
         #: Every artifact's ``materialize``: one bound method, not one per artifact.
         self._materialize = self._checked_file
@@ -374,17 +375,15 @@ class Lookup:
         """Keep ``art`` in memory, where later calls find it (as from ``memory``), and in the
         process's manifest."""
         self.memory.put(art.recipe_key, art.found_in("memory"))
-        meta = art.metadata
-        self.used[art.recipe_key] = ManifestKernel(
-            art.recipe_key,
-            meta.digest,
-            meta.kernel,
-            meta.target,
-            meta.toolchain,
-            meta.kind,
-            meta.size,
-        )
+        self.used[art.recipe_key] = art.metadata
         return art
+
+    def manifest_kernels(self) -> list[ManifestKernel]:
+        """What this process was served so far, as the entries of its manifest."""
+        return [
+            ManifestKernel(key, m.digest, m.kernel, m.target, m.toolchain, m.kind, m.size)
+            for key, m in self.used.items()
+        ]
 
     def _publish(
         self,

@@ -27,7 +27,6 @@ from typing import Any, BinaryIO
 
 from kcache.artifact import ArtifactMeta
 from kcache.bundle_format import (
-    EntryHead,
     IndexedEntry,
     end_line,
     entry_head,
@@ -126,9 +125,7 @@ class PackWriter:
         self._out.write(head)
         self._out.write(data)
         self._out.write(b"\n")
-        self.index.append(
-            IndexedEntry(EntryHead(recipe_key, meta, signature), self._size + len(head))
-        )
+        self.index.append(IndexedEntry(recipe_key, meta, signature, self._size + len(head)))
         self._size += len(head) + len(data) + 1
         self.bytes += len(data)
 
@@ -195,7 +192,7 @@ def index_file(fd: int, size: int, path: str) -> tuple[list[IndexedEntry], Signa
         whole = b""
     if not found:
         return found, None
-    start = found[-1].offset + found[-1].head.size + 1  # the trailer, checked by index_bundle
+    start = found[-1].offset + found[-1].size + 1  # the trailer, checked by index_bundle
     trailer = whole[start:] if whole else os.pread(fd, min(size - start, 1 << 16), start)
     try:
         signed = json.loads(trailer).get("signature")
@@ -216,8 +213,7 @@ def write_sidecar(path: str, index: list[IndexedEntry], signature: Signature | N
         "pack": [st.st_ino, st.st_size],
         "signature": None if signature is None else signature.to_dict(),
         "entries": [
-            [e.head.recipe_key, e.offset, e.head.meta.to_dict(), e.head.signature.to_dict()]
-            for e in index
+            [e.recipe_key, e.offset, e.meta.to_dict(), e.signature.to_dict()] for e in index
         ],
     }
     atomic_write(
@@ -240,9 +236,7 @@ def read_sidecar(
         if body.get("format") != _SIDECAR_FORMAT or body.get("pack") != [st.st_ino, st.st_size]:
             return None
         found = [
-            IndexedEntry(
-                EntryHead(key, _meta(meta), Signature(sig["key_id"], sig["signature"])), offset
-            )
+            IndexedEntry(key, _meta(meta), Signature(sig["key_id"], sig["signature"]), offset)
             for key, offset, meta, sig in body["entries"]
         ]
         signed = body.get("signature")

@@ -114,15 +114,15 @@ class PackEntry:
 
     @property
     def recipe_key(self) -> str:
-        return self.indexed.head.recipe_key
+        return self.indexed.recipe_key
 
     @property
     def meta(self) -> ArtifactMeta:
-        return self.indexed.head.meta
+        return self.indexed.meta
 
     @property
     def signature(self) -> Signature:
-        return self.indexed.head.signature
+        return self.indexed.signature
 
     def verdict(
         self,
@@ -136,16 +136,14 @@ class PackEntry:
         file with a trailer signature: accepted, it is every entry's verdict at once (one
         verification for the pack, not one per entry); refused, each entry's own decides.
         """
-        head = self.indexed.head
+        head = self.indexed
         pack = self.pack
         verdicts = pack.verdicts
         found = verdicts.get(head.recipe_key)
         if found is not None:
             return found
         if judge_whole is not None and pack.signature is not None and not pack.tried_whole:
-            whole = judge_whole(
-                [(e.head.recipe_key, e.head.meta) for e in pack.order], pack.signature
-            )
+            whole = judge_whole([(e.recipe_key, e.meta) for e in pack.order], pack.signature)
             if whole.ok:
                 for key in pack.entries:
                     verdicts[key] = whole
@@ -185,7 +183,9 @@ class TierPacks:
         #: only this user wrote either file; :func:`~kcache_client._pack_file.read_sidecar`).
         self.sidecars = sidecars
         self._packs: dict[str, _Pack] = {}
-        self._by_key: dict[str, tuple[_Pack, IndexedEntry]] = {}
+        #: recipe key -> the pack whose entry of it is found first (the entry is the pack's:
+        #: no object more per entry for the collector to walk, B12).
+        self._by_key: dict[str, _Pack] = {}
         self._refused: set[tuple[str, int, int]] = set()  # (name, inode, size) not indexable
         self._seen_ns = -1  # the directory's mtime when last listed
         self._lock = threading.Lock()
@@ -229,8 +229,8 @@ class TierPacks:
                 pack = self._index(name, names[name])
                 if pack is not None:
                     self._packs[name] = pack
-                    for key, indexed in pack.entries.items():
-                        self._by_key.setdefault(key, (pack, indexed))
+                    for key in pack.entries:
+                        self._by_key.setdefault(key, pack)
                     changed = True
             return changed
 
@@ -248,15 +248,15 @@ class TierPacks:
             written.name,
             written.path,
             fd,
-            {e.head.recipe_key: e for e in written.index},
+            {e.recipe_key: e for e in written.index},
             identity(st),
             signature=written.signature,
             order=list(written.index),
         )
         with self._lock:
             self._packs[pack.name] = pack
-            for key, indexed in pack.entries.items():
-                self._by_key.setdefault(key, (pack, indexed))
+            for key in pack.entries:
+                self._by_key.setdefault(key, pack)
 
     def _index(self, name: str, path: str) -> _Pack | None:
         try:
@@ -282,7 +282,7 @@ class TierPacks:
             name,
             path,
             fd,
-            {e.head.recipe_key: e for e in found},
+            {e.recipe_key: e for e in found},
             identity(st),
             signature=signature,
             order=found,
@@ -293,32 +293,31 @@ class TierPacks:
         if pack is None:
             return
         for key in pack.entries:
-            held = self._by_key.get(key)
-            if held is not None and held[0] is pack:
+            if self._by_key.get(key) is pack:
                 del self._by_key[key]
                 for other in self._packs.values():  # another pack may hold the key too
                     if key in other.entries:
-                        self._by_key[key] = (other, other.entries[key])
+                        self._by_key[key] = other
                         break
         with contextlib.suppress(OSError):
             os.close(pack.fd)
 
     def entry(self, recipe_key: str) -> PackEntry | None:
         """The entry of ``recipe_key`` in the pack holding it; nothing is read."""
-        held = self._by_key.get(recipe_key)
-        return None if held is None else PackEntry(*held)
+        pack = self._by_key.get(recipe_key)
+        return None if pack is None else PackEntry(pack, pack.entries[recipe_key])
 
     def entries(self, recipe_key: str) -> Iterator[PackEntry]:
         """Every indexed pack's entry of ``recipe_key``, :meth:`entry`'s first: a caller that
         may not use the first (signed by a key not trusted here: another user's prefetch
         through another server) finds the one its own prefetch wrote."""
-        held = self._by_key.get(recipe_key)
-        if held is None:
+        first = self._by_key.get(recipe_key)
+        if first is None:
             return
-        yield PackEntry(*held)
+        yield PackEntry(first, first.entries[recipe_key])
         for pack in list(self._packs.values()):
             indexed = pack.entries.get(recipe_key)
-            if pack is not held[0] and indexed is not None:
+            if pack is not first and indexed is not None:
                 yield PackEntry(pack, indexed)
 
     def read(self, found: PackEntry) -> bytes | None:
@@ -327,7 +326,7 @@ class TierPacks:
         cannot be had."""
         pack, entry = found.pack, found.indexed
         recipe_key = found.recipe_key
-        size = entry.head.size
+        size = entry.size
         try:
             data = os.pread(pack.fd, size, entry.offset)
         except OSError:
@@ -339,7 +338,7 @@ class TierPacks:
                 _log.warning("kcache: not using the pack %s: it was cut short", pack.path)
                 self._drop(pack.name)
             return None
-        if sha256_hex(data) != entry.head.meta.digest:  # this entry's bytes, not the others'
+        if sha256_hex(data) != entry.meta.digest:  # this entry's bytes, not the others'
             _log.warning(
                 "kcache: not using the entry of recipe %s in the pack %s: its bytes do not hash "
                 "to its digest (damaged)",
@@ -348,7 +347,7 @@ class TierPacks:
             )
             with self._lock:
                 pack.entries.pop(recipe_key, None)
-                if self._by_key.get(recipe_key, (None,))[0] is pack:
+                if self._by_key.get(recipe_key) is pack:
                     del self._by_key[recipe_key]
             return None
         return data
@@ -367,7 +366,7 @@ class TierPacks:
             except OSError:
                 continue
             pack = self._packs.get(name)
-            metas = {} if pack is None else {k: e.head.meta for k, e in pack.entries.items()}
+            metas = {} if pack is None else {k: e.meta for k, e in pack.entries.items()}
             size = st.st_size
             with contextlib.suppress(OSError):  # its index beside it goes with it (remove)
                 size += os.stat(found.path + SIDECAR_SUFFIX, follow_symlinks=False).st_size
@@ -424,12 +423,12 @@ class TierPacks:
         if not dropped:
             return 0, 0
         kept = [k for k in pack.entries if k not in dropped]
-        freed = sum(pack.entries[k].head.size for k in dropped)
+        freed = sum(pack.entries[k].size for k in dropped)
         replacement = None
         if kept:
             with self.writer() as out:
                 for key, data in self._copies(pack, kept):
-                    head = pack.entries[key].head
+                    head = pack.entries[key]
                     out.add(key, head.meta, data, head.signature)
             replacement = out.name
         if not self.remove(name) and os.path.exists(pack.path):  # not ours to remove
@@ -442,8 +441,8 @@ class TierPacks:
     def _copies(self, pack: _Pack, keys: list[str]) -> Iterator[tuple[str, bytes]]:
         for key in keys:
             entry = pack.entries[key]
-            data = os.pread(pack.fd, entry.head.size, entry.offset)
-            if len(data) == entry.head.size and sha256_hex(data) == entry.head.meta.digest:
+            data = os.pread(pack.fd, entry.size, entry.offset)
+            if len(data) == entry.size and sha256_hex(data) == entry.meta.digest:
                 yield key, data
 
     def close(self) -> None:
