@@ -79,6 +79,9 @@ def kernel_source(i: int) -> str:
 # ---------------------------------------------------------------------------- one rank
 def rank_main(config_path: str) -> None:
     """One rank: build the cache, say ready, wait for "go", hold every kernel, report."""
+    # The job façade (prefetch, warmup), which the cache imports when a job step is first
+    # called: imported here, with the rest, before "ready" (no import is inside the clock).
+    import kcache_client._jobs  # noqa: F401
     from kcache_client import ClientSettings, KernelCache
 
     from kcache import Recipe
