@@ -12,6 +12,8 @@ cuda.core's key already refuses options that read files (``include_path``,
 ``pre_include``, PCH) unless the caller supplies an ``extra_digest``; kcache takes the
 key as given. ``__delitem__``, ``clear`` and ``len`` work on this node's copies (the
 memory and the node tier); a published entry leaves the server by an admin's ``DELETE``.
+``close`` (the end of ``with cache:``) waits for the queued publishes, at most
+:data:`~kcache_client._foreign.EXIT_FLUSH_S` seconds.
 
 cuda.core is imported when the class is first made, never when this module is.
 """
@@ -144,6 +146,16 @@ def program_cache_class() -> Any:
             def flush(self, timeout: float = 30.0) -> bool:
                 """Wait for this cache's queued publishes (True when done)."""
                 return self.foreign.flush(timeout)
+
+            def close(self) -> None:
+                """Finish the queued publishes (bounded) and close the connections.
+
+                cuda.core closes a resource at the end of ``with cache:`` (and asks every
+                resource holding sockets to release them there); what was compiled in the
+                block is then on the server, not left to the process's exit. A later use
+                opens a new connection.
+                """
+                self.foreign.close()
 
         _class = KcacheProgramCache
         return _class

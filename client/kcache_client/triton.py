@@ -3,7 +3,8 @@
 Triton asks a cache manager (``triton.runtime.cache``) for each kernel's *group*: the
 files its compile made (IRs, PTX, cubin, the metadata JSON that names them), written one
 by one with ``put`` and tied together by ``put_group``. :class:`CacheManager` keeps
-Triton's own layout on local disk (``TRITON_CACHE_DIR``, else ``~/.triton/cache``:
+Triton's own layout on local disk (``triton.knobs.cache.dir``: ``TRITON_CACHE_DIR``, else
+``~/.triton/cache``:
 ``<dir>/<key>/<file>`` and ``__grp__<file>`` naming the group's files), so it and
 Triton's ``FileCacheManager`` read each other's entries, and shares each group as one
 foreign artifact (docs/design.md section 10): Triton's key and the group's metadata file
@@ -28,6 +29,7 @@ import contextlib
 import importlib
 import json
 import os
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -64,6 +66,17 @@ def _triton_version() -> str:
 
 
 def _cache_root() -> Path:
+    """Triton's cache directory, where Triton's own ``FileCacheManager`` puts it.
+
+    Triton 3.4+ reads it from ``triton.knobs.cache.dir``, which a program may set
+    (``knobs.cache.dir = ...``) instead of ``TRITON_CACHE_DIR``; it is read here when
+    Triton's knobs are loaded (as they are whenever Triton makes a manager), never
+    imported. Else the environment, as older Tritons read it.
+    """
+    knobs = sys.modules.get("triton.knobs")
+    configured = getattr(getattr(knobs, "cache", None), "dir", None)
+    if isinstance(configured, str) and configured.strip():
+        return Path(configured.strip())
     configured = os.environ.get("TRITON_CACHE_DIR", "").strip()
     if configured:
         return Path(configured)

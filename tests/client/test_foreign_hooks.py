@@ -333,6 +333,31 @@ def test_cuda_core_program_cache_is_a_program_cache_resource(fleet: Fleet) -> No
     assert len(cache) == 0
 
 
+def test_cuda_core_program_cache_publishes_by_the_end_of_its_with_block(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cuda.core closes a resource at the end of `with cache:`; kcache's close waits for
+    # the block's publishes (here slowed down), so another node finds them at once.
+    pytest.importorskip("cuda.core.utils")
+    from kcache_client.cuda_core import ProgramCache
+
+    publish = ForeignCache._publish
+
+    def slow_publish(self: ForeignCache, name: ForeignName, files: dict[str, bytes]) -> None:
+        time.sleep(0.5)
+        publish(self, name, files)
+
+    monkeypatch.setattr(ForeignCache, "_publish", slow_publish)
+    key = unique("cuda-core-key").encode()
+    with ProgramCache(fleet.node()) as cache:
+        cache[key] = b"compiled in the block"
+    assert cache.foreign.counts["published"] == 1
+    assert cache.foreign._http is None  # its connections are closed
+    reader = ProgramCache(fleet.node(token=fleet.read))
+    assert reader.get(key) == b"compiled in the block"
+    assert reader.foreign.counts["server_hits"] == 1
+
+
 def test_cuda_core_compile_uses_the_fleet(fleet: Fleet) -> None:
     core = pytest.importorskip("cuda.core")
     from kcache_client.cuda_core import ProgramCache
@@ -408,6 +433,24 @@ def test_triton_a_group_cut_half_way_is_never_returned(
     assert writer.get_group("k.json") is None
     _triton_node(fleet, monkeypatch, tmp_path, fleet.read)
     assert kt.CacheManager(key).get_group("k.json") is None
+
+
+def test_triton_manager_uses_the_cache_dir_triton_knobs_name(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Triton 3.4+ takes its cache directory from triton.knobs.cache.dir, which a program may
+    # set in place of TRITON_CACHE_DIR: the manager keeps its files where Triton's own would.
+    import types
+
+    import kcache_client.triton as kt
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "from-env"))
+    knobs = types.ModuleType("triton.knobs")
+    knobs.cache = types.SimpleNamespace(dir=str(tmp_path / "from-knobs"))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "triton.knobs", knobs)
+    assert kt.CacheManager("KEYA").cache_dir == str(tmp_path / "from-knobs" / "KEYA")
+    monkeypatch.delitem(sys.modules, "triton.knobs")
+    assert kt.CacheManager("KEYB").cache_dir == str(tmp_path / "from-env" / "KEYB")
 
 
 def test_a_forked_child_publishes_with_a_writer_of_its_own(fleet: Fleet) -> None:
