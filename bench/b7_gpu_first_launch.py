@@ -205,14 +205,18 @@ def _cuda_includes() -> str:
 def run(where: Path) -> None:
     """Time each kernel's variants in fresh processes (GPU machine)."""
     with tempfile.TemporaryDirectory() as scratch:
-        # The shared tier: a copy of the prepared one, mode 1777 (a team's), signed entries
-        # only; the private one is the prepared tier as this user has it.
+        # Both tiers are copies of the prepared one in the machine's temporary directory, where
+        # a node's cache lives (a local disk), not in the carried working tree (whatever
+        # filesystem that is mounted on): the private one as this user has it, the shared one
+        # mode 1777 (a team's), signed entries only.
+        private = Path(scratch) / "private-tier"
         shared = Path(scratch) / "shared-tier"
-        shutil.copytree(where / "tier", shared, symlinks=True)
+        for tier in (private, shared):
+            shutil.copytree(where / "tier", tier, symlinks=True)
         os.chmod(shared, 0o1777)
         fresh_home = Path(scratch) / "home"
         fresh_home.mkdir()
-        tiers = {"ours": str(where / "tier"), "ours_shared": str(shared)}
+        tiers = {"ours": str(private), "ours_shared": str(shared)}
         for name in KERNELS:
             _run_kernel(name, where / name, tiers, where, fresh_home)
 
