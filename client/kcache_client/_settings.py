@@ -221,17 +221,23 @@ def max_artifact_bytes_from_env() -> int:
 
 
 def _artifact_cap(explicit: int | str | None) -> int:
-    name = "KCACHE_CLIENT_MAX_ARTIFACT_BYTES"
+    size = _size(explicit, "max_artifact_bytes", minimum=1)
+    return DEFAULT_MAX_ARTIFACT_BYTES if size is None else size
+
+
+def _size(explicit: int | str | None, field: str, *, minimum: int = 0) -> int | None:
+    """A size setting (``10GiB``, or bytes): ``explicit``, else its variable, else None."""
+    name = ENVIRONMENT[field]
     value = explicit if explicit is not None else os.environ.get(name, "").strip() or None
     if value is None:
-        return DEFAULT_MAX_ARTIFACT_BYTES
-    what = "max_artifact_bytes" if explicit is not None else name
+        return None
+    what = field if explicit is not None else name
     try:
         size = parse_size(value, what)
     except ValueError as exc:
         raise KCacheError(str(exc)) from None
-    if size < 1:
-        raise KCacheError(f"{what} must be at least 1 byte, not {value!r}")
+    if size < minimum:
+        raise KCacheError(f"{what} must be at least {minimum} byte, not {value!r}")
     return size
 
 
@@ -252,17 +258,6 @@ def _include_sets(sets: Mapping[str, str | os.PathLike[str]] | None) -> Mapping[
             raise KCacheError(f"include set {name!r}: {path} is not a directory")
         out[name] = path
     return MappingProxyType(out)
-
-
-def _cache_max_bytes(explicit: int | str | None) -> int | None:
-    value = explicit if explicit is not None else os.environ.get("KCACHE_CACHE_MAX_BYTES") or None
-    if value is None:
-        return None
-    what = "cache_max_bytes" if explicit is not None else "KCACHE_CACHE_MAX_BYTES"
-    try:
-        return parse_size(value, what)
-    except ValueError as exc:
-        raise KCacheError(str(exc)) from None
 
 
 def _known_servers(explicit: str | os.PathLike[str] | None) -> Path:
@@ -450,7 +445,7 @@ class ClientSettings:
             url=_url(url or os.environ.get("KCACHE_URL")),
             token=token or os.environ.get("KCACHE_TOKEN") or None,
             cache_dir=default_cache_dir(cache_dir),
-            cache_max_bytes=_cache_max_bytes(cache_max_bytes),
+            cache_max_bytes=_size(cache_max_bytes, "cache_max_bytes"),
             local_compile=local_compile,
             include_sets=_include_sets(include_sets or _env_include_sets()),
             job_id=job_id or _job_id_from_env(),
