@@ -30,7 +30,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -120,11 +120,8 @@ def _tiers(cache: BundleCache) -> list[NodeTier]:
 
 
 def _held(tiers: Sequence[NodeTier], key: str) -> str | None:
-    for tier in tiers:
-        digest = tier.held_digest(key)
-        if digest is not None:
-            return digest
-    return None
+    """The digest the first of ``tiers`` that holds ``key`` has for it (None: none holds it)."""
+    return next((d for tier in tiers if (d := tier.held_digest(key)) is not None), None)
 
 
 def marked_complete(tiers: Sequence[NodeTier], manifest: JobManifest) -> bool:
@@ -147,15 +144,10 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
     if any(_held(tiers, key) is not None for key in manifest.recipe_keys):
         cache.check_withdrawals()  # what the tiers hold of it and the server withdrew: not held
 
-    def result(held: int, fetched: int, missing: Sequence[str], requests: int) -> PrefetchResult:
+    def result(held: int, fetched: int, missing: tuple[str, ...], requests: int) -> PrefetchResult:
+        took = time.monotonic() - started
         return PrefetchResult(
-            manifest.digest,
-            len(manifest),
-            held,
-            fetched,
-            tuple(missing),
-            requests,
-            time.monotonic() - started,
+            manifest.digest, len(manifest), held, fetched, missing, requests, took
         )
 
     if marked_complete(tiers, manifest):
@@ -168,10 +160,9 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
         return True if marked_complete(tiers, manifest) else None
 
     with tier.hold_unless(manifest.digest, marker) as found:
-        if found:
-            return result(len(manifest), 0, (), 0)
-        tier.flush()
-        if marked_complete(tiers, manifest):
+        if not found:
+            tier.flush()
+        if found or marked_complete(tiers, manifest):
             return result(len(manifest), 0, (), 0)
         held: dict[str, str] = {}
         lacking: list[str] = []
@@ -185,7 +176,7 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
         if not missing:
             tier.flush()  # the records of what was published, before the marker names them
             tier.mark_complete(manifest.digest, held.items())
-        return result(len(manifest) - len(lacking), fetched, missing, 1 if lacking else 0)
+        return result(len(manifest) - len(lacking), fetched, tuple(missing), 1 if lacking else 0)
 
 
 @dataclass(frozen=True)
@@ -231,27 +222,19 @@ def _opened(
     return answer if tee is None else _teed(answer, tee)
 
 
-class _teed(AbstractContextManager[Iterable[bytes]]):
+@contextmanager
+def _teed(
+    answer: AbstractContextManager[Iterator[bytes]], tee: Callable[[bytes], object]
+) -> Iterator[Iterable[bytes]]:
     """A request's answer whose pieces are also handed to ``tee``."""
-
-    def __init__(
-        self, answer: AbstractContextManager[Iterator[bytes]], tee: Callable[[bytes], object]
-    ) -> None:
-        self._answer = answer
-        self._tee = tee
-
-    def __enter__(self) -> Iterable[bytes]:
-        chunks = self._answer.__enter__()
+    with answer as chunks:
 
         def pieces() -> Iterator[bytes]:
             for piece in chunks:
-                self._tee(piece)
+                tee(piece)
                 yield piece
 
-        return pieces()
-
-    def __exit__(self, *exc: Any) -> bool | None:
-        return self._answer.__exit__(*exc)
+        yield pieces()
 
 
 def _fetch(
@@ -298,18 +281,14 @@ def _fetch(
                     signed.add(item.recipe_key, item.meta)
                     arrived.append((item.recipe_key, item.meta, item.signature))
             except KCacheError:
-                for key, meta, signature in arrived:
-                    remote.check_entry(key, meta, signature, where)
-                _keep(cache, pack, arrived, held)
+                _keep(cache, remote, pack, arrived, held, where)  # each by its own signature
                 raise
         if reader.signature is not None:
             remote.check_bundle(signed, reader.signature, where)
-        else:  # a server that predates bundle signatures
-            for key, meta, signature in arrived:
-                remote.check_entry(key, meta, signature, where)
         # The pack keeps the signature over all of its entries (they are the answer's, in its
         # order): a process reading it from a shared tier checks one signature, not one each.
-        _keep(cache, pack, arrived, held, reader.signature)
+        # Without one (a server that predates bundle signatures), each entry's own is checked.
+        _keep(cache, remote, pack, arrived, held, where, reader.signature)
     finally:
         pack.abandon()  # nothing, once kept
     return len(arrived), _unanswered(keys, held, missing)
@@ -327,31 +306,34 @@ def _asked_entries(
     """
     asked = set(keys) - held.keys()
     for item in reader:
-        if isinstance(item, BundleMissing):
-            if item.recipe_key not in asked:
-                raise ResponseRefusedError(
-                    where, f"a missing line for recipe {item.recipe_key}, not asked for or answered"
-                )
-            asked.discard(item.recipe_key)
-            missing.append(item.recipe_key)
-            continue
         if item.recipe_key not in asked:
+            gap = isinstance(item, BundleMissing)
+            said = "a missing line" if gap else "an entry"
+            also = " or answered" if gap else ""
             raise ResponseRefusedError(
-                where, f"an entry for recipe {item.recipe_key}, not asked for"
+                where, f"{said} for recipe {item.recipe_key}, not asked for{also}"
             )
         asked.discard(item.recipe_key)
-        yield item
+        if isinstance(item, BundleMissing):
+            missing.append(item.recipe_key)
+        else:
+            yield item
 
 
 def _keep(
     cache: BundleCache,
+    remote: Remote,
     pack: PackWriter,
     arrived: list[tuple[str, ArtifactMeta, Signature]],
     held: dict[str, str],
+    where: str,
     signature: Signature | None = None,
 ) -> None:
-    """Put the checked pack in place (with ``signature``, the answer's over all of its
-    entries, when it verified) and note what it holds."""
+    """Put the pack in place and note what it holds: with ``signature``, the answer's over
+    all of its entries (verified), else once each entry's own signature is checked."""
+    if signature is None:
+        for key, meta, own in arrived:
+            remote.check_entry(key, meta, own, where)
     tier = cache.tier
     if pack.commit(signature) is None:
         return
@@ -436,9 +418,8 @@ def write_bundle_file(
         with open(partial, "wb") as out:
             out.write(header_line())
             for entry in _entries_of(cache, manifest):
-                out.write(entry_head(entry.recipe_key, entry.meta, entry.signature))
-                out.write(entry.data)
-                out.write(b"\n")
+                head = entry_head(entry.recipe_key, entry.meta, entry.signature)
+                out.writelines((head, entry.data, b"\n"))
                 count += 1
             out.write(end_line(count, 0))
             out.flush()

@@ -22,13 +22,9 @@ that ``init_process_group`` rendezvoused through), never over a process group:
   ``n`` without talking. WORLD and ``None`` are the same set of ranks and share the
   count. ``<run>`` names the job run (issue 30), so that nothing a previous job or a
   crashed attempt left in a long-lived store can decide a call of this one:
-  torchrun's ``TORCHELASTIC_RUN_ID`` when it is set (every rank of the run has it);
-  else a nonce the group's first member draws at its first call, which the others
-  learn through a *join*: each writes a token of its own under ``join/hello/<m>`` and
-  waits for the first member to answer ``join/welcome/<m>`` with that token and the
-  nonce. Only an answer to a token it drew itself is trusted, so a stale nonce or
-  welcome is never taken; the first member answers while it waits in its calls,
-  until every member has acknowledged.
+  torchrun's ``TORCHELASTIC_RUN_ID`` when it is set, else a nonce the members agree
+  on at their first call through a *join* (:mod:`~kcache_client._store_session`, which
+  keeps a member's count and run between calls, describes it).
 * Every call ends the same way on every member. Its outcome is written once, with
   a compare-and-set on the call's ``verdict`` key: by the last member to arrive (an
   all-gather is complete), by the source (a broadcast's value), or by a member whose
@@ -41,79 +37,35 @@ that ``init_process_group`` rendezvoused through), never over a process group:
   the store itself stops answering (its host died: rank 0 under a ``tcp://`` or
   ``env://`` rendezvous), no verdict can be shared; each member then raises the same
   error naming the store, made from the call alone so it reads alike on every rank.
-  A member whose join nobody answers in time (the first member is absent, or late)
-  raises the error of the first member's absence, and leaves it under
-  ``join/verdict`` with its hello marked as gone, so that a first member arriving
-  later raises it too, once it has waited its own timeout for those members to
-  come back (a previous job's marks are replaced by the members of this one). A
-  member arriving after everyone else gave up on it takes the verdict of the call
-  that names it, as in any other call, when every other member's hello acknowledges
-  that run. (Left open: with two members, a member that waited its whole timeout for
-  an absent first member may take a previous job's verdict naming it; the warmup
-  fails either way.) Join keys are deleted after the first call
+  A member whose join nobody answers in time raises the error of the first member's
+  absence, and leaves it for a first member arriving later to raise too
+  (:mod:`~kcache_client._store_session`). Join keys are deleted after the first call
   that succeeds, call keys by the last member to leave each call.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
-import secrets
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from kcache_client._store_session import StoreSession
 from kcache_client.errors import WarmupError, WarmupTimeoutError
 
 __all__ = ["Collective", "StoreCollective", "TorchCollective", "as_collective"]
 
 _T = TypeVar("_T")
 
-#: Longest pause between two looks at the store while waiting: short enough that a
-#: verdict is seen promptly, long enough that a thousand waiting ranks stay cheap.
-_MAX_POLL_S = 0.2
 #: The verdict of a complete all-gather (the values are in the members' own keys).
 _COMPLETE = '{"ok":null}'
 #: Members named in full in an error message; more are summarised.
 _NAMED_RANKS = 16
-#: What a member writes after its token in ``join/hello/<m>`` once it gave up waiting.
-_GONE = "-"
 #: The launcher's name for the job run: every rank of a torchrun job has the same one.
 RUN_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
-
-
-@dataclass
-class _Host:
-    """The first member's side of the join: the members that have yet to acknowledge its nonce."""
-
-    pending: set[int]
-    answered: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass
-class _Session:
-    """One member's standing in one group over one store: its call count and its run.
-
-    ``run`` is the call keys' run part once known, ``host`` the joins the first member
-    still answers, ``tidy`` whether the join's keys may still be in the store.
-    """
-
-    store: Any  # held, so that its id is never reused for a new store while this lives
-    calls: Iterator[int] = field(default_factory=itertools.count)
-    run: str | None = None
-    host: _Host | None = None
-    tidy: bool = False
-
-
-#: Sessions by (store, group, run given, rank). A job that destroys and re-creates its
-#: process group in the same processes has a new store, so it starts afresh.
-_sessions: dict[tuple[int, str, str | None, int], _Session] = {}
-_sessions_lock = threading.Lock()
 
 
 @runtime_checkable
@@ -179,13 +131,8 @@ class StoreCollective:
         self._timeout = float(timeout)
         self._names = names
         digest = hashlib.sha256(",".join(map(str, names)).encode()).hexdigest()[:20]
-        self._group = f"kcache/collective/{digest}/"
-        self._join = f"{self._group}join/"
-        with _sessions_lock:
-            session = _sessions.setdefault((id(store), self._group, run, rank), _Session(store))
-        if run is not None and session.run is None:
-            session.run = "run-" + hashlib.sha256(run.encode()).hexdigest()[:20]
-        self._session = session
+        group = f"kcache/collective/{digest}/"
+        self._session = StoreSession.of(store, group, run, rank, world_size)
 
     @property
     def rank(self) -> int:
@@ -209,8 +156,7 @@ class StoreCollective:
 
     def call_prefix(self, number: int) -> str | None:
         """The store keys of this member's call ``number`` (0-based), once its run is known."""
-        run = self._session.run
-        return None if run is None else f"{self._group}{run}/{number}/"
+        return self._session.call_prefix(number)
 
     # ------------------------------------------------------------------ collectives
     def all_gather(self, obj: Any) -> list[Any]:
@@ -274,11 +220,24 @@ class StoreCollective:
 
     def _enter(self, number: int, what: str, deadline: float, source: int | None) -> str:
         """This call's key prefix, after the join when this member has no run yet."""
-        if self._session.run is None:
-            if self._rank == 0:
-                self._host_join(number, what, deadline, source)
-            else:
-                self._member_join(number, what, deadline, source)
+        session = self._session
+        if session.run is None and self._rank == 0:
+            given_up = session.host_join(deadline)
+            if given_up is not None:  # members gave up on this one: their verdict is the call's
+                prefix = session.call_prefix(number)
+                assert prefix is not None, "the run was just drawn"
+                verdict = self._decide(prefix, given_up, what)
+                self._finish(prefix, [], verdict)
+                self._raise_if_failed(verdict)
+        elif session.run is None:
+            given_up = session.member_join(
+                number,
+                deadline,
+                self._names_me,
+                lambda: self._source_failed(0, what) if source == 0 else self._absent([0], what),
+            )
+            if given_up is not None:
+                self._raise_if_failed(json.loads(given_up))
         prefix = self.call_prefix(number)
         assert prefix is not None, "a run after the join"
         return prefix
@@ -293,27 +252,9 @@ class StoreCollective:
     ) -> dict[str, Any]:
         """The call's verdict once someone writes it; at the deadline, ``failure()`` is proposed."""
         key = f"{prefix}verdict"
-        if not self._poll(lambda: bool(self._store.check([key])), deadline):
+        if not self._session.poll(lambda: bool(self._store.check([key])), deadline):
             return self._decide(prefix, failure(), what)
         return self._verdict(bytes(self._store.get(key)), key, what)
-
-    def _poll(self, ready: Callable[[], bool], deadline: float) -> bool:
-        """Whether ``ready()`` became true before ``deadline``, looking with growing pauses.
-
-        The first member answers the joins still pending each time it looks.
-        """
-        pause = 0.002
-        while True:
-            self._answer_joins()
-            if ready():
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            # Short sleeps rather than store.wait(): a Python sleep lets Ctrl-C through,
-            # and the store's own timed wait logs a warning every time it runs out.
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, _MAX_POLL_S)
 
     def _gather_failed(self, parts: list[str], what: str) -> str:
         """The verdict of a member whose all-gather wait ran out."""
@@ -392,7 +333,7 @@ class StoreCollective:
         try:
             if succeeded:
                 self._store.add(f"{prefix}done", 1)
-                self._poll(
+                self._session.poll(
                     lambda: int(self._store.add(f"{prefix}done", 0)) >= self._world_size,
                     time.monotonic() + self._timeout,
                 )
@@ -402,7 +343,7 @@ class StoreCollective:
             if int(self._store.add(f"{prefix}left", 1)) != self._world_size:
                 return
             own = [f"{prefix}{name}" for name in ("arrived", "verdict", "done", "left")]
-            for key in [*keys, *own, *(self._join_keys() if tidy else [])]:
+            for key in [*keys, *own, *(self._session.join_keys() if tidy else [])]:
                 self._store.delete_key(key)
         except Exception:  # the call's outcome is settled; only the courtesy wait or tidying failed
             pass
@@ -423,130 +364,9 @@ class StoreCollective:
                 kind=type(exc).__name__,
             ) from exc
 
-    # ------------------------------------------------------------------ the join
-    def _join_keys(self) -> list[str]:
-        members = range(1, self._world_size)
-        return [
-            f"{self._join}run",
-            f"{self._join}verdict",
-            *(f"{self._join}hello/{m}" for m in members),
-            *(f"{self._join}welcome/{m}" for m in members),
-        ]
-
-    def _read(self, key: str) -> str | None:
-        """A key's text, or None when it is absent (``get`` would wait for it)."""
-        if not self._store.check([key]):
-            return None
-        return bytes(self._store.get(key)).decode("utf-8", "replace")
-
-    def _host_join(self, number: int, what: str, deadline: float, source: int | None) -> None:
-        """The first member draws the run's nonce and starts answering the others' joins.
-
-        If members gave up on it already (a ``join/verdict``, their hellos marked as
-        gone), it waits, answering, for them to come back: marks a previous job left are
-        replaced by this job's members as they arrive. Marks still there at its deadline
-        are this job's: it raises their verdict, and writes it as the call's.
-        """
-        run = "nonce-" + secrets.token_hex(10)
-        self._store.set(f"{self._join}run", run)
-        session = self._session
-        session.run = run
-        session.tidy = True
-        session.host = _Host(pending=set(range(1, self._world_size)))
-        given_up = self._read(f"{self._join}verdict")
-        if given_up is None:
-            return
-        if self._poll(lambda: not self._gone(), deadline):
-            self._store.delete_key(f"{self._join}verdict")  # a previous job's: stale
-            return
-        self._store.delete_key(f"{self._join}verdict")  # taken: a later give-up writes afresh
-        prefix = self.call_prefix(number)
-        assert prefix is not None, "the run was just drawn"
-        verdict = self._decide(prefix, given_up, what)
-        self._finish(prefix, [], verdict)
-        self._raise_if_failed(verdict)
-
-    def _gone(self) -> list[int]:
-        """The members whose hello says they gave up on the join (as last looked)."""
-        host = self._session.host
-        if host is None:
-            return []
-        return [m for m, hello in host.answered.items() if hello.endswith(f" {_GONE}")]
-
-    def _answer_joins(self) -> None:
-        """The first member answers every pending hello with the run's nonce (each once)."""
-        host = self._session.host
-        run = self._session.run
-        if host is None or run is None:
-            return
-        for member in sorted(host.pending):
-            hello = self._read(f"{self._join}hello/{member}")
-            if hello is None or host.answered.get(member) == hello:
-                continue
-            host.answered[member] = hello
-            token, _, said = hello.partition(" ")
-            if said == run:  # acknowledged: this member is in
-                host.pending.discard(member)
-            elif said == "" and token:
-                self._store.set(f"{self._join}welcome/{member}", f"{token} {run}")
-        if not host.pending:
-            self._session.host = None
-
-    def _member_join(self, number: int, what: str, deadline: float, source: int | None) -> None:
-        """A member learns the run's nonce from the first member's answer to a token of its own."""
-        token = secrets.token_hex(10)
-        hello = f"{self._join}hello/{self._rank}"
-        self._store.set(hello, token)
-        answer: list[str] = []
-
-        def welcomed() -> bool:
-            said = self._read(f"{self._join}welcome/{self._rank}")
-            if said is None:
-                return False
-            got, _, run = said.partition(" ")
-            if got != token or not run:
-                return False  # a stale answer, to a token this member never drew
-            answer.append(run)
-            return True
-
-        if self._poll(welcomed, deadline):
-            self._joined(answer[-1], hello, token)
-            return
-        # Nobody answered in time. A member this late may be the one a verdict names: it
-        # takes that verdict when the run is this job's, as far as the store can tell
-        # (every other member's current hello acknowledges it: a previous job's are
-        # overwritten by this job's members as they arrive).
-        run = self._read(f"{self._join}run")
-        if (
-            run is not None
-            and self._acknowledged_by_the_others(run)
-            and self._names_me(f"{self._group}{run}/{number}/verdict")
-        ):
-            self._joined(run, hello, token)
-            return
-        self._store.set(hello, f"{token} {_GONE}")
-        given_up = self._source_failed(0, what) if source == 0 else self._absent([0], what)
-        self._store.set(f"{self._join}verdict", given_up)
-        self._raise_if_failed(json.loads(given_up))
-
-    def _joined(self, run: str, hello: str, token: str) -> None:
-        self._session.run = run
-        self._session.tidy = True
-        self._store.set(hello, f"{token} {run}")  # the acknowledgement: no more answers needed
-
-    def _acknowledged_by_the_others(self, run: str) -> bool:
-        """Whether every member but the first and this one says, in its hello, it joined ``run``."""
-        for member in range(1, self._world_size):
-            if member == self._rank:
-                continue
-            said = (self._read(f"{self._join}hello/{member}") or "").partition(" ")[2]
-            if said != run:
-                return False
-        return True
-
     def _names_me(self, key: str) -> bool:
         """Whether the verdict at ``key`` is a failure that names this member as missing."""
-        raw = self._read(key)
+        raw = self._session.read(key)
         if raw is None:
             return False
         try:

@@ -99,7 +99,7 @@ def progress_line(item: PrebuildItem, done: int, total: int) -> str:
 
 def summary(result: PrebuildResult) -> str:
     """The kernels x targets table and a line of counts."""
-    from kcache_client._cache_cli import text_table
+    from kcache_client._cache_cli_text import text_table
 
     by_kernel: dict[str, list[str]] = {}
     labels: dict[str, str] = {}

@@ -36,7 +36,8 @@ contacted it (a fresh home on a shared tier another user filled), makes the clie
 server first (:attr:`Trust.contact`, ``GET /v1/keys``: its first contact, pinned as an
 answer's would be); a refusal for want of a pin is a :class:`Verdict` that is not lasting,
 so nothing keeps it past the pin. Checking a signature imports nothing until one is met
-(:func:`kcache.signing.verifier`).
+(:func:`kcache.signing.verifier`): a process that checks none (a private tier's hits) pays
+nothing for Ed25519.
 """
 
 from __future__ import annotations
@@ -99,9 +100,8 @@ def default_known_servers() -> Path:
         return Path(explicit).expanduser()
     config = os.environ.get("XDG_CONFIG_HOME", "").strip()
     config = config or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(
-        os.path.join(config, "kcache", "known_servers.json")
-    )  # one Path: every KernelCache()
+    # os.path, then one Path: every KernelCache() runs this.
+    return Path(os.path.join(config, "kcache", "known_servers.json"))
 
 
 class KnownServers:
@@ -138,10 +138,8 @@ class KnownServers:
             if not isinstance(entry, dict):
                 continue
             at = entry.get("pinned_at")
-            listed[url] = (
-                sorted(_valid_keys(entry.get("keys"))),
-                float(at) if isinstance(at, (int, float)) else None,
-            )
+            ids = sorted(_valid_keys(entry.get("keys")))
+            listed[url] = (ids, float(at) if isinstance(at, (int, float)) else None)
         return listed
 
     def pinned_for(self, key_id: str) -> list[str]:
@@ -159,13 +157,10 @@ class KnownServers:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with filelock.FileLock(f"{self.path}.lock", timeout=30):
             data = self.load()
-            entry = data.get(url) if isinstance(data.get(url), dict) else None
-            pinned = _valid_keys(entry.get("keys") if entry else None)
+            entry = data[url] if isinstance(data.get(url), dict) else {}
+            pinned = _valid_keys(entry.get("keys"))
             pinned.update(keys.public_keys)
-            data[url] = {
-                "keys": pinned,
-                "pinned_at": entry.get("pinned_at", time.time()) if entry else time.time(),
-            }
+            data[url] = {"keys": pinned, "pinned_at": entry.get("pinned_at", time.time())}
             atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
             os.chmod(self.path, 0o600)
 
@@ -183,8 +178,6 @@ class Trust:
     """The keys answers and tier entries are checked against; see the module docstring."""
 
     def __init__(self, given: TrustedKeys, known: KnownServers, url: str | None = None) -> None:
-        # Nothing is imported or made for Ed25519 here: a process that checks no signature
-        # (a private tier's hits) pays nothing for it (kcache.signing.verifier).
         self.given = given
         self.known = known
         #: The server this client looks up through (its configured URL, as the transport
@@ -230,11 +223,9 @@ class Trust:
                 "it carries no signature (X-KCache-Signature, or the resolve's signature): "
                 "the server predates signed artifacts, or something between strips it",
             )
-        keys = self._answer_keys(url, signature, fetch_keys, where)
-        try:
-            keys.verify(recipe_key, meta, signature)
-        except SignatureError as exc:
-            raise UntrustedArtifactError(where, f"{exc}; {self._checked_against(url)}") from None
+        self._check(
+            url, signature, fetch_keys, where, lambda k: k.verify(recipe_key, meta, signature)
+        )
         return signature
 
     def check_bundle(
@@ -247,11 +238,9 @@ class Trust:
     ) -> None:
         """Refuse (:class:`UntrustedArtifactError`) a bundle answer unless a key trusted for
         ``url`` signed its ``entries``, as :meth:`check_answer` checks one answer."""
-        keys = self._answer_keys(url, signature, fetch_keys, where)
-        try:
-            keys.verify_bundle(entries, signature)
-        except SignatureError as exc:
-            raise UntrustedArtifactError(where, f"{exc}; {self._checked_against(url)}") from None
+        self._check(
+            url, signature, fetch_keys, where, lambda k: k.verify_bundle(entries, signature)
+        )
 
     def check_foreign(
         self,
@@ -264,25 +253,30 @@ class Trust:
         """Refuse (:class:`UntrustedArtifactError`) a foreign binding ("published by
         <writer>", docs/design.md section 10) unless a key trusted for ``url`` signed it, as
         :meth:`check_answer` checks a recipe's answer."""
-        keys = self._answer_keys(url, signature, fetch_keys, where)
-        try:
-            keys.verify_foreign(binding, signature)
-        except SignatureError as exc:
-            raise UntrustedArtifactError(where, f"{exc}; {self._checked_against(url)}") from None
+        self._check(
+            url, signature, fetch_keys, where, lambda k: k.verify_foreign(binding, signature)
+        )
 
-    def _answer_keys(
-        self, url: str, signature: Signature, fetch_keys: Callable[[], Any], where: str
-    ) -> TrustedKeys:
-        """The keys an answer of ``url`` signed by ``signature.key_id`` is checked against."""
+    def _check(
+        self,
+        url: str,
+        signature: Signature,
+        fetch_keys: Callable[[], Any],
+        where: str,
+        verify: Callable[[TrustedKeys], None],
+    ) -> None:
+        """``verify`` an answer of ``url`` signed by ``signature.key_id`` by the keys it is
+        checked against (the given ones, else the pins, a rotation followed): a failure is
+        :class:`UntrustedArtifactError`."""
         keys = self.given or self._server_keys(url, fetch_keys)
         if signature.key_id not in keys and not self.given:
             keys = self._follow_rotation(url, keys, signature.key_id, fetch_keys, where)
-        return keys
-
-    def _checked_against(self, url: str) -> str:
-        if self.given:
-            return "checked against the given keys (KCACHE_TRUSTED_KEYS)"
-        return f"checked against the keys pinned for {url} in {self.known.path}"
+        try:
+            verify(keys)
+        except SignatureError as exc:
+            pins = f"the keys pinned for {url} in {self.known.path}"
+            against = "the given keys (KCACHE_TRUSTED_KEYS)" if self.given else pins
+            raise UntrustedArtifactError(where, f"{exc}; checked against {against}") from None
 
     def _server_keys(self, url: str, fetch_keys: Callable[[], Any]) -> TrustedKeys:
         with self._lock:
@@ -305,12 +299,7 @@ class Trust:
         return known
 
     def _follow_rotation(
-        self,
-        url: str,
-        pinned: TrustedKeys,
-        key_id: str,
-        fetch_keys: Callable[[], Any],
-        where: str,
+        self, url: str, pinned: TrustedKeys, key_id: str, fetch_keys: Callable[[], Any], where: str
     ) -> TrustedKeys:
         """The pins plus ``key_id``, if the server publishes it endorsed by a pinned key."""
         body = fetch_keys()
@@ -368,16 +357,7 @@ class Trust:
         """
         if signature is None:
             return Verdict("it is not signed")
-        keys = self.given or self._entry_keys_of(signature.key_id)
-        if signature.key_id not in keys and not self.given:
-            keys = self._first_contact() or keys
-        if signature.key_id not in keys:
-            return Verdict(self.foreign_key(signature.key_id), lasting=False)
-        try:
-            keys.verify(recipe_key, meta, signature)
-        except SignatureError as exc:
-            return Verdict(str(exc))
-        return ACCEPTED
+        return self._judge(signature, lambda keys: keys.verify(recipe_key, meta, signature))
 
     def bundle_verdict(
         self, bindings: list[tuple[str, ArtifactMeta]], signature: Signature
@@ -385,29 +365,31 @@ class Trust:
         """:meth:`entry_verdict` for many entries at once: ``signature`` must be a trusted
         key's over all of their bindings, in order (:class:`~kcache.signing.BundleDigest`,
         what a bundle's trailer signs and a prefetched pack keeps)."""
-        keys = self.given or self._entry_keys_of(signature.key_id)
-        if signature.key_id not in keys and not self.given:
-            keys = self._first_contact() or keys
-        if signature.key_id not in keys:
-            return Verdict(self.foreign_key(signature.key_id), lasting=False)
         entries = BundleDigest()
         for recipe_key, meta in bindings:
             entries.add(recipe_key, meta)
-        try:
-            keys.verify_bundle(entries, signature)
-        except SignatureError as exc:
-            return Verdict(str(exc))
-        return ACCEPTED
+        return self._judge(signature, lambda keys: keys.verify_bundle(entries, signature))
 
     def default_toolchain_verdict(self, word: DefaultToolchain, signature: Signature) -> Verdict:
         """Whether ``signature`` is this client's server's word on its default toolchain (a
         key given, or pinned for the server: never a first contact, which would be a
         request anyway; the caller asks the server instead)."""
+        return self._judge(
+            signature, lambda keys: keys.verify_default_toolchain(word, signature), contact=False
+        )
+
+    def _judge(
+        self, signature: Signature, verify: Callable[[TrustedKeys], None], *, contact: bool = True
+    ) -> Verdict:
+        """``verify`` by the keys of this client's server (the given ones, else its pins, and
+        with ``contact`` its keys asked for if it was never contacted) as a :class:`Verdict`."""
         keys = self.given or self._entry_keys_of(signature.key_id)
+        if contact and signature.key_id not in keys and not self.given:
+            keys = self._first_contact() or keys
         if signature.key_id not in keys:
             return Verdict(self.foreign_key(signature.key_id), lasting=False)
         try:
-            keys.verify_default_toolchain(word, signature)
+            verify(keys)
         except SignatureError as exc:
             return Verdict(str(exc))
         return ACCEPTED
@@ -440,11 +422,9 @@ class Trust:
         """Why an entry signed by ``key_id``, not a key of this client's server, is refused,
         and which setting would trust it."""
         elsewhere = [u for u in self.known.pinned_for(key_id) if u != self.url]
-        whose = (
-            f"pinned for {', '.join(elsewhere)} in {self.known.path}"
-            if elsewhere
-            else "a key this client does not know"
-        )
+        whose = "a key this client does not know"
+        if elsewhere:
+            whose = f"pinned for {', '.join(elsewhere)} in {self.known.path}"
         if self.given:
             why = (
                 "it is not one of the given keys (KCACHE_TRUSTED_KEYS); if it is your fleet's "
