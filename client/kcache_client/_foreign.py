@@ -39,17 +39,18 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from kcache.artifact import ArtifactMeta
 from kcache.foreign import ForeignBinding, ForeignNameError, binding_key, check_files, check_name
 from kcache.signing import Signature, SignatureError
+from kcache_client._lean_request import json_body
 from kcache_client.errors import UntrustedArtifactError
 
 if TYPE_CHECKING:
-    import httpx
-
     from kcache_client._cache import KernelCache
+    from kcache_client._lean_answer import LeanResponse
+    from kcache_client._lean_http import LeanClient
 
 __all__ = [
     "DOWN_S",
@@ -143,7 +144,7 @@ class ForeignCache:
         self.url = settings.url.rstrip("/") if settings.url else None
         self._token = settings.token
         self._offline = bool(getattr(settings, "offline", False))
-        self._http: httpx.Client | None = None
+        self._http: LeanClient | None = None
         self._http_lock = threading.Lock()
         self._down_until = 0.0
         self._publish_refused = False
@@ -253,32 +254,30 @@ class ForeignCache:
             return None
         return unpack_group(blob)
 
-    def _client(self) -> httpx.Client:
+    def _client(self) -> LeanClient:
         with self._http_lock:
             if self._http is None:
-                import httpx
+                from kcache_client._lean_http import LeanClient, Waits
 
-                headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
-                # A plain-http server needs no TLS context (its certificate store costs
-                # 20 ms to load), as kcache_client._wire decides; redirects are never followed.
-                self._http = httpx.Client(
-                    base_url=self.url or "",
-                    headers=headers,
-                    timeout=httpx.Timeout(READ_S, connect=CONNECT_S),
-                    follow_redirects=False,
-                    verify=not (self.url or "").startswith("http://"),
-                )
+                # kcache's one HTTP client: a plain-http server needs no TLS context (its
+                # certificate store costs 20 ms to load); redirects are never followed.
+                self._http = LeanClient(self.url or "", Waits(CONNECT_S, READ_S, READ_S))
             return self._http
 
     def _reachable(self) -> bool:
         return bool(self.url) and not self._offline and time.monotonic() >= self._down_until
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response | None:
+    def _request(
+        self, method: str, path: str, body: bytes | None = None, content_type: str = ""
+    ) -> LeanResponse | None:
         """One try; None (and the server taken for down a while) when it cannot be reached."""
-        import httpx
+        import httpx  # the type of every failure the lean client raises
 
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        if content_type:
+            headers["Content-Type"] = content_type
         try:
-            return self._client().request(method, path, **kwargs)
+            return self._client().request(method, path, headers, body)
         except httpx.HTTPError as exc:
             self._down_until = time.monotonic() + DOWN_S
             self.counts["unreachable"] += 1
@@ -291,7 +290,7 @@ class ForeignCache:
     def _from_server(self, name: ForeignName) -> dict[str, bytes] | None:
         if not self._reachable():
             return None
-        reply = self._request("GET", name.path(), params=name.query())
+        reply = self._request("GET", f"{name.path()}?{urlencode(name.query())}")
         if reply is None or reply.status_code == 404:
             return None
         if reply.status_code != 200:
@@ -318,7 +317,7 @@ class ForeignCache:
             files[ref.name] = data
         return files
 
-    def _checked(self, name: ForeignName, reply: httpx.Response) -> ForeignBinding | None:
+    def _checked(self, name: ForeignName, reply: LeanResponse) -> ForeignBinding | None:
         """The answer's binding if it is well formed, names ``name`` and is signed by a key
         trusted for the server; else None, counted and warned once."""
         where = f"{self.url}{name.path()}"
@@ -451,20 +450,16 @@ class ForeignCache:
         for file_name in sorted(files):
             data = files[file_name]
             digest = hashlib.sha256(data).hexdigest()
-            reply = self._request(
-                "PUT",
-                f"/v1/blobs/{digest}",
-                content=data,
-                headers={"content-type": "application/octet-stream"},
-            )
+            reply = self._request("PUT", f"/v1/blobs/{digest}", data, "application/octet-stream")
             if not self._published_ok(reply):
                 return
             refs.append({"name": file_name, "digest": digest, "size": len(data)})
-        reply = self._request("PUT", name.path(), json={**name.query(), "files": refs})
+        group = json_body({**name.query(), "files": refs})
+        reply = self._request("PUT", name.path(), group, "application/json")
         if self._published_ok(reply):
             self.counts["published"] += 1
 
-    def _published_ok(self, reply: httpx.Response | None) -> bool:
+    def _published_ok(self, reply: LeanResponse | None) -> bool:
         if reply is None:
             return False
         if reply.status_code == 200:

@@ -6,20 +6,21 @@ out) and the server saying it is overloaded (429/503/502/504), where its
 typed error from :mod:`kcache_client.errors`. Resolve requests are safe to repeat:
 identical concurrent resolves join one compile on the server.
 
-One policy, two ways out: a :class:`Transport` sends each try through the one
-:class:`~kcache_client._wire.Wire` it picked when it was made, the lean
-``http.client`` pool where it would do what httpx does (every warm fetch goes that
-way), else httpx (:mod:`kcache_client._wire` says which requests take which). The
-retry loop, the request count, the retry hook and the error mapping are the code
-here, the same whichever wire carries the bytes.
+One policy over one wire: a :class:`Transport` sends each try through the
+:class:`~kcache_client._wire.Wire` it picked when it was made, the lean ``http.client``
+pool for everything kcache sends, or the caller's own ``httpx.Client`` when one is
+injected (:mod:`kcache_client._wire`). The retry loop, the request count, the retry hook
+and the error mapping are the code here, the same whichever wire carries the bytes
+(tested once, on a wire of the tests' own).
 
-Nothing the network sends is trusted further than it must be, on either wire:
+Nothing the network sends is trusted further than it must be:
 
 * Every try ends by a deadline over connect, send, headers and the whole body
   (``RetryPolicy.deadline_s``; ``compile_deadline_s`` for a request that may wait for
   a compile), and the whole call by the retry budget (:meth:`RetryPolicy.call_bound`):
   a server or proxy that trickles its answer costs a try its deadline, then the call
-  its budget, never more.
+  its budget, never more (through an injected ``httpx.Client``, a try is bounded as
+  :mod:`kcache_client._httpx_wire` states).
 * Every body is read against a limit decided before it is read: for an answer in
   ``ok``, what the caller's ``expect`` says (from the headers, for an artifact: the size
   its metadata names), else :data:`MAX_JSON_BYTES`. A body announcing more, or sending
@@ -41,14 +42,14 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from kcache_client._lean_http import (
+from kcache_client._lean_answer import (
     AnswerRefused,
     BodyLimit,
     DeadlineExceeded,
     Limit,
 )
 from kcache_client._settings import DEFAULT_TIMEOUT, RetryPolicy
-from kcache_client._wire import Reply, open_wire
+from kcache_client._wire import Reply, Wire, open_wire
 from kcache_client.errors import (
     AuthenticationError,
     ClientError,
@@ -155,10 +156,11 @@ class Transport:
     proxies, event hooks and transport apply, except that redirects are never
     followed) and never closed here; kcache adds its ``Authorization`` and
     ``User-Agent`` headers (and ``headers``) to each request and sends absolute URLs.
-    Otherwise the transport picks its wire once, here (:func:`~kcache_client._wire.open_wire`:
-    the lean pool where it would do what httpx does, else httpx, with ``timeout``);
-    :meth:`close` closes it. ``requests`` counts the HTTP requests sent (retries
-    included), for diagnostics.
+    Otherwise every request goes through the lean pool
+    (:func:`~kcache_client._wire.open_wire`, with ``timeout``); :meth:`close` closes it.
+    ``wire`` replaces both (the tests give a wire of their own, to test the policy
+    alone). ``requests`` counts the HTTP requests sent (retries included), for
+    diagnostics.
 
     ``on_retry`` is told (a :class:`RetryNotice`, in the calling thread) before each
     wait for a retry of a call under the transport's own policy, ``retry``: a person at
@@ -183,6 +185,7 @@ class Transport:
         on_retry: Callable[[RetryNotice], None] | None = None,
         give_up_after_outage: bool = False,
         offline: bool = False,
+        wire: Wire | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         #: ``KCACHE_OFFLINE``: nothing is sent; every request fails as an unreachable
@@ -198,7 +201,7 @@ class Transport:
         if token:
             sent["Authorization"] = f"Bearer {token}"
         sent.update(headers or {})
-        self._wire = open_wire(self.url, timeout or DEFAULT_TIMEOUT, sent, client)
+        self._wire = wire or open_wire(self.url, timeout or DEFAULT_TIMEOUT, sent, client)
         self._count_lock = threading.Lock()
         self.requests = 0
 
@@ -323,8 +326,8 @@ class Transport:
 
         The answer (status in ``ok``) is read as the caller iterates, the whole exchange
         within one try's deadline (``RetryPolicy.deadline_s``, as a single fetch's try:
-        ``KCACHE_REQUEST_DEADLINE_S``), however slowly its bytes come, and at most a few
-        pieces of it held ahead of the caller; counted in ``requests``. Another status
+        ``KCACHE_REQUEST_DEADLINE_S``), however slowly its bytes come, and nothing of it
+        read ahead of the caller; counted in ``requests``. Another status
         raises its mapped error (its body read up to :data:`MAX_JSON_BYTES`); a
         connection that fails or the deadline passing, before or while the body is read,
         ServerUnavailableError (raised by the iteration itself when the body was being

@@ -402,8 +402,12 @@ def test_a_compressed_body_is_decoded_no_further_than_its_limit(
 
 
 # ------------------------------------------------------------------------------ time
-@pytest.mark.parametrize("where", ["body", "headers"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
+#: Where a trickle is, on which transport: httpx reads a head whole before it hands anything
+#: back, so a trickled head is bounded there as test_an_injected_httpx_clients_head_... says.
+TRICKLES = [("lean", "body"), ("lean", "headers"), ("httpx", "body")]
+
+
+@pytest.mark.parametrize(("transport", "where"), TRICKLES)
 def test_a_trickle_ends_at_the_deadline_and_the_call_within_its_budget(
     hostile: Callable[..., Hostile], tmp_path: Path, transport: str, where: str
 ) -> None:
@@ -422,7 +426,10 @@ def test_a_trickle_ends_at_the_deadline_and_the_call_within_its_budget(
     policy = RetryPolicy(attempts=5, base_s=0.01, cap_s=0.02, deadline_s=1.0, budget_s=2.5)
     error, cost = fetch_against(transport, server, tmp_path, retry=policy)
     assert isinstance(error, ServerUnavailableError), error
-    assert error.cause.startswith("DeadlineExceeded: no whole answer within"), error.cause
+    # On httpx a read wait is capped at what is left of the try, so a byte a second may
+    # end it as a ReadTimeout at the deadline, not a DeadlineExceeded (kcache_client._httpx_wire).
+    ended = ("DeadlineExceeded: no whole answer within", "ReadTimeout")
+    assert error.cause.startswith(ended if transport == "httpx" else ended[0]), error.cause
     assert server.url in str(error)
     # Ended by the deadlines, not by the trickle (3,440 s of it): at least the tries'
     # deadlines, and far below the trickle (10 x the budget: a loaded machine is slow).
@@ -459,6 +466,55 @@ def test_a_lone_slow_try_keeps_its_deadline_past_a_shorter_budget(
     assert cost.seconds >= 1.4, cost.seconds
     assert cost.seconds < 15.0, cost.seconds
     assert server.count() == 1  # the budget forbade a retry
+
+
+@pytest.mark.parametrize("call", ["request", "stream"])
+@pytest.mark.parametrize("pace", ["each-piece-within-the-cap", "a-piece-past-the-cap"])
+def test_an_injected_httpx_clients_head_is_bounded_per_wait_then_by_the_deadline(
+    hostile: Callable[..., Hostile], call: str, pace: str
+) -> None:
+    """The bound kcache_client._httpx_wire states for a head (no thread watches httpx): each
+    wait for its bytes is capped at what was left of the try when it began, and the
+    deadline is checked once the head is whole. A head in pieces each within the cap (six,
+    0.4 s apart, past a 1 s deadline) ends the try when it is in, with DeadlineExceeded; a
+    piece slower than the cap ends it at the deadline, a ReadTimeout."""
+    gaps = [0.4] * 5 if pace == "each-piece-within-the-cap" else [30.0]
+
+    def answer(conn: Connection, request: dict[str, Any]) -> None:
+        whole = head("200 OK", "Content-Type: application/json", "Content-Length: 2") + b"{}"
+        step = -(-len(whole) // (len(gaps) + 1))
+        pieces = [whole[i : i + step] for i in range(0, len(whole), step)]
+        conn.send(pieces[0])
+        for gap, piece in zip(gaps, pieces[1:], strict=False):
+            if server.stop.wait(gap):
+                return
+            conn.send(piece)
+
+    server = hostile(answer)
+    policy = RetryPolicy(attempts=1, deadline_s=1.0, budget_s=0.0)
+    client = httpx.Client(timeout=600.0)
+
+    def run() -> None:
+        transport_ = Transport(server.url, retry=policy, client=client)
+        if call == "request":
+            transport_.request("GET", "/v1/toolchains")
+        else:
+            with transport_.stream("POST", "/v1/bundle", json={}) as chunks:
+                b"".join(chunks)
+
+    try:
+        error, cost = measured(run)
+    finally:
+        client.close()
+    assert isinstance(error, ServerUnavailableError), error
+    if pace == "each-piece-within-the-cap":
+        assert error.cause.startswith("DeadlineExceeded"), error.cause
+        # Not before the head was whole (2 s of it), and at once then (a loaded machine is slow).
+        assert 1.9 <= cost.seconds < 2.0 + 5.0, cost.seconds
+    else:
+        assert error.cause.startswith("ReadTimeout"), error.cause
+        assert 0.9 <= cost.seconds < 10.0, cost.seconds  # the deadline, not the 30 s gap
+    assert server.count() == 1
 
 
 # ------------------------------------------------------------------------------ errors

@@ -4,8 +4,9 @@ A hostile server (a raw loopback socket: :class:`test_hostile_answers.Hostile`) 
 ``POST /v1/bundle`` of a prefetch with endless ``{"missing": K}`` lines, a trickle of one
 byte a second, or more than any answer may hold; through the lean ``http.client`` path
 and through httpx (an injected client), each prefetch ends with a typed error, within
-the request's deadline (``RetryPolicy.deadline_s``, the one a single fetch's try has) and
-in bounded memory, and leaves no pack in the node tier. Times are asserted only as "it
+the request's deadline (``RetryPolicy.deadline_s``, the one a single fetch's try has; a
+head trickled through httpx is bounded as ``kcache_client._httpx_wire`` states) and in
+bounded memory, and leaves no pack in the node tier. Times are asserted only as "it
 ended" (at least the deadline, under 10 x it, for a trickle), or as counts and bytes.
 """
 
@@ -24,6 +25,7 @@ from test_hostile_answers import (
     HUNG_S,
     SLACK,
     TRANSPORTS,
+    TRICKLES,
     Connection,
     Hostile,
     Measured,
@@ -167,13 +169,13 @@ def test_the_reader_counts_lines_of_every_kind_against_what_was_asked() -> None:
 
 
 # ------------------------------------------------------------------------------ time
-@pytest.mark.parametrize("where", ["headers", "body"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(("transport", "where"), TRICKLES)
 def test_a_trickled_bundle_ends_at_the_requests_deadline(
     hostile: Callable[..., Hostile], tmp_path: Path, transport: str, where: str
 ) -> None:
     """One byte a second, of the status line and headers or of the body: only the
-    deadline ends it (the read timeout is 600 s), as it ends a single fetch's try."""
+    deadline ends it (the read timeout is 600 s), as it ends a single fetch's try (a head
+    through an injected httpx client: test_an_injected_httpx_clients_head_...)."""
 
     def answer(conn: Connection, request: dict[str, Any]) -> None:
         entry = header_line() + missing_line(KEYS[0], "x")

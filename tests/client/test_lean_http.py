@@ -1,10 +1,12 @@
-"""The lean GET path of the client's Transport, against real servers on real sockets.
+"""The lean wire of the client's Transport, against real servers on real sockets.
 
-A plain GET goes through ``http.client`` (``_lean_http.LeanClient``) instead of httpx;
-these tests prove which path a request took from the server's side: ``http.client``
+Every request kcache sends goes through ``http.client`` (``_lean_http.LeanClient``);
+httpx only carries those of a transport given an ``httpx.Client`` of the caller's.
+These tests prove which path a request took from the server's side: ``http.client``
 asks for ``Accept-Encoding: identity``, httpx for ``gzip, deflate...``, and a counted
-``httpx.Client`` subclass shows whether httpx was used at all. Failures and error
-statuses are compared with what the httpx path makes of the same answers.
+``httpx.Client`` subclass shows whether httpx was used at all. What goes on the wire,
+failures and error statuses are compared with what an injected httpx client makes of
+the same requests and answers.
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ def test_a_fetch_only_cache_takes_the_lean_path_and_never_builds_an_httpx_client
 ) -> None:
     (recipe,) = kernels(1, "lean", target="sm_80")
     with KernelCache(kserver.url, cache_dir=tmp_path / "seed", settings=QUIET) as seed:
-        assert seed.get(recipe).origin == "compiled"  # the server holds it now (a POST: httpx)
+        assert seed.get(recipe).origin == "compiled"  # the server holds it now
     proxy = Proxy(kserver.url)  # counts what reaches the server (with a client of its own)
     made_before = len(built_clients)
     try:
@@ -217,15 +219,69 @@ def test_posts_take_the_lean_path_with_the_bytes_httpx_would_send(
         server.close()
 
 
-def test_other_methods_take_httpx_whose_client_is_made_once_on_first_use_and_closed(
+#: Targets httpx would percent-encode or normalise, and one it sends as it is.
+ODD_TARGETS = [
+    "/v1/pins?key=k",
+    "/v1/foreign/a b/caf\u00e9",
+    "/v1/x/%41%zz/{y}|`^",
+    "/v1/a/./b/../c",
+    '/v1/q?a=1 2&b=<">&c=\u00e9/?#fragment',
+]
+
+
+def test_every_method_and_target_takes_the_lean_path_as_httpx_would_send_it(
     built_clients: list[httpx.Client],
 ) -> None:
+    """Methods other than GET and POST, a GET with a body, targets httpx would encode:
+    the same request line and body as through httpx, and no httpx client is ever made."""
     server = Scripted(lambda s: json_response(200, {"path": s.path}))
     try:
+        sent: dict[str, list[tuple[str, str, bytes, str | None, str | None]]] = {}
+        for name, transport in _both_paths(server.url, retry=FAST):
+            before = len(server.seen)
+            for path in ODD_TARGETS:
+                transport.request("DELETE", path)
+            transport.request("PUT", "/v1/pins/k", json={"pinned": True})
+            transport.request("PUT", "/v1/pins/k")
+            transport.request("GET", "/v1/toolchains", json={"with": "a body"})
+            seen = server.seen[before:]
+            assert all(took_lean_path(s) == (name == "lean") for s in seen)
+            sent[name] = [
+                (
+                    s.method,
+                    s.path,
+                    s.body,
+                    s.headers.get("content-type"),
+                    s.headers.get("content-length"),
+                )
+                for s in seen
+            ]
+        assert sent["lean"] == sent["httpx"]
+        assert sent["lean"][1][1] == "/v1/foreign/a%20b/caf%C3%A9"
+        assert sent["lean"][3][1] == "/v1/a/c"
+        assert len(built_clients) == 1  # only _both_paths' own injected client
+    finally:
+        server.close()
+
+
+def test_credentials_in_the_url_are_sent_as_basic_auth_as_httpx_sends_them() -> None:
+    server = Scripted(lambda s: json_response(200, {"ok": True}))
+    try:
+        url = server.url.replace("://", "://us%40r:p%3Ass@")
+        sent = {}
+        for name, transport in _both_paths(url, retry=FAST):
+            transport.request("GET", "/v1/toolchains")
+            sent[name] = server.seen[-1].headers.get("authorization")
+        assert sent == {"lean": "Basic dXNAcjpwOnNz", "httpx": "Basic dXNAcjpwOnNz"}  # us@r:p:ss
+    finally:
+        server.close()
+
+
+def test_threads_share_one_lean_pool_and_closing_the_transport_closes_it() -> None:
+    server = Scripted(lambda s: json_response(200, {"path": s.path}))
+    accepted = accepted_connections(server)
+    try:
         transport = Transport(server.url, retry=FAST)
-        assert transport.request("GET", "/v1/toolchains").json() == {"path": "/v1/toolchains"}
-        transport.request("POST", "/v1/resolve", json={})
-        assert built_clients == []
         barrier = threading.Barrier(6)
 
         def delete() -> None:
@@ -237,12 +293,12 @@ def test_other_methods_take_httpx_whose_client_is_made_once_on_first_use_and_clo
             t.start()
         for t in threads:
             t.join()
-        assert len(built_clients) == 1  # six threads at once, one client
         deletes = [s for s in server.seen if s.method == "DELETE"]
-        assert len(deletes) == 6 and not any(took_lean_path(s) for s in deletes)
-        assert all(took_lean_path(s) for s in server.seen if s.method != "DELETE")
+        assert len(deletes) == 6 and all(took_lean_path(s) for s in deletes)
+        assert 1 <= len(accepted) <= 6
         transport.close()
-        assert built_clients[0].is_closed
+        with pytest.raises(RuntimeError):
+            transport.request("GET", "/v1/toolchains")
     finally:
         server.close()
 
@@ -267,25 +323,36 @@ def test_an_injected_client_is_used_for_every_request() -> None:
         server.close()
 
 
-def test_an_environment_proxy_sends_gets_through_httpx_and_no_proxy_lets_them_go_direct(
+def test_an_environment_proxy_gets_the_lean_requests_in_absolute_form_and_no_proxy_lifts_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     target = Scripted(lambda s: json_response(200, {"from": "target"}))
     proxy = Scripted(lambda s: json_response(200, {"from": "proxy"}))
     try:
-        monkeypatch.setenv("HTTP_PROXY", proxy.url)
-        proxied = Transport(target.url, retry=FAST)
+        # Without a scheme, as httpx reads it: http://; with credentials, sent to the proxy.
+        monkeypatch.setenv("HTTP_PROXY", "us%40r:p%3Ass@" + proxy.url.removeprefix("http://"))
+        proxied = Transport(target.url, "s3cret", retry=FAST)
         assert proxied.request("GET", "/v1/toolchains").json() == {"from": "proxy"}
-        (seen,) = proxy.seen
-        assert seen.path == f"{target.url}/v1/toolchains"  # absolute form: a proxy request
-        assert not took_lean_path(seen) and target.seen == []
+        proxied.request("POST", "/v1/events", json={"events": []})
+        get, post = proxy.seen
+        assert get.path == f"{target.url}/v1/toolchains"  # absolute form: a proxy request
+        assert post.path == f"{target.url}/v1/events" and post.json() == {"events": []}
+        assert get.headers["host"] == target.url.removeprefix("http://")
+        assert get.headers["proxy-authorization"] == "Basic dXNAcjpwOnNz"  # us@r:p:ss
+        assert get.headers["authorization"] == "Bearer s3cret"
+        assert took_lean_path(get) and target.seen == []
         proxied.close()
 
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
         direct = Transport(target.url, retry=FAST)
         assert direct.request("GET", "/v1/toolchains").json() == {"from": "target"}
-        assert len(proxy.seen) == 1 and took_lean_path(target.seen[0])
+        assert len(proxy.seen) == 2 and took_lean_path(target.seen[0])
         direct.close()
+
+        monkeypatch.delenv("NO_PROXY")
+        monkeypatch.setenv("HTTP_PROXY", "socks5://127.0.0.1:1")
+        with pytest.raises(ServerUnavailableError, match="not one kcache speaks to"):
+            Transport(target.url, retry=FAST).request("GET", "/v1/toolchains")
     finally:
         target.close()
         proxy.close()
@@ -294,7 +361,7 @@ def test_an_environment_proxy_sends_gets_through_httpx_and_no_proxy_lets_them_go
 def test_the_way_out_is_picked_once_when_the_transport_is_made(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A proxy variable set after a transport was made does not move its GETs to httpx."""
+    """A proxy variable set after a transport was made does not send its requests to the proxy."""
     target = Scripted(lambda s: json_response(200, {"from": "target"}))
     proxy = Scripted(lambda s: json_response(200, {"from": "proxy"}))
     try:
@@ -303,7 +370,8 @@ def test_the_way_out_is_picked_once_when_the_transport_is_made(
         proxied = Transport(target.url, retry=FAST)
         assert direct.request("GET", "/v1/toolchains").json() == {"from": "target"}
         assert proxied.request("GET", "/v1/toolchains").json() == {"from": "proxy"}
-        assert took_lean_path(target.seen[0]) and not took_lean_path(proxy.seen[0])
+        assert [s.path for s in target.seen] == ["/v1/toolchains"]
+        assert [s.path for s in proxy.seen] == [f"{target.url}/v1/toolchains"]
         direct.close()
         proxied.close()
     finally:
@@ -655,6 +723,81 @@ def test_https_gets_take_the_lean_path_and_verify_certificates_as_httpx_does(
         assert all(took_lean_path(s) for s in server.seen)
         transport.close()
     finally:
+        server.close()
+
+
+class TunnelProxy:
+    """An HTTP proxy that answers ``CONNECT host:port`` and then relays bytes both ways.
+
+    ``heads`` are the CONNECT requests' head lines (first line, then headers) it saw.
+    """
+
+    def __init__(self) -> None:
+        self.heads: list[list[str]] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._tunnel, args=(conn,), daemon=True).start()
+
+    def _tunnel(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as reader:
+            head = [reader.readline().decode("latin-1").strip()]
+            while head[-1]:
+                head.append(reader.readline().decode("latin-1").strip())
+            self.heads.append(head[:-1])
+            host, _, port = head[0].split(" ")[1].rpartition(":")
+            with socket.create_connection((host, int(port))) as upstream:
+                conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                threading.Thread(target=_relay, args=(upstream, conn), daemon=True).start()
+                _relay(conn, upstream)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _relay(source: socket.socket, sink: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := source.recv(65536):
+            sink.sendall(data)
+    with contextlib.suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)
+
+
+def test_https_through_an_environment_proxy_goes_in_a_connect_tunnel_verified_end_to_end(
+    tls_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = TlsScripted(
+        lambda s: json_response(200, {"tls": True}), tls_files["cert"], tls_files["key"]
+    )
+    proxy = TunnelProxy()
+    try:
+        monkeypatch.setenv("SSL_CERT_FILE", str(tls_files["ca"]))
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url.replace("://", "://kc:pw@"))
+        transport = Transport(server.url, "s3cret", retry=RetryPolicy(attempts=1))
+        for _ in range(3):  # one tunnel, kept alive
+            assert transport.request("GET", "/v1/toolchains").json() == {"tls": True}
+        transport.close()
+        host = server.url.removeprefix("https://")
+        assert [h[0] for h in proxy.heads] == [f"CONNECT {host} HTTP/1.0"]
+        assert "Proxy-Authorization: Basic a2M6cHc=" in proxy.heads[0]  # kc:pw
+        assert [s.path for s in server.seen] == ["/v1/toolchains"] * 3  # origin form, inside
+        assert all(took_lean_path(s) for s in server.seen)
+        assert server.seen[0].headers["authorization"] == "Bearer s3cret"
+        assert "proxy-authorization" not in server.seen[0].headers  # the proxy's, not the server's
+        # The certificate is the server's, checked through the tunnel: an untrusted one fails.
+        monkeypatch.delenv("SSL_CERT_FILE")
+        error = _failure(Transport(server.url, retry=RetryPolicy(attempts=1)), "/v1/toolchains")
+        assert isinstance(error, ServerUnavailableError)
+        assert "CERTIFICATE_VERIFY_FAILED" in error.cause, error.cause
+    finally:
+        proxy.close()
         server.close()
 
 
