@@ -233,6 +233,7 @@ def atomic_write(
     *,
     verify: bytes | None = None,
     durable: bool = True,
+    mode: int = 0o644,
 ) -> None:
     """Publish ``data`` at ``dest`` so readers see the old file, or all of the new one.
 
@@ -243,6 +244,9 @@ def atomic_write(
     directory (a new fan-out directory) is created when the temp file's creation
     says so, not checked before every write: a cold node tier publishing a few
     hundred files paid a ``mkdir`` for each.
+
+    ``mode`` is the new file's (less the umask) from its creation: a private file
+    (``0o600``) is never readable by others under either name.
 
     ``durable=False`` skips both fsyncs, for caches only (the client's node tier):
     readers still see the old file or all of the new one while the machine runs
@@ -258,11 +262,11 @@ def atomic_write(
     tmp = os.path.join(parent, f"{TMP_PREFIX}{name}-{os.getpid()}-{secrets.token_hex(6)}")
     try:
         try:
-            fd = os.open(tmp, _CREATE, 0o644)
+            fd = os.open(tmp, _CREATE, mode)
         except FileNotFoundError:
             # Inside the outer try: a fan-out directory needs a block too, on a full disk.
             os.makedirs(parent, exist_ok=True)
-            fd = os.open(tmp, _CREATE, 0o644)
+            fd = os.open(tmp, _CREATE, mode)
         try:
             view = memoryview(data)
             while view:

@@ -100,8 +100,7 @@ def default_known_servers() -> Path:
         return Path(explicit).expanduser()
     config = os.environ.get("XDG_CONFIG_HOME", "").strip()
     config = config or os.path.join(os.path.expanduser("~"), ".config")
-    # os.path, then one Path: every KernelCache() runs this.
-    return Path(os.path.join(config, "kcache", "known_servers.json"))
+    return Path(os.path.join(config, "kcache", "known_servers.json"))  # one Path: per cache
 
 
 class KnownServers:
@@ -161,8 +160,7 @@ class KnownServers:
             pinned = _valid_keys(entry.get("keys"))
             pinned.update(keys.public_keys)
             data[url] = {"keys": pinned, "pinned_at": entry.get("pinned_at", time.time())}
-            atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
-            os.chmod(self.path, 0o600)
+            self._write(data)
 
     def forget(self, url: str) -> bool:
         """Drop ``url``'s pins (its next contact pins afresh); whether there were any."""
@@ -170,8 +168,11 @@ class KnownServers:
             data = self.load()
             if data.pop(url, None) is None:
                 return False
-            atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+            self._write(data)
             return True
+
+    def _write(self, data: dict[str, Any]) -> None:  # atomically, this user's only from creation
+        atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode(), mode=0o600)
 
 
 class Trust:

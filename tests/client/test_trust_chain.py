@@ -147,6 +147,7 @@ def test_first_contact_pins_the_key_and_another_server_on_the_url_is_refused(
         listed = _kcache(["trust", "list", "--json"], env)
         assert [s["url"] for s in json.loads(listed)["servers"]] == [proxy.url]
         _kcache(command.split()[1:], env)
+        assert stat.S_IMODE(known.stat().st_mode) == 0o600  # rewritten, still this user's only
         with _cache(proxy.url, tmp_path / "t3", trusted=None, known=known) as cache:
             assert cache.get(third).origin in ("server", "compiled")  # B's key, pinned now
         repinned = KnownServers(known).keys(proxy.url)
