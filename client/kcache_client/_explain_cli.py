@@ -34,15 +34,9 @@ from kcache.cli_toolkit import (
     server_url,
 )
 from kcache.keys import is_key_prefix
+from kcache_client._cache_cli_text import show
 
 __all__ = ["explanation_lines", "register"]
-
-
-def _show(text: object) -> str:
-    value = str(text)
-    if value.isprintable():
-        return value
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in value)
 
 
 #: The first line for a recipe the server recorded whose artifact went away.
@@ -57,11 +51,11 @@ def explanation_lines(body: dict[str, Any]) -> list[str]:
     applies), or ``never seen``.
     """
     if body.get("held") or body.get("failure"):
-        return [_show(body.get("text") or f"held ({body.get('held') or body.get('failure')})")]
+        return [show(body.get("text") or f"held ({body.get('held') or body.get('failure')})")]
     lines = [SEEN_BEFORE] if body.get("seen_before") else []
     if body.get("nearest_key") is None:
         return [*lines, "never seen"]
-    said = [_show(line) for line in body.get("differences") or []]
+    said = [show(line) for line in body.get("differences") or []]
     return lines + (said or ["no difference in what the server recorded"])
 
 
@@ -114,9 +108,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         return 0
     key = answer.get("recipe_key")
     if key is not None and key != args.recipe:  # the whole key a prefix or a file stood for
-        print(f"recipe {_show(key)}", file=sys.stderr)
+        print(f"recipe {show(key)}", file=sys.stderr)
     if answer.get("nearest_key") is not None and not answer.get("held"):
-        print(f"nearest {_show(answer['nearest_key'])}", file=sys.stderr)
+        print(f"nearest {show(answer['nearest_key'])}", file=sys.stderr)
     for line in explanation_lines(answer):
         print(line)
     return 0
