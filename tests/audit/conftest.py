@@ -1,8 +1,8 @@
 """Fixtures for the auditing tests: one real server after the scripted workload, per module,
 and one headless Chromium per module for the dashboard's tests.
 
-The workloads and their accounts are in :mod:`tests.audit.workload` and
-:mod:`tests.audit.kernel_workload`. Chromium is Debian's (``apt-get install chromium``),
+The workloads and their accounts are in :mod:`tests.audit.workload`,
+:mod:`tests.audit.kernel_workload` and :mod:`tests.audit.foreign_workload`. Chromium is Debian's (``apt-get install chromium``),
 driven by Playwright's Python package; Playwright never downloads a browser here.
 """
 
@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from kcache_server import migrate
 from kcache_server.db import open_database
 
+from tests.audit.foreign_workload import ForeignWorkload, run_foreign_workload
 from tests.audit.workload import Workload, run_workload
 from tests.support import ROOT, ServerThread
 
@@ -33,6 +34,20 @@ def workload(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workload]:
     server = ServerThread(settings)
     try:
         yield run_workload(server)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def foreign_workload(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForeignWorkload]:
+    """A real server on SQLite after the foreign workload (stopped after the module)."""
+    from kcache_server import Settings
+
+    data = tmp_path_factory.mktemp("audit-foreign") / "data"
+    settings = Settings(data_dir=data, compile_workers=1, audit={"flush_s": 0.05}, auth_cache_s=0.0)
+    server = ServerThread(settings)
+    try:
+        yield run_foreign_workload(server)
     finally:
         server.stop()
 

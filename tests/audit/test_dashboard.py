@@ -1,5 +1,6 @@
 """``GET /dashboard`` in real headless Chromium: its numbers match ``/v1/stats``, the chart is
-drawn, the divergent job is flagged in red, the window selector and auto-refresh work.
+drawn, the divergent job is flagged in red, the window selector and auto-refresh work, and
+foreign kernels are shown by library.
 
 Chromium is Debian's (``apt-get install chromium``), driven by Playwright's Python
 package; Playwright never downloads a browser here.
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.audit.conftest import chromium_installed
+from tests.audit.foreign_workload import ForeignWorkload
 from tests.audit.workload import Workload
 
 pytestmark = pytest.mark.skipif(
@@ -336,3 +338,59 @@ def test_a_reported_divergence_names_its_reporters(page: Any, workload: Workload
     assert "reported-divergence" in hearsay.get_attribute("class")
     assert "reported by token:liar, token:other" in hearsay.text_content()
     assert page.text_content("#kpi-divergence") == "1"  # the server's own row only
+
+
+def test_foreign_kernels_are_shown_by_library(
+    page: Any, foreign_workload: ForeignWorkload, artifacts_dir: Path
+) -> None:
+    """The "Foreign kernels by library" panel holds /v1/stats' foreign_by_library, as counted
+    by the script that published and looked them up (tests/audit/foreign_workload.py)."""
+    page.goto(f"{foreign_workload.server.url}/dashboard")
+    page.wait_for_function("() => Number(document.body.dataset.loads || 0) >= 1", timeout=15_000)
+    assert page.is_visible("#foreign-section")
+    rows = page.query_selector_all("#foreign-libraries tbody tr")
+    shown = [
+        [r.get_attribute("data-library")] + [c.text_content() for c in r.query_selector_all("td")]
+        for r in rows
+    ]
+    assert shown == [
+        ["cupy", "cupy", "5", "4", "80.0%"],
+        ["triton", "triton", "3", "1", "33.3%"],
+    ]
+    rates = page.eval_on_selector_all(
+        "#foreign-libraries tbody tr td:nth-child(4)",
+        "tds => tds.map(td => Number(td.dataset.value))",
+    )
+    assert rates == [row["hit_rate"] for row in foreign_workload.expected()]
+    page.screenshot(path=str(artifacts_dir / "dashboard-foreign.png"), full_page=True)
+
+
+def test_no_foreign_lookups_is_one_line(page: Any, workload: Workload) -> None:
+    assert _stats(workload)["foreign_by_library"] == []
+    _open(page, workload)
+    assert page.text_content("#foreign-libraries tbody") == (
+        "no foreign kernels looked up in this window"
+    )
+    assert page.query_selector("#foreign-libraries tr[data-library]") is None
+
+
+def test_a_hostile_library_name_is_shown_as_text(page: Any, workload: Workload) -> None:
+    """A library name is text, never markup (the route restricts names; the page relies on nothing)."""
+    import json
+
+    hostile = '<img src=x onerror="window.pwned=1"><b>cupy</b>'
+    body = _stats(workload)
+    body["foreign_by_library"] = [
+        {"library": hostile, "lookups": 2, "hits": 1, "misses": 1, "hit_rate": 0.5}
+    ]
+
+    def rewritten(route: Any) -> None:
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+    page.route("**/v1/stats?*", rewritten)
+    _open(page, workload, "?refresh=600")
+    (row,) = page.query_selector_all("#foreign-libraries tbody tr")
+    assert row.get_attribute("data-library") == hostile
+    assert row.query_selector("td").text_content() == hostile
+    assert page.query_selector_all("#foreign-libraries img, #foreign-libraries b") == []
+    assert page.evaluate("() => window.pwned") is None

@@ -5,7 +5,8 @@ lookup, decided when it was written) over the window (by the time of the first l
 and the query's filters: one ``GROUP BY`` per section (the totals and miss reasons, the
 groups, a job's ranks, the series, the most missed kernels, the savings per reporter),
 each a range scan of ``(at)``, ``(job_id, at)`` or ``(kernel, at)``. Every figure is made
-by :class:`Figures`, so a group, a rank, a bucket and the whole window add up the same way.
+by :class:`Figures`, so a group, a rank, a bucket and the whole window add up the same way:
+the foreign lookups by library (:func:`read_foreign_by_library`) too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kcache_server.models import audit_lookups_table as _lookups
 
 __all__ = [
     "Figures",
+    "read_foreign_by_library",
     "read_lookup_groups",
     "read_lookup_ranks",
     "read_lookup_series",
@@ -237,3 +239,57 @@ def read_reporter_savings(conn: sa.Connection, query: StatsQuery) -> dict[str | 
         .group_by(c.reporter)
     )
     return {reporter: float(saved or 0.0) for reporter, saved in rows}
+
+
+#: How ``GET /v1/foreign/{library}/{key}`` names its lookup's kernel: ``foreign:<library>:<key>``.
+_FOREIGN_PREFIX = "foreign:"
+
+
+def _foreign_library(dialect: str, kernel: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
+    """SQL reading the library out of a foreign lookup's kernel ``foreign:<library>:<key>``.
+
+    A library's name holds no ``:`` (:data:`kcache.foreign.LIBRARY_PATTERN`), so it is the
+    text between the first two. PostgreSQL has ``split_part``; SQLite takes what follows
+    the prefix up to its first ``:`` (one appended, so a kernel without a key still reads).
+    """
+    if dialect == "postgresql":
+        return sa.func.split_part(kernel, ":", 2)
+    rest = sa.func.substr(kernel, len(_FOREIGN_PREFIX) + 1, type_=sa.String)
+    return sa.func.substr(rest, 1, sa.func.instr(rest + ":", ":") - 1, type_=sa.String)
+
+
+def read_foreign_by_library(conn: sa.Connection, query: StatsQuery) -> dict[str, Figures]:
+    """The window's foreign lookups (``GET /v1/foreign/...``) by library, most looked up first.
+
+    One ``GROUP BY`` over ``audit_lookups``, under the window and filters of the hit rate
+    (they are kernel lookups like the others: each names no process, so each is one of
+    its own, and they are part of the headline). No column holds the library alone:
+    :func:`~kcache_server.routes.foreign.lookup` writes the kernel as
+    ``foreign:<library>:<key>`` (the toolchain as ``<library>-<version>/<toolchain>``,
+    in ``audit_events`` only), so the library is parsed from the kernel in SQL
+    (:func:`_foreign_library`). A row is a foreign lookup when its kernel has the prefix
+    and it is the server's own lookup of no recipe and no digest, as that route writes
+    it: a fetch or a client's report of a kernel so named is not one. Read here rather
+    than from ``audit_events`` (whose ``route`` says ``foreign``): the window's raw events
+    are what ``/v1/stats`` never scans, and these rows cover the retention window, as
+    the hit rate does.
+    """
+    c = _lookups.c
+    prefix = _FOREIGN_PREFIX
+    library = _foreign_library(conn.dialect.name, c.kernel).label("library")
+    rows = conn.execute(
+        sa.select(library, *_KIND, *_SUMS)
+        .where(
+            *_where(query),
+            sa.func.substr(c.kernel, 1, len(prefix)) == prefix,
+            c.tier == "server",
+            c.recipe_key.is_(None),
+            c.base_key.is_(None),
+            c.digest.is_(None),
+        )
+        .group_by(library, *_KIND)
+    )
+    found: dict[str, Figures] = defaultdict(Figures)
+    for name, *rest in rows:
+        _fill(found[str(name)], [rest])
+    return dict(sorted(found.items(), key=lambda item: (-item[1].lookups, item[0])))

@@ -13,7 +13,8 @@ and only for a digest the index knows. Requests (every lookup, repeats included)
 the rest of the answer: ``lookups``, ``totals`` (the server's), ``reported`` (the
 clients'), ``by_tier`` and each group's ``total`` and ``outcomes``. Rank divergence is a
 row built from the server's events alone, or a row of its own marked ``reported`` that
-names the tokens whose reports make it.
+names the tokens whose reports make it. Foreign lookups (``GET /v1/foreign/...``, kernel
+lookups too) are also shown by library (``foreign_by_library``).
 
 Requests come from the counts below; kernel lookups from their own table, one range
 scan of its time index per section.
@@ -73,8 +74,12 @@ from kcache_server.auditing.aggregates import (
     reported_by_rows,
 )
 from kcache_server.auditing.divergence import read_divergence
-from kcache_server.auditing.lookup_stats import read_lookup_totals, read_reporter_savings
-from kcache_server.auditing.stats_models import MissReason, Stats, StatsQuery
+from kcache_server.auditing.lookup_stats import (
+    read_foreign_by_library,
+    read_lookup_totals,
+    read_reporter_savings,
+)
+from kcache_server.auditing.stats_models import ForeignLibrary, MissReason, Stats, StatsQuery
 from kcache_server.auditing.top_missed import read_top_missed
 from kcache_server.auditing.window_source import present_buckets
 from kcache_server.auditing.windows import epoch_of
@@ -131,6 +136,7 @@ def compute_stats(engine: sa.Engine, query: StatsQuery, store_cap: int | None = 
         top_read = _beside(engine, lambda lane: read_top_missed(lane, query))
         totals, reported, by_tier, _, _ = read_totals(conn, query)
         figures = read_lookup_totals(conn, query)
+        foreign = read_foreign_by_library(conn, query)
         reporters = read_reporters(conn, query) if sum(reported.values()) else []
         savings = read_reporter_savings(conn, query) if reporters else {}
         divergence = read_divergence(conn, query, present)
@@ -170,4 +176,14 @@ def compute_stats(engine: sa.Engine, query: StatsQuery, store_cap: int | None = 
         bucket_seconds=step,
         series=series,
         store=store,
+        foreign_by_library=[
+            ForeignLibrary(
+                library=library,
+                lookups=f.lookups,
+                hits=f.hits,
+                misses=f.misses,
+                hit_rate=f.hit_rate,
+            )
+            for library, f in foreign.items()
+        ],
     )

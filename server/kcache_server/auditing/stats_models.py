@@ -30,6 +30,7 @@ __all__ = [
     "REPORTED_OUTCOMES",
     "SERVER_TIER",
     "Divergence",
+    "ForeignLibrary",
     "GroupBy",
     "GroupStats",
     "MissReason",
@@ -200,6 +201,18 @@ class ReportedBy(BaseModel):
     )
 
 
+class ForeignLibrary(BaseModel):
+    """One library's foreign lookups (``GET /v1/foreign/{library}/{key}``) in the window."""
+
+    library: str = Field(description="the library whose cache hook looked up: cupy, triton, ...")
+    lookups: int = Field(
+        description="its foreign lookups (each a kernel lookup of its own: none names a process)"
+    )
+    hits: int = Field(description="of lookups: answered with a binding (outcome hit)")
+    misses: int = Field(description="of lookups: no binding under the name (the library compiled)")
+    hit_rate: float | None = Field(description="hits / lookups; null with none")
+
+
 class SeriesPoint(OutcomeCounts):
     """One chart bucket, starting at ``t`` (unix seconds)."""
 
@@ -273,6 +286,13 @@ class Stats(BaseModel):
     bucket_seconds: int
     series: list[SeriesPoint]
     store: StoreStats | None = Field(default=None, description="the store's size and evictions")
+    foreign_by_library: list[ForeignLibrary] = Field(
+        default_factory=list,
+        description="foreign artifacts (GET /v1/foreign/{library}/{key}, docs/design.md "
+        "section 10) by library: each library's lookups, hits, misses and hit rate, most "
+        "looked up first, under the same window and filters; empty with none. They are "
+        "kernel lookups named foreign:<library>:<key>, so the headline counts them too",
+    )
 
 
 def outcome_fields(outcomes: Mapping[str, int]) -> dict[str, Any]:

@@ -239,6 +239,7 @@
     renderTiers(s);
     renderDivergence(s.divergence);
     renderMissed(s.top_missed);
+    renderForeign(s.foreign_by_library || []);
     if (withJobs) renderJobs(s.groups, new Set(observed.map((d) => d.job_id)));
     else pendingJobs();
     drawChart(s);
@@ -476,6 +477,22 @@
         el("td", { class: "num", "data-value": g.kernel_misses }, int(g.kernel_misses)),
         el("td", { class: "num", "data-value": g.hit_rate === null ? "" : g.hit_rate }, pct(g.hit_rate)),
         el("td", { class: "num", "data-value": g.compile_seconds_saved }, duration(g.compile_seconds_saved))));
+    }
+  }
+
+  // Foreign kernels (GET /v1/foreign/{library}/{key}: what CuPy's, cuda.core's or Triton's
+  // cache hooks looked up) by library, most looked up first; one line when there were none.
+  function renderForeign(rows) {
+    const tbody = $("foreign-libraries").tBodies[0];
+    tbody.replaceChildren();
+    if (!rows.length) emptyRow(tbody, 4, "no foreign kernels looked up in this window");
+    for (const f of rows) {
+      tbody.append(el("tr", { "data-library": f.library },
+        el("td", { class: "kernel" }, f.library),
+        el("td", { class: "num", "data-value": f.lookups }, int(f.lookups)),
+        el("td", { class: "num", "data-value": f.hits,
+                   title: `${int(f.misses)} missed: the library compiled` }, int(f.hits)),
+        el("td", { class: "num", "data-value": f.hit_rate === null ? "" : f.hit_rate }, pct(f.hit_rate))));
     }
   }
 
