@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from kcache.artifact_header import (
     CONTEXT_HEADER,
     ON_MISS_HEADER,
@@ -52,6 +50,8 @@ from kcache_client._trust import Trust
 from kcache_client.errors import ServerUnavailableError
 
 if TYPE_CHECKING:  # the job façade's results: kcache_client._jobs is imported when first used
+    import httpx  # a caller's own client only: kcache's requests never import it
+
     from kcache_client._bundle import PrefetchResult
     from kcache_client._warmup import WarmupResult
 

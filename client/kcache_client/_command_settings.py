@@ -66,8 +66,6 @@ def command_cache(args: argparse.Namespace, url: str | None) -> KernelCache:
 def command_settings(args: argparse.Namespace, url: str | None) -> ClientSettings:
     """The settings a client command runs with: its flags, then the environment, then the
     command's defaults (a short retry budget and connect timeout: a person is waiting)."""
-    import httpx
-
     from kcache_client._settings import (
         DEFAULT_TIMEOUT,
         ClientSettings,
@@ -85,7 +83,5 @@ def command_settings(args: argparse.Namespace, url: str | None) -> ClientSetting
         include_sets=include_set_dirs(args),
         # A person waits at the terminal: a few seconds, unless the environment says otherwise.
         retry=RetryPolicy.from_env(**COMMAND_RETRY) if url else None,
-        timeout=timeout_from_env(
-            httpx.Timeout(DEFAULT_TIMEOUT.read, connect=COMMAND_CONNECT_TIMEOUT_S)
-        ),
+        timeout=timeout_from_env(DEFAULT_TIMEOUT._replace(connect=COMMAND_CONNECT_TIMEOUT_S)),
     )

@@ -87,17 +87,16 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             "or set KCACHE_URL"
         )
     method, path, body = _body(args)
-    import httpx
-
     from kcache_client._http import Transport
     from kcache_client._settings import RetryPolicy
+    from kcache_client._waits import Waits
 
     token = args.token or os.environ.get("KCACHE_TOKEN") or None
     transport = Transport(
         url,
         token,
         retry=RetryPolicy(attempts=3, budget_s=10.0),
-        timeout=httpx.Timeout(60.0, connect=5.0),
+        timeout=Waits(connect=5.0, read=60.0, write=60.0),
         user_agent="kcache-cli",
     )
     with closing(transport):

@@ -257,7 +257,8 @@ class ForeignCache:
     def _client(self) -> LeanClient:
         with self._http_lock:
             if self._http is None:
-                from kcache_client._lean_http import LeanClient, Waits
+                from kcache_client._lean_http import LeanClient
+                from kcache_client._waits import Waits
 
                 # kcache's one HTTP client: a plain-http server needs no TLS context (its
                 # certificate store costs 20 ms to load); redirects are never followed.
@@ -271,14 +272,14 @@ class ForeignCache:
         self, method: str, path: str, body: bytes | None = None, content_type: str = ""
     ) -> LeanResponse | None:
         """One try; None (and the server taken for down a while) when it cannot be reached."""
-        import httpx  # the type of every failure the lean client raises
+        from kcache_client._lean_errors import HTTPError  # every failure the lean client raises
 
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         if content_type:
             headers["Content-Type"] = content_type
         try:
             return self._client().request(method, path, headers, body)
-        except httpx.HTTPError as exc:
+        except HTTPError as exc:
             self._down_until = time.monotonic() + DOWN_S
             self.counts["unreachable"] += 1
             self._warn(

@@ -38,9 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, NamedTuple
-
-import httpx
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kcache_client._lean_answer import (
     AnswerRefused,
@@ -48,7 +46,9 @@ from kcache_client._lean_answer import (
     DeadlineExceeded,
     Limit,
 )
+from kcache_client._lean_errors import TransportError
 from kcache_client._settings import DEFAULT_TIMEOUT, RetryPolicy
+from kcache_client._waits import Timeouts
 from kcache_client._wire import Reply, Wire, open_wire
 from kcache_client.errors import (
     AuthenticationError,
@@ -62,6 +62,9 @@ from kcache_client.errors import (
     ServerResponseError,
     ServerUnavailableError,
 )
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -178,7 +181,7 @@ class Transport:
         token: str | None = None,
         *,
         retry: RetryPolicy | None = None,
-        timeout: httpx.Timeout | None = None,
+        timeout: Timeouts | None = None,
         client: httpx.Client | None = None,
         user_agent: str = "kcache-client",
         headers: Mapping[str, str] | None = None,
@@ -261,7 +264,7 @@ class Transport:
                 )
                 wait = policy.backoff(attempt)
                 last_status = 0
-            except httpx.TransportError as exc:
+            except TransportError as exc:
                 # Connection refused/reset, DNS, timeouts, a server that died mid-reply.
                 cause = _cause(exc, self.url)
                 wait = policy.backoff(attempt)
@@ -348,17 +351,17 @@ class Transport:
                     )
                     raise _error(response.status_code, url, text, response.headers, self.url)
                 yield self._mapped(response.iter_bytes(), tried, until)
-        except httpx.TransportError as exc:
+        except TransportError as exc:
             raise ServerUnavailableError(self.url, self._failure(exc, tried, until)) from None
 
     def _mapped(self, chunks: Iterator[bytes], tried: float, until: float) -> Iterator[bytes]:
         """``chunks``, a transport failure while they are read raised as ServerUnavailableError."""
         try:
             yield from chunks
-        except httpx.TransportError as exc:
+        except TransportError as exc:
             raise ServerUnavailableError(self.url, self._failure(exc, tried, until)) from None
 
-    def _failure(self, exc: httpx.TransportError, tried: float, until: float) -> str:
+    def _failure(self, exc: TransportError, tried: float, until: float) -> str:
         """Why a try failed, as a ServerUnavailableError's cause (the deadline: as :meth:`request` says it)."""
         if isinstance(exc, DeadlineExceeded):
             return (
@@ -368,7 +371,7 @@ class Transport:
         return _cause(exc, self.url)
 
 
-def _cause(exc: httpx.TransportError, url: str) -> str:
+def _cause(exc: TransportError, url: str) -> str:
     """A transport error as a ServerUnavailableError's cause: its name, its text, what to change."""
     cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     advice = tls_advice(url, cause)

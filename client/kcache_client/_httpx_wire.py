@@ -24,7 +24,10 @@ deadline itself: its head cannot outlast it.)
 
 A body is read against the limit decided from its status and headers before it is read
 (:class:`~kcache_client._lean_answer.AnswerRefused` past it, the answer closed), and
-oversized headers (h11's bound) are refused as such.
+oversized headers (h11's bound) are refused as such. Every failure httpx raises for a
+request (its ``RequestError``) is raised as the kcache exception of the same name
+(:func:`~kcache_client._lean_errors.from_httpx`), as the lean wire raises it: the
+transport catches one family whichever wire failed.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from kcache_client._lean_answer import (
     DeadlineExceeded,
     LeanResponse,
 )
+from kcache_client._lean_errors import from_httpx
 
 __all__ = ["HttpxWire"]
 
@@ -114,10 +118,12 @@ class HttpxWire:
         )
         try:
             response = self._client.send(request, stream=True, follow_redirects=False)
-        except httpx.RemoteProtocolError as exc:
-            if "Receive buffer too long" in str(exc):  # h11's bound on the status line and headers
+        except httpx.RequestError as exc:
+            if isinstance(exc, httpx.RemoteProtocolError) and "Receive buffer too long" in str(
+                exc
+            ):  # h11's bound on the status line and headers
                 raise AnswerRefused(f"its status line or headers are too long ({exc})") from exc
-            raise
+            raise from_httpx(exc) from exc
         if time.monotonic() > until:
             response.close()
             raise DeadlineExceeded()
@@ -141,11 +147,15 @@ class _Streamed:
 
 
 def _by_deadline(pieces: Iterator[bytes], until: float) -> Iterator[bytes]:
-    """``pieces``, DeadlineExceeded raised by the first to come after ``until``."""
-    for piece in pieces:
-        if time.monotonic() > until:
-            raise DeadlineExceeded()
-        yield piece
+    """``pieces``, DeadlineExceeded raised by the first to come after ``until``, a failure
+    to read them raised as kcache's exception of its name."""
+    try:
+        for piece in pieces:
+            if time.monotonic() > until:
+                raise DeadlineExceeded()
+            yield piece
+    except httpx.RequestError as exc:
+        raise from_httpx(exc) from exc
 
 
 def _capped(timeout: httpx.Timeout, until: float) -> httpx.Timeout:

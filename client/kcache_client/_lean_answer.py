@@ -1,4 +1,4 @@
-"""An answer as the lean client reads it: bounded in time and in size, failures as httpx's.
+"""An answer as the lean client reads it: bounded in time and in size, failures named as httpx's.
 
 :class:`~kcache_client._lean_http.LeanClient` sends a request (the connection, the pool,
 the route); this module reads what comes back. Every read of the answer, from its status
@@ -9,8 +9,9 @@ the :class:`Limit` decided from its status and headers before a byte of it is re
 (:func:`read_body`; a compressed body is decoded no further than it, :func:`decode`):
 past it, :class:`AnswerRefused`. Headers over ``http.client``'s bounds (a 64 KiB line,
 100 headers) are AnswerRefused too. Every other failure is raised as the
-``httpx.TransportError`` httpx would raise (:func:`transport_error`), so a caller's retry
-loop treats an answer alike whichever client read it.
+:class:`~kcache_client._lean_errors.TransportError` of the name httpx would raise
+(:func:`transport_error`), so a caller's retry loop treats an answer alike whichever
+client read it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
-import httpx
+from kcache_client._lean_errors import (
+    DecodingError,
+    ReadError,
+    ReadTimeout,
+    RemoteProtocolError,
+    TimeoutException,
+    TransportError,
+    WriteError,
+    WriteTimeout,
+)
 
 __all__ = [
     "CHUNK",
@@ -59,7 +69,7 @@ class Limit(NamedTuple):
 BodyLimit = Callable[[int, Mapping[str, str]], Limit]
 
 
-class DeadlineExceeded(httpx.TimeoutException):
+class DeadlineExceeded(TimeoutException):
     """The exchange was not over (connect, send, headers, the whole body) by its deadline."""
 
     def __init__(
@@ -71,7 +81,7 @@ class DeadlineExceeded(httpx.TimeoutException):
 class AnswerRefused(Exception):
     """An answer broke a bound set for it (its headers, its body); the connection was dropped.
 
-    Not an ``httpx.TransportError``: the same server would answer the same, so it is
+    Not a :class:`~kcache_client._lean_errors.TransportError`: the same server would answer the same, so it is
     not worth a retry. ``status`` is the answer's status when it had one.
     """
 
@@ -166,8 +176,8 @@ class LeanStream:
 
     def iter_bytes(self, chunk_size: int | None = None) -> Iterator[bytes]:
         """The body in pieces of at most ``chunk_size`` bytes (64 KiB by default), each read
-        within the read timeout. A failure to read raises the ``httpx.TransportError``
-        httpx would raise.
+        within the read timeout. A failure to read raises the
+        :class:`~kcache_client._lean_errors.TransportError` httpx would raise.
         """
         size = chunk_size or CHUNK
         while True:
@@ -284,12 +294,13 @@ def read_body(response: http.client.HTTPResponse, limit: Limit | None, status: i
 
 
 def transport_error(exc: BaseException, stage: str) -> BaseException:
-    """The ``httpx.TransportError`` httpx raises for ``exc`` while at ``stage``; else ``exc``.
+    """The :class:`~kcache_client._lean_errors.TransportError` of the name httpx raises for
+    ``exc`` while at ``stage``; else ``exc``.
 
     Headers over ``http.client``'s bounds are AnswerRefused (httpx raises a protocol
     error for them, which the caller could only retry to the same effect).
     """
-    if isinstance(exc, httpx.TransportError | AnswerRefused):
+    if isinstance(exc, TransportError | AnswerRefused):
         return exc
     message = str(exc) or type(exc).__name__
     if stage == "read" and isinstance(exc, http.client.LineTooLong):
@@ -297,18 +308,18 @@ def transport_error(exc: BaseException, stage: str) -> BaseException:
     if stage == "read" and isinstance(exc, http.client.HTTPException) and "headers" in message:
         return AnswerRefused(f"it has too many headers ({exc})")
     if isinstance(exc, http.client.RemoteDisconnected):
-        return httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return RemoteProtocolError("Server disconnected without sending a response.")
     if isinstance(exc, http.client.IncompleteRead):
-        return httpx.RemoteProtocolError(
+        return RemoteProtocolError(
             "peer closed connection without sending complete message body "
             f"(received {len(exc.partial)} bytes, expected {exc.expected})"
         )
     if isinstance(exc, http.client.HTTPException):  # a malformed status line, headers or chunk
-        return httpx.RemoteProtocolError(message)
+        return RemoteProtocolError(message)
     if isinstance(exc, TimeoutError):
-        return httpx.WriteTimeout(message) if stage == "write" else httpx.ReadTimeout(message)
+        return WriteTimeout(message) if stage == "write" else ReadTimeout(message)
     if isinstance(exc, OSError):
-        return httpx.WriteError(message) if stage == "write" else httpx.ReadError(message)
+        return WriteError(message) if stage == "write" else ReadError(message)
     return exc  # not a transport failure (a KeyboardInterrupt, a bug): as it is
 
 
@@ -327,8 +338,8 @@ def decode(content: bytes, encoding: str, limit: Limit | None, status: int) -> b
             except zlib.error:
                 return _inflate(content, -zlib.MAX_WBITS, limit, status)
     except zlib.error as exc:
-        raise httpx.DecodingError(f"the {encoding} body does not decode: {exc}") from exc
-    raise httpx.DecodingError(f"the body's Content-Encoding {encoding!r} is not supported")
+        raise DecodingError(f"the {encoding} body does not decode: {exc}") from exc
+    raise DecodingError(f"the body's Content-Encoding {encoding!r} is not supported")
 
 
 def _inflate(content: bytes, wbits: int, limit: Limit | None, status: int) -> bytes:

@@ -8,16 +8,17 @@ in a process imports httpcore, h11 and anyio: 20 ms of a node's cold prefetch in
 no body, a JSON body or bytes, a whole answer (:meth:`LeanClient.request`) or one read
 as it arrives (:meth:`LeanClient.stream`, a bundle), over a small idle-connection pool.
 
-What it keeps the same as httpx: the request as httpx would write it (its target
-percent-encoded, credentials in the URL as Basic auth, the environment's proxy:
-:mod:`kcache_client._lean_request`), TLS verification (the context is
-``httpx.create_ssl_context()``, made on the first https connection only, as httpx
-would make it from ``SSL_CERT_FILE``/``SSL_CERT_DIR`` or certifi), the timeouts of
-an ``httpx.Timeout`` (connect while connecting, write while sending, read while
-reading; None is none), TCP_NODELAY (``http.client`` sets it on connect), redirects
-answered as they are (never followed), and the failures: every transport failure is
-raised as the ``httpx.TransportError`` httpx would raise (``ConnectError``,
-``ConnectTimeout``, ``ReadTimeout``, ``ReadError``, ``WriteError``,
+What it keeps the same as httpx, without importing it: the request as httpx would
+write it (its target percent-encoded, credentials in the URL as Basic auth, the
+environment's proxy: :mod:`kcache_client._lean_request`), TLS verification (the
+context httpx's ``create_ssl_context()`` makes, from ``SSL_CERT_FILE``, else
+``SSL_CERT_DIR``, else certifi's bundle: :func:`tls_context`, made on the first https
+connection only), the timeouts (:class:`~kcache_client._waits.Waits` or an
+``httpx.Timeout``: connect while connecting, write while sending, read while reading;
+None is none), TCP_NODELAY (``http.client`` sets it on connect), redirects answered as
+they are (never followed), and the failures: every transport failure is raised as the
+:class:`~kcache_client._lean_errors.TransportError` of the name httpx would raise
+(``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``, ``ReadError``, ``WriteError``,
 ``RemoteProtocolError``), so a caller's retry loop treats both alike.
 
 A keep-alive connection the server closed while it sat idle is dropped before it is
@@ -41,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.client
+import os
 import select
 import socket
 import ssl
@@ -49,8 +51,6 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
-
-import httpx
 
 from kcache_client._lean_answer import (
     BodyLimit,
@@ -64,23 +64,14 @@ from kcache_client._lean_answer import (
     transport_error,
     within,
 )
+from kcache_client._lean_errors import ConnectError, ConnectTimeout, RemoteProtocolError
 from kcache_client._lean_request import Route, basic_auth, request_target, route_to
+from kcache_client._waits import Timeouts
 
-__all__ = ["MAX_IDLE", "LeanClient", "Waits"]
+__all__ = ["MAX_IDLE", "LeanClient", "tls_context"]
 
 #: Idle connections kept for reuse; one per thread that fetches at the same time.
 MAX_IDLE = 16
-
-
-class Waits(NamedTuple):
-    """The longest wait for bytes while connecting, sending and reading (None: none).
-
-    What the client reads of an ``httpx.Timeout``, for a caller that has none.
-    """
-
-    connect: float | None
-    read: float | None
-    write: float | None
 
 
 #: A reused connection failing like this was closed by the server while it was idle.
@@ -157,9 +148,7 @@ class LeanClient:
     counts the connections made, for diagnostics.
     """
 
-    def __init__(
-        self, url: str, timeout: httpx.Timeout | Waits, *, max_idle: int = MAX_IDLE
-    ) -> None:
+    def __init__(self, url: str, timeout: Timeouts, *, max_idle: int = MAX_IDLE) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"the lean client speaks http(s) to a host, not {url!r}")
@@ -200,11 +189,11 @@ class LeanClient:
         ``path`` may carry a query; it is percent-encoded as httpx would. ``timeout``
         (seconds) overrides the client's four timeouts; ``until`` (a ``time.monotonic()``
         instant) ends the whole exchange (DeadlineExceeded); ``limit`` bounds the body
-        (AnswerRefused; None: unbounded). Raises the ``httpx.TransportError`` httpx would
-        raise for a failure to connect, send or read, and RuntimeError once the client is
-        closed. Only a GET is sent again by itself when a reused connection turns out
-        closed: another method may have reached the server (its caller's retry policy
-        decides).
+        (AnswerRefused; None: unbounded). Raises the
+        :class:`~kcache_client._lean_errors.TransportError` httpx would raise for a failure
+        to connect, send or read, and RuntimeError once the client is closed. Only a GET
+        is sent again by itself when a reused connection turns out closed: another method
+        may have reached the server (its caller's retry policy decides).
         """
         connect_s: float | None
         read_s: float | None
@@ -243,7 +232,7 @@ class LeanClient:
         have reached the server. The connection is kept for another request only if the
         body was read to its end; an encoded body (never asked for: ``Accept-Encoding``
         is the caller's) is refused as a protocol error. Raises the
-        ``httpx.TransportError`` httpx would raise.
+        :class:`~kcache_client._lean_errors.TransportError` httpx would raise.
         """
         t = self._timeout
         sent = self._request(method, path, headers, body, t.read, t.write, until, None)
@@ -255,7 +244,7 @@ class LeanClient:
             response = _read_head(conn, sent)
             encoding = response.getheader("content-encoding", "identity").strip().lower()
             if encoding not in ("identity", ""):
-                raise httpx.RemoteProtocolError(f"an answer encoded {encoding!r}, not asked for")
+                raise RemoteProtocolError(f"an answer encoded {encoding!r}, not asked for")
         except BaseException as exc:
             conn.close()
             mapped = transport_error(exc, stage)
@@ -325,7 +314,7 @@ class LeanClient:
         """A new connection to the origin (through its proxy, and its tunnel for https)."""
         route = self._route
         if route is None:
-            raise httpx.ConnectError(self._unroutable)
+            raise ConnectError(self._unroutable)
         connect_s = within(connect_s, until)
         conn: http.client.HTTPConnection
         if self._https:
@@ -346,10 +335,10 @@ class LeanClient:
             conn.connect()  # http.client sets TCP_NODELAY on the new socket
         except TimeoutError as exc:
             conn.close()
-            raise httpx.ConnectTimeout(str(exc) or "timed out") from exc
+            raise ConnectTimeout(str(exc) or "timed out") from exc
         except OSError as exc:  # refused, unreachable, DNS, a TLS handshake or tunnel refused
             conn.close()
-            raise httpx.ConnectError(str(exc)) from exc
+            raise ConnectError(str(exc)) from exc
         except BaseException:  # the deadline passed during the TLS handshake
             conn.close()
             raise
@@ -358,12 +347,10 @@ class LeanClient:
         return conn
 
     def _tls(self) -> ssl.SSLContext:
-        """httpx's own context (verification as httpx does it), made once, on first use."""
+        """The TLS context (:func:`tls_context`), made once, on first use."""
         with self._lock:
             if self._ssl_context is None:
-                context = httpx.create_ssl_context()
-                context.set_alpn_protocols(["http/1.1"])  # as httpcore offers it, without h2
-                self._ssl_context = context
+                self._ssl_context = tls_context()
             return self._ssl_context
 
     def _exchange(
@@ -402,6 +389,25 @@ class LeanClient:
                     self._idle.append(conn)
                     return
         conn.close()
+
+
+def tls_context() -> ssl.SSLContext:
+    """A context that verifies servers as httpx's ``create_ssl_context()`` does (httpx 0.29).
+
+    The CAs of ``SSL_CERT_FILE`` when it is set, else those of ``SSL_CERT_DIR`` when it
+    is set, else certifi's bundle (certifi comes with httpx); hostnames checked, as
+    ``ssl.create_default_context`` does. ALPN offers HTTP/1.1, as httpcore does without h2.
+    """
+    if os.environ.get("SSL_CERT_FILE"):
+        context = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
+    elif os.environ.get("SSL_CERT_DIR"):
+        context = ssl.create_default_context(capath=os.environ["SSL_CERT_DIR"])
+    else:
+        import certifi  # loaded for the first https connection only
+
+        context = ssl.create_default_context(cafile=certifi.where())
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 class _Request(NamedTuple):

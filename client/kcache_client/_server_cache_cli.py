@@ -60,16 +60,15 @@ def open_server(args: argparse.Namespace, *, required: bool) -> Transport | None
         if required:
             raise ClientError("pins live on a server: pass --server URL or set KCACHE_URL")
         return None
-    import httpx
-
     from kcache_client._http import Transport
     from kcache_client._settings import RetryPolicy, timeout_from_env
+    from kcache_client._waits import Waits
 
     token = args.token or os.environ.get("KCACHE_TOKEN") or None
     # Run by a person: a few quick retries, not a training job's patience (unless the
     # environment's KCACHE_RETRY_* and KCACHE_*_TIMEOUT_S say otherwise).
     retry = RetryPolicy.from_env(attempts=3, budget_s=10.0)
-    timeout = timeout_from_env(httpx.Timeout(300.0, connect=5.0))
+    timeout = timeout_from_env(Waits(connect=5.0, read=300.0, write=300.0))
     return Transport(url, token, retry=retry, timeout=timeout, user_agent="kcache-cli")
 
 

@@ -3,7 +3,8 @@
 Read from the environment (design §7) by :meth:`ClientSettings.from_env`, whose
 arguments override it; or built directly. A plain dataclass rather than
 pydantic-settings: the client is installed into training images and keeps its
-dependencies to httpx, filelock and tqdm.
+dependencies to httpx, filelock and tqdm (httpx only for a caller's own ``httpx.Client``:
+kcache's own requests go through the standard library, :mod:`kcache_client._lean_http`).
 
 Local compiles default to on when no server is configured (nothing else could
 compile a miss) and to off when one is: a worker that silently compiled for itself
@@ -30,13 +31,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-import httpx
-
 from kcache._env import env_flag
 from kcache.dirs import cache_dir as default_cache_dir
 from kcache.errors import KCacheError
 from kcache.eviction import parse_size
 from kcache_client._trust import default_known_servers
+from kcache_client._waits import Timeouts, Waits
 
 __all__ = [
     "DEFAULT_MAX_ARTIFACT_BYTES",
@@ -50,7 +50,7 @@ __all__ = [
 
 #: A compile can take minutes on a cold server; connecting should not. (Each read waits
 #: at most this long for the next bytes; a try as a whole is bounded by RetryPolicy.)
-DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+DEFAULT_TIMEOUT = Waits(connect=5.0, read=600.0, write=600.0)
 
 #: The largest artifact a client accepts: 8 times the server's default cap on compiler
 #: output (32 MiB), so a server that raised its own cap is still served, while a
@@ -126,14 +126,14 @@ ENVIRONMENT: Mapping[str, str] = MappingProxyType(
 )
 
 
-def timeout_from_env(default: httpx.Timeout = DEFAULT_TIMEOUT) -> httpx.Timeout:
+def timeout_from_env(default: Timeouts = DEFAULT_TIMEOUT) -> Waits:
     """``default``, its connect and read waits replaced by ``KCACHE_CONNECT_TIMEOUT_S`` and
-    ``KCACHE_READ_TIMEOUT_S`` where they are set (the read wait also bounds writes and the pool)."""
+    ``KCACHE_READ_TIMEOUT_S`` where they are set (the read wait also bounds writes)."""
     read = _env_seconds(ENVIRONMENT["timeout.read"], default.read or DEFAULT_TIMEOUT.read or 600.0)
     connect = _env_seconds(
         ENVIRONMENT["timeout.connect"], default.connect or DEFAULT_TIMEOUT.connect or 5.0
     )
-    return httpx.Timeout(read, connect=connect)
+    return Waits(connect=connect, read=read, write=read)
 
 
 @dataclass(frozen=True)
@@ -312,8 +312,10 @@ class ClientSettings:
     Server: ``url`` (``KCACHE_URL``; None: no server), ``token`` (``KCACHE_TOKEN``),
     ``retry`` (a :class:`RetryPolicy`: attempts, each try's deadline, the whole call's
     budget; ``KCACHE_REQUEST_DEADLINE_S``, ``KCACHE_COMPILE_DEADLINE_S``,
-    ``KCACHE_RETRY_BUDGET_S``), ``timeout`` (an ``httpx.Timeout``: the longest wait for
-    the next bytes; default 600 s to read, for compiles, and 5 s to connect),
+    ``KCACHE_RETRY_BUDGET_S``), ``timeout`` (a :class:`~kcache_client._waits.Waits`, or
+    an ``httpx.Timeout`` or anything with its ``connect``, ``read`` and ``write``: the
+    longest wait for the next bytes; default 600 s to read, for compiles, and 5 s to
+    connect),
     ``max_artifact_bytes`` (the largest artifact accepted from the server,
     ``KCACHE_CLIENT_MAX_ARTIFACT_BYTES``, default 256 MiB). Node tier: ``cache_dir``
     (``KCACHE_CACHE_DIR``, else ``~/.cache/kcache/client``), ``cache_max_bytes`` (its
@@ -350,7 +352,7 @@ class ClientSettings:
     memory_entries: int = 4096
     lock_timeout_s: float = 900.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    timeout: httpx.Timeout = field(default_factory=lambda: DEFAULT_TIMEOUT)
+    timeout: Timeouts = DEFAULT_TIMEOUT
     max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES
     #: Public keys whose signatures are accepted (``KCACHE_TRUSTED_KEYS``: keys, or ``@FILE``);
     #: None: each server's keys pinned on first contact in ``known_servers`` (kcache_client._trust).
@@ -423,7 +425,7 @@ class ClientSettings:
         memory_entries: int | None = None,
         lock_timeout_s: float | None = None,
         retry: RetryPolicy | None = None,
-        timeout: httpx.Timeout | None = None,
+        timeout: Timeouts | None = None,
         max_artifact_bytes: int | str | None = None,
         trusted_keys: str | None = None,
         known_servers: str | os.PathLike[str] | None = None,

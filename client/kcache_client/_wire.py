@@ -22,8 +22,9 @@ injected-httpx wire caps httpx's timeouts by it and checks it between the pieces
 body (:mod:`kcache_client._httpx_wire` states that bound). Both read a body against the
 limit decided from its status and headers before it is read
 (:class:`~kcache_client._lean_answer.AnswerRefused` past it, the connection dropped),
-refuse oversized headers, and raise the ``httpx.TransportError`` httpx would for a
-connection that fails.
+refuse oversized headers, and raise the
+:class:`~kcache_client._lean_errors.TransportError` of the name httpx would raise for a
+connection that fails (the injected-httpx wire translates httpx's own into it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kcache_client._lean_answer import BodyLimit, LeanResponse, LeanStream
 from kcache_client._lean_http import LeanClient
 from kcache_client._lean_request import json_body
+from kcache_client._waits import Timeouts
 
 if TYPE_CHECKING:
     import httpx
@@ -100,8 +102,8 @@ class StreamReply(Protocol):
 class Wire(Protocol):
     """One way to one server: sends a request and reads its answer, nothing more.
 
-    Made with the server's URL, the ``httpx.Timeout`` of every wait for bytes and the
-    headers of every request. It does not retry (beyond sending a GET again on a fresh
+    Made with the server's URL, the :class:`~kcache_client._waits.Timeouts` of every
+    wait for bytes and the headers of every request. It does not retry (beyond sending a GET again on a fresh
     connection when a kept one turns out closed before its answer began), count or map
     statuses: its caller (:class:`~kcache_client._http.Transport`) does.
     """
@@ -121,9 +123,10 @@ class Wire(Protocol):
         ``until`` (a ``time.monotonic()`` instant) ends the whole exchange, connect to
         last byte (DeadlineExceeded); ``limit`` decides from the status and headers how
         long the body may be (AnswerRefused past it, or raised by ``limit`` itself).
-        A failure to connect, send or read raises the ``httpx.TransportError`` httpx
-        would; a redirect is answered as it is, never followed. The injected-httpx wire
-        bounds the exchange less tightly than ``until`` alone (its module says how).
+        A failure to connect, send or read raises the
+        :class:`~kcache_client._lean_errors.TransportError` httpx would; a redirect is
+        answered as it is, never followed. The injected-httpx wire bounds the exchange
+        less tightly than ``until`` alone (its module says how).
         """
         ...
 
@@ -137,8 +140,8 @@ class Wire(Protocol):
         slowly the bytes come (on the injected-httpx wire, as its module says), and
         nothing of the body is read ahead of the caller (no limit on its length: the
         caller bounds what it reads). The connection is released when the context
-        ends. Raises ``httpx.TransportError`` for a failure to connect, send or read; a
-        redirect is not followed.
+        ends. Raises :class:`~kcache_client._lean_errors.TransportError` for a failure to
+        connect, send or read; a redirect is not followed.
         """
         ...
 
@@ -151,7 +154,7 @@ class Wire(Protocol):
 
 
 def open_wire(
-    url: str, timeout: httpx.Timeout, headers: Mapping[str, str], client: httpx.Client | None
+    url: str, timeout: Timeouts, headers: Mapping[str, str], client: httpx.Client | None
 ) -> Wire:
     """The wire of a transport to ``url``: ``client``'s when one is injected, else the lean one.
 
@@ -168,7 +171,7 @@ def open_wire(
 class LeanWire:
     """Every request through a :class:`~kcache_client._lean_http.LeanClient`; see the module docstring."""
 
-    def __init__(self, url: str, timeout: httpx.Timeout, headers: Mapping[str, str]) -> None:
+    def __init__(self, url: str, timeout: Timeouts, headers: Mapping[str, str]) -> None:
         self._client = LeanClient(url, timeout)
         # Made once: a warm fetch allocates nothing of its own here.
         self._headers = dict(headers)

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
-import httpx
 import pytest
 from client_harness import Scripted, Seen, json_response
 from kcache_client import (
@@ -47,6 +46,7 @@ from kcache_client._lean_answer import (
     LeanHeaders,
     LeanResponse,
 )
+from kcache_client._lean_errors import ConnectError, ReadTimeout
 from kcache_client.errors import ResponseRefusedError
 
 from kcache.errors import ArtifactNotFoundError, CompileError, KCacheError
@@ -166,7 +166,7 @@ def on_mock(
     return Transport(URL, wire=wire, **kwargs), wire
 
 
-REFUSED = httpx.ConnectError("[Errno 111] Connection refused")
+REFUSED = ConnectError("[Errno 111] Connection refused")
 OK = json_response(200, {"ok": True})
 
 
@@ -211,7 +211,7 @@ def test_a_transport_failure_is_retried_then_server_unavailable_naming_the_url_a
     assert isinstance(info.value, ConnectionError) and isinstance(info.value, KCacheError)
     assert len(wire.tries) == transport.requests == FAST.attempts
     # Recovered on a later try: the answer, as if nothing had happened.
-    transport, wire = on_mock([REFUSED, httpx.ReadTimeout("timed out"), OK])
+    transport, wire = on_mock([REFUSED, ReadTimeout("timed out"), OK])
     assert transport.request("GET", "/v1/toolchains").json() == {"ok": True}
     assert len(wire.tries) == 3
 
