@@ -3,8 +3,7 @@
 Read from the environment (design §7) by :meth:`ClientSettings.from_env`, whose
 arguments override it; or built directly. A plain dataclass rather than
 pydantic-settings: the client is installed into training images and keeps its
-dependencies to httpx, filelock and tqdm (httpx only for a caller's own ``httpx.Client``:
-kcache's own requests go through the standard library, :mod:`kcache_client._lean_http`).
+dependencies to filelock, tqdm and httpx (only for a caller's own ``httpx.Client``).
 
 Local compiles default to on when no server is configured (nothing else could
 compile a miss) and to off when one is: a worker that silently compiled for itself
@@ -312,10 +311,9 @@ class ClientSettings:
     Server: ``url`` (``KCACHE_URL``; None: no server), ``token`` (``KCACHE_TOKEN``),
     ``retry`` (a :class:`RetryPolicy`: attempts, each try's deadline, the whole call's
     budget; ``KCACHE_REQUEST_DEADLINE_S``, ``KCACHE_COMPILE_DEADLINE_S``,
-    ``KCACHE_RETRY_BUDGET_S``), ``timeout`` (a :class:`~kcache_client._waits.Waits`, or
-    an ``httpx.Timeout`` or anything with its ``connect``, ``read`` and ``write``: the
-    longest wait for the next bytes; default 600 s to read, for compiles, and 5 s to
-    connect),
+    ``KCACHE_RETRY_BUDGET_S``), ``timeout`` (a :class:`~kcache_client._waits.Waits`, or an
+    ``httpx.Timeout`` or anything with ``connect``, ``read`` and ``write``: the longest
+    wait for the next bytes; default 600 s to read, for compiles, and 5 s to connect),
     ``max_artifact_bytes`` (the largest artifact accepted from the server,
     ``KCACHE_CLIENT_MAX_ARTIFACT_BYTES``, default 256 MiB). Node tier: ``cache_dir``
     (``KCACHE_CACHE_DIR``, else ``~/.cache/kcache/client``), ``cache_max_bytes`` (its
