@@ -145,7 +145,32 @@ def main() -> None:
                 calls.append(warmup_once(cache, recipes, groups[call["group"]], cfg, rank))
             report.write_text(json.dumps({"rank": rank, "calls": calls}))
     cache.close()
+    stay_while_others_use_the_store(cfg, rank)
     dist.destroy_process_group()
+
+
+def stay_while_others_use_the_store(cfg: dict[str, Any], rank: int) -> None:
+    """Under ``tcp://`` rendezvous rank 0's process hosts the job's store, and a job keeps it
+    up while the other ranks use it (a launcher outlives its ranks; a job ends in a barrier):
+    each rank says it is done, and rank 0 waits (bounded) for the ranks that live, so a rank
+    still in a warmup on a subgroup never finds the store gone because rank 0 finished first.
+    """
+    if cfg.get("store") == "external":
+        return  # the test hosts it
+    die = cfg.get("die") or {}
+    living = cfg["world"] - (1 if die else 0)
+    deadline = time.monotonic() + 2 * cfg["timeout"]
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", cfg["port"], is_master=False, timeout=timedelta(seconds=cfg["timeout"])
+        )
+        store.add("test/finished", 1)
+        while rank == 0 and store.add("test/finished", 0) < living:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+    except (RuntimeError, OSError):  # the host is gone (a test that kills it): nothing to keep
+        return
 
 
 if __name__ == "__main__":
