@@ -303,21 +303,25 @@ class TierPacks:
             os.close(pack.fd)
 
     def entry(self, recipe_key: str) -> PackEntry | None:
-        """The entry of ``recipe_key`` in the pack holding it; nothing is read."""
+        """The entry of ``recipe_key`` in the pack holding it; nothing is read. None also
+        when another thread set the entry aside (damaged) since the pack was looked up."""
         pack = self._by_key.get(recipe_key)
-        return None if pack is None else PackEntry(pack, pack.entries[recipe_key])
+        if pack is None:
+            return None
+        indexed = pack.entries.get(recipe_key)
+        return None if indexed is None else PackEntry(pack, indexed)
 
     def entries(self, recipe_key: str) -> Iterator[PackEntry]:
         """Every indexed pack's entry of ``recipe_key``, :meth:`entry`'s first: a caller that
         may not use the first (signed by a key not trusted here: another user's prefetch
         through another server) finds the one its own prefetch wrote."""
-        first = self._by_key.get(recipe_key)
+        first = self.entry(recipe_key)
         if first is None:
             return
-        yield PackEntry(first, first.entries[recipe_key])
+        yield first
         for pack in list(self._packs.values()):
             indexed = pack.entries.get(recipe_key)
-            if pack is not first and indexed is not None:
+            if pack is not first.pack and indexed is not None:
                 yield PackEntry(pack, indexed)
 
     def read(self, found: PackEntry) -> bytes | None:
