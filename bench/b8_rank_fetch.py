@@ -32,6 +32,7 @@ leaves the filesystem out.
 
     python b8_rank_fetch.py                 # the benchmark
     B8_DIR=/dev/shm python b8_rank_fetch.py # the same on a tmpfs
+    B8_PROFILE=DIR python b8_rank_fetch.py  # each rank's gets profiled into DIR/rank-PID.prof
     python b8_rank_fetch.py rank CONFIG     # one rank (started by the benchmark)
 """
 
@@ -86,9 +87,13 @@ def rank_main(config_path: str) -> None:
     cache = KernelCache(cfg["url"], cache_dir=cfg["tier"], settings=settings)
     print("ready", flush=True)
     sys.stdin.readline()
+    profile = _profiler()
     start, cpu = time.monotonic(), time.process_time()
     artifacts = [cache.get(r) for r in recipes]
     end, cpu = time.monotonic(), time.process_time() - cpu
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(Path(os.environ["B8_PROFILE"]) / f"rank-{os.getpid()}.prof")
     verified = all(hashlib.sha256(a.data).hexdigest() == a.digest for a in artifacts)
     print(
         json.dumps(
@@ -105,6 +110,18 @@ def rank_main(config_path: str) -> None:
         flush=True,
     )
     cache.close()
+
+
+def _profiler() -> Any:
+    """A running cProfile when ``B8_PROFILE`` names a directory (each rank writes its
+    ``rank-PID.prof`` there: where the ranks' CPU goes), else None."""
+    if not os.environ.get("B8_PROFILE"):
+        return None
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
 
 
 # ---------------------------------------------------------------------------- the benchmark

@@ -10,9 +10,8 @@ Figures, each the median of ``BENCH_ROUNDS`` (5) runs, ours and the anchor alter
 - ``scripts/serve`` with an up-to-date ``.venv`` answering ``/readyz`` (it checks the
   environment, migrates, serves): same anchor. Goal: < 5 s.
 
-The three packages are byte-compiled first, as ``pip install`` does: in a checkout being
-edited under ``PYTHONDONTWRITEBYTECODE=1`` every changed module would otherwise be
-compiled again by every command measured.
+The three packages are byte-compiled first, as ``pip install`` does
+(``_harness.compile_packages``).
 """
 
 from __future__ import annotations
@@ -93,8 +92,6 @@ def main() -> None:
     python = sys.executable
     env = {k: v for k, v in os.environ.items() if not k.startswith("KCACHE_")}
     floor = [python, "-c", "pass"]
-    packages = [str(ROOT / d) for d in ("kcache", "client/kcache_client", "server/kcache_server")]
-    subprocess.run([python, "-m", "compileall", "-q", *packages], check=True, capture_output=True)
     with tempfile.TemporaryDirectory(prefix="kcache-bench-cmd-") as tmp:
         source = Path(tmp) / "vector_add.cu"
         source.write_text(VECTOR_ADD)
