@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kcache.artifact import ArtifactMeta
-from kcache.errors import CompileError
+from kcache.errors import CompileError, UnlistedIncludeError
 from kcache.keys import sha256_hex
 from kcache.recipe import Recipe
 from kcache_client import _bypass
@@ -85,6 +86,53 @@ def nvrtc_error(exc: CompileError) -> Exception:
             continue
         return error_class(message)  # type: ignore[no-any-return]
     return RuntimeError(message)
+
+
+def nvrtc_backend() -> Any:
+    """What cuda.core's Program says its C++ backend is: ``CompilerBackendType.NVRTC`` (a
+    ``str`` enum, cuda.core 1.x), else the string ``"NVRTC"`` (releases before it)."""
+    try:
+        return importlib.import_module("cuda.core.typing").CompilerBackendType.NVRTC
+    except (ImportError, AttributeError):
+        return "NVRTC"
+
+
+def debug_source_bypass(options: Any, native_program: Any = None) -> Bypass | None:
+    """The bypass of a debug compile whose source file cuda.core makes, else None.
+
+    cuda.core 1.2+ (its Program has ``_try_materialize_nvrtc_debug_source``) writes the
+    source of a ``debug`` or ``lineinfo`` compile left without a ``ProgramOptions.name``
+    to a temporary ``.cu`` file of its own, made when the Program is, compiles under that
+    file's name so cuda-gdb can show the source, names the ObjectCode by it and removes
+    it at close. The binary then names a file of this one Program: kcache has nothing
+    to share, so cuda.core compiles it. Older releases name it ``default_program``,
+    which kcache compiles as any other.
+    """
+    if not (getattr(options, "debug", None) or getattr(options, "lineinfo", None)):
+        return None
+    if getattr(options, "name", None) not in (None, "default_program"):
+        return None
+    native_program = native_program or cuda_core().Program  # ``options`` are cuda.core's here
+    if not hasattr(native_program, "_try_materialize_nvrtc_debug_source"):
+        return None
+    return Bypass(
+        "cuda.core",
+        "debug-source-file",
+        "a debug or lineinfo compile without ProgramOptions.name is compiled under a "
+        "temporary copy of its source that cuda.core makes per Program for cuda-gdb",
+    )
+
+
+def _made_in(filename: str, program: Program) -> Any:
+    """cuda.core's Program of ``program``'s code and options, made by a frame of ``filename``.
+
+    cuda.core names the temporary source file of a debug compile after the Python file
+    whose frame made its Program (``{caller}_{kernel}_XXXXXXXX.cu``); made here, that
+    would be this module, so the one call is compiled as a line of the caller's file.
+    """
+    made = compile("Program(code, code_type, options)", filename, "eval")
+    names = {"code": program.code, "code_type": program.code_type, "options": program.options}
+    return eval(made, {"Program": cuda_core().Program}, names)
 
 
 def _options(options: Any) -> Any:
@@ -162,6 +210,16 @@ class Program:
             refuse_extras(self.bypass, headers=self._headers, include_sets=self._include_sets)
             _bypass.check(self.bypass, self._cache or default_cache())
             self._native_program()  # cuda.core's own checks of the code and options raise here
+        elif getattr(self.options, "extra_sources", None) is not None:
+            self._native_program()  # NVRTC takes one source: cuda.core's own ValueError
+        elif not (self._headers or self._include_sets):
+            # (kcache's own headers or include sets keep the compile kcache's: cuda.core takes none)
+            self.bypass = debug_source_bypass(self.options)
+            if self.bypass is not None:
+                _bypass.check(self.bypass, self._cache or default_cache())
+                # Its source file is made with the Program and named after the Python file
+                # that made it: this caller's, as if it had called cuda.core itself.
+                self._native = _made_in(sys._getframe(1).f_code.co_filename, self)
 
     def _native_program(self) -> Any:
         """cuda.core's own Program of the same code and options (made once, when needed)."""
@@ -181,10 +239,11 @@ class Program:
 
     @property
     def backend(self) -> Any:
-        """``NVRTC`` for C++ code, as cuda.core's Program says; cuda.core's own for other input."""
+        """``NVRTC`` for C++ code (cuda.core's ``CompilerBackendType`` where it has one), as
+        cuda.core's Program says; cuda.core's own for other input."""
         if self.code_type != "c++" and self._native is not None:
             return self._native.backend
-        return "NVRTC"
+        return nvrtc_backend()
 
     @property
     def is_closed(self) -> bool:
@@ -225,7 +284,7 @@ class Program:
         :func:`program_cache`), cuda.core's own Program compiles through that cache.
         """
         if self._closed:
-            raise RuntimeError("this Program is closed")
+            raise RuntimeError("Program has been closed")  # cuda.core's words
         kcache = self._cache or default_cache()
         if cache is not None:
             bypass = Bypass(
@@ -255,11 +314,14 @@ class Program:
             artifact = kcache.get(recipe)
         except CompileError as exc:
             raise nvrtc_error(exc) from exc
-        except (RequestRejectedError, RecipeRefusedError) as exc:
-            # The server refused the recipe's input: cuda.core compiles it, as without kcache.
-            bypass = Bypass(
-                "cuda.core", f"server={getattr(exc, 'code', '') or 'refused'}", str(exc)
-            )
+        except (RequestRejectedError, RecipeRefusedError, UnlistedIncludeError) as exc:
+            # The server, or a local compile, refused the recipe's input (a quoted include
+            # NVRTC would find beside the program, say): cuda.core compiles it, as without kcache.
+            if isinstance(exc, UnlistedIncludeError):
+                reason = "unlisted_include"
+            else:
+                reason = f"server={getattr(exc, 'code', '') or 'refused'}"
+            bypass = Bypass("cuda.core", reason, str(exc))
             _bypass.check(bypass, kcache)
             return self._compile_bypassed(bypass, target_type, name_expressions, logs)
         if logs is not None and artifact.metadata.log:

@@ -520,6 +520,43 @@ def test_cuda_core_program_refuses_what_it_cannot_serve(cache: KernelCache) -> N
         program.compile("cubin")
 
 
+def test_cuda_core_program_answers_as_cuda_core_does(cache: KernelCache) -> None:
+    """What cuda.core's own tests/test_program.py asks of a Program, through kcache."""
+    options_type = _program_options()
+    from kcache_client.cuda_core import Program
+
+    program = Program(PLAIN, "c++", options=options_type(name="42", arch="sm_90"), cache=cache)
+    ptx = program.compile("ptx")
+    assert program.last_bypass is None  # compiled by kcache, not handed to cuda.core
+    assert type(ptx).__name__ == "ObjectCode" and ptx.name == "42"  # ProgramOptions.name
+    assert b".version" in bytes(ptx.code)
+    assert program.backend == "NVRTC"
+    typing = pytest.importorskip("cuda.core.typing")
+    assert isinstance(program.backend, typing.CompilerBackendType)
+    program.close()
+    with pytest.raises(RuntimeError, match=r"^Program has been closed$"):
+        program.compile("ptx")
+
+
+def test_a_debug_compile_named_by_cuda_core_s_own_source_file_is_cuda_core_s() -> None:
+    options_type = _program_options()
+    from kcache_client.cuda_core import debug_source_bypass
+
+    class Materializing:  # cuda.core 1.2's Program writes such a file; older ones do not
+        _try_materialize_nvrtc_debug_source = None
+
+    for debug in (dict(debug=True), dict(lineinfo=True), dict(debug=True, name="default_program")):
+        bypass = debug_source_bypass(options_type(arch="sm_90", **debug), Materializing)
+        assert bypass is not None and bypass.reason == "debug-source-file"
+    assert debug_source_bypass(options_type(arch="sm_90", debug=True), object) is None
+    assert (
+        debug_source_bypass(options_type(arch="sm_90", debug=True, name="k.cu"), Materializing)
+        is None
+    )
+    assert debug_source_bypass(options_type(arch="sm_90"), Materializing) is None
+    assert debug_source_bypass(["-G"], Materializing) is None
+
+
 def test_program_cache_is_a_cuda_core_cache_resource_on_the_node_tier(tmp_path: Path) -> None:
     pytest.importorskip("cuda.core")
     utils = pytest.importorskip("cuda.core.utils")
