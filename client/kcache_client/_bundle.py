@@ -13,20 +13,16 @@
   names the manifest and still holds each entry makes no request.
 - :func:`write_bundle_file` (``kcache bundle create``): one ``.kcb`` file of a manifest's
   artifacts, in the same format, from the tiers (prefetched first).
-- :func:`load_bundle_file` (``kcache bundle unpack``, and a file layer): a bundle file
-  into a tier. Every entry is checked first (framing, digest, a signature by a key this
-  client trusts: ``KCACHE_TRUSTED_KEYS`` or a pinned server's), and nothing is written
-  unless all pass: a file truncated, tampered with or signed by an unknown key leaves
-  the tier as it was.
-- :func:`open_layers`: the read-only layers under a cache's writable node tier
-  (``ClientSettings.layers``, ``KCACHE_CACHE_LAYERS``): tier directories, used as they
-  are (read only, signed entries only, never touched or evicted), and bundle files,
-  unpacked once (checked as above) into ``<cache_dir>/layers/<id>/`` and used from there.
+- :func:`load_bundle_file` and :func:`open_layers`: bundle files into a tier, and the
+  read-only layers under a cache's writable node tier (:mod:`~kcache_client._bundle_layers`).
+
+A version 2 manifest's foreign groups travel in the same one request, in a section of
+the answer before its kernels (:mod:`~kcache_client._foreign_bundle`), and its marker
+names them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -38,24 +34,23 @@ from typing import Any, Protocol
 from kcache.artifact import ArtifactMeta
 from kcache.bundle_format import (
     BundleEntry,
-    BundleError,
     BundleMissing,
     BundleReader,
     end_line,
     entry_head,
     header_line,
-    read_chunks,
 )
 from kcache.errors import KCacheError
-from kcache.fsutil import atomic_write
-from kcache.job_manifest import JobManifest
+from kcache.job_manifest import JobManifest, ManifestForeign
 from kcache.signing import BundleDigest, Signature
+from kcache_client import _foreign_bundle as foreign
+from kcache_client._bundle_layers import load_bundle_file, open_layers
+from kcache_client._foreign_bundle import ForeignPart
 from kcache_client._packs import PackWriter
 from kcache_client._remote import Remote
 from kcache_client._settings import ClientSettings
 from kcache_client._stats import CacheStats
 from kcache_client._tier import NodeTier
-from kcache_client._trust import Trust
 from kcache_client.errors import ResponseRefusedError
 
 __all__ = [
@@ -70,10 +65,6 @@ __all__ = [
     "publish_received",
     "write_bundle_file",
 ]
-
-#: Where bundle-file layers are unpacked, under the writable tier's root.
-_LAYERS_DIR = "layers"
-_UNPACKED = ".unpacked"
 
 
 class BundleCache(Protocol):
@@ -99,7 +90,8 @@ class BundleCache(Protocol):
 
 @dataclass(frozen=True)
 class PrefetchResult:
-    """What a prefetch did: ``requests`` is 0 (the tiers held the manifest) or 1."""
+    """What a prefetch did: ``requests`` is 0 (the tiers held the manifest) or 1. ``kernels``,
+    ``held`` and ``fetched`` count the manifest's foreign groups with its kernels."""
 
     manifest_digest: str
     kernels: int
@@ -125,9 +117,10 @@ def _held(tiers: Sequence[NodeTier], key: str) -> str | None:
 
 
 def marked_complete(tiers: Sequence[NodeTier], manifest: JobManifest) -> bool:
-    """The tier's marker names every key of the manifest, and their files are all still here."""
+    """The tier's marker names every key of the manifest (and foreign group the tier keeps),
+    and their files are all still here."""
     marked = tiers[0].marked(manifest.digest)
-    if marked is None or sorted(k for k, _ in marked) != manifest.recipe_keys:
+    if marked is None or sorted(k for k, _ in marked) != foreign.wanted_keys(tiers[0], manifest):
         return False
     for tier in tiers:
         tier.packs.refresh()
@@ -139,6 +132,8 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
     started = time.monotonic()
     tiers = _tiers(cache)
     tier = cache.tier
+    groups = foreign.wanted(tier, manifest)
+    size = len(manifest) + len(groups)
     for each in tiers:  # the packs first: a key they hold is not looked for as an alias file
         each.packs.refresh()
     if any(_held(tiers, key) is not None for key in manifest.recipe_keys):
@@ -146,12 +141,10 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
 
     def result(held: int, fetched: int, missing: tuple[str, ...], requests: int) -> PrefetchResult:
         took = time.monotonic() - started
-        return PrefetchResult(
-            manifest.digest, len(manifest), held, fetched, missing, requests, took
-        )
+        return PrefetchResult(manifest.digest, size, held, fetched, missing, requests, took)
 
     if marked_complete(tiers, manifest):
-        return result(len(manifest), 0, (), 0)
+        return result(size, 0, (), 0)
 
     # One process per node asks (the lock guards no correctness: publishing is atomic,
     # so without it the worst is a second request); the others find its marker as soon
@@ -163,8 +156,8 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
         if not found:
             tier.flush()
         if found or marked_complete(tiers, manifest):
-            return result(len(manifest), 0, (), 0)
-        held: dict[str, str] = {}
+            return result(size, 0, (), 0)
+        held, lacking_groups = foreign.split(tier, groups)
         lacking: list[str] = []
         for key in manifest.recipe_keys:
             digest = _held(tiers, key)
@@ -172,11 +165,13 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
                 lacking.append(key)
             else:
                 held[key] = digest
-        fetched, missing = (0, []) if not lacking else _fetch(cache, lacking, held)
+        asking = bool(lacking or lacking_groups)
+        fetched, missing = _fetch(cache, lacking, held, lacking_groups) if asking else (0, [])
         if not missing:
             tier.flush()  # the records of what was published, before the marker names them
             tier.mark_complete(manifest.digest, held.items())
-        return result(len(manifest) - len(lacking), fetched, tuple(missing), 1 if lacking else 0)
+        unheld = len(lacking) + len(lacking_groups)
+        return result(size - unheld, fetched, tuple(missing), 1 if asking else 0)
 
 
 @dataclass(frozen=True)
@@ -192,34 +187,44 @@ class Received:
 
 
 def publish_received(
-    cache: BundleCache, keys: list[str], received: Received
+    cache: BundleCache, manifest: JobManifest, received: Received
 ) -> tuple[int, list[str]]:
-    """Check and keep a bundle answer to a request for ``keys`` that a peer forwarded, as if
-    this process had asked the server itself (:func:`_fetch`); (kept, missing)."""
-    return _fetch(cache, keys, {}, received=received)
+    """Check and keep a bundle answer to a request for ``manifest`` (its kernels and all of its
+    foreign groups) that a peer forwarded, as if this process had asked the server itself
+    (:func:`_fetch`); (kept, missing)."""
+    return _fetch(cache, manifest.recipe_keys, {}, manifest.foreign, received=received)
 
 
 def fetch_teed(
-    cache: BundleCache, keys: list[str], tee: Callable[[bytes], object]
+    cache: BundleCache, manifest: JobManifest, tee: Callable[[bytes], object]
 ) -> tuple[int, list[str]]:
-    """One bundle request for ``keys`` (:func:`_fetch`), each piece of the answer also handed
-    to ``tee`` as it arrives (a copy for the job's other nodes); (kept, missing)."""
-    return _fetch(cache, keys, {}, tee=tee)
+    """One bundle request for ``manifest`` (its kernels and all of its foreign groups:
+    :func:`_fetch`), each piece of the answer also handed to ``tee`` as it arrives (a copy
+    for the job's other nodes); (kept, missing)."""
+    return _fetch(cache, manifest.recipe_keys, {}, manifest.foreign, tee=tee)
 
 
 def _opened(
     cache: BundleCache,
     remote: Remote,
     keys: list[str],
+    part: ForeignPart,
     received: Received | None,
     tee: Callable[[bytes], object] | None,
 ) -> AbstractContextManager[Iterable[bytes]]:
-    """The answer's pieces: the server's to this request, or what a peer forwarded."""
+    """The answer's pieces after its foreign section (read and kept by ``part``): the
+    server's to this request, or what a peer forwarded."""
     if received is not None:
-        return nullcontext(received.chunks)
+        return part.first(nullcontext(received.chunks))
     cache.stats.add("bundle_requests")
-    answer = remote.bundle(keys, context=cache.context())
-    return answer if tee is None else _teed(answer, tee)
+    context = cache.context()
+    groups = list(part.groups.values())
+    answer = (
+        foreign.request(remote, keys, groups, context)
+        if groups
+        else remote.bundle(keys, context=context)
+    )
+    return part.first(answer if tee is None else _teed(answer, tee))
 
 
 @contextmanager
@@ -241,11 +246,14 @@ def _fetch(
     cache: BundleCache,
     keys: list[str],
     held: dict[str, str],
+    groups: Sequence[ManifestForeign] = (),
     *,
     received: Received | None = None,
     tee: Callable[[bytes], object] | None = None,
 ) -> tuple[int, list[str]]:
-    """One bundle request for ``keys``, its entries checked and kept; (kept, missing).
+    """One bundle request for ``keys`` and the foreign ``groups``, its entries and groups
+    checked and kept; (kept, missing). The groups' section comes first; each group is
+    kept once it checks whole (:mod:`~kcache_client._foreign_bundle`).
 
     ``received``: no request; the bytes a peer forwarded of the server's answer to one
     for ``keys``, checked and kept the same way. ``tee``: each piece of the answer is
@@ -262,10 +270,12 @@ def _fetch(
     remote = cache._require_server()
     where = f"{remote.url}/v1/bundle" if received is None else received.where
     tier = cache.tier
-    missing: list[str] = []
-    opened = _opened(cache, remote, keys, received, tee)
+    part = ForeignPart(tier, remote, groups, held, where)
+    missing: list[str] = part.missing
+    opened = _opened(cache, remote, keys, part, received, tee)
     if not tier.standing.writable or tier.read_only:
-        return _fetch_each(cache, remote, opened, where, keys, held, missing)
+        fetched, unanswered = _fetch_each(cache, remote, opened, where, keys, held, missing)
+        return fetched + part.kept, unanswered
     signed = BundleDigest()
     arrived: list[tuple[str, ArtifactMeta, Signature]] = []
     pack = tier.packs.writer()
@@ -291,7 +301,7 @@ def _fetch(
         _keep(cache, remote, pack, arrived, held, where, reader.signature)
     finally:
         pack.abandon()  # nothing, once kept
-    return len(arrived), _unanswered(keys, held, missing)
+    return len(arrived) + part.kept, _unanswered(keys, held, missing)
 
 
 def _asked_entries(
@@ -428,70 +438,3 @@ def write_bundle_file(
     finally:
         partial.unlink(missing_ok=True)
     return count
-
-
-def _checked_entries(path: Path, trust: Trust, max_entry_bytes: int) -> Iterator[BundleEntry]:
-    """The file's entries, each checked (framing, digest, a trusted signature); BundleError else."""
-    with open(path, "rb") as handle:
-        reader = BundleReader(read_chunks(handle), max_entry_bytes=max_entry_bytes, where=str(path))
-        for item in reader:
-            if isinstance(item, BundleMissing):
-                continue
-            problem = trust.entry_problem(item.recipe_key, item.meta, item.signature)
-            if problem is not None:
-                raise BundleError(
-                    f"{path}: the entry of recipe {item.recipe_key} is refused: {problem}"
-                )
-            yield item
-
-
-def load_bundle_file(
-    tier: NodeTier, path: str | os.PathLike[str], trust: Trust, *, max_entry_bytes: int
-) -> int:
-    """Publish every entry of a bundle file into ``tier``, after all of them are checked.
-
-    Raises :class:`~kcache.bundle_format.BundleError` (nothing written) for a file that
-    is truncated, damaged, tampered with or signed by a key ``trust`` does not accept.
-    The file is read twice (checked whole, then published, each entry checked again),
-    so it is never held in memory.
-    """
-    source = Path(path)
-    count = sum(1 for _ in _checked_entries(source, trust, max_entry_bytes))
-    published = 0
-    for entry in _checked_entries(source, trust, max_entry_bytes):
-        tier.publish(entry.recipe_key, None, entry.meta, entry.data, entry.signature)
-        published += 1
-    tier.flush()
-    if published != count:
-        raise BundleError(f"{source} changed while it was read ({count} entries, then {published})")
-    return published
-
-
-def _file_layer(root: Path, path: Path, trust: Trust, max_entry_bytes: int) -> Path:
-    """The directory a bundle file is unpacked into (once per file identity), checked whole."""
-    st = os.stat(path)
-    ident = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
-    target = root / _LAYERS_DIR / hashlib.sha256(ident.encode()).hexdigest()[:32]
-    if (target / _UNPACKED).is_file():
-        return target
-    unpacking = NodeTier(target, max_bytes=0, trust=trust)
-    try:
-        load_bundle_file(unpacking, path, trust, max_entry_bytes=max_entry_bytes)
-    except BundleError as exc:
-        raise KCacheError(
-            f"the cache layer {path} is refused: {exc}. Remove it from KCACHE_CACHE_LAYERS, or "
-            "give the key that signed it in KCACHE_TRUSTED_KEYS if it is a trusted server's"
-        ) from None
-    atomic_write(target / _UNPACKED, str(path).encode(), durable=False)
-    return target
-
-
-def open_layers(
-    paths: Sequence[Path], root: Path, trust: Trust, *, max_entry_bytes: int
-) -> list[NodeTier]:
-    """The read-only layers of ``paths`` (module docstring), in order."""
-    layers = []
-    for path in paths:
-        directory = _file_layer(root, path, trust, max_entry_bytes) if path.is_file() else path
-        layers.append(NodeTier(directory, max_bytes=0, trust=trust, read_only=True))
-    return layers

@@ -88,8 +88,20 @@ def budget(timeout: float, deadline_s: float) -> float:
 
 def bound(manifest: JobManifest, max_artifact_bytes: int) -> int:
     """The most bytes a bundle of ``manifest``'s keys can have: a header line and a trailer,
-    and per key a header line, its bytes and a newline (or a missing line)."""
-    return (len(manifest) + 2) * (MAX_LINE_BYTES + 1) + len(manifest) * (max_artifact_bytes + 1)
+    and per key a header line, its bytes and a newline (or a missing line); with foreign
+    groups, their section's header and end lines and per group a line, its files and a
+    newline (kcache.foreign_section)."""
+    kernels = (len(manifest) + 2) * (MAX_LINE_BYTES + 1) + len(manifest) * (max_artifact_bytes + 1)
+    groups = manifest.foreign
+    if not groups:
+        return kernels
+    files = sum(len(g.files) for g in groups)
+    return (
+        kernels
+        + (len(groups) + 2) * (MAX_LINE_BYTES + 1)
+        + files * max_artifact_bytes
+        + len(groups)
+    )
 
 
 def prefetch_in_group(
@@ -233,7 +245,7 @@ def _fan_out(
     )
     try:
         spool.seek(0)
-        publish_received(cache, manifest.recipe_keys, Received(read_chunks(spool, CHUNK), where))
+        publish_received(cache, manifest, Received(read_chunks(spool, CHUNK), where))
     except Exception as exc:  # refused as the server's answer would be: ask the server
         _log.warning(
             "kcache: the bundle forwarded over the job's process group is refused (%s: %s); "
@@ -357,7 +369,7 @@ class _Exchange:
             spool.write(piece)
 
         try:
-            fetch_teed(self.cache, self.manifest.recipe_keys, copy)
+            fetch_teed(self.cache, self.manifest, copy)
         except Exception as exc:
             _log.warning(
                 "kcache: the bundle request for the job's nodes failed (%s: %s)",

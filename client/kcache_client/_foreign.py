@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import json
 import logging
 import os
 import queue
@@ -41,9 +40,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote, urlencode
 
-from kcache.artifact import ArtifactMeta
+from kcache.artifact_header import CONTEXT_HEADER, encode_context
 from kcache.foreign import ForeignBinding, ForeignNameError, binding_key, check_files, check_name
 from kcache.signing import Signature, SignatureError
+from kcache_client._foreign_groups import keep_group, pack_group, takes_foreign, unpack_group
+from kcache_client._foreign_ledger import ledger_of
 from kcache_client._lean_request import json_body
 from kcache_client.errors import UntrustedArtifactError
 
@@ -72,7 +73,6 @@ QUEUE = 256
 EXIT_FLUSH_S = 5.0
 #: One wait to connect, and for the next bytes, of a lookup (a miss costs at most these).
 CONNECT_S, READ_S = 2.0, 30.0
-_MAGIC = b"kcache-foreign-group/1\n"
 #: Bytes of groups kept in a process's memory.
 MEMORY_BYTES = 256 << 20
 
@@ -98,37 +98,6 @@ class ForeignName(NamedTuple):
     def query(self) -> dict[str, str]:
         """The namespace, as the route's query."""
         return {"version": self.version, "target": self.target, "toolchain": self.toolchain}
-
-
-def pack_group(files: Mapping[str, bytes]) -> bytes:
-    """A group as one blob: a header line naming each file and its size, then the bytes in order."""
-    names = sorted(files)
-    header = json.dumps([[n, len(files[n])] for n in names], separators=(",", ":"))
-    return b"".join([_MAGIC, header.encode("utf-8"), b"\n", *(files[n] for n in names)])
-
-
-def unpack_group(blob: bytes) -> dict[str, bytes] | None:
-    """Inverse of :func:`pack_group`; None for a blob that is not one whole group."""
-    if not blob.startswith(_MAGIC):
-        return None
-    end = blob.find(b"\n", len(_MAGIC))
-    try:
-        listed = json.loads(blob[len(_MAGIC) : end])
-        offset, files = end + 1, {}
-        for name, size in listed:
-            if not isinstance(name, str) or type(size) is not int or size < 0:
-                return None
-            files[name] = blob[offset : offset + size]
-            offset += size
-    except (ValueError, TypeError):
-        return None
-    if (
-        end < 0
-        or offset != len(blob)
-        or any(len(v) != s for v, (_, s) in zip(files.values(), listed, strict=True))
-    ):
-        return None
-    return files
 
 
 class ForeignCache:
@@ -160,6 +129,8 @@ class ForeignCache:
         #: What this process's lookups and writes did: node_hits, server_hits, misses,
         #: refused (answers that did not check), unreachable, published, kept, dropped, failed.
         self.counts: Counter[str] = Counter()
+        #: What this process's hooks used, for its manifest (kcache_client._foreign_ledger).
+        self._ledger = ledger_of(cache)
 
     # ------------------------------------------------------------------ lookups
     def get(self, name: ForeignName) -> dict[str, bytes] | None:
@@ -170,12 +141,14 @@ class ForeignCache:
                 self._memory.move_to_end(name)
         if found is not None:
             self.counts["memory_hits"] += 1
+            self._ledger.note(name, found, name.binding_key)
             return found
         try:
             found = self._from_tier(name)
             if found is not None:
                 self.counts["node_hits"] += 1
                 self._remember(name, found)
+                self._ledger.note(name, found, name.binding_key)
                 return found
             found = self._from_server(name)
         except Exception as exc:  # a hook's lookup is a miss whatever went wrong
@@ -186,6 +159,7 @@ class ForeignCache:
             return None
         self.counts["server_hits"] += 1
         self._remember(name, found)
+        self._ledger.note(name, found, name.binding_key)
         self._keep(name, found)
         return found
 
@@ -240,8 +214,7 @@ class ForeignCache:
         return sorted(names)
 
     def _tier_usable(self) -> bool:
-        tier = self.cache.tier
-        return not tier.standing.signed_only and not tier.read_only
+        return takes_foreign(self.cache.tier)
 
     def _from_tier(self, name: ForeignName) -> dict[str, bytes] | None:
         if not self._tier_usable():
@@ -274,7 +247,10 @@ class ForeignCache:
         """One try; None (and the server taken for down a while) when it cannot be reached."""
         from kcache_client._lean_errors import HTTPError  # every failure the lean client raises
 
-        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        # Who asks, as a fetch says it: the lookup's audit row names the job (its manifest).
+        headers = {CONTEXT_HEADER: encode_context(self.cache.context())}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
         if content_type:
             headers["Content-Type"] = content_type
         try:
@@ -369,6 +345,7 @@ class ForeignCache:
             return False
         group = {k: bytes(v) for k, v in files.items()}
         self._remember(name, group)
+        self._ledger.note(name, group)
         try:
             self._keep(name, group)
         except Exception as exc:  # the node tier is best effort here too
@@ -429,19 +406,7 @@ class ForeignCache:
 
     def _keep(self, name: ForeignName, files: Mapping[str, bytes]) -> None:
         """Keep the group in the node tier (one blob: all of it or none)."""
-        if not self._tier_usable():
-            return
-        blob = pack_group(files)
-        meta = ArtifactMeta(
-            digest=hashlib.sha256(blob).hexdigest(),
-            size=len(blob),
-            kind="foreign",
-            target=name.target,
-            toolchain=f"{name.library}-{name.version}/{name.toolchain}",
-            kernel=f"foreign:{name.library}:{name.key}",
-        )
-        key = name.binding_key
-        if self.cache.tier.publish(key, None, meta, blob) is not None:
+        if keep_group(self.cache.tier, name, name.binding_key, files) is not None:
             self.counts["kept"] += 1
 
     def _publish(self, name: ForeignName, files: Mapping[str, bytes]) -> None:

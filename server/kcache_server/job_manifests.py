@@ -8,18 +8,31 @@ job; a job's warmup, which resolves, is. Per recipe key the latest served event
 decides the digest; the artifact's kind and size come from the store's index while
 it holds the artifact (empty and 0 once it is evicted). Events past the audit's
 retention are gone, and with them a job's manifest: save it when the job runs.
+
+The foreign groups the job's library hooks used come from its foreign lookups (route
+``foreign``: a hook's ``GET /v1/foreign/...`` and a bundle's foreign groups, each with
+the caller's context), hit or miss (a miss is followed by the library's compile and the
+hook's publish under that name), for the bindings the server holds now, with their files
+as stored (docs/design.md section 10). The name is read back from the row's kernel
+(``foreign:<library>:<key>``), target and toolchain (``<library>-<version>/<toolchain>``);
+a row at a column's bound may have been cut and is left out rather than misread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import sqlalchemy as sa
 
-from kcache.job_manifest import MAX_KERNELS, JobManifest, ManifestKernel
+from kcache.foreign import ForeignFileRef, ForeignNameError, binding_key
+from kcache.job_manifest import MAX_KERNELS, JobManifest, ManifestForeign, ManifestKernel
 from kcache.keys import is_hex_key
 from kcache.outcomes import SERVED_OUTCOMES
 from kcache_server.errors import InvalidRequestError
 from kcache_server.models import artifacts_table as _artifacts
 from kcache_server.models import audit_events_table as _events
+from kcache_server.models import foreign_bindings_table as _bindings
+from kcache_server.models import foreign_files_table as _files
 
 __all__ = ["job_manifest"]
 
@@ -74,4 +87,82 @@ def job_manifest(db: sa.Engine, job_id: str) -> JobManifest:
         for r in rows
         if is_hex_key(r.recipe_key) and is_hex_key(r.digest)
     ]
-    return JobManifest.of(kernels, job_id)
+    return JobManifest.of(kernels, job_id, foreign=_foreign_groups(db, job_id, MAX_KERNELS))
+
+
+#: The audit columns a foreign lookup's name is read back from, and their sizes: a value
+#: this long may have been cut (``models.AuditEvent``).
+_KERNEL_CHARS, _TARGET_CHARS, _TOOLCHAIN_CHARS = 1024, 32, 128
+_PREFIX = "foreign:"
+
+
+def _foreign_name(
+    kernel: str | None, target: str | None, toolchain: str | None
+) -> tuple[str, str, str, str, str] | None:
+    """(library, version, target, toolchain, key) of a foreign lookup's audit row, or None
+    for a row that is not one, or whose fields may have been cut to their columns."""
+    if not kernel or not target or not toolchain or not kernel.startswith(_PREFIX):
+        return None
+    if (
+        len(kernel) >= _KERNEL_CHARS
+        or len(target) >= _TARGET_CHARS
+        or len(toolchain) >= _TOOLCHAIN_CHARS
+    ):
+        return None
+    library, _, key = kernel[len(_PREFIX) :].partition(":")
+    if not toolchain.startswith(f"{library}-"):
+        return None
+    version, _, compiler = toolchain[len(library) + 1 :].partition("/")
+    name = (library, version, target, compiler, key)
+    try:
+        binding_key(*name)  # every part checked
+    except ForeignNameError:
+        return None
+    return name
+
+
+def _foreign_groups(db: sa.Engine, job_id: str, most: int) -> list[ManifestForeign]:
+    """The foreign groups ``job_id`` looked up that the server holds now (module docstring)."""
+    ev = _events.c
+    query = (
+        sa.select(ev.kernel, ev.target, ev.toolchain)
+        .where(
+            ev.job_id == job_id,
+            ev.route == "foreign",
+            ev.kernel.like(f"{_PREFIX}%"),
+            ev.recipe_key.is_(None),
+        )
+        .distinct()
+        .limit(most + 1)
+    )
+    with db.connect() as conn:
+        rows = conn.execute(query).all()
+        if len(rows) > most:
+            raise InvalidRequestError(
+                "job_id", f"job {job_id!r} looked up more than {most} foreign groups"
+            )
+        names = {n for r in rows if (n := _foreign_name(r.kernel, r.target, r.toolchain))}
+        by_key = {binding_key(*n): n for n in names}
+        return _held(conn, by_key)
+
+
+def _held(
+    conn: sa.Connection, names: dict[str, tuple[str, str, str, str, str]]
+) -> list[ManifestForeign]:
+    """The bindings of ``names`` (binding key -> name) the server holds, with their files."""
+    found: list[ManifestForeign] = []
+    keys: Sequence[str] = sorted(names)
+    for start in range(0, len(keys), 500):
+        chunk = keys[start : start + 500]
+        rows = conn.execute(
+            sa.select(_bindings.c.binding_key, _files.c.name, _files.c.digest, _files.c.size)
+            .select_from(_bindings.join(_files, _files.c.binding_id == _bindings.c.id))
+            .where(_bindings.c.binding_key.in_(chunk))
+        ).all()
+        files: dict[str, list[ForeignFileRef]] = {}
+        for r in rows:
+            files.setdefault(r.binding_key, []).append(
+                ForeignFileRef(r.name, r.digest, int(r.size))
+            )
+        found += [ManifestForeign.of(*names[k], files[k]) for k in chunk if k in files]
+    return found

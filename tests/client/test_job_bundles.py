@@ -111,8 +111,8 @@ def test_the_server_records_a_jobs_manifest_and_it_saves_and_diffs(
     again = JobManifest.load(saved)
     assert again.digest == manifest.digest and again.kernels == manifest.kernels
     body = json.loads(saved.read_text())
-    with pytest.raises(ManifestError, match="version 2"):
-        JobManifest.from_dict({**body, "version": 2})
+    with pytest.raises(ManifestError, match="version 3"):
+        JobManifest.from_dict({**body, "version": 3})
     with pytest.raises(ManifestError, match="edited by hand"):
         JobManifest.from_dict({**body, "kernels": body["kernels"][1:]})
     # Diff: one kernel dropped, one recompiled to other bytes, one new recipe of a kernel.

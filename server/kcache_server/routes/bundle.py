@@ -11,16 +11,24 @@ Each key is one lookup on the server's books (route ``bundle``): ``hit`` for an 
 ``miss`` for a missing one, with the caller's ``context``, so a job's manifest counts
 what its nodes prefetched. Nothing is compiled here: a bundle replays a manifest, it
 does not build one (``/v1/resolve/batch`` does).
+
+``foreign`` names a job's foreign groups (docs/design.md section 10): when it names any,
+the answer opens with their section (:mod:`kcache.foreign_section`: each group whole, with
+the server's "published by <writer>" signature, or a missing line), then the kernels'
+bundle as above (``recipe_keys`` may then be empty). Each name is audited as a foreign
+lookup with the caller's context, so the job's manifest names the groups its nodes
+prefetched too.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from pydantic import AfterValidator, Field, model_validator
 
 from kcache.artifact import ArtifactMeta
 from kcache.bundle_format import (
@@ -31,10 +39,25 @@ from kcache.bundle_format import (
     missing_line,
 )
 from kcache.errors import ArtifactNotFoundError, CompileError
+from kcache.foreign import KEY_PATTERN, LABEL_PATTERN, LIBRARY_PATTERN, binding_key, check_name
+from kcache.foreign_section import end_line as foreign_end_line
+from kcache.foreign_section import group_head
+from kcache.foreign_section import header_line as foreign_header_line
+from kcache.foreign_section import missing_line as foreign_missing_line
 from kcache.signing import BundleDigest
 from kcache_server.auditing.writer import AuditRecord
+from kcache_server.foreign import StoredBinding
 from kcache_server.routes._deps import ERRORS, Reader, State, body_doc, read_body
-from kcache_server.schemas import BundleRequest, load_model, parse_json
+from kcache_server.routes.foreign import audit_lookup
+from kcache_server.schemas import (
+    MAX_BUNDLE_KEYS,
+    BundleRequest,
+    HexKey,
+    SchemaPattern,
+    _Strict,
+    load_model,
+    parse_json,
+)
 from kcache_server.state import ServerState
 
 __all__ = ["router"]
@@ -42,8 +65,46 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1/bundle", tags=["recipes"])
 
 
-def _parse(raw: bytes) -> BundleRequest:
-    return load_model(BundleRequest, parse_json(raw))
+def _name_part(field: str, pattern: str) -> Any:
+    """A part of a foreign name: checked as kcache.foreign checks it (422 naming the field)."""
+    return Annotated[
+        str, AfterValidator(lambda value: check_name(field, value)), SchemaPattern(pattern)
+    ]
+
+
+class ForeignNameBody(_Strict):
+    """A foreign binding's name, as a hook names it (docs/design.md section 10)."""
+
+    library: _name_part("library", LIBRARY_PATTERN)  # type: ignore[valid-type]
+    version: _name_part("version", LABEL_PATTERN)  # type: ignore[valid-type]
+    target: _name_part("target", LABEL_PATTERN)  # type: ignore[valid-type]
+    toolchain: _name_part("toolchain", LABEL_PATTERN)  # type: ignore[valid-type]
+    key: _name_part("key", KEY_PATTERN)  # type: ignore[valid-type]
+
+
+class BundleWithForeignRequest(BundleRequest):
+    """Body of ``POST /v1/bundle``: recipe keys, and a job's foreign groups by name."""
+
+    recipe_keys: list[HexKey] = Field(
+        default_factory=list,
+        max_length=MAX_BUNDLE_KEYS,
+        description="recipe keys (a manifest's); may be empty when foreign names some",
+    )
+    foreign: list[ForeignNameBody] = Field(
+        default_factory=list,
+        max_length=MAX_BUNDLE_KEYS,
+        description="foreign groups by name (a version 2 manifest's); their section comes first",
+    )
+
+    @model_validator(mode="after")
+    def _something_asked(self) -> BundleWithForeignRequest:
+        if not self.recipe_keys and not self.foreign:
+            raise ValueError("name recipe_keys, foreign names, or both")
+        return self
+
+
+def _parse(raw: bytes) -> BundleWithForeignRequest:
+    return load_model(BundleWithForeignRequest, parse_json(raw))
 
 
 def _audit(
@@ -76,10 +137,52 @@ def _audit(
 _WRITE_BYTES = 256 << 10
 
 
-async def _stream(state: ServerState, body: BundleRequest) -> AsyncIterator[bytes]:
+async def _foreign_section(
+    state: ServerState, body: BundleWithForeignRequest, context: dict[str, Any]
+) -> AsyncIterator[bytes]:
+    """The foreign groups' section (kcache.foreign_section), in writes of about _WRITE_BYTES."""
+    groups = missing = 0
+    parts: list[bytes] = [foreign_header_line()]
+    held = len(parts[0])
+    names = {
+        binding_key(*n): n
+        for n in ((f.library, f.version, f.target, f.toolchain, f.key) for f in body.foreign)
+    }
+    for key, name in names.items():  # each name once, in the order asked
+        if held >= _WRITE_BYTES:
+            yield b"".join(parts)
+            parts, held = [], 0
+        started = time.perf_counter()
+        found: StoredBinding | None = await state.run(state.foreign.get, key)
+        files: list[bytes] = []
+        if found is not None:
+            try:
+                for ref in found.binding.files:
+                    files.append(await state.resolver.blob(ref.digest))
+            except ArtifactNotFoundError:
+                files = []
+                found = None  # a file gone: the whole group is missing
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        audit_lookup(state, name, found is not None, latency_ms, context)
+        if found is None:
+            missing += 1
+            parts.append(foreign_missing_line(key, "no group is stored under the name"))
+            continue
+        head = group_head(found.binding, state.foreign.signature(found.binding))
+        parts += (head, *files, b"\n")
+        held += len(head) + sum(len(f) for f in files) + 1
+        groups += 1
+    parts.append(foreign_end_line(groups, missing))
+    yield b"".join(parts)
+
+
+async def _stream(state: ServerState, body: BundleWithForeignRequest) -> AsyncIterator[bytes]:
     resolver = state.resolver
     entries = missing = 0
     context = body.context.model_dump()  # once, not per key
+    if body.foreign:
+        async for piece in _foreign_section(state, body, context):
+            yield piece
     signed = BundleDigest()
     parts: list[bytes] = [header_line()]
     held = len(parts[0])
@@ -129,9 +232,10 @@ async def _stream(state: ServerState, body: BundleRequest) -> AsyncIterator[byte
             "content": {BUNDLE_MEDIA_TYPE: {}},
         },
     },
-    openapi_extra=body_doc(BundleRequest),
+    openapi_extra=body_doc(BundleWithForeignRequest),
 )
 async def post_bundle(request: Request, _: Reader, state: State) -> StreamingResponse:
-    """The artifacts of up to 10000 recipe keys in one streamed answer, each signed."""
+    """The artifacts of up to 10000 recipe keys in one streamed answer, each signed, after
+    the groups of up to 10000 foreign names (their own section, each group whole)."""
     body = await read_body(request, state, _parse)
     return StreamingResponse(_stream(state, body), media_type=BUNDLE_MEDIA_TYPE)

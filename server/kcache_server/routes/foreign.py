@@ -16,9 +16,10 @@ import time
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Header, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from kcache.artifact_header import CONTEXT_HEADER, MAX_CONTEXT_CHARS
 from kcache.errors import ArtifactNotFoundError
 from kcache.foreign import (
     FILE_NAME_PATTERN,
@@ -37,6 +38,7 @@ from kcache_server.auditing.writer import AuditRecord
 from kcache_server.errors import BadRequestError, InvalidRequestError
 from kcache_server.fairness import caller_identity
 from kcache_server.foreign import StoredBinding
+from kcache_server.resolving import fetch_context
 from kcache_server.routes._deps import (
     ERRORS,
     Admin,
@@ -55,7 +57,7 @@ from kcache_server.schemas import (
     parse_json,
 )
 
-__all__ = ["router"]
+__all__ = ["ForeignFileBody", "audit_lookup", "router"]
 
 router = APIRouter(tags=["foreign"])
 
@@ -168,6 +170,37 @@ def _entry(state: Any, found: StoredBinding) -> ForeignEntry:
     )
 
 
+def audit_lookup(
+    state: Any,
+    name: tuple[str, str, str, str, str],
+    found: bool,
+    latency_ms: float,
+    context: dict[str, Any],
+    tally: Any = None,
+) -> None:
+    """Audit a foreign lookup of ``name`` (library, version, target, toolchain, key) with who
+    asked (``context``: a resolve's context fields): a ``GET`` here, or a bundle's group.
+    ``tally``: identical hits between two flushes are one row and its count, under it."""
+    library, version, target, toolchain, key = name
+
+    def record() -> AuditRecord:
+        return AuditRecord(
+            outcome="hit" if found else "miss",
+            route="foreign",
+            latency_ms=latency_ms,
+            kernel=f"foreign:{library}:{key}"[:1024],
+            target=target[:32],
+            toolchain=f"{library}-{version}/{toolchain}"[:128],
+            error=None if found else "not_found",
+            **context,
+        )
+
+    if found and tally is not None:
+        state.audit.tally(tally, record, latency_ms, 0.0)
+    else:
+        state.audit.record(record())
+
+
 def _parse(raw: bytes) -> PublishRequest:
     return load_model(PublishRequest, parse_json(raw))
 
@@ -210,6 +243,19 @@ async def lookup(
     version: Annotated[str, _label_query("library's version")],
     target: Annotated[str, _label_query("target")],
     toolchain: Annotated[str, _label_query("toolchain")],
+    context: Annotated[
+        str | None,
+        Header(
+            alias=CONTEXT_HEADER,
+            max_length=MAX_CONTEXT_CHARS,
+            description=(
+                "who asks, form-encoded as a resolve's context fields (client_id, host, pid, "
+                "job_id, rank, world_size): recorded with the lookup's audit event, so a job's "
+                "manifest names the foreign groups it used; a field that does not fit is left "
+                "out, never refused"
+            ),
+        ),
+    ] = None,
 ) -> ForeignEntry:
     """The group under the name, signed "published by <writer>"; 404 when none (audited either way)."""
     started = time.perf_counter()
@@ -221,24 +267,10 @@ async def lookup(
         state.foreign.get, binding_key(library, version, target, toolchain, key)
     )
     latency_ms = (time.perf_counter() - started) * 1000.0
-
-    def record() -> AuditRecord:
-        return AuditRecord(
-            outcome="hit" if found is not None else "miss",
-            route="foreign",
-            latency_ms=latency_ms,
-            kernel=f"foreign:{library}:{key}"[:1024],
-            target=target[:32],
-            toolchain=f"{library}-{version}/{toolchain}"[:128],
-            error=None if found is not None else "not_found",
-        )
-
-    if found is not None:  # identical hits between two flushes: one row and its count
-        state.audit.tally(
-            ("foreign", library, version, target, toolchain, key), record, latency_ms, 0.0
-        )
-    else:
-        state.audit.record(record())
+    name = (library, version, target, toolchain, key)
+    # Identical hits between two flushes are one row and its count, per caller (as a fetch's).
+    tally = ("foreign", *name, context)
+    audit_lookup(state, name, found is not None, latency_ms, fetch_context(context), tally)
     if found is None:
         raise ArtifactNotFoundError(
             f"no {library} {version} entry {key} for {target} ({toolchain}): a miss, the library compiles"

@@ -1,0 +1,86 @@
+"""A foreign group in the node tier: one blob, so a reader finds all of it or none.
+
+What :class:`~kcache_client._foreign.ForeignCache` reads before the server and what a
+prefetch of a job's manifest writes (docs/design.md section 10) are the same entries:
+the group packed into one blob (:func:`pack_group`), published under its binding key
+with kind ``foreign``, unsigned (a foreign signature is not kcache's, and only the
+user's private tier takes one: :func:`takes_foreign`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from kcache.artifact import ArtifactMeta
+
+if TYPE_CHECKING:
+    from kcache_client._tier import NodeTier
+
+__all__ = ["group_meta", "keep_group", "pack_group", "takes_foreign", "unpack_group"]
+
+_MAGIC = b"kcache-foreign-group/1\n"
+
+
+def pack_group(files: Mapping[str, bytes]) -> bytes:
+    """A group as one blob: a header line naming each file and its size, then the bytes in order."""
+    names = sorted(files)
+    header = json.dumps([[n, len(files[n])] for n in names], separators=(",", ":"))
+    return b"".join([_MAGIC, header.encode("utf-8"), b"\n", *(files[n] for n in names)])
+
+
+def unpack_group(blob: bytes) -> dict[str, bytes] | None:
+    """Inverse of :func:`pack_group`; None for a blob that is not one whole group."""
+    if not blob.startswith(_MAGIC):
+        return None
+    end = blob.find(b"\n", len(_MAGIC))
+    try:
+        listed = json.loads(blob[len(_MAGIC) : end])
+        offset, files = end + 1, {}
+        for name, size in listed:
+            if not isinstance(name, str) or type(size) is not int or size < 0:
+                return None
+            files[name] = blob[offset : offset + size]
+            offset += size
+    except (ValueError, TypeError):
+        return None
+    if (
+        end < 0
+        or offset != len(blob)
+        or any(len(v) != s for v, (_, s) in zip(files.values(), listed, strict=True))
+    ):
+        return None
+    return files
+
+
+def takes_foreign(tier: NodeTier) -> bool:
+    """Whether ``tier`` keeps foreign groups: the user's private, writable tier (a shared
+    tier's entries need kcache's own signatures, which a foreign group has not)."""
+    return not tier.standing.signed_only and not tier.read_only
+
+
+def group_meta(name: tuple[str, str, str, str, str], blob: bytes) -> ArtifactMeta:
+    """The tier's metadata of a group's blob under ``name`` (library, version, target, toolchain, key)."""
+    library, version, target, toolchain, key = name
+    return ArtifactMeta(
+        digest=hashlib.sha256(blob).hexdigest(),
+        size=len(blob),
+        kind="foreign",
+        target=target,
+        toolchain=f"{library}-{version}/{toolchain}",
+        kernel=f"foreign:{library}:{key}",
+    )
+
+
+def keep_group(
+    tier: NodeTier, name: tuple[str, str, str, str, str], key: str, files: Mapping[str, bytes]
+) -> str | None:
+    """Keep the group in ``tier`` under binding key ``key``: the blob's digest, or None when
+    the tier takes no foreign group or published nothing."""
+    if not takes_foreign(tier):
+        return None
+    blob = pack_group(files)
+    meta = group_meta(name, blob)
+    return meta.digest if tier.publish(key, None, meta, blob) is not None else None
