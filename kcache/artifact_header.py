@@ -3,15 +3,18 @@
 ``GET /v1/recipes/{key}/artifact`` answers with the bytes as the body and the metadata a
 client needs to trust and use them in the header ``X-KCache-Meta``: the base64url
 (RFC 4648 §5, no padding) of the compact, sorted JSON of the artifact's metadata
-(:meth:`ArtifactMeta.to_dict`) without its compile ``log``, which may be long and which
-the metadata route ``GET /v1/recipes/{key}`` still serves. The server encodes it once
-per artifact; the client decodes it as untrusted input (:func:`parse_meta` checks every
-field, as it does for the metadata in JSON answers) and then checks the body against it
-(sha256 and size).
+(:meth:`ArtifactMeta.to_dict`), compile ``log`` included (usually empty; the warnings a
+caller asked to see, as ``cuda.core``'s ``Program.compile(logs=)``, when there were any).
+The server encodes it once per artifact; the client decodes it as untrusted input
+(:func:`parse_meta` checks every field, as it does for the metadata in JSON answers) and
+then checks the body against it (sha256 and size). The log is not signed (neither is the
+metadata route's): it says what the compiler printed, nothing a launch depends on.
 
-A value longer than :data:`MAX_CHARS` (a dependency list of several hundred headers) is
-not sent: the response then has no ``X-KCache-Meta``, and a client reads the metadata
-route instead, a second round trip for such artifacts only.
+A value longer than :data:`MAX_CHARS` (a dependency list of several hundred headers, a
+long log) is not sent: the response then has no ``X-KCache-Meta``, and a client reads the
+metadata route ``GET /v1/recipes/{key}`` instead, a second round trip for such artifacts
+only. (The header once left the log out, so a kernel fetched by key had lost its
+warnings: a hit answered ``logs=`` with nothing where a compile answered the warnings.)
 
 The other way, a fetch may say what its client does when it misses:
 ``X-KCache-On-Miss: resolve`` (:data:`ON_MISS_HEADER`, :data:`ON_MISS_RESOLVE`) says a
@@ -75,9 +78,7 @@ _MAX_TEXT = 4096
 
 def encode_meta(meta: ArtifactMeta) -> str | None:
     """The ``X-KCache-Meta`` value for ``meta``, or None when it would exceed :data:`MAX_CHARS`."""
-    fields = meta.to_dict()
-    del fields["log"]
-    value = base64.urlsafe_b64encode(canonical_json(fields)).rstrip(b"=").decode("ascii")
+    value = base64.urlsafe_b64encode(canonical_json(meta.to_dict())).rstrip(b"=").decode("ascii")
     return value if len(value) <= MAX_CHARS else None
 
 
@@ -96,7 +97,8 @@ def parse_meta(data: object, where: str = "artifact") -> ArtifactMeta:
     """Artifact metadata from its JSON object (as the API sends it), every field checked.
 
     For metadata received from elsewhere: ValueError naming ``where`` and the field for
-    anything missing or of the wrong type. ``log`` may be absent (a header omits it).
+    anything missing or of the wrong type. ``log`` may be absent (an older server's header
+    omitted it): then it is empty.
     """
     if not isinstance(data, dict):
         raise ValueError(f"{where} must be a JSON object, not {type(data).__name__}")

@@ -34,17 +34,26 @@ def _encode(data: Any) -> str:
 
 
 def _fields() -> dict[str, Any]:
-    fields = META.to_dict()
-    del fields["log"]
-    return fields
+    return META.to_dict()
 
 
-def test_round_trip_keeps_everything_but_the_log() -> None:
+def test_round_trip_keeps_everything_the_log_included() -> None:
     value = encode_meta(META)
     assert value is not None and value.isascii() and "=" not in value and "\n" not in value
-    assert decode_meta(value) == ArtifactMeta(**{**vars(META), "log": ""})
+    assert decode_meta(value) == META  # a kernel fetched by key keeps its compile's warnings
     padded = value + "=" * (-len(value) % 4)
     assert json.loads(base64.urlsafe_b64decode(padded)) == _fields()  # plain JSON, nothing else
+
+
+def test_an_older_servers_header_without_a_log_reads_as_an_empty_log() -> None:
+    fields = _fields()
+    del fields["log"]
+    assert decode_meta(_encode(fields)) == ArtifactMeta(**{**vars(META), "log": ""})
+
+
+def test_a_log_too_long_for_a_header_sends_none_so_the_metadata_route_is_read() -> None:
+    long_log = ArtifactMeta(**{**vars(META), "log": "kernel.cu(3): warning: w\n" * 2000})
+    assert encode_meta(long_log) is None
 
 
 def test_metadata_too_long_for_a_header_is_not_sent() -> None:
@@ -88,7 +97,7 @@ def test_every_malformed_field_is_refused_by_name(change: dict[str, Any], field:
     assert field in str(info.value)
 
 
-@pytest.mark.parametrize("missing", sorted(set(_fields()) - {"dependency_check"}))
+@pytest.mark.parametrize("missing", sorted(set(_fields()) - {"dependency_check", "log"}))
 def test_every_field_but_the_log_is_required(missing: str) -> None:
     fields = _fields()
     del fields[missing]

@@ -51,9 +51,9 @@ _FETCH_HEADERS = {
     META_HEADER: {
         "description": (
             "the artifact's metadata: base64url (RFC 4648 section 5, no padding) of the compact "
-            "JSON object GET /v1/recipes/{recipe_key} returns, without its compile log (digest, "
-            "size, kind, target, toolchain, lowered_names, kernel, dependencies, "
-            "dependencies_exact, compile_seconds, created_at). Check the body's sha256 and size "
+            "JSON object GET /v1/recipes/{recipe_key} returns (digest, size, kind, target, "
+            "toolchain, lowered_names, kernel, dependencies, dependencies_exact, "
+            "compile_seconds, created_at, log). Check the body's sha256 and size "
             f"against it. Absent when it would exceed {MAX_CHARS} characters (read the metadata "
             "route then)."
         ),
