@@ -13,7 +13,10 @@ its cache's bundle and fan-out counters, or the WarmupError it raised.
 ``fault`` (``{"kind", "rank", "after"}``) makes rank ``rank`` misbehave in the fan-out:
 ``kill`` (SIGKILL itself after ``after`` pieces of the broadcast), ``corrupt`` (the
 source flips a byte of the bundle after its request, so a piece arrives damaged),
-``forge`` (the source re-signs every entry and the trailer with a key of its own).
+``forge`` (the source re-signs every entry and the trailer with a key of its own),
+``corrupt_foreign`` (the source flips a byte of the first foreign group it forwards).
+``foreign_right`` says whether every foreign group of the manifest is in the node tier,
+whole (each file's name, digest and size the manifest's).
 ``api``: ``"prefetch"`` makes the rank call ``prefetch(manifest, group)`` and then
 ``warmup([])`` instead.
 """
@@ -33,6 +36,7 @@ from typing import Any, BinaryIO
 
 import torch.distributed as dist
 from kcache_client import ClientSettings, KernelCache, RetryPolicy, WarmupError, _fanout
+from kcache_client._foreign_groups import unpack_group
 
 from kcache.bundle_format import BundleEntry, BundleReader, end_line, entry_head, header_line
 from kcache.job_manifest import JobManifest
@@ -63,6 +67,9 @@ def install_fault(fault: dict[str, Any], rank: int) -> None:
         if kind == "corrupt":
             middle = len(whole) // 2
             whole = whole[:middle] + bytes([whole[middle] ^ 0xFF]) + whole[middle + 1 :]
+        elif kind == "corrupt_foreign":  # the first group's first byte, after two lines
+            at = whole.index(b"\n", whole.index(b"\n") + 1) + 1
+            whole = whole[:at] + bytes([whole[at] ^ 0xFF]) + whole[at + 1 :]
         else:
             whole = forged(whole)
         spool.seek(0)
@@ -125,6 +132,16 @@ def main() -> None:
                 and hashlib.sha256(found[1]).hexdigest() == kernel.digest
             )
         out.update(ok=True, right=all(right) and len(right) == len(manifest))
+        whole = []
+        for group in manifest.foreign:
+            hit = cache.tier.lookup(group.binding_key)
+            files = unpack_group(hit[1]) if hit is not None else None
+            whole.append(
+                files is not None
+                and {n: (hashlib.sha256(d).hexdigest(), len(d)) for n, d in files.items()}
+                == {f.name: (f.digest, f.size) for f in group.files}
+            )
+        out["foreign_right"] = all(whole)
     except WarmupError as exc:
         out.update(
             ok=False,

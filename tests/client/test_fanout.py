@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -25,6 +26,8 @@ from typing import Any
 import pytest
 from client_harness import KcacheServer, Proxy, kernels
 from kcache_client import ClientSettings, KernelCache
+from kcache_client._foreign import ForeignCache, ForeignName
+from kcache_client._foreign_ledger import foreign_entries
 
 from kcache.job_manifest import JobManifest
 from tests.support import FAST, free_port
@@ -144,6 +147,37 @@ def test_one_request_per_job_and_a_complete_node_is_skipped(
     assert [r["bundle_requests"] for r in reports] == [1, 0, 0, 0]
     assert all(r["fanout_failures"] == 0 for r in reports)
     assert max(r["seconds"] for r in reports) < 10 * TIMEOUT
+
+
+@pytest.mark.parametrize("fault", [None, "corrupt_foreign"])
+def test_a_jobs_foreign_groups_cross_the_network_once_with_its_kernels(
+    kserver: KcacheServer,
+    proxy: Proxy,
+    manifest: JobManifest,
+    tmp_path: Path,
+    fault: str | None,
+) -> None:
+    """A version 2 manifest: its foreign groups travel in the one bundle the source asks for
+    and forwards; a group damaged on the way is refused whole and the node asks the server."""
+    settings = ClientSettings.from_env(retry=FAST, send_events=False)
+    with KernelCache(kserver.url, cache_dir=tmp_path / "writer", settings=settings) as cache:
+        hooks = ForeignCache(cache)
+        for i in range(2):
+            name = ForeignName("cupy", "14.2.0", "sm_80", "nvrtc-13.0", secrets.token_hex(8))
+            hooks.put(name, {"payload": os.urandom(3000 + i)})
+        assert hooks.flush(30) and hooks.counts["published"] == 2
+        with_groups = JobManifest.of(manifest.kernels, foreign=foreign_entries(cache))
+    assert with_groups.version == 2 and len(with_groups.foreign) == 2
+    spec = {"kind": fault, "rank": 0} if fault else None
+    reports = run_ranks(tmp_path, proxy.url, with_groups, hosts=["a", "b", "c"], fault=spec)
+    assert all(r.get("ok") and r["right"] and r["foreign_right"] for r in reports), reports
+    if fault is None:
+        assert bundles(proxy) == 1
+        assert [r["fanout_received"] for r in reports] == [0, 1, 1]
+    else:  # each receiving leader refused the damaged group and asked the server itself
+        assert [r["fanout_failures"] for r in reports] == [0, 1, 1]
+        assert [r["bundle_requests"] for r in reports] == [1, 1, 1]
+        assert bundles(proxy) == 3
 
 
 @pytest.mark.parametrize("kind", ["corrupt", "forge"])

@@ -240,3 +240,15 @@ def test_a_bundle_request_names_something(world: World) -> None:
     assert client.post("/v1/bundle", json={"recipe_keys": [], "foreign": []}).status_code == 422
     bad = {"library": "cupy", "version": "1", "target": "sm_80", "toolchain": "x", "key": "a/b"}
     assert client.post("/v1/bundle", json={"foreign": [bad]}).status_code == 422
+
+
+def test_a_replayed_jobs_prefetch_names_the_groups_in_its_own_manifest(
+    world: World, manifest: JobManifest, tmp_path: Path
+) -> None:
+    # The bundle's groups are audited as foreign lookups with the bundle's context: the
+    # next run of the job, which only prefetched, has the same manifest.
+    replay = "job-47-foreign-replay"
+    with _cache(world.server.url, tmp_path / "tier", world.known, job_id=replay) as cache:
+        assert cache.prefetch(manifest).fetched == 3
+        again = cache.job_manifest(replay)
+    assert again.digest == manifest.digest and again.job_id == replay

@@ -28,7 +28,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
 from kcache.artifact import ArtifactMeta
 from kcache.bundle_format import (
@@ -84,6 +84,17 @@ class ForeignNameBody(_Strict):
 
 class BundleWithForeignRequest(BundleRequest):
     """Body of ``POST /v1/bundle``: recipe keys, and a job's foreign groups by name."""
+
+    # Recipe keys, foreign names, or both: one of them is required (a 422 says so).
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["recipe_keys"], "properties": {"recipe_keys": {"minItems": 1}}},
+                {"required": ["foreign"], "properties": {"foreign": {"minItems": 1}}},
+            ]
+        },
+    )
 
     recipe_keys: list[HexKey] = Field(
         default_factory=list,
