@@ -460,3 +460,43 @@ def test_a_job_token_with_compile_and_publish(
     assert Principal("a", frozenset({"admin"})).allows("publish")
     with server.client(token) as http:
         assert _publish(http, "cupy", unique("job"), {"payload": b"job"}).status_code == 200
+
+
+def test_a_lookup_carries_its_job_and_the_jobs_manifest_names_the_group(foreign: Foreign) -> None:
+    """``X-KCache-Context`` is recorded with the lookup's row, as with a fetch; the job's
+    manifest (version 2) names the groups it looked up that the server holds, with their
+    files; a lookup whose name may have been cut to the audit's columns is not attributed."""
+    job = unique("job")
+    key, gone, long_key = unique("k") + ".cubin", unique("gone"), unique("long")
+    payload = os.urandom(100)
+    long_target = "sm_" + "9" * 40  # past the audit's 32 characters of target
+    with foreign.client("publish") as http:
+        assert _publish(http, "cupy", key, {"payload": payload}).status_code == 200
+        refs = [{"name": "payload", "digest": _blob(http, payload), "size": len(payload)}]
+        long_namespace = {**NAMESPACE, "target": long_target}
+        body = {**long_namespace, "files": refs}
+        assert http.put(f"/v1/foreign/cupy/{long_key}", json=body).status_code == 200
+    context = {"X-KCache-Context": f"job_id={job}&rank=3&world_size=8&host=n1"}
+    with foreign.client("read") as http:
+        for name, namespace in ((key, NAMESPACE), (gone, NAMESPACE), (long_key, long_namespace)):
+            http.get(f"/v1/foreign/cupy/{name}", params=namespace, headers=context)
+        manifest = http.get(f"/v1/jobs/{job}/manifest").json()
+        other = http.get(f"/v1/jobs/{unique('nobody')}/manifest").json()
+    foreign.server.state.audit.flush()
+    import sqlalchemy as sa
+
+    with foreign.server.state.backends.db.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT outcome, job_id, rank, world_size, host FROM audit_events WHERE kernel = :k"
+            ),
+            {"k": f"foreign:cupy:{key}"},
+        ).all()
+    assert [tuple(r) for r in rows] == [("hit", job, 3, 8, "n1")]
+    assert manifest["version"] == 2 and manifest["kernels"] == []
+    (group,) = manifest["foreign"]  # the miss names no group held, the long one may be cut
+    assert group["key"] == key and group["binding_key"] == binding_key(
+        "cupy", *NAMESPACE.values(), key
+    )
+    assert group["files"] == [{"name": "payload", "digest": refs[0]["digest"], "size": 100}]
+    assert other["version"] == 1 and "foreign" not in other  # a version 1 manifest, as before
