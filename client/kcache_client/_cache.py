@@ -434,9 +434,16 @@ class KernelCache:
         return self._lookup.freezer.mode
 
     def manifest(self, job_id: str | None = None) -> JobManifest:
-        """What this process was served so far (every ``get``, ``get_many`` and warmup), as a
+        """What this process was served so far (every ``get``, ``get_many`` and warmup) and the
+        foreign groups its library hooks used (:mod:`~kcache_client._foreign_ledger`), as a
         :class:`~kcache.job_manifest.JobManifest` of ``job_id`` (default the settings' job)."""
-        return JobManifest.of(self._lookup.manifest_kernels(), job_id or self.settings.job_id)
+        from kcache_client._foreign_ledger import foreign_entries
+
+        return JobManifest.of(
+            self._lookup.manifest_kernels(),
+            job_id or self.settings.job_id,
+            foreign=foreign_entries(self),
+        )
 
     def job_manifest(self, job_id: str | None = None) -> JobManifest:
         """The server's manifest of ``job_id`` (default this cache's job): every kernel its

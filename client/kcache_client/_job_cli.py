@@ -95,7 +95,7 @@ def _cmd_manifest_save(args: argparse.Namespace) -> int:
         raise UsageError("a job's manifest comes from the server: pass --server or set KCACHE_URL")
     with _session(args, url) as cache:
         manifest = cache.job_manifest(args.job)
-    if not manifest.kernels:
+    if not manifest.kernels and not manifest.foreign:
         print(
             f"kcache: the server's audit names no kernels served to job {args.job!r} (a typo, a "
             "job past the audit's retention, or one whose lookups carried no job id)",
@@ -107,6 +107,7 @@ def _cmd_manifest_save(args: argparse.Namespace) -> int:
         {
             "job_id": manifest.job_id,
             "kernels": len(manifest),
+            "foreign": len(manifest.foreign),
             "digest": manifest.digest,
             "path": args.o,
         }
@@ -129,8 +130,16 @@ def _cmd_manifest_diff(args: argparse.Namespace) -> int:
         for old, new in diff.changed:
             why = "artifact" if old.recipe_key == new.recipe_key else "recipe"
             print(f"~ {new.label}  {old.recipe_key[:16]} -> {new.recipe_key[:16]} ({why} changed)")
+        for group in diff.foreign_added:
+            print(f"+ foreign {group.label}  {group.binding_key}")
+        for group in diff.foreign_removed:
+            print(f"- foreign {group.label}  {group.binding_key}")
+        for _, group in diff.foreign_changed:
+            print(f"~ foreign {group.label}  {group.binding_key[:16]} (files changed)")
+        foreign = len(diff.foreign_added) + len(diff.foreign_removed) + len(diff.foreign_changed)
         print(
-            f"{len(diff.added)} added, {len(diff.removed)} removed, {len(diff.changed)} changed",
+            f"{len(diff.added)} added, {len(diff.removed)} removed, {len(diff.changed)} changed"
+            + (f"; {foreign} foreign groups differ" if foreign else ""),
             file=sys.stderr,
         )
     return 0 if diff.same else 1

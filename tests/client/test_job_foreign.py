@@ -22,13 +22,13 @@ import pytest
 from client_harness import Proxy, kernels
 from kcache_client import ClientSettings, KernelCache
 from kcache_client._foreign import ForeignCache, ForeignName
-from kcache_client._foreign_ledger import foreign_entries
 from kcache_client.errors import UntrustedArtifactError
 from kcache_server.settings import Settings
 
 from kcache import Recipe
 from kcache.bundle_format import BundleError
 from kcache.job_manifest import JobManifest
+from tests.cli_harness import kcache, user_env
 from tests.support import FAST, ServerThread
 
 JOB = "job-47-foreign"
@@ -82,7 +82,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                 assert hooks.get(name) is None  # a miss under the job: the library compiles
                 assert hooks.put(name, files)
             assert hooks.flush(30) and hooks.counts["published"] == 2
-            used = [g.binding_key for g in foreign_entries(cache)]
+            used = [g.binding_key for g in cache.manifest().foreign]
         yield World(
             server,
             known,
@@ -252,3 +252,15 @@ def test_a_replayed_jobs_prefetch_names_the_groups_in_its_own_manifest(
         assert cache.prefetch(manifest).fetched == 3
         again = cache.job_manifest(replay)
     assert again.digest == manifest.digest and again.job_id == replay
+
+
+def test_the_cli_diff_names_the_foreign_groups_that_differ(
+    world: World, manifest: JobManifest, tmp_path: Path
+) -> None:
+    with_groups = manifest.save(tmp_path / "with.json")
+    kernels_only = JobManifest.of(manifest.kernels, manifest.job_id).save(tmp_path / "without.json")
+    out = kcache("manifest", "diff", str(kernels_only), str(with_groups), env=user_env(tmp_path))
+    assert out.returncode == 1, out.stderr  # they differ: by their groups alone
+    added = [line for line in out.stdout.splitlines() if line.startswith("+ foreign ")]
+    assert sorted(line.split()[-1] for line in added) == sorted(manifest.binding_keys)
+    assert f"{len(manifest.foreign)} foreign groups differ" in out.stderr
