@@ -15,40 +15,19 @@
 # server and the local compiles alike: kcache compiles with the NVRTC cuda.core uses.
 # Results: the JSON lines printed (compare.py per kcache run) and $OUT/program-results.tgz.
 set -uo pipefail
-REPO=$(pwd)
-A=$REPO/bench/gpu_foreign_acceptance
-D=$REPO/.device
-T=$D/cuda_core_tests
+T=$(pwd)/.device/cuda_core_tests
 OUT=${OUT:-/tmp/program-out}
 W=${ACCEPT_WORK:-/tmp/program-tests}
 R=$W/results
 RUN_S=${RUN_S:-120}
-rm -rf "$W" && mkdir -p "$R" "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$D"/whl/*.whl || exit 1
-export PYTHONPATH=$REPO:$REPO/client:$REPO/server:/tmp/site:$A:$D/meta
+PORT=8471 SCOPES="--scope compile --scope publish"
+mkdir -p "$OUT"
+source bench/gpu_foreign_acceptance/device_server.sh
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c 'import sys, cuda.core, cuda.bindings, cuda.pathfinder; from cuda.bindings import nvrtc; print(sys.version.split()[0], "cuda.core", cuda.core.__version__, "cuda.bindings", cuda.bindings.__version__, "cuda.pathfinder", cuda.pathfinder.__version__, "nvrtc", nvrtc.nvrtcVersion()[1:])'
   sha256sum "$T/test_program.py"
 } 2>&1 | tee "$R/versions.txt"
-
-kc() { python3 -c 'import sys; from kcache.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
-export KCACHE_TOOLCHAIN_DIR=$W/toolchain
-python3 "$A/server_headers.py" "$KCACHE_TOOLCHAIN_DIR" || exit 1
-KD=$W/server
-kc db upgrade --data-dir "$KD" >"$R/server-upgrade.log" 2>&1 || { cat "$R/server-upgrade.log"; exit 1; }
-TOKEN=$(kc token create program-writer --scope compile --scope publish --data-dir "$KD" 2>/dev/null) || exit 1
-setsid python3 -c 'import sys; from kcache.cli import main; sys.exit(main(sys.argv[1:]))' \
-  serve --data-dir "$KD" --port 8471 >"$R/server.log" 2>&1 </dev/null &
-SERVER_PID=$!
-URL=http://127.0.0.1:8471
-get() {
-  python3 -c 'import os,sys,urllib.request as u; r=u.Request(sys.argv[1], headers={"Authorization": "Bearer "+os.environ.get("KCACHE_TOKEN","")}); sys.stdout.write(u.urlopen(r, timeout=30).read().decode())' "$1"
-}
-for _ in $(seq 60); do get $URL/healthz >/dev/null 2>&1 && break; sleep 0.5; done
-get $URL/healthz || { tail -30 "$R/server.log"; exit 1; }
-echo
 export ACCEPT_OUT=$R
 
 program_run() {  # program_run TAG KCACHE(0|1) [server|local]
