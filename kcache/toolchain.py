@@ -11,6 +11,9 @@ gets (torch 2.11 pins nvJitLink 13.0, compiling needs NVRTC >= 13.3): it cannot 
 newer NVRTC's LTO-IR, so such a toolchain compiles every recipe except LTO ones
 (``lto: true``), which :meth:`Toolchain.check` refuses by name with the pip command that
 fixes it (:func:`nvjitlink_install_advice`). Nothing else here uses nvJitLink.
+A server needs no compiler to serve what is already compiled: :func:`probe_toolchain`
+gives it a toolchain that compiles nothing and says why (:attr:`Toolchain.cannot_compile`)
+where :func:`load_toolchain` would raise (an NVRTC older than 13.3, none at all).
 :func:`toolchain_id` gives the id alone, from what the last load wrote down
 (:mod:`kcache.toolchain_memo`) while that still holds, without loading anything.
 """
@@ -38,6 +41,7 @@ __all__ = [
     "load_toolchain",
     "nvjitlink_install_advice",
     "nvrtc_install_advice",
+    "probe_toolchain",
     "toolchain_id",
 ]
 
@@ -56,6 +60,31 @@ class Toolchain:
     include_dir: Path  # bundled headers, passed as -I along with include_dir / "cccl"
     supported_sms: tuple[int, ...]
     libraries: tuple[Path, ...]
+    #: Why this toolchain compiles nothing (the installed NVRTC, the one needed, the pip
+    #: command); empty for a toolchain that compiles. See :meth:`absent`.
+    cannot_compile: str = ""
+
+    @classmethod
+    def absent(cls, reason: str, nvrtc_version: str = "") -> Toolchain:
+        """The toolchain of a process that cannot compile, ``reason`` saying why.
+
+        It has no id (no headers were extracted, so there is nothing to hash), no
+        targets and no libraries: a server holding it serves what others compiled.
+        """
+        return cls(
+            id="",
+            nvrtc_version=nvrtc_version,
+            nvjitlink_version="",
+            include_dir=Path(),
+            supported_sms=(),
+            libraries=(),
+            cannot_compile=reason,
+        )
+
+    @property
+    def compiles(self) -> bool:
+        """False for a toolchain that compiles nothing (:attr:`cannot_compile` says why)."""
+        return not self.cannot_compile
 
     @property
     def include_flags(self) -> list[str]:
@@ -83,6 +112,8 @@ class Toolchain:
         "on this server"); ``where`` prefixes the field of a linked recipe
         (``link[0].recipe.target``).
         """
+        if not self.compiles:
+            raise ToolchainError(self.cannot_compile)
         if recipe.toolchain != self.id:
             raise RecipeError(
                 f"{where}toolchain",
@@ -193,10 +224,24 @@ def _check(result: tuple[object, ...], what: str) -> tuple[object, ...]:
     return result
 
 
-def _install_headers(dest: Path, found: str) -> str:
+def _too_old_reason(nvrtc_version: str, found: str) -> str | None:
+    """Why NVRTC ``nvrtc_version`` (``found`` names it and its library) cannot compile here,
+    with the fix; None when it is new enough."""
+    if _release(nvrtc_version) >= _release(_BUNDLED_HEADERS_SINCE):
+        return None
+    return (
+        f"{found} is older than {_BUNDLED_HEADERS_SINCE}, the first NVRTC with the bundled "
+        "headers kcache compiles with (cuda_fp16.h, cuda/std, cub); install NVRTC "
+        f"{_BUNDLED_HEADERS_SINCE} or later: {nvrtc_install_advice()}"
+    )
+
+
+def _install_headers(dest: Path, found: str, nvrtc_version: str) -> str:
     """Extract NVRTC's bundled headers into ``dest`` once; return the tree hash.
 
     ``found`` names the NVRTC loaded (version and library), for the error when it has none.
+    A tree already there is taken whatever the version (a header directory filled by
+    hand for an older NVRTC); an NVRTC older than 13.3 has none to extract.
     """
     import filelock
     from cuda.bindings import nvrtc
@@ -204,6 +249,9 @@ def _install_headers(dest: Path, found: str) -> str:
     marker = dest / "tree.sha256"
     if marker.exists():
         return marker.read_text().strip()
+    too_old = _too_old_reason(nvrtc_version, found)
+    if too_old is not None:
+        raise ToolchainError(too_old)
     dest.parent.mkdir(parents=True, exist_ok=True)
     # The lock only saves duplicate extraction; the rename below is what makes it safe.
     with filelock.FileLock(str(dest) + ".lock", timeout=600):
@@ -258,7 +306,7 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
     # Toolchain.check refuses exactly the recipes that would need it (lto), by name.
     lib_hash = _library_hash(libraries, root)
     include_root = root / f"nvrtc{nvrtc_version}-{lib_hash[:16]}"
-    tree = _install_headers(include_root, f"NVRTC {nvrtc_version} ({nvrtc_lib})")
+    tree = _install_headers(include_root, f"NVRTC {nvrtc_version} ({nvrtc_lib})", nvrtc_version)
     combined = hashlib.sha256(f"{lib_hash}\n{tree}\n".encode()).hexdigest()
     (_, archs) = _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
     toolchain = Toolchain(
@@ -278,6 +326,33 @@ def load_toolchain(root: Path | None = None) -> Toolchain:
             root, toolchain.id, libraries, stamped, include_root / "tree.sha256"
         )
     return toolchain
+
+
+def probe_toolchain(root: Path | None = None) -> Toolchain:
+    """:func:`load_toolchain`, or where it cannot load, a toolchain that compiles nothing.
+
+    The one place a process learns that it cannot compile: an NVRTC older than 13.3, no
+    NVRTC or nvJitLink at all, or one that fails to answer are the same outcome here,
+    :meth:`Toolchain.absent` with :func:`load_toolchain`'s reason (which names the NVRTC
+    found, the release needed and the pip command). For a server, which serves fetches
+    without a compiler; a client compiling locally calls :func:`load_toolchain` and
+    gets the error.
+    """
+    try:
+        return load_toolchain(root)
+    except ToolchainError as exc:
+        return Toolchain.absent(str(exc), _nvrtc_version_or_empty())
+
+
+def _nvrtc_version_or_empty() -> str:
+    """The loadable NVRTC's ``major.minor``, or "" where there is none."""
+    try:
+        from cuda.bindings import nvrtc
+
+        result, major, minor = nvrtc.nvrtcVersion()
+    except Exception:  # no cuda-bindings, no library: whatever the bindings raise
+        return ""
+    return f"{major}.{minor}" if result == nvrtc.nvrtcResult.NVRTC_SUCCESS else ""
 
 
 def toolchain_id(root: Path | None = None) -> str:

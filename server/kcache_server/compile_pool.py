@@ -51,7 +51,7 @@ from kcache.recipe import Recipe
 from kcache.sandbox import SandboxStatus
 from kcache.toolchain import Toolchain
 from kcache_server import _compile_worker
-from kcache_server.errors import CompileWorkerCrashedError
+from kcache_server.errors import CannotCompileError, CompileWorkerCrashedError
 from kcache_server.fairness import FairQueue, current_caller
 
 __all__ = ["ProcessPoolCompiler"]
@@ -136,7 +136,13 @@ class ProcessPoolCompiler:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start every worker (in parallel), wait until each has loaded the toolchain, watch them."""
+        """Start every worker (in parallel), wait until each has loaded the toolchain, watch them.
+
+        A toolchain that compiles nothing (a fetch-only server, :mod:`kcache_server.compiler_presence`)
+        starts no worker: :meth:`compile` refuses instead.
+        """
+        if not self.toolchain.compiles:
+            return
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         started = [self._launch() for _ in range(self.workers)]
         for worker in started:
@@ -425,6 +431,8 @@ class ProcessPoolCompiler:
 
         The caller is :data:`~kcache_server.fairness.current_caller` of this context.
         """
+        if not self.toolchain.compiles:
+            raise CannotCompileError(self.toolchain.cannot_compile)
         if self._closed:
             raise ToolchainError("the compile pool is shut down")
         try:

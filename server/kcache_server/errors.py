@@ -15,6 +15,7 @@ Hierarchy (the core's errors are in :mod:`kcache.errors`)::
         │   └── CompilerUnavailableError            503 + Retry-After: no compile worker is running
         ├── DatabaseUnavailableError (ConnectionError)  503 + Retry-After: the database cannot be reached
         ├── QuotaExceededError                      507: the token's stored compiles reach its quota
+        ├── CannotCompileError                      501: this server has no usable compiler (fetches only)
         ├── CompileWorkerCrashedError (ToolchainError)  500: the worker died mid-compile
         ├── SchemaOutOfDateError                    start-up refusal: run `kcache db upgrade`
         ├── IndexMissingError                       start-up refusal: blobs but no database
@@ -54,6 +55,7 @@ __all__ = [
     "ERROR_TABLE",
     "ArtifactSetAsideError",
     "BadRequestError",
+    "CannotCompileError",
     "CompileWorkerCrashedError",
     "CompilerUnavailableError",
     "DatabaseUnavailableError",
@@ -188,6 +190,23 @@ class QuotaExceededError(ServerError):
     """The caller's stored compiles reach its storage quota (``token_quota_bytes``)."""
 
 
+class CannotCompileError(ServerError):
+    """This server has no compiler it can use, so it serves only what is already compiled.
+
+    ``reason`` is the toolchain's (:attr:`kcache.toolchain.Toolchain.cannot_compile`:
+    the NVRTC found, the release needed, the pip command that installs it); ``what``
+    says what was refused. Answered 501, not 503: asking again changes nothing until
+    the operator installs the compiler, so clients do not retry it.
+    """
+
+    def __init__(self, reason: str, what: str = "the recipe is not held here and") -> None:
+        super().__init__(
+            f"{what} this server cannot compile; it serves only artifacts already compiled "
+            f"(fetches by key or digest, resolve hits): {reason}"
+        )
+        self.reason = reason
+
+
 class CompileWorkerCrashedError(ServerError, ToolchainError):
     """The compile worker process died while compiling; it was replaced."""
 
@@ -250,6 +269,8 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     # PostgreSQL is down: retry soon (fetches this replica holds in memory are still served).
     DatabaseUnavailableError: ErrorInfo(503, "database_unavailable", retry=True),
     QuotaExceededError: ErrorInfo(507, "quota_exceeded"),
+    # A fetch-only server (no NVRTC >= 13.3): asking again does not help, so no Retry-After.
+    CannotCompileError: ErrorInfo(501, "cannot_compile"),
     CompileWorkerCrashedError: ErrorInfo(500, "compiler_crashed"),
     InvalidArtifactError: ErrorInfo(500, "invalid_artifact"),
     CorruptArtifactError: ErrorInfo(500, "corrupt_artifact"),
@@ -304,7 +325,9 @@ def error_body(exc: BaseException) -> dict[str, Any]:
             "detail": f"internal error; the server log has the details under request id {request_id}",
             "request_id": request_id,
         }
-    if info.status >= 500:  # overloaded, store full: expected conditions, one line each
+    # Overloaded, store full: expected conditions, one line each. Not a compile refused by a
+    # server that cannot compile (501): its start said why once, and /metrics counts them.
+    if info.status >= 500 and not isinstance(exc, CannotCompileError):
         _log.warning(
             "request %s answered %d %s: %s%s",
             current_request_id(),

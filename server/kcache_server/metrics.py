@@ -12,6 +12,9 @@ What is measured:
 
 - ``kcache_build_info{version,toolchain}``: always 1; the release and the default toolchain
   id (NVRTC and nvJitLink versions, library and header hashes) this process serves with;
+- ``kcache_compiler_available``: 1 when this process can compile, 0 when it serves
+  fetches only (no NVRTC >= 13.3: :mod:`kcache_server.compiler_presence`; its
+  ``toolchain`` label above is then empty);
 - ``kcache_ready`` and ``kcache_readiness_check{check}``: 1 or 0, what ``/readyz`` answers:
   set by every ``/readyz`` and by every scrape, which runs the same checks first
   (:func:`kcache_server.routes.health.install_readiness_gauges`), so a server nothing
@@ -78,7 +81,8 @@ _REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class ServerMetrics:
     """The metrics of one app; pass ``registry`` to share one, else a private one is made.
 
-    ``toolchain`` is the default toolchain's id, for ``kcache_build_info``; ``worker``, when
+    ``toolchain`` is the default toolchain's id, for ``kcache_build_info``; ``compiles``
+    whether this process can compile at all (``kcache_compiler_available``); ``worker``, when
     this process is one of several uvicorn workers, the ``worker`` label of every sample.
     """
 
@@ -87,6 +91,7 @@ class ServerMetrics:
         registry: CollectorRegistry | None = None,
         *,
         toolchain: str = "",
+        compiles: bool = True,
         worker: str | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
@@ -99,6 +104,12 @@ class ServerMetrics:
             registry=r,
         )
         self.build_info.labels(version=__version__, toolchain=toolchain).set(1)
+        self.compiler_available = Gauge(
+            "kcache_compiler_available",
+            "1 when this process can compile; 0: it serves fetches only (its log says why)",
+            registry=r,
+        )
+        self.compiler_available.set(1 if compiles else 0)
         self.ready = Gauge(
             "kcache_ready",
             "1 when this process is ready (the checks of /readyz, run at every scrape), else 0",

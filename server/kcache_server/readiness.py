@@ -16,6 +16,13 @@ The bucket's check is its store's :meth:`~kcache.store.base.ArtifactStore.probe`
 S3, one HEAD, never retried, with its own timeout); the database's is ``SELECT 1``. What a check says is
 for anyone who can reach the port: it names what failed and what to do, never a
 driver's or the bucket's error text (those go to the server log).
+
+The compiler's checks (:func:`compiler_checks`) ask nothing remote: the compile workers
+running and their confinement. A server that cannot compile (no NVRTC >= 13.3:
+:mod:`kcache_server.compiler_presence`) reads ``degraded`` on both, with the reason:
+it is ready, because what it is for then is serving fetches, and a load balancer that
+took it out of service would stop those too. A compile sent to it answers 501
+``cannot_compile`` whatever the probes say.
 """
 
 from __future__ import annotations
@@ -31,9 +38,10 @@ import sqlalchemy as sa
 from kcache.errors import BucketMissingError, StoreUnavailableError
 from kcache.store.base import ArtifactStore
 from kcache_server.backends import Backends
+from kcache_server.compile_pool import ProcessPoolCompiler
 from kcache_server.request_ids import current_request_id
 
-__all__ = ["BUCKET_TTL_S", "BoundedCheck", "Readiness"]
+__all__ = ["BUCKET_TTL_S", "BoundedCheck", "Readiness", "compiler_checks"]
 
 log = logging.getLogger(__name__)
 
@@ -169,3 +177,39 @@ class Readiness:
             if remote is not None
             else None
         )
+
+
+def compiler_checks(compiler: ProcessPoolCompiler, sandbox_mode: str) -> dict[str, str]:
+    """``compile_workers`` and ``compile_sandbox`` for ``/readyz`` (see the module docstring).
+
+    ``sandbox_mode`` is the setting in force (``Settings.compile_sandbox_mode``), named
+    when workers run unconfined by choice.
+    """
+    toolchain = compiler.toolchain
+    if not toolchain.compiles:
+        degraded = f"degraded: this server cannot compile and serves fetches only: {toolchain.cannot_compile}"
+        return {
+            "compile_workers": degraded,
+            "compile_sandbox": "degraded: no compile worker runs here (this server cannot compile)",
+        }
+    alive = compiler.alive
+    workers = f"ok ({alive} running)" if alive else "failed: no compile worker is running"
+    return {"compile_workers": workers, "compile_sandbox": _sandbox(compiler, sandbox_mode)}
+
+
+def _sandbox(compiler: ProcessPoolCompiler, sandbox_mode: str) -> str:
+    """Whether compile workers run confined by Landlock.
+
+    ``degraded`` (the operator allowed unconfined workers: compile_sandbox best-effort
+    or off) does not make the server unready, but says so on every probe; with
+    ``required`` an unconfined worker never starts, so this never reads degraded then.
+    """
+    status = compiler.sandbox
+    if status is None:
+        return "failed: no compile worker has reported its confinement yet"
+    if status.active:
+        return f"ok ({status.detail})"
+    return (
+        f"degraded: {status.detail} (compile_sandbox={sandbox_mode}); "
+        "NVRTC in the workers can open any file this server can read"
+    )

@@ -4,6 +4,10 @@ Everything about a recipe that this server (not the recipe itself) decides is
 checked here: that its toolchain is the one the server runs and that its target,
 and every linked recipe's, is one that toolchain compiles for
 (:meth:`kcache.toolchain.Toolchain.check`, the same check a compile makes).
+A server that cannot compile (:mod:`kcache_server.compiler_presence`) has no default
+toolchain and no targets to check against: a recipe sent to it names its toolchain
+(else :class:`~kcache_server.errors.CannotCompileError`) and is keyed as it is, so a
+recipe some compiling server stored is found; nothing is compiled here to go wrong.
 
 The result depends on the recipe object alone while the server runs, and every rank
 of a job sends the same objects: :class:`RecipeChecks` keeps what it made for an
@@ -19,6 +23,7 @@ from typing import Any
 from kcache.errors import RecipeError
 from kcache.recipe import Recipe
 from kcache_server.backends import Backends
+from kcache_server.errors import CannotCompileError
 from kcache_server.prepared_recipes import PreparedRecipes
 from kcache_server.schemas import ResolveRequest, load_json_model
 
@@ -68,7 +73,14 @@ class RecipeChecks:
             ValueError,
         ) as exc:  # a wrong JSON type the field checks did not anticipate
             raise RecipeError("recipe", f"malformed: {exc}") from exc
+        toolchain = self.backends.toolchain
+        if not toolchain.compiles and recipe.toolchain is None:
+            raise CannotCompileError(
+                toolchain.cannot_compile,
+                "the recipe names no toolchain, and there is no default to key it with:",
+            )
         recipe = self.backends.engine.prepare(recipe)
-        self.backends.toolchain.check(recipe, "on this server")
+        if toolchain.compiles:
+            toolchain.check(recipe, "on this server")
         recipe.key()
         return recipe

@@ -42,7 +42,7 @@ import sqlalchemy as sa
 
 from kcache.artifact import ArtifactMeta, CompileFailure
 from kcache.engine import failure_error
-from kcache.errors import KCacheError
+from kcache.errors import KCacheError, ToolchainError
 from kcache.keys import KEY_SCHEMA
 from kcache.recipe import Recipe, include_set_name
 from kcache_server.backends import Backends
@@ -171,8 +171,15 @@ def rekey(
     ``backends`` is the server's (:func:`kcache_server.backends.open_backends`), its
     compile pool not started: it is started here when something is to be compiled,
     and closed before returning. ``dry_run`` looks everything up, compiles and writes
-    nothing (``missing``: what would be compiled).
+    nothing (``missing``: what would be compiled). Where the toolchain compiles nothing
+    (no NVRTC >= 13.3: :func:`kcache.toolchain.probe_toolchain`) it refuses at once,
+    :class:`~kcache.errors.ToolchainError` naming why, rather than failing every recipe.
     """
+    if not backends.toolchain.compiles:
+        raise ToolchainError(
+            "kcache db rekey checks and compiles recipes with this installation's toolchain, "
+            f"and it cannot compile: {backends.toolchain.cannot_compile}"
+        )
     started = time.perf_counter()
     report = RekeyReport(since_days=since_days, dry_run=dry_run)
     engine = backends.engine

@@ -175,6 +175,12 @@ class Settings(BaseSettings):
     toolchain_dir: Path | None = Field(
         default=None, description="where NVRTC's bundled headers are extracted"
     )
+    compiler: Literal["auto", "required", "off"] = Field(
+        default="auto",
+        description="auto: compile where NVRTC >= 13.3 and nvJitLink load, else start anyway and "
+        "serve fetches only (one warning says why; compiles answer 501 cannot_compile); "
+        "required: refuse to start without them; off: never compile (a read-only edge)",
+    )
     compile_workers: int = Field(
         default=2, ge=1, description="NVRTC worker processes per server process"
     )

@@ -30,7 +30,9 @@ output. The :class:`Verifier` checks both continuously, in production:
   shown in ``GET /v1/verification`` and on the dashboard.
 
 A recipe that no longer compiles (an include set changed under it, a toolchain
-problem) is recorded as ``failed``, never as a divergence.
+problem) is recorded as ``failed``, never as a divergence. A server that cannot compile
+at all (:mod:`kcache_server.compiler_presence`) verifies nothing: its verifier is off,
+and ``GET /v1/verification`` says why (``disabled_reason``).
 
 **A divergence is different code, nothing else.** Bytes (or lowered names) that differ
 diverge; the dependency lists are listed beside them, as a clue. The same bytes and
@@ -69,7 +71,7 @@ import sqlalchemy as sa
 
 from kcache.artifact import ArtifactMeta, CompileOutput
 from kcache.engine import Resolution, Via
-from kcache.errors import IncludeSetChangedError, KCacheError
+from kcache.errors import IncludeSetChangedError, KCacheError, ToolchainError
 from kcache.nvrtc import kernel_name
 from kcache.recipe import Recipe
 from kcache_server.auditing.writer import AuditRecord
@@ -148,11 +150,13 @@ class VerificationReport:
     served: int
     covered: int
     divergences: list[dict[str, Any]]
+    disabled_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return {
             "enabled": self.enabled,
+            "disabled_reason": self.disabled_reason,
             "verified": self.verified,
             "served_recipes": self.served,
             "verified_recipes": self.covered,
@@ -183,6 +187,7 @@ class Verifier:
         forget: Callable[[str, str], None],
         count: Callable[[str], None] = lambda result: None,
         enabled: bool = True,
+        disabled_reason: str | None = None,
         sample_rate: float = 0.05,
         period_s: float = 86_400.0,
         cpu_share: float = 0.05,
@@ -198,6 +203,8 @@ class Verifier:
         self._forget = forget
         self._count = count
         self.enabled = enabled
+        #: Why verification is off, for its report (None: off by the setting, or on).
+        self.disabled_reason = disabled_reason
         self.sample_rate = sample_rate
         self.period_s = period_s
         self.cpu_share = cpu_share
@@ -475,6 +482,7 @@ class Verifier:
                 }
                 for row in rows
             ],
+            self.disabled_reason,
         )
 
 
@@ -498,7 +506,18 @@ def install_verification(state: ServerState) -> tuple[Verifier, ProcessPoolCompi
     options = settings.verify
     backends = state.backends
     pool: ProcessPoolCompiler | None = None
-    if options.enabled:
+    enabled, disabled_reason = options.enabled, None
+    if not options.enabled:
+        disabled_reason = "verification is turned off (verify.enabled = false)"
+    elif not backends.toolchain.compiles:
+        # Verifying is compiling again; a fetch-only server says why it does not, once.
+        enabled = False
+        disabled_reason = (
+            "verification compiles served recipes again, and this server cannot compile: "
+            f"{backends.toolchain.cannot_compile}"
+        )
+        log.warning("kcache server: verified hits are off: %s", disabled_reason)
+    if enabled:
         main = backends.compiler
         pool = ProcessPoolCompiler(
             main.toolchain,
@@ -552,7 +571,8 @@ def install_verification(state: ServerState) -> tuple[Verifier, ProcessPoolCompi
         withdraw=backends.index.withdraw_binding,
         forget=state.resolver.withdraw,
         count=count,
-        enabled=options.enabled,
+        enabled=enabled,
+        disabled_reason=disabled_reason,
         sample_rate=options.sample_rate,
         period_s=options.period_s,
         cpu_share=options.cpu_share,
@@ -582,6 +602,12 @@ def verify_offline(
     """
     from kcache.nvrtc import compile_recipe
     from kcache_server.models import recipe_aliases_table as aliases
+
+    if not backends.toolchain.compiles:
+        raise ToolchainError(
+            "kcache db verify --recompile compiles recorded recipes again, and this "
+            f"installation cannot compile: {backends.toolchain.cannot_compile}"
+        )
     from kcache_server.models import recipe_records_table as records_table
 
     engine = backends.engine

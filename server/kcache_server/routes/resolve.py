@@ -21,11 +21,16 @@ from kcache_server.routes._deps import ERRORS, Reader, State, body_doc, read_bod
 from kcache_server.schemas import (
     BatchRequest,
     BatchResponse,
+    ErrorBody,
     ResolveRequest,
     ResolveResponse,
     load_model,
     parse_json,
 )
+
+#: The errors of a resolve, and 501 ``cannot_compile``: a miss (or a recipe without a
+#: toolchain) on a server that cannot compile (kcache_server.compiler_presence).
+RESOLVE_ERRORS = {**ERRORS, 501: {"model": ErrorBody}}
 
 router = APIRouter(prefix="/v1/resolve", tags=["resolve"])
 
@@ -65,7 +70,10 @@ def _parse_batch(
 
 
 @router.post(
-    "", response_model=ResolveResponse, responses=ERRORS, openapi_extra=body_doc(ResolveRequest)
+    "",
+    response_model=ResolveResponse,
+    responses=RESOLVE_ERRORS,
+    openapi_extra=body_doc(ResolveRequest),
 )
 async def resolve(request: Request, principal: Reader, state: State) -> ResolveResponse:
     """Find the recipe's artifact, compiling it once (across replicas) on a miss if ``compile``."""
@@ -82,7 +90,7 @@ async def resolve(request: Request, principal: Reader, state: State) -> ResolveR
     response_model=BatchResponse,
     # An error result carries only the fields its error has, as every error body does.
     response_model_exclude_unset=True,
-    responses=ERRORS,
+    responses=RESOLVE_ERRORS,
     openapi_extra=body_doc(BatchRequest),
 )
 async def resolve_batch(request: Request, principal: Reader, state: State) -> BatchResponse:

@@ -1,4 +1,10 @@
-"""``GET /v1/toolchains``: what recipes without a toolchain are compiled with, and the targets."""
+"""``GET /v1/toolchains``: what recipes without a toolchain are compiled with, and the targets.
+
+A server that cannot compile (:mod:`kcache_server.compiler_presence`) has no default
+toolchain to offer or sign: it answers 501 ``cannot_compile`` with the reason (the NVRTC
+found, the one needed, the pip command), which a client shows as it is, rather than
+a default it cannot build.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +12,14 @@ from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from kcache.include_sets import CURRENT_AGE_S
+from kcache_server.errors import CannotCompileError
 from kcache_server.routes._deps import ERRORS, Reader, State
-from kcache_server.schemas import SignatureBody, ToolchainBody, ToolchainsResponse
+from kcache_server.schemas import ErrorBody, SignatureBody, ToolchainBody, ToolchainsResponse
 
 router = APIRouter(prefix="/v1/toolchains", tags=["toolchains"])
 
 
-@router.get("", response_model=ToolchainsResponse, responses=ERRORS)
+@router.get("", response_model=ToolchainsResponse, responses={**ERRORS, 501: {"model": ErrorBody}})
 async def toolchains(_: Reader, state: State) -> ToolchainsResponse:
     """The default toolchain id, every toolchain's targets, and the registered include sets.
 
@@ -25,6 +32,10 @@ async def toolchains(_: Reader, state: State) -> ToolchainsResponse:
     for every time they are needed: they change with files, not with releases).
     """
     toolchain = state.backends.toolchain
+    if not toolchain.compiles:
+        raise CannotCompileError(
+            toolchain.cannot_compile, "there is no default toolchain to key recipes with:"
+        )
     sets = state.backends.compiler.include_sets
     # A walk of each set's tree, off the loop.
     digests = await run_in_threadpool(sets.digests, max_age_s=CURRENT_AGE_S)

@@ -29,6 +29,10 @@ class VerificationBody(BaseModel):
     """Verified hits over a window."""
 
     enabled: bool
+    disabled_reason: str | None = Field(
+        default=None,
+        description="why verification is off (turned off, or this server cannot compile); null when on",
+    )
     verified: dict[str, int] = Field(
         description="verifications by result: same_bytes, diverged, failed (events from before compiles were seeded may say same_code or inconclusive)"
     )

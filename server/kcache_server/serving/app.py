@@ -255,7 +255,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     backends = open_backends(settings, db)
     # One of several uvicorn workers: its samples say which (see kcache_server.metrics).
     worker = str(os.getpid()) if settings.workers > 1 else None
-    metrics = ServerMetrics(toolchain=backends.toolchain.id, worker=worker)
+    metrics = ServerMetrics(
+        toolchain=backends.toolchain.id, compiles=backends.toolchain.compiles, worker=worker
+    )
     metrics.add_sampler(store_sampler(db, metrics))
     metrics.add_sampler(pool_sampler(backends.compiler, metrics))
     audit = AuditLog(db, settings.audit.flush_s)

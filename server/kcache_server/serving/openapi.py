@@ -6,7 +6,9 @@ document states every limit the server enforces:
 
 - the ``Recipe`` schema (:mod:`kcache_server.recipe_schema`) for this server's
   toolchain, targets and include sets, where a model marks it
-  (:data:`~kcache_server.schemas.RECIPE_MARK`);
+  (:data:`~kcache_server.schemas.RECIPE_MARK`); on a server that cannot compile
+  (:mod:`kcache_server.compiler_presence`), any target of the core's grammar and any
+  toolchain id, named (it has no default): such a server looks recipes up only;
 - bounds that are settings (``max_batch``, ``audit.max_events_per_batch``, ...),
   where a model marks them (:data:`~kcache_server.schemas.SETTING_MARK`), and
   settings named in a description's text as ``{setting:NAME}`` (:data:`SETTING_TEXT`);
@@ -30,6 +32,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from kcache.targets import target_regex
 from kcache_server.recipe_schema import recipe_components
 from kcache_server.schemas import RECIPE_MARK, SETTING_MARK
 from kcache_server.settings import Settings
@@ -115,6 +118,22 @@ def _drop_parameter_null_branches(document: dict[str, Any]) -> None:
                     parameter["schema"] = _without_null_branch(parameter["schema"])
 
 
+def _lookup_only_recipes(components: dict[str, Any]) -> None:
+    """The recipe components of a server that cannot compile, in place: it keys what it is
+    sent against what other servers compiled, so any target the core parses and any
+    toolchain id, which the recipe must name (there is no default here)."""
+    components["Target"]["pattern"] = f"^(?:{target_regex()})$"
+    components["CubinTarget"]["pattern"] = f"^(?:{target_regex(families=('sm',))})$"
+    components["Target"]["description"] = components["CubinTarget"]["description"] = (
+        "a target of the server that compiled the recipe (this server cannot compile)"
+    )
+    components["RecipeToolchain"] = {
+        "type": "string",
+        "description": "the toolchain id of the server that compiled the recipe: required here, "
+        "as this server cannot compile and has no default (omitted: 501 cannot_compile)",
+    }
+
+
 def openapi_document(app: FastAPI, state: ServerState) -> dict[str, Any]:
     """The OpenAPI document of ``app`` with this server's recipe schema and limits filled in."""
     document = get_openapi(
@@ -133,6 +152,8 @@ def openapi_document(app: FastAPI, state: ServerState) -> dict[str, Any]:
             include_sets=state.backends.compiler.include_sets.names,
         )
     )
+    if not toolchain.compiles:
+        _lookup_only_recipes(components)
     _drop_parameter_null_branches(document)
     document["info"]["x-limits"] = {
         name: setting_value(state.settings, name) for name in REQUEST_LIMITS
