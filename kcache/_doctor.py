@@ -237,6 +237,14 @@ def _server(url: str, token: str | None, token_from: str) -> list[Check]:
                 f"one with the read or compile scope ({_detail(body)})",
             )
         )
+    elif status == 501:  # a fetch-only server (docs/operations.md): the token was accepted
+        checks.append(
+            Check(
+                "token",
+                "warn",
+                f"accepted, but the server cannot compile and serves fetches only: {_detail(body)}",
+            )
+        )
     else:
         why = error or f"HTTP {status}: {_detail(body)}"
         checks.append(Check("token", "fail", f"GET /v1/toolchains failed: {why}"))

@@ -12,6 +12,8 @@ index     SqlIndex(SQLite | PostgreSQL)
 lock      SingleFlight(PgAdvisoryKeyLock)            on PostgreSQL: across replicas
           SingleFlight(FileKeyLock(data_dir))        on SQLite: across processes on one host
 compiler  ProcessPoolCompiler                        NVRTC in worker processes with limits
+                                                     (none where the server cannot compile:
+                                                     kcache_server.compiler_presence)
           QuotaCompiler around it, for the engine     charges each compile to its caller (quotas)
 
 The rest of the server sees the store through the ``ArtifactStore`` seam only
@@ -33,8 +35,9 @@ from kcache.store.base import ArtifactStore
 from kcache.store.cached import CachedArtifactStore
 from kcache.store.local import LocalArtifactStore
 from kcache.store.urls import open_store_url
-from kcache.toolchain import Toolchain, load_toolchain
+from kcache.toolchain import Toolchain
 from kcache_server.compile_pool import ProcessPoolCompiler
+from kcache_server.compiler_presence import server_toolchain
 from kcache_server.db import DatabaseFile, is_postgres, open_database, sqlite_path
 from kcache_server.index import SqlIndex
 from kcache_server.locks import PgAdvisoryKeyLock
@@ -108,7 +111,7 @@ def maintained_store(settings: Settings) -> ArtifactStore:
 
 def open_backends(settings: Settings, db: sa.Engine) -> Backends:
     """Build every backend; the compile pool is created but not started."""
-    toolchain = load_toolchain(settings.toolchain_dir)
+    toolchain = server_toolchain(settings)  # one that compiles nothing, where none can
     include_sets = IncludeSets(settings.include_sets)
     store = _artifact_store(settings)
     index = SqlIndex(db)

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.cli_harness import kcache, user_env
 from tests.support import ServerProcess, unique, vector_add
 
 #: The NVRTC the GPU image has: older than kcache's 13.3.
@@ -276,5 +277,10 @@ def test_compiler_off_serves_fetches_only_whatever_is_installed(
     server = _fetch_only_server(stored, tmp_path, {"KCACHE_COMPILER": "off"})
     try:
         _serves_fetches_and_refuses_compiles(server, stored, "compiler = off")
+        # kcache doctor says what the server is, not that the token failed.
+        doctor = kcache("doctor", "--server", server.url, env=user_env(tmp_path / "home"))
+        token = next(line for line in doctor.stdout.splitlines() if " token " in f" {line} ")
+        assert "warn" in token and "serves fetches only" in token, doctor.stdout
+        assert "compiler = off" in token
     finally:
         server.stop()

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request, Response
 from kcache._version import __version__
 from kcache.errors import StoreUnavailableError
 from kcache.fsutil import free_bytes
-from kcache_server.readiness import BoundedCheck, Readiness
+from kcache_server.readiness import BoundedCheck, Readiness, compiler_checks
 from kcache_server.request_ids import current_request_id
 from kcache_server.routes._deps import State
 from kcache_server.schemas import HealthBody, ReadyBody
@@ -121,11 +121,7 @@ def _checks(state: ServerState) -> dict[str, str]:
         checks["store"] = (
             "failed: the blob store is not writable (the server log names its directory)"
         )
-    alive = state.backends.compiler.alive
-    checks["compile_workers"] = (
-        f"ok ({alive} running)" if alive else "failed: no compile worker is running"
-    )
-    checks["compile_sandbox"] = _sandbox(state)
+    checks.update(compiler_checks(state.backends.compiler, state.settings.compile_sandbox_mode))
     return checks
 
 
@@ -144,27 +140,13 @@ def _disk(state: ServerState) -> str:
     return f"ok ({free} bytes free)"
 
 
-def _sandbox(state: ServerState) -> str:
-    """Whether compile workers run confined by Landlock.
-
-    ``degraded`` (the operator allowed unconfined workers: compile_sandbox best-effort
-    or off) does not make the server unready, but says so on every probe; with
-    ``required`` an unconfined worker never starts, so this never reads degraded then.
-    """
-    status = state.backends.compiler.sandbox
-    if status is None:
-        return "failed: no compile worker has reported its confinement yet"
-    if status.active:
-        return f"ok ({status.detail})"
-    return (
-        f"degraded: {status.detail} (compile_sandbox={state.settings.compile_sandbox_mode}); "
-        "NVRTC in the workers can open any file this server can read"
-    )
-
-
 @router.get("/readyz", response_model=ReadyBody, responses={503: {"model": ReadyBody}})
 async def readyz(request: Request, state: State, response: Response) -> ReadyBody:
     """Readiness: 200 when the database, the bucket (if any), the store and a compile worker work.
+
+    A server that cannot compile (no NVRTC >= 13.3) reads ``degraded`` on
+    ``compile_workers`` and ``compile_sandbox``, with the reason, and is ready: it serves
+    fetches (:func:`kcache_server.readiness.compiler_checks`).
 
     The database and the bucket are asked within ``readiness_timeout_s`` each (the
     bucket's answer is kept a few seconds); one that is down or slow is a 503 whose
