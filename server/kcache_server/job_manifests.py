@@ -87,7 +87,9 @@ def job_manifest(db: sa.Engine, job_id: str) -> JobManifest:
         for r in rows
         if is_hex_key(r.recipe_key) and is_hex_key(r.digest)
     ]
-    return JobManifest.of(kernels, job_id, foreign=_foreign_groups(db, job_id, MAX_KERNELS))
+    # One bound for both: what is left of it after the kernels is what the groups may take.
+    foreign = _foreign_groups(db, job_id, MAX_KERNELS - len(kernels))
+    return JobManifest.of(kernels, job_id, foreign=foreign)
 
 
 #: The audit columns a foreign lookup's name is read back from, and their sizes: a value
@@ -122,7 +124,9 @@ def _foreign_name(
 
 
 def _foreign_groups(db: sa.Engine, job_id: str, most: int) -> list[ManifestForeign]:
-    """The foreign groups ``job_id`` looked up that the server holds now (module docstring)."""
+    """The foreign groups ``job_id`` looked up that the server holds now (module docstring);
+    more than ``most`` looked up (what the manifest's bound leaves after the job's kernels)
+    is refused as the kernels' bound is, naming the bound both share."""
     ev = _events.c
     query = (
         sa.select(ev.kernel, ev.target, ev.toolchain)
@@ -139,7 +143,9 @@ def _foreign_groups(db: sa.Engine, job_id: str, most: int) -> list[ManifestForei
         rows = conn.execute(query).all()
         if len(rows) > most:
             raise InvalidRequestError(
-                "job_id", f"job {job_id!r} looked up more than {most} foreign groups"
+                "job_id",
+                f"job {job_id!r} looked up more than {MAX_KERNELS} recipes and foreign groups "
+                "together, the most one manifest lists",
             )
         names = {n for r in rows if (n := _foreign_name(r.kernel, r.target, r.toolchain))}
         by_key = {binding_key(*n): n for n in names}

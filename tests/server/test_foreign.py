@@ -19,7 +19,7 @@ import pytest
 
 from kcache.foreign import ForeignBinding, ForeignFileRef, binding_key
 from kcache.signing import SignatureError, TrustedKeys, signed_message
-from tests.support import ServerThread, unique
+from tests.support import ServerThread, unique, vector_add
 
 NAMESPACE = {"version": "14.2.0", "target": "sm_90", "toolchain": "nvrtc-13.0"}
 
@@ -500,3 +500,36 @@ def test_a_lookup_carries_its_job_and_the_jobs_manifest_names_the_group(foreign:
     )
     assert group["files"] == [{"name": "payload", "digest": refs[0]["digest"], "size": 100}]
     assert other["version"] == 1 and "foreign" not in other  # a version 1 manifest, as before
+
+
+def test_a_job_past_the_manifests_bound_in_kernels_and_groups_together_is_refused(
+    foreign: Foreign, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One bound covers a manifest's kernels and foreign groups together: a job within it
+    in each but past it in both is refused as a job past it in kernels is (422 naming the
+    job id and the bound), not answered with a manifest the format cannot hold (a 500)."""
+    import kcache_server.job_manifests
+
+    import kcache.job_manifest
+
+    for module in (kcache.job_manifest, kcache_server.job_manifests):
+        monkeypatch.setattr(module, "MAX_KERNELS", 2)
+    job = unique("job")
+    context = {"X-KCache-Context": f"job_id={job}&rank=0"}
+    keys = [unique("k") for _ in range(2)]
+    with foreign.client("publish") as http:
+        for key in keys:
+            assert _publish(http, "cupy", key, {"payload": os.urandom(64)}).status_code == 200
+    with foreign.client("read") as http:
+        for key in keys:
+            assert http.get(f"/v1/foreign/cupy/{key}", params=NAMESPACE, headers=context).is_success
+        within = http.get(f"/v1/jobs/{job}/manifest")
+    assert within.status_code == 200, within.text  # two groups and no kernel: at the bound
+    assert len(within.json()["foreign"]) == 2
+    with foreign.client("compile") as http:
+        body = {"recipe": vector_add(unique()), "context": {"job_id": job, "rank": 0}}
+        assert http.post("/v1/resolve", json=body).status_code == 200
+    with foreign.client("read") as http:
+        past = http.get(f"/v1/jobs/{job}/manifest")
+    assert past.status_code == 422, past.text
+    assert job in past.text and "2 recipes and foreign groups together" in past.text
