@@ -30,13 +30,21 @@ waiting, with the lock never taken, or None once the lock is held. Waiters that 
 the lock only to find the entry went through it one after another, a convoy that
 cost a rank more than its own fetch.
 
-A waiter naps, 1 ms first (a node's fetch from the server takes about that), doubled
-up to 50 ms (a compile takes seconds: a few percent more at most). After each nap it
-only checks that the key's file is still there (a ``stat``) while the naps grow: the
-holder removes it as it lets go, right after publishing. Once the file is gone, or
-at the longest naps (a holder that published and holds on, or died and left its
-file), it looks (``published()``) and then tries the lock. (A look and a try at every
-nap tripled the CPU B8's eight ranks spent, with ``filelock.FileLock`` tries.)
+A waiter naps, 5 ms first (a few of a node's fetches from the server), half as long again
+each time up to 50 ms (a compile takes seconds: a few percent more at most), and looks
+(``published()``) after every nap; it tries the lock once the key's file is gone (its
+holder removes it as it lets go, right after publishing) or at the longest naps (a holder
+that died and left its file). A caller's ``idle`` work (a node tier's records of its own
+earlier publishes) is done in place of the naps, never past a nap's end. Naps longer than
+a fetch are what ranks asking for the same kernels in the same order want: the one
+fetching goes on to the next kernel without waiting for anyone, and a waiter that wakes
+finds several published and reads them back to back, so it wakes a few times per job
+rather than once or more per kernel, and ends about one nap after the fetcher. (B8, eight
+ranks on two cores, bench/RESULTS.md: 1 ms first naps doubled, or waking each waiter the
+moment its holder let go, cost 1.5-2 times the CPU and made the fetcher's chain wait for
+the cores; a waiter that saw only the key's file, not the entry, napped on while another
+rank held the lock of a kernel already published for a moment; a former fetcher's records
+of two dozen publishes, written whole before its first look, kept its last kernel 5-30 ms.)
 """
 
 from __future__ import annotations
@@ -60,9 +68,10 @@ __all__ = ["FileKeyLock", "KeyLock", "SingleFlight", "try_file_lock"]
 
 T = TypeVar("T")
 
-# A waiter's first nap between tries of a key's lock, doubled each time up to the last.
-_FIRST_NAP_S = 0.001
+# A waiter's first nap between looks for a key's entry, grown by _NAP_GROWTH up to the last.
+_FIRST_NAP_S = 0.005
 _LAST_NAP_S = 0.05
+_NAP_GROWTH = 1.5
 # try_file_lock: the pause between tries while another process holds the lock.
 _FILE_LOCK_POLL_S = 0.05
 # Errors that mean no lock is to be had here: go ahead as if it were (ENOSYS: no flock on
@@ -118,7 +127,11 @@ class SingleFlight:
 
     @contextlib.contextmanager
     def hold_unless(
-        self, key: str, timeout: float, published: Callable[[], T | None]
+        self,
+        key: str,
+        timeout: float,
+        published: Callable[[], T | None],
+        idle: Callable[[float], None] | None = None,
     ) -> Iterator[T | None]:
         """:meth:`FileKeyLock.hold_unless` behind this process's own queue for ``key``.
 
@@ -142,7 +155,7 @@ class SingleFlight:
                 with inner.hold(key, timeout):
                     yield None
                 return
-            with looking(key, timeout, published) as found:
+            with looking(key, timeout, published, idle) as found:
                 yield found
 
     def let_go(self, key: str) -> None:
@@ -221,7 +234,11 @@ class FileKeyLock:
 
     @contextlib.contextmanager
     def hold_unless(
-        self, key: str, timeout: float, published: Callable[[], T | None]
+        self,
+        key: str,
+        timeout: float,
+        published: Callable[[], T | None],
+        idle: Callable[[float], None] | None = None,
     ) -> Iterator[T | None]:
         """Hold ``key``'s lock, unless ``published()`` finds the holder's result first.
 
@@ -230,12 +247,14 @@ class FileKeyLock:
         ``published()`` returned while this process waited, with the lock never taken.
         A waiter looks (``published()``, which must need no lock) before each try of
         the lock: the holder publishes before it lets go, so the waiters find the
-        entry instead of passing through the lock one after another. Raises
-        LockTimeoutError after ``timeout``.
+        entry instead of passing through the lock one after another. ``idle(until)``, if
+        given, is work of the caller's own done in place of each nap, up to the monotonic
+        time ``until`` at most (the rest of the nap is slept). Raises LockTimeoutError
+        after ``timeout``.
         """
         lock = _KeyFile(self.path(key), self._dir)
         if not lock.take():
-            found = self._outwait(lock, key, timeout, published)
+            found = self._outwait(lock, key, timeout, published, idle)
             if found is not None:
                 yield found
                 return
@@ -248,25 +267,33 @@ class FileKeyLock:
         key: str,
         timeout: float,
         published: Callable[[], T | None] | None,
+        idle: Callable[[float], None] | None = None,
     ) -> T | None:
-        """Nap and try until ``lock`` is had (None) or ``published()`` finds the result."""
+        """Nap (or do ``idle``'s work) and look until ``lock`` is had (None) or
+        ``published()`` finds the result."""
         deadline = time.monotonic() + timeout
         nap = _FIRST_NAP_S
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise LockTimeoutError(
                     f"waited {timeout:.0f}s for the lock of {key} in {self._dir}"
                 )
-            time.sleep(min(nap, left))
+            wake = now + min(nap, left)
+            if idle is not None:
+                idle(wake)
+            rest = wake - time.monotonic()
+            if rest > 0:
+                time.sleep(rest)
             longest = nap >= _LAST_NAP_S
-            nap = min(2 * nap, _LAST_NAP_S)
-            if not longest and os.path.exists(lock.path):
-                continue  # held still: its holder removes the file as it lets go
+            nap = min(_NAP_GROWTH * nap, _LAST_NAP_S)
             if published is not None:  # the holder publishes before it lets go: look first
                 found = published()
                 if found is not None:
                     return found
+            if not longest and os.path.exists(lock.path):
+                continue  # held still: its holder removes the file as it lets go
             if lock.take():
                 return None
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -102,14 +103,12 @@ class TierPublisher:
         each took the lock in turn only to read the entry made a convoy (B8).
         """
 
-        def looked() -> T | None:
-            # Asked first when this process is about to wait for another's fetch: the
-            # moment for its own pending bookkeeping, which nothing waits for.
-            if self._pending:
-                self.flush()
-            return published()
-
-        with self._tier.lock.hold_unless(recipe_key, self._tier.lock_timeout, looked) as found:
+        # While this process waits for another's fetch, its own pending bookkeeping,
+        # which nothing waits for, takes the waiting time (no more of it: the wait ends
+        # when the entry is there, not when the bookkeeping is done).
+        with self._tier.lock.hold_unless(
+            recipe_key, self._tier.lock_timeout, published, self.flush
+        ) as found:
             yield found
 
     def publish(
@@ -178,10 +177,18 @@ class TierPublisher:
             self.flush()
         return tier.store.path(digest)
 
-    def flush(self) -> None:
-        """Write the records and manifest entries of this process's pending publishes; may evict."""
+    def flush(self, until: float | None = None) -> None:
+        """Write the records and manifest entries of this process's pending publishes; may
+        evict. ``until``: a monotonic time to stop at, the rest left pending (at least one
+        is written)."""
+        if not self._pending:
+            return
         with self._pending_lock:
             pending, self._pending = self._pending, []
-        for base_key, meta, size in pending:
+        for done, (base_key, meta, size) in enumerate(pending):
+            if done and until is not None and time.monotonic() >= until:
+                with self._pending_lock:
+                    self._pending[:0] = pending[done:]
+                return
             with tolerate_full(self._tier.root, "recording a kernel"):
                 self._tier.size.record(base_key, meta, size)

@@ -104,6 +104,21 @@ def test_a_process_about_to_wait_for_another_writes_its_pending_records(tmp_path
     assert looked == [meta]  # written before the first look, while the other held the key
 
 
+def test_a_waiters_bookkeeping_stops_at_the_end_of_its_nap(tmp_path: Path) -> None:
+    """Pending records are written in a waiter's naps, never past their end (a wait ends when
+    the entry is there, not when the bookkeeping is done): one at least, the rest later."""
+    import time
+
+    tier = NodeTier(tmp_path, max_bytes=0)
+    entries = [tier_entry(f"pending {i}") for i in range(5)]
+    for key, base, meta, data in entries:
+        tier.publish(key, base, meta, data)
+    tier.publisher.flush(until=time.monotonic())  # a nap already over
+    assert [p.stem for p in tier.index.files("artifacts")] == [entries[0][2].digest]
+    tier.publisher.flush()
+    assert {p.stem for p in tier.index.files("artifacts")} == {e[2].digest for e in entries}
+
+
 def test_lists_and_evictions_count_pending_publishes(tmp_path: Path) -> None:
     tier = NodeTier(tmp_path, max_bytes=0)
     key, base, meta, data = tier_entry("listed")

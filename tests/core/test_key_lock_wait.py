@@ -111,6 +111,36 @@ def test_a_waiter_gives_up_after_its_timeout_and_leaves_no_lock_behind(tmp_path:
     assert list((tmp_path / "locks").iterdir()) == []
 
 
+def test_a_waiter_looks_after_every_nap_and_does_its_idle_work_in_place_of_the_naps(
+    tmp_path: Path,
+) -> None:
+    """The key's file stays (its holder, or another waiter that took the lock for a moment,
+    holds it): the waiter still looks after each nap, and finds the entry at the first look
+    that can see it. Its ``idle`` work comes before each look, bounded by the nap's end."""
+    import time
+
+    calls: list[str] = []
+    ends: list[float] = []
+
+    def idle(until: float) -> None:
+        assert until > time.monotonic()  # a bound still ahead: the nap's end
+        ends.append(until)
+        calls.append("idle")
+
+    def published() -> str | None:
+        calls.append("look")
+        return "entry" if calls.count("look") == 3 else None
+
+    waiter = SingleFlight(FileKeyLock(tmp_path))
+    with (
+        FileKeyLock(tmp_path).hold(KEY, timeout=5),  # held all along
+        waiter.hold_unless(KEY, 30, published, idle) as found,
+    ):
+        assert found == "entry"
+    assert calls == ["idle", "look"] * 3
+    assert ends == sorted(ends)
+
+
 def test_single_flight_threads_of_one_process_take_the_published_entry(tmp_path: Path) -> None:
     lock = SingleFlight(FileKeyLock(tmp_path))
     published: list[str] = []
