@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # the job façade's results: kcache_client._jobs is imported 
     import httpx  # a caller's own client only: kcache's requests never import it
 
     from kcache_client._bundle import PrefetchResult
+    from kcache_client._foreign_ledger import ForeignLedger
     from kcache_client._warmup import WarmupResult
 
 __all__ = ["OFFLINE_LOGGER", "KernelCache"]
@@ -185,7 +186,8 @@ class KernelCache:
                 transport.request_json, "GET", "/v1/keys", retry=contact_retry
             )
         self._toolchain_default: str | None = None
-        self._toolchain_lock = threading.Lock()
+        self._toolchain_lock = threading.Lock()  # and the foreign ledger's making
+        self._foreign_ledger: ForeignLedger | None = None
         #: What include sets are pinned to before keying (kcache_client._include_pins).
         self.include_pins = IncludeSetPins(settings.include_sets, self._server_set_digests)
         #: The get path: memory, the node tier, the server, local compiles (kcache_client._lookup).
@@ -437,13 +439,23 @@ class KernelCache:
         """What this process was served so far (every ``get``, ``get_many`` and warmup) and the
         foreign groups its library hooks used (:mod:`~kcache_client._foreign_ledger`), as a
         :class:`~kcache.job_manifest.JobManifest` of ``job_id`` (default the settings' job)."""
-        from kcache_client._foreign_ledger import foreign_entries
-
+        ledger = self._foreign_ledger
         return JobManifest.of(
             self._lookup.manifest_kernels(),
             job_id or self.settings.job_id,
-            foreign=foreign_entries(self),
+            foreign=ledger.entries() if ledger is not None else (),
         )
+
+    @property
+    def foreign_ledger(self) -> ForeignLedger:
+        """The foreign groups this cache's library hooks used (made when a hook first asks)."""
+        if self._foreign_ledger is None:
+            from kcache_client._foreign_ledger import ForeignLedger
+
+            with self._toolchain_lock:
+                if self._foreign_ledger is None:
+                    self._foreign_ledger = ForeignLedger()
+        return self._foreign_ledger
 
     def job_manifest(self, job_id: str | None = None) -> JobManifest:
         """The server's manifest of ``job_id`` (default this cache's job): every kernel its

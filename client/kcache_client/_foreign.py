@@ -44,7 +44,6 @@ from kcache.artifact_header import CONTEXT_HEADER, encode_context
 from kcache.foreign import ForeignBinding, ForeignNameError, binding_key, check_files, check_name
 from kcache.signing import Signature, SignatureError
 from kcache_client._foreign_groups import keep_group, pack_group, takes_foreign, unpack_group
-from kcache_client._foreign_ledger import ledger_of
 from kcache_client._lean_request import json_body
 from kcache_client.errors import UntrustedArtifactError
 
@@ -130,7 +129,7 @@ class ForeignCache:
         #: refused (answers that did not check), unreachable, published, kept, dropped, failed.
         self.counts: Counter[str] = Counter()
         #: What this process's hooks used, for its manifest (kcache_client._foreign_ledger).
-        self._ledger = ledger_of(cache)
+        self._ledger = cache.foreign_ledger
 
     # ------------------------------------------------------------------ lookups
     def get(self, name: ForeignName) -> dict[str, bytes] | None:

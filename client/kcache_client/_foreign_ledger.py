@@ -1,26 +1,23 @@
 """The foreign groups a process's library hooks used, for its own manifest (``KernelCache.manifest``).
 
-Every :class:`~kcache_client._foreign.ForeignCache` of a ``KernelCache`` notes here each
-name it answered (from memory, the node tier or the server) or was handed after the
-library's compile, with its files' digests and sizes (computed once per name). The ledger
-is held beside the cache, weakly keyed by it, so a hook needs nothing of ``KernelCache``
-but its identity, and ``KernelCache.manifest()`` reads :func:`foreign_entries` of itself.
-A group handed over and not yet published is named too: the job used it, its publish
-follows (docs/design.md section 10).
+Every :class:`~kcache_client._foreign.ForeignCache` of a ``KernelCache`` notes in the
+cache's ledger (``KernelCache.foreign_ledger``, made when a hook first asks) each name it
+answered (from memory, the node tier or the server) or was handed after the library's
+compile, with its files' digests and sizes (computed once per name), and
+``KernelCache.manifest()`` lists what the ledger holds. A group handed over and not yet
+published is named too: the job used it, its publish follows (docs/design.md section 10).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-import weakref
 from collections.abc import Mapping
-from typing import Any
 
 from kcache.foreign import ForeignFileRef
 from kcache.job_manifest import ManifestForeign
 
-__all__ = ["ForeignLedger", "foreign_entries", "ledger_of"]
+__all__ = ["ForeignLedger"]
 
 
 class ForeignLedger:
@@ -49,23 +46,3 @@ class ForeignLedger:
         """The groups noted, by binding key."""
         with self._lock:
             return [self._used[k] for k in sorted(self._used)]
-
-
-_LEDGERS: weakref.WeakKeyDictionary[Any, ForeignLedger] = weakref.WeakKeyDictionary()
-_LEDGERS_LOCK = threading.Lock()
-
-
-def ledger_of(cache: Any) -> ForeignLedger:
-    """The ledger of ``cache`` (made on first use)."""
-    with _LEDGERS_LOCK:
-        ledger = _LEDGERS.get(cache)
-        if ledger is None:
-            ledger = _LEDGERS[cache] = ForeignLedger()
-        return ledger
-
-
-def foreign_entries(cache: Any) -> list[ManifestForeign]:
-    """What ``cache``'s hooks used so far (none without a ledger)."""
-    with _LEDGERS_LOCK:
-        ledger = _LEDGERS.get(cache)
-    return ledger.entries() if ledger is not None else []

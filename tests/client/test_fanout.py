@@ -27,7 +27,6 @@ import pytest
 from client_harness import KcacheServer, Proxy, kernels
 from kcache_client import ClientSettings, KernelCache
 from kcache_client._foreign import ForeignCache, ForeignName
-from kcache_client._foreign_ledger import foreign_entries
 
 from kcache.job_manifest import JobManifest
 from tests.support import FAST, free_port
@@ -166,7 +165,7 @@ def test_a_jobs_foreign_groups_cross_the_network_once_with_its_kernels(
             name = ForeignName("cupy", "14.2.0", "sm_80", "nvrtc-13.0", secrets.token_hex(8))
             hooks.put(name, {"payload": os.urandom(3000 + i)})
         assert hooks.flush(30) and hooks.counts["published"] == 2
-        with_groups = JobManifest.of(manifest.kernels, foreign=foreign_entries(cache))
+        with_groups = JobManifest.of(manifest.kernels, foreign=cache.manifest().foreign)
     assert with_groups.version == 2 and len(with_groups.foreign) == 2
     spec = {"kind": fault, "rank": 0} if fault else None
     reports = run_ranks(tmp_path, proxy.url, with_groups, hosts=["a", "b", "c"], fault=spec)
