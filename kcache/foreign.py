@@ -17,7 +17,8 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+from urllib.parse import quote
 
 from kcache.errors import KCacheError
 
@@ -30,6 +31,7 @@ __all__ = [
     "ForeignBinding",
     "ForeignConflictError",
     "ForeignFileRef",
+    "ForeignName",
     "ForeignNameError",
     "binding_key",
     "check_name",
@@ -110,22 +112,60 @@ class ForeignFileRef:
         return {"name": self.name, "digest": self.digest, "size": self.size}
 
 
-@dataclass(frozen=True)
-class ForeignBinding:
-    """A published group under a library's key, and who published it."""
+class ForeignName(NamedTuple):
+    """A foreign binding's name: the library, its version, target and toolchain, and its key.
+
+    The one name type of a library hook's lookup, a published binding and a manifest's
+    group; its JSON form is its five fields, flat (:meth:`to_dict`)."""
 
     library: str
     version: str
     target: str
     toolchain: str
     key: str
+
+    @classmethod
+    def checked(cls, fields: Mapping[str, Any]) -> ForeignName:
+        """The name in ``fields`` (a JSON object holding the five), checked (:meth:`check`)."""
+        return cls(*(check_name(f, fields.get(f)) for f in _NAME_FIELDS))
+
+    def check(self) -> ForeignName:
+        """This name, each part checked (:func:`check_name`: ForeignNameError naming the
+        first part that is not valid)."""
+        for field, value in zip(_NAME_FIELDS, self, strict=True):
+            check_name(field, value)
+        return self
+
+    @property
+    def binding_key(self) -> str:
+        """:func:`binding_key`: what the server and the node tier file it under."""
+        return binding_key(*self)
+
+    def to_dict(self) -> dict[str, str]:
+        """The five fields, as JSON carries them."""
+        return dict(zip(_NAME_FIELDS, self, strict=True))
+
+    def path(self) -> str:
+        """The route of this name (without the query)."""
+        return f"/v1/foreign/{quote(self.library, safe='')}/{quote(self.key, safe='')}"
+
+    def query(self) -> dict[str, str]:
+        """The namespace, as the route's query."""
+        return {"version": self.version, "target": self.target, "toolchain": self.toolchain}
+
+
+@dataclass(frozen=True)
+class ForeignBinding:
+    """A published group under a library's name, and who published it."""
+
+    name: ForeignName
     files: tuple[ForeignFileRef, ...]
     writer: str
 
     @property
     def binding_key(self) -> str:
         """:func:`binding_key` of this binding's name."""
-        return binding_key(self.library, self.version, self.target, self.toolchain, self.key)
+        return self.name.binding_key
 
     @property
     def size(self) -> int:
@@ -135,11 +175,7 @@ class ForeignBinding:
     def message(self) -> bytes:
         """The bytes the server's signature covers ("published by <writer>")."""
         body = {
-            "library": self.library,
-            "version": self.version,
-            "target": self.target,
-            "toolchain": self.toolchain,
-            "key": self.key,
+            **self.name.to_dict(),
             "files": sorted([f.name, f.digest, f.size] for f in self.files),
             "writer": self.writer,
         }

@@ -31,12 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kcache.bundle_format import MAX_LINE_BYTES, BundleError
-from kcache.foreign import (
-    ForeignBinding,
-    ForeignNameError,
-    check_files,
-    check_name,
-)
+from kcache.foreign import ForeignBinding, ForeignName, ForeignNameError, check_files
 from kcache.signing import Signature, SignatureError
 
 __all__ = [
@@ -52,7 +47,6 @@ __all__ = [
 
 SECTION_FORMAT = "kcache-foreign-groups"
 SECTION_VERSION = 1
-_NAME = ("library", "version", "target", "toolchain", "key")
 
 
 def _line(value: dict[str, Any]) -> bytes:
@@ -67,7 +61,7 @@ def header_line() -> bytes:
 def group_head(binding: ForeignBinding, signature: Signature) -> bytes:
     """The line announcing a group; its files' bytes (in ``binding.files`` order) and a newline follow."""
     body = {
-        **{name: getattr(binding, name) for name in _NAME},
+        **binding.name.to_dict(),
         "files": [f.to_dict() for f in binding.files],
         "writer": binding.writer,
     }
@@ -200,11 +194,9 @@ class ForeignSectionReader:
         n = self.groups + 1
         try:
             body = item["binding"]
-            library, version, target, toolchain, key = (check_name(f, body[f]) for f in _NAME)
+            name = ForeignName.checked(body)
             files = check_files(body["files"], self.max_file_bytes)
-            binding = ForeignBinding(
-                library, version, target, toolchain, key, files, str(body["writer"])
-            )
+            binding = ForeignBinding(name, files, str(body["writer"]))
             signature = Signature.from_dict(item["signature"])
             size = item["size"]
         except (KeyError, TypeError, ForeignNameError, SignatureError) as exc:
@@ -227,7 +219,7 @@ class ForeignSectionReader:
             if hashlib.sha256(piece).hexdigest() != ref.digest:
                 raise BundleError(
                     f"{self.where}: file {ref.name} of foreign group {n} "
-                    f"({binding.library}:{binding.key}) does not hash to its digest"
+                    f"({name.library}:{name.key}) does not hash to its digest"
                 )
             out[ref.name] = piece
         self.groups += 1

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kcache.errors import KCacheError
-from kcache.foreign import ForeignFileRef, ForeignNameError, binding_key, check_files, check_name
+from kcache.foreign import ForeignFileRef, ForeignName, ForeignNameError, check_files
 from kcache.fsutil import atomic_write
 from kcache.keys import is_hex_key
 
@@ -122,34 +122,19 @@ class ManifestKernel:
         return f"{self.kernel or self.recipe_key[:16]}@{self.target or '?'}"
 
 
-_FOREIGN_NAME = ("library", "version", "target", "toolchain", "key")
-
-
 @dataclass(frozen=True, order=True)
 class ManifestForeign:
     """One foreign group a job used: its binding's name and its files (docs/design.md 10)."""
 
     binding_key: str
-    library: str
-    version: str
-    target: str
-    toolchain: str
-    key: str
+    name: ForeignName
     files: tuple[ForeignFileRef, ...]
 
     @classmethod
-    def of(
-        cls, library: str, version: str, target: str, toolchain: str, key: str, files: Any
-    ) -> ManifestForeign:
-        """The entry of that name; ``files`` as ``{name, digest, size}`` items or refs (checked)."""
-        name = (library, version, target, toolchain, key)
+    def of(cls, name: ForeignName, files: Any) -> ManifestForeign:
+        """The entry of ``name``; ``files`` as ``{name, digest, size}`` items or refs (checked)."""
         refs = check_files([f.to_dict() if isinstance(f, ForeignFileRef) else f for f in files])
-        return cls(binding_key(*name), *name, refs)
-
-    @property
-    def name(self) -> tuple[str, str, str, str, str]:
-        """(library, version, target, toolchain, key): a hook's ``ForeignName``."""
-        return (self.library, self.version, self.target, self.toolchain, self.key)
+        return cls(name.binding_key, name, refs)
 
     @property
     def size(self) -> int:
@@ -159,12 +144,12 @@ class ManifestForeign:
     @property
     def label(self) -> str:
         """How a person names it."""
-        return f"{self.library}:{self.key}@{self.target}"
+        return f"{self.name.library}:{self.name.key}@{self.name.target}"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (one item of ``foreign``)."""
         return {
-            **dict(zip(_FOREIGN_NAME, self.name, strict=True)),
+            **self.name.to_dict(),
             "binding_key": self.binding_key,
             "files": [f.to_dict() for f in self.files],
         }
@@ -175,10 +160,7 @@ class ManifestForeign:
         if not isinstance(data, dict):
             raise ManifestError(f"{where} must be an object")
         try:
-            library, version, target, toolchain, key = (
-                check_name(f, data.get(f)) for f in _FOREIGN_NAME
-            )
-            entry = cls.of(library, version, target, toolchain, key, data.get("files"))
+            entry = cls.of(ForeignName.checked(data), data.get("files"))
         except ForeignNameError as exc:
             raise ManifestError(f"{where}: {exc}") from None
         stated = data.get("binding_key")

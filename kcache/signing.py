@@ -528,7 +528,7 @@ class TrustedKeys:
     def verify_foreign(self, binding: ForeignBinding, signature: Signature | None) -> None:
         """Raise :class:`SignatureError` unless ``signature`` by a trusted key covers the
         foreign ``binding`` (its name, files and writer)."""
-        what = f"the {binding.library} entry {binding.key} published by {binding.writer}"
+        what = f"the {binding.name.library} entry {binding.name.key} published by {binding.writer}"
         if signature is None:
             raise SignatureError(f"{what} carries no signature")
         self._verify(signature, binding.message(), what)

@@ -80,7 +80,7 @@ def node(salt: int) -> dict[str, Any]:
         before = cache.requests
         result = cache.prefetch(manifest)
         prefetch_requests = cache.requests - before
-    libraries = sorted({group.library for group in manifest.foreign})
+    libraries = sorted({group.name.library for group in manifest.foreign})
     return {
         "phase": "node",
         "manifest_version": manifest.version,

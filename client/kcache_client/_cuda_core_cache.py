@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kcache.foreign import ForeignName
     from kcache_client._cache import KernelCache
-    from kcache_client._foreign import ForeignName
 
 __all__ = ["LIBRARY", "ProgramCache", "program_cache_class"]
 
@@ -104,7 +104,7 @@ def program_cache_class() -> Any:
                 self.version, self.toolchain = _versions()
 
             def _name(self, key: Any) -> ForeignName:
-                from kcache_client._foreign import ForeignName
+                from kcache.foreign import ForeignName
 
                 raw = _key_bytes(key)
                 text = raw.hex() if len(raw) <= _LONG_KEY else "h" + hashlib.sha256(raw).hexdigest()

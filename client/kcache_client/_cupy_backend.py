@@ -34,8 +34,9 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kcache.foreign import ForeignName
     from kcache_client._cache import KernelCache
-    from kcache_client._foreign import ForeignCache, ForeignName
+    from kcache_client._foreign import ForeignCache
 
 __all__ = ["LIBRARY", "install_backend", "shareable_options", "uninstall_backend"]
 
@@ -182,7 +183,7 @@ def _backend_class(base: type) -> Any:
 
             def _name(self, name: str) -> ForeignName | None:
                 """The foreign name of this compile, or None when it must not be shared."""
-                from kcache_client._foreign import ForeignName
+                from kcache.foreign import ForeignName
 
                 frame = _caller_frame()
                 options = None if frame is None else frame.f_locals.get("options")

@@ -37,11 +37,11 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
-from urllib.parse import quote, urlencode
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 from kcache.artifact_header import CONTEXT_HEADER, encode_context
-from kcache.foreign import ForeignBinding, ForeignNameError, binding_key, check_files, check_name
+from kcache.foreign import ForeignBinding, ForeignName, ForeignNameError, check_files
 from kcache.signing import Signature, SignatureError
 from kcache_client._foreign_groups import keep_group, pack_group, takes_foreign, unpack_group
 from kcache_client._lean_request import json_body
@@ -57,7 +57,6 @@ __all__ = [
     "EXIT_FLUSH_S",
     "QUEUE",
     "ForeignCache",
-    "ForeignName",
     "pack_group",
     "unpack_group",
 ]
@@ -74,29 +73,6 @@ EXIT_FLUSH_S = 5.0
 CONNECT_S, READ_S = 2.0, 30.0
 #: Bytes of groups kept in a process's memory.
 MEMORY_BYTES = 256 << 20
-
-
-class ForeignName(NamedTuple):
-    """A foreign binding's name: the library, its version, target and toolchain, and its key."""
-
-    library: str
-    version: str
-    target: str
-    toolchain: str
-    key: str
-
-    @property
-    def binding_key(self) -> str:
-        """:func:`kcache.foreign.binding_key`: what the server and the node tier file it under."""
-        return binding_key(*self)
-
-    def path(self) -> str:
-        """The route of this name (without the query)."""
-        return f"/v1/foreign/{quote(self.library, safe='')}/{quote(self.key, safe='')}"
-
-    def query(self) -> dict[str, str]:
-        """The namespace, as the route's query."""
-        return {"version": self.version, "target": self.target, "toolchain": self.toolchain}
 
 
 class ForeignCache:
@@ -299,17 +275,10 @@ class ForeignCache:
         where = f"{self.url}{name.path()}"
         try:
             body = reply.json()
-            files = check_files(body["files"])
             binding = ForeignBinding(
-                check_name("library", body["library"]),
-                check_name("version", body["version"]),
-                check_name("target", body["target"]),
-                check_name("toolchain", body["toolchain"]),
-                check_name("key", body["key"]),
-                files,
-                str(body["writer"]),
+                ForeignName.checked(body), check_files(body["files"]), str(body["writer"])
             )
-            if ForeignName(*[getattr(binding, f) for f in ForeignName._fields]) != name:
+            if binding.name != name:
                 raise ValueError("the answer names another binding")
             signature = Signature.from_dict(body["signature"])
             self.cache.trust.check_foreign(
@@ -338,13 +307,13 @@ class ForeignCache:
     def put(self, name: ForeignName, files: Mapping[str, bytes]) -> bool:
         """Queue ``files`` under ``name`` for the tier and the server; False when dropped (queue full)."""
         try:
-            binding_key(*name)
+            name.check()
         except ForeignNameError as exc:
             self._warn("name", f"a foreign name was refused ({exc}); not kept")
             return False
         group = {k: bytes(v) for k, v in files.items()}
         self._remember(name, group)
-        self._ledger.note(name, group)
+        self._ledger.note(name, group)  # handed over: these files, whatever was noted before
         try:
             self._keep(name, group)
         except Exception as exc:  # the node tier is best effort here too

@@ -65,8 +65,7 @@ def request(
     context: dict[str, Any],
 ) -> AbstractContextManager[Iterator[bytes]]:
     """``POST /v1/bundle`` of ``keys`` and the ``groups`` by name (their section comes first)."""
-    fields = ("library", "version", "target", "toolchain", "key")
-    foreign = [{f: getattr(g, f) for f in fields} for g in groups]
+    foreign = [g.name.to_dict() for g in groups]
     body = {"recipe_keys": keys, "foreign": foreign, "context": dict(context)}
     return remote.transport.stream("POST", "/v1/bundle", json=body)
 

@@ -14,7 +14,7 @@ import hashlib
 import threading
 from collections.abc import Mapping
 
-from kcache.foreign import ForeignFileRef
+from kcache.foreign import ForeignFileRef, ForeignName
 from kcache.job_manifest import ManifestForeign
 
 __all__ = ["ForeignLedger"]
@@ -29,7 +29,7 @@ class ForeignLedger:
 
     def note(
         self,
-        name: tuple[str, str, str, str, str],
+        name: ForeignName,
         files: Mapping[str, bytes],
         key: str | None = None,
     ) -> None:
@@ -38,7 +38,7 @@ class ForeignLedger:
         if known is not None and len(known.files) == len(files):
             return  # a name's digests are computed once; a memory hit costs a dict lookup
         refs = [ForeignFileRef(n, hashlib.sha256(d).hexdigest(), len(d)) for n, d in files.items()]
-        entry = ManifestForeign.of(*name, refs)
+        entry = ManifestForeign.of(name, refs)
         with self._lock:
             self._used[entry.binding_key] = entry
 

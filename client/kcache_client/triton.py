@@ -149,7 +149,7 @@ class CacheManager:
         return found if len(found) == len(children) else None
 
     def _name(self, filename: str) -> Any:
-        from kcache_client._foreign import ForeignName
+        from kcache.foreign import ForeignName
 
         return ForeignName(LIBRARY, _triton_version(), TARGET, TOOLCHAIN, f"{self.key}.{filename}")
 

@@ -22,7 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from kcache.errors import ArtifactNotFoundError
-from kcache.foreign import ForeignBinding, ForeignFileRef
+from kcache.foreign import ForeignBinding, ForeignFileRef, ForeignName
 from kcache.lru import LruCache
 from kcache.signing import Signature
 from kcache.store.base import ArtifactStore
@@ -154,11 +154,7 @@ class ForeignStore:
                     sa.insert(_bindings)
                     .values(
                         binding_key=key,
-                        library=binding.library,
-                        version=binding.version,
-                        target=binding.target,
-                        toolchain=binding.toolchain,
-                        key=binding.key,
+                        **binding.name.to_dict(),
                         writer=binding.writer,
                         size=binding.size,
                         published_at=now,
@@ -200,11 +196,7 @@ class ForeignStore:
                     sa.update(_bindings).where(_bindings.c.id == row.id).values(last_used_at=now)
                 )
         binding = ForeignBinding(
-            library=row.library,
-            version=row.version,
-            target=row.target,
-            toolchain=row.toolchain,
-            key=row.key,
+            ForeignName(row.library, row.version, row.target, row.toolchain, row.key),
             files=tuple(ForeignFileRef(f.name, f.digest, int(f.size)) for f in files),
             writer=row.writer,
         )

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 
-from kcache.foreign import ForeignFileRef, ForeignNameError, binding_key
+from kcache.foreign import ForeignFileRef, ForeignName, ForeignNameError
 from kcache.job_manifest import MAX_KERNELS, JobManifest, ManifestForeign, ManifestKernel
 from kcache.keys import is_hex_key
 from kcache.outcomes import SERVED_OUTCOMES
@@ -100,8 +100,8 @@ _PREFIX = "foreign:"
 
 def _foreign_name(
     kernel: str | None, target: str | None, toolchain: str | None
-) -> tuple[str, str, str, str, str] | None:
-    """(library, version, target, toolchain, key) of a foreign lookup's audit row, or None
+) -> ForeignName | None:
+    """The name of a foreign lookup's audit row, or None
     for a row that is not one, or whose fields may have been cut to their columns."""
     if not kernel or not target or not toolchain or not kernel.startswith(_PREFIX):
         return None
@@ -115,12 +115,10 @@ def _foreign_name(
     if not toolchain.startswith(f"{library}-"):
         return None
     version, _, compiler = toolchain[len(library) + 1 :].partition("/")
-    name = (library, version, target, compiler, key)
     try:
-        binding_key(*name)  # every part checked
+        return ForeignName(library, version, target, compiler, key).check()
     except ForeignNameError:
         return None
-    return name
 
 
 def _foreign_groups(db: sa.Engine, job_id: str, most: int) -> list[ManifestForeign]:
@@ -148,13 +146,11 @@ def _foreign_groups(db: sa.Engine, job_id: str, most: int) -> list[ManifestForei
                 "together, the most one manifest lists",
             )
         names = {n for r in rows if (n := _foreign_name(r.kernel, r.target, r.toolchain))}
-        by_key = {binding_key(*n): n for n in names}
+        by_key = {n.binding_key: n for n in names}
         return _held(conn, by_key)
 
 
-def _held(
-    conn: sa.Connection, names: dict[str, tuple[str, str, str, str, str]]
-) -> list[ManifestForeign]:
+def _held(conn: sa.Connection, names: dict[str, ForeignName]) -> list[ManifestForeign]:
     """The bindings of ``names`` (binding key -> name) the server holds, with their files."""
     found: list[ManifestForeign] = []
     keys: Sequence[str] = sorted(names)
@@ -170,5 +166,5 @@ def _held(
             files.setdefault(r.binding_key, []).append(
                 ForeignFileRef(r.name, r.digest, int(r.size))
             )
-        found += [ManifestForeign.of(*names[k], files[k]) for k in chunk if k in files]
+        found += [ManifestForeign.of(names[k], files[k]) for k in chunk if k in files]
     return found

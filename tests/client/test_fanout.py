@@ -26,8 +26,9 @@ from typing import Any
 import pytest
 from client_harness import KcacheServer, Proxy, kernels
 from kcache_client import ClientSettings, KernelCache
-from kcache_client._foreign import ForeignCache, ForeignName
+from kcache_client._foreign import ForeignCache
 
+from kcache.foreign import ForeignName
 from kcache.job_manifest import JobManifest
 from tests.support import FAST, free_port
 

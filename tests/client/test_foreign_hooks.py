@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 from kcache_client import KernelCache
-from kcache_client._foreign import ForeignCache, ForeignName, pack_group, unpack_group
+from kcache_client._foreign import ForeignCache, pack_group, unpack_group
 
+from kcache.foreign import ForeignName
 from tests.support import ServerThread, unique
 
 

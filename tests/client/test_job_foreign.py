@@ -21,12 +21,13 @@ from typing import Any
 import pytest
 from client_harness import Proxy, kernels
 from kcache_client import ClientSettings, KernelCache
-from kcache_client._foreign import ForeignCache, ForeignName
+from kcache_client._foreign import ForeignCache
 from kcache_client.errors import UntrustedArtifactError
 from kcache_server.settings import Settings
 
 from kcache import Recipe
 from kcache.bundle_format import BundleError
+from kcache.foreign import ForeignName
 from kcache.job_manifest import JobManifest
 from tests.cli_harness import kcache, user_env
 from tests.support import FAST, ServerThread

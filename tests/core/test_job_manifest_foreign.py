@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kcache.bundle_format import BundleError
-from kcache.foreign import ForeignBinding, ForeignFileRef, binding_key
+from kcache.foreign import ForeignBinding, ForeignFileRef, ForeignName, binding_key
 from kcache.foreign_section import (
     ForeignGroup,
     ForeignMissing,
@@ -41,7 +41,7 @@ KERNEL = ManifestKernel("a" * 64, "b" * 64, "add", "sm_90", "nvrtc-13.0", "cubin
 
 def _group(key: str = "k1.cubin", data: bytes = b"payload") -> ManifestForeign:
     files = [{"name": "payload", "digest": hashlib.sha256(data).hexdigest(), "size": len(data)}]
-    return ManifestForeign.of("cupy", "14.2.0", "sm_90", "nvrtc-13.0", key, files)
+    return ManifestForeign.of(ForeignName("cupy", "14.2.0", "sm_90", "nvrtc-13.0", key), files)
 
 
 def test_a_manifest_without_foreign_groups_is_the_version_1_it_was() -> None:
@@ -67,7 +67,7 @@ def test_foreign_groups_make_a_version_2_manifest_that_round_trips() -> None:
     other = JobManifest.of([KERNEL], "job", foreign=[_group("k2.cubin", b"TWO"), _group()])
     assert other.digest != manifest.digest
     diff = diff_manifests(manifest, other)
-    assert not diff.same and [a.key for a, _ in diff.foreign_changed] == ["k2.cubin"]
+    assert not diff.same and [a.name.key for a, _ in diff.foreign_changed] == ["k2.cubin"]
     assert diff_manifests(JobManifest.of([KERNEL]), manifest).foreign_added == manifest.foreign
 
 
@@ -105,7 +105,7 @@ def test_the_foreign_section_gives_whole_groups_and_the_rest_of_the_answer() -> 
     refs = tuple(
         ForeignFileRef(n, hashlib.sha256(d).hexdigest(), len(d)) for n, d in sorted(files.items())
     )
-    binding = ForeignBinding("triton", "3.5", "any", "any", "k", refs, "token:w")
+    binding = ForeignBinding(ForeignName("triton", "3.5", "any", "any", "k"), refs, "token:w")
     signature = SigningKey.generate().sign_foreign(binding)
     body = b"".join(files[r.name] for r in refs)
     gone = binding_key("triton", "3.5", "any", "any", "gone")

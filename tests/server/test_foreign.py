@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kcache.foreign import ForeignBinding, ForeignFileRef, binding_key
+from kcache.foreign import ForeignBinding, ForeignFileRef, ForeignName, binding_key
 from kcache.signing import SignatureError, TrustedKeys, signed_message
 from tests.support import ServerThread, unique, vector_add
 
@@ -83,15 +83,7 @@ def _publish(http: httpx.Client, library: str, key: str, files: dict[str, bytes]
 
 def _binding(entry: dict[str, Any]) -> ForeignBinding:
     files = tuple(ForeignFileRef(f["name"], f["digest"], f["size"]) for f in entry["files"])
-    return ForeignBinding(
-        entry["library"],
-        entry["version"],
-        entry["target"],
-        entry["toolchain"],
-        entry["key"],
-        files,
-        entry["writer"],
-    )
+    return ForeignBinding(ForeignName.checked(entry), files, entry["writer"])
 
 
 def test_publish_then_lookup_is_signed_as_published_by_the_writer(foreign: Foreign) -> None:
@@ -118,14 +110,10 @@ def test_publish_then_lookup_is_signed_as_published_by_the_writer(foreign: Forei
     trusted.verify_foreign(binding, signature)  # "published by token:t-publish"
     # Another writer, another file, another name: the signature covers each.
     for changed in (
+        ForeignBinding(binding.name, binding.files, "token:other"),
         ForeignBinding(
-            *[
-                getattr(binding, f)
-                for f in ("library", "version", "target", "toolchain", "key", "files")
-            ],
-            "token:other",
+            ForeignName("cupy", "14.1.0", "sm_90", "nvrtc-13.0", key), binding.files, binding.writer
         ),
-        ForeignBinding("cupy", "14.1.0", "sm_90", "nvrtc-13.0", key, binding.files, binding.writer),
     ):
         with pytest.raises(SignatureError):
             trusted.verify_foreign(changed, signature)
@@ -329,7 +317,9 @@ def test_racing_publishes_of_one_name_bind_one_group(foreign_store: Any) -> None
         foreign_store.store_blob(hashlib.sha256(data).hexdigest(), data)
         ref = ForeignFileRef("payload", hashlib.sha256(data).hexdigest(), len(data))
         groups.append(
-            ForeignBinding("cupy", "14.2.0", "sm_90", "nvrtc-13.0", "raced", (ref,), f"token:w{i}")
+            ForeignBinding(
+                ForeignName("cupy", "14.2.0", "sm_90", "nvrtc-13.0", "raced"), (ref,), f"token:w{i}"
+            )
         )
     results: list[Any] = [None] * len(groups)
     barrier = threading.Barrier(len(groups))

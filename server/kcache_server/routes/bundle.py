@@ -39,7 +39,7 @@ from kcache.bundle_format import (
     missing_line,
 )
 from kcache.errors import ArtifactNotFoundError, CompileError
-from kcache.foreign import KEY_PATTERN, LABEL_PATTERN, LIBRARY_PATTERN, binding_key, check_name
+from kcache.foreign import KEY_PATTERN, LABEL_PATTERN, LIBRARY_PATTERN, ForeignName, check_name
 from kcache.foreign_section import end_line as foreign_end_line
 from kcache.foreign_section import group_head
 from kcache.foreign_section import header_line as foreign_header_line
@@ -155,10 +155,8 @@ async def _foreign_section(
     groups = missing = 0
     parts: list[bytes] = [foreign_header_line()]
     held = len(parts[0])
-    names = {
-        binding_key(*n): n
-        for n in ((f.library, f.version, f.target, f.toolchain, f.key) for f in body.foreign)
-    }
+    # Each part was checked with the body (ForeignNameBody): the name as it was given.
+    names = {n.binding_key: n for n in (ForeignName(**f.model_dump()) for f in body.foreign)}
     for key, name in names.items():  # each name once, in the order asked
         if held >= _WRITE_BYTES:
             yield b"".join(parts)

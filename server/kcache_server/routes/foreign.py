@@ -29,6 +29,7 @@ from kcache.foreign import (
     MAX_FILES,
     ForeignBinding,
     ForeignConflictError,
+    ForeignName,
     ForeignNameError,
     binding_key,
     check_files,
@@ -156,11 +157,7 @@ def _named(field: str, value: str, *, path: bool) -> str:
 def _entry(state: Any, found: StoredBinding) -> ForeignEntry:
     binding = found.binding
     return ForeignEntry(
-        library=binding.library,
-        version=binding.version,
-        target=binding.target,
-        toolchain=binding.toolchain,
-        key=binding.key,
+        **binding.name.to_dict(),
         binding_key=binding.binding_key,
         files=[ForeignFileBody(**f.to_dict()) for f in binding.files],
         size=binding.size,
@@ -172,7 +169,7 @@ def _entry(state: Any, found: StoredBinding) -> ForeignEntry:
 
 def audit_lookup(
     state: Any,
-    name: tuple[str, str, str, str, str],
+    name: ForeignName,
     found: bool,
     latency_ms: float,
     context: dict[str, Any],
@@ -227,7 +224,8 @@ async def publish(
     except ForeignNameError as exc:
         raise InvalidRequestError(exc.field, str(exc)) from None
     writer = caller_identity(principal.name, request.client.host if request.client else None)
-    binding = ForeignBinding(library, body.version, body.target, body.toolchain, key, files, writer)
+    name = ForeignName(library, body.version, body.target, body.toolchain, key)
+    binding = ForeignBinding(name, files, writer)
     found, published = await state.run(state.foreign.publish, binding)
     return PublishResponse(
         published=published, same=found.binding.files == files, entry=_entry(state, found)
@@ -263,11 +261,9 @@ async def lookup(
     version = _named("version", version, path=False)
     target = _named("target", target, path=False)
     toolchain = _named("toolchain", toolchain, path=False)
-    found: StoredBinding | None = await state.run(
-        state.foreign.get, binding_key(library, version, target, toolchain, key)
-    )
+    name = ForeignName(library, version, target, toolchain, key)
+    found: StoredBinding | None = await state.run(state.foreign.get, name.binding_key)
     latency_ms = (time.perf_counter() - started) * 1000.0
-    name = (library, version, target, toolchain, key)
     # Identical hits between two flushes are one row and its count, per caller (as a fetch's).
     tally = ("foreign", *name, context)
     audit_lookup(state, name, found is not None, latency_ms, fetch_context(context), tally)
