@@ -1,45 +1,28 @@
 #!/usr/bin/env bash
 # Issue 47's GPU acceptance: CuPy's, cuda.core's and Triton's own tests with kcache behind
-# their cache hooks, against a kcache server on this machine (SQLite, a publish token).
+# their cache hooks, against a kcache server on this machine (SQLite, a publish token)
+# that device_server.sh starts, as for the other runners here.
 # Run from the repository root on the GPU machine, after prepare.sh here (it fills
 # .device/: the server's wheels and the libraries' tests). Results: $OUT/results.tgz and
 # the JSON lines this prints (one per comparison and per run).
 set -uo pipefail
-REPO=$(pwd)
-A=$REPO/bench/gpu_foreign_acceptance
-D=$REPO/.device
 OUT=${OUT:-/tmp/accept-out}
 W=${ACCEPT_WORK:-/tmp/accept}
 R=$W/results
 PHASE_S=${PHASE_S:-200}  # each phase is killed past this (A and B: at most 2 x 220 s)
 CUPY_WORKERS=${CUPY_WORKERS:-4}
-rm -rf "$W" && mkdir -p "$R" "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$D"/whl/*.whl || exit 1
-export PYTHONPATH=$REPO:$REPO/client:$REPO/server:/tmp/site:$A:$D/meta
+mkdir -p "$OUT"
+# ---- the server (device_server.sh): the carried wheels on PYTHONPATH, the toolchain's
+# header directory, SQLite on its embedded defaults under $W/server, one token with the
+# publish scope; it empties $W and leaves REPO, A, D, URL, TOKEN, SERVER_PID, kc and get.
+# Never a bare `wait` below: it would wait for the server too (each phase waits for its own jobs).
+PORT=8470 SCOPES="--scope publish"
+source bench/gpu_foreign_acceptance/device_server.sh
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c 'import sys, triton, torch, cupy, cuda.core, cuda.bindings; from cupy.cuda import compiler; print(sys.version.split()[0], "triton", triton.__version__, "torch", torch.__version__, "cupy", cupy.__version__, "cuda.core", cuda.core.__version__, "cuda.bindings", cuda.bindings.__version__, "nvrtc", compiler._get_nvrtc_version())'
 } 2>&1 | tee "$R/versions.txt"
-
-# ---- the server: SQLite on its embedded defaults, one token with the publish scope
-kc() { python3 -c 'import sys; from kcache.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
-KD=$W/server
-export KCACHE_TOOLCHAIN_DIR=$W/toolchain  # the image's NVRTC 13.0 has no bundled headers: server_headers.py
-python3 "$A/server_headers.py" "$KCACHE_TOOLCHAIN_DIR" || exit 1
-kc db upgrade --data-dir "$KD" >"$R/server-upgrade.log" 2>&1 || { cat "$R/server-upgrade.log"; exit 1; }
-TOKEN=$(kc token create accept-writer --scope publish --data-dir "$KD" 2>/dev/null) || exit 1
-# Never a bare `wait` below: it would wait for the server too (each phase waits for its own jobs).
-setsid python3 -c 'import sys; from kcache.cli import main; sys.exit(main(sys.argv[1:]))' \
-  serve --data-dir "$KD" --port 8470 >"$R/server.log" 2>&1 < /dev/null &
-SERVER_PID=$!
-get() {  # get URL: the body, or fail (no curl needed)
-  python3 -c 'import os,sys,urllib.request as u; r=u.Request(sys.argv[1], headers={"Authorization": "Bearer "+os.environ.get("KCACHE_TOKEN","")}); sys.stdout.write(u.urlopen(r, timeout=30).read().decode())' "$1"
-}
-for _ in $(seq 60); do get http://127.0.0.1:8470/healthz >/dev/null 2>&1 && break; sleep 0.5; done
-get http://127.0.0.1:8470/healthz || { tail -30 "$R/server.log"; exit 1; }
-echo
-export KCACHE_URL=http://127.0.0.1:8470 KCACHE_TOKEN=$TOKEN KCACHE_KNOWN_SERVERS=$W/known_servers
+export KCACHE_URL=$URL KCACHE_TOKEN=$TOKEN KCACHE_KNOWN_SERVERS=$W/known_servers
 export ACCEPT_OUT=$R
 stats() {  # stats SINCE NAME: the server's audit of foreign and kcache lookups since SINCE
   get "$KCACHE_URL/v1/stats?since=$1" >"$R/stats-$2.json"
