@@ -46,6 +46,14 @@ compile of the process in a fresh process instead (:mod:`kcache.fresh_compile`);
 does the same for a compile whose trace failed its checks, or that ran while another
 thread's compile failed. A server worker, which must not start processes, answers its
 failure and is replaced (``kcache_server.compile_pool``).
+
+**A failed traced compile leaves NVRTC tracing for everyone.** After a compile that
+fails with ``--fdevice-time-trace``, every later compile of the process, whoever makes it
+and whatever its options (the user's CuPy or cuda.core beside a client's local compile),
+writes a trace named ``.json`` into the working directory (NVRTC 13.5, measured); one
+traced compile that succeeds ends that. So every failed compile is followed by a traced
+compile of an empty program into the failed one's temporary directory
+(:func:`_end_tracing`): kcache leaves nothing behind in the processes it compiles in.
 """
 
 from __future__ import annotations
@@ -305,6 +313,22 @@ def _ok(result: tuple[object, ...]) -> bool:
     return bool(result[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS)
 
 
+def _end_tracing(trace_dir: Path) -> None:
+    """After a failed traced compile: a traced compile that succeeds (an empty program, its
+    trace into ``trace_dir``), so NVRTC stops writing ``.json`` for the process's other
+    compiles (module docstring). Nothing is raised: it is the process's, not the recipe's."""
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(b"", b"kcache-end-tracing.cu", 0, [], [])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        return
+    try:
+        option = f"--fdevice-time-trace={trace_dir / 'end-tracing'}".encode()
+        nvrtc.nvrtcCompileProgram(prog, 1, [option])
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
 def _get_bytes(prog: object, size_fn: object, get_fn: object) -> bytes:
     result = size_fn(prog)  # type: ignore[operator]
     if not _ok(result):
@@ -533,6 +557,7 @@ def compile_in_this_process(
         )
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise ToolchainError(f"nvrtcCreateProgram failed: {err!r}")
+        result: tuple[object, ...] | None = None
         try:
             for expr in recipe.name_expressions:
                 if not _ok(nvrtc.nvrtcAddNameExpression(prog, expr.encode())):
@@ -572,6 +597,8 @@ def compile_in_this_process(
                 data = _get_bytes(prog, nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
+            if result is not None and not _ok(result):
+                _end_tracing(Path(trace_dir))
     if recipe.lto:
         data, link_log = _link(recipe, data, link_inputs)
         log = "\n".join(part for part in (log, link_log) if part.strip())

@@ -382,6 +382,51 @@ def _plain_nvrtc(
     return done.stdout
 
 
+_FAIL_THEN_PLAIN = r"""
+import os, sys
+from cuda.bindings import nvrtc
+from kcache.errors import CompileError
+from kcache.include_sets import IncludeSets
+from kcache.nvrtc import compile_in_this_process
+from kcache.recipe import Recipe
+from kcache.toolchain import load_toolchain
+
+toolchain = load_toolchain()
+broken = Recipe(toolchain=toolchain.id, target="sm_90", source="#include <bad.cuh>\n",
+                headers={"bad.cuh": "#error typo\n"})
+try:
+    compile_in_this_process(broken, toolchain, IncludeSets())
+except CompileError:
+    pass
+else:
+    sys.exit("the broken recipe compiled")
+# What the process's other NVRTC users (CuPy, cuda.core) do next: a compile of their own.
+for _ in range(2):
+    _, prog = nvrtc.nvrtcCreateProgram(b'extern "C" __global__ void k(int* a) { *a = 1; }',
+                                       b"user.cu", 0, [], [])
+    result = nvrtc.nvrtcCompileProgram(prog, 1, [b"-arch=sm_90"])
+    assert result[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, result
+    nvrtc.nvrtcDestroyProgram(prog)
+print(sorted(os.listdir(".")))
+"""
+
+
+def test_a_failed_compile_leaves_no_trace_in_the_working_directory_of_the_process(
+    toolchain: Toolchain, tmp_path: Path
+) -> None:
+    """NVRTC keeps tracing after a traced compile fails: every later compile of the process,
+    the user's own included, wrote ``.json`` into its working directory until kcache ended
+    the tracing after a failure (``kcache.nvrtc._end_tracing``). A fresh process, so its
+    NVRTC starts clean; the working directory is the user's, empty before."""
+    work = tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", _FAIL_THEN_PLAIN], cwd=work, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_lists_recorded_before_the_proof_never_serve_a_manifest_match(tmp_path: Path) -> None:
     """An earlier release's short list (`mul.cuh` only, as a spoiled trace wrote) under the
     same base key: never matched, and the next compile of those bytes replaces its record."""
