@@ -6,6 +6,7 @@ Nothing here mocks HTTP: every request crosses a real socket.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import http.server
 import itertools
@@ -22,10 +23,11 @@ from typing import Any
 
 import httpx
 import pytest
+from kcache_client import ClientSettings, KernelCache
 
 from kcache import Recipe
 from kcache.artifact import ArtifactMeta
-from tests.support import ServerProcess
+from tests.support import FAST, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 KCACHE = Path(sys.executable).with_name("kcache")
@@ -256,6 +258,19 @@ def start_server(data_dir: Path) -> KcacheServer:
         return KcacheServer(data_dir).start()
     except ServerUnavailable as exc:
         pytest.skip(f"kcache server not available: {exc}")
+
+
+def job_cache(url: str | None, tier: Path, known: Path, **kw: Any) -> KernelCache:
+    """A quiet cache on ``tier`` (sm_80, fast retries, no events) that pins server keys in
+    ``known``; ``job_id`` and any other settings field in ``kw``."""
+    settings = dataclasses.replace(
+        ClientSettings.from_env(
+            auto_target="sm_80", retry=FAST, send_events=False, job_id=kw.pop("job_id", None)
+        ),
+        known_servers=known,
+        **kw,
+    )
+    return KernelCache(url, cache_dir=tier, settings=settings)
 
 
 def kernels(n: int, tag: str = "", *, target: str = "auto") -> list[Recipe]:

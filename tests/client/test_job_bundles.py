@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from client_harness import Proxy, kernels
-from kcache_client import ClientSettings, KernelCache
+from client_harness import Proxy, job_cache, kernels
 from kcache_client._bundle import load_bundle_file, write_bundle_file
 from kcache_client._tier import NodeTier
 from kcache_client._trust import Trust
@@ -29,7 +28,7 @@ from kcache.errors import KCacheError
 from kcache.job_manifest import JobManifest, ManifestError, diff_manifests
 from kcache.signing import BundleDigest, SigningKey
 from tests.cli_harness import kcache, user_env
-from tests.support import FAST, ServerThread
+from tests.support import ServerThread
 
 JOB = "job-34"
 
@@ -50,17 +49,6 @@ def _asked(proxy: Proxy) -> int:
     return proxy.count() - proxy.count("GET", "/v1/withdrawals")
 
 
-def _cache(url: str | None, tier: Path, known: Path, **kw: Any) -> KernelCache:
-    settings = dataclasses.replace(
-        ClientSettings.from_env(
-            auto_target="sm_80", retry=FAST, send_events=False, job_id=kw.pop("job_id", None)
-        ),
-        known_servers=known,
-        **kw,
-    )
-    return KernelCache(url, cache_dir=tier, settings=settings)
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     home = tmp_path_factory.mktemp("job")
@@ -69,7 +57,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     )
     known = home / "known.json"
     try:
-        with _cache(server.url, home / "tier", known, job_id=JOB) as cache:
+        with job_cache(server.url, home / "tier", known, job_id=JOB) as cache:
             recipes = [cache.prepare(r) for r in kernels(3, "job", target="sm_80")]
             arts = cache.get_many(recipes)
         assert all(not isinstance(a, Exception) for a in arts), arts
@@ -93,7 +81,7 @@ def run_kcache(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 @pytest.fixture(scope="module")
 def manifest(job: Job, tmp_path_factory: pytest.TempPathFactory) -> JobManifest:
-    with _cache(job.server.url, tmp_path_factory.mktemp("m"), job.known) as cache:
+    with job_cache(job.server.url, tmp_path_factory.mktemp("m"), job.known) as cache:
         return cache.job_manifest(JOB)
 
 
@@ -139,7 +127,7 @@ def test_the_server_records_a_jobs_manifest_and_it_saves_and_diffs(
 
 
 def test_a_client_records_what_it_was_served(job: Job, tmp_path: Path) -> None:
-    with _cache(job.server.url, tmp_path / "tier", job.known) as cache:
+    with job_cache(job.server.url, tmp_path / "tier", job.known) as cache:
         for recipe in job.recipes[:2]:
             cache.get(recipe)
         mine = cache.manifest()
@@ -151,7 +139,7 @@ def test_a_bundle_fills_an_empty_tier_in_one_request_and_a_complete_tier_makes_n
 ) -> None:
     proxy = Proxy(job.server.url)
     try:
-        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:
+        with job_cache(proxy.url, tmp_path / "tier", job.known) as cache:
             done = cache.prefetch(manifest)
             assert (done.requests, done.fetched, done.held, done.missing) == (1, 3, 0, ())
             assert _asked(proxy) == 1 and proxy.count("POST", "/v1/bundle") == 1
@@ -160,12 +148,12 @@ def test_a_bundle_fills_an_empty_tier_in_one_request_and_a_complete_tier_makes_n
             assert [a.digest for a in arts] == job.digests
             assert all(a.signature is not None for a in arts)
             assert _asked(proxy) == 1  # served from the tier: no request more
-        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:  # another process
+        with job_cache(proxy.url, tmp_path / "tier", job.known) as cache:  # another process
             again = cache.prefetch(manifest)
         assert (again.requests, again.held, again.fetched) == (0, 3, 0)
         assert _asked(proxy) == 1
         # An entry evicted since: the marker no longer stands, and only that one is asked for.
-        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:
+        with job_cache(proxy.url, tmp_path / "tier", job.known) as cache:
             cache.tier.remove([job.keys[0]])
             third = cache.prefetch(manifest)
         assert (third.requests, third.held, third.fetched) == (1, 2, 1)
@@ -182,7 +170,7 @@ def test_a_tampered_bundle_answer_is_refused_and_the_entry_not_published(
     proxy = Proxy(job.server.url)
     _rewriting_bundles(proxy, _flip_in_first_entry)
     try:
-        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:
+        with job_cache(proxy.url, tmp_path / "tier", job.known) as cache:
             with pytest.raises(BundleError, match="do not hash"):
                 cache.prefetch(manifest)
             assert cache.tier.entries() == []
@@ -191,7 +179,7 @@ def test_a_tampered_bundle_answer_is_refused_and_the_entry_not_published(
 
 
 def _bundle_file(job: Job, manifest: JobManifest, tmp_path: Path) -> Path:
-    with _cache(job.server.url, tmp_path / "src", job.known) as cache:
+    with job_cache(job.server.url, tmp_path / "src", job.known) as cache:
         path = tmp_path / "kernels.kcb"
         assert write_bundle_file(cache, manifest, path) == 3
     return path
@@ -245,7 +233,7 @@ def test_bundle_files_that_are_truncated_tampered_or_of_an_unknown_key_write_not
     assert len(good.entries()) == 3
     # As a layer, a refused file stops the cache at start, saying how to fix it.
     with pytest.raises(KCacheError, match="KCACHE_TRUSTED_KEYS"):
-        _cache(
+        job_cache(
             None,
             tmp_path / "w",
             job.known,
@@ -264,7 +252,7 @@ def test_a_read_only_layer_under_a_writable_tier(
     before = {p: p.stat().st_mtime_ns for p in layer_dir.rglob("*") if p.is_file()}
     proxy = Proxy(job.server.url)
     try:
-        with _cache(
+        with job_cache(
             proxy.url,
             tmp_path / "writable",
             job.known,
@@ -449,12 +437,12 @@ def test_a_prefetch_keeps_the_bundle_as_one_pack_that_every_process_reads(
 ) -> None:
     proxy = Proxy(job.server.url)
     try:
-        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:
+        with job_cache(proxy.url, tmp_path / "tier", job.known) as cache:
             assert cache.prefetch(manifest).fetched == 3
         # One file, written whole: no blob, alias or record per kernel.
         assert len(_packs(tmp_path / "tier")) == 1
         assert _blobs(tmp_path / "tier") == [] and _aliases(tmp_path / "tier") == []
-        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:  # another process
+        with job_cache(proxy.url, tmp_path / "tier", job.known) as cache:  # another process
             assert cache.prefetch(manifest).requests == 0
             arts = [cache.get(r, compile=False) for r in job.recipes]
             assert [a.origin for a in arts] == ["node"] * 3
@@ -476,14 +464,14 @@ def test_a_damaged_pack_reads_as_absent_and_is_replaced(
     proxy = Proxy(job.server.url)
     tier = tmp_path / "tier"
     try:
-        with _cache(proxy.url, tier, job.known) as cache:
+        with job_cache(proxy.url, tier, job.known) as cache:
             cache.prefetch(manifest)
         (pack,) = _packs(tier)
         whole = pack.read_bytes()
         # One byte of one entry flipped in place (failing media): that entry alone is refused.
         pack.write_bytes(_flip_in_first_entry(whole))
         first_key = json.loads(whole.split(b"\n", 2)[1])["recipe_key"]
-        with _cache(proxy.url, tier, job.known) as cache:
+        with job_cache(proxy.url, tier, job.known) as cache:
             by_key = {cache.key(r): r for r in job.recipes}
             art = cache.get(by_key[first_key], compile=False)
             assert art.origin == "server" and art.digest == job.digests[job.keys.index(first_key)]
@@ -495,13 +483,13 @@ def test_a_damaged_pack_reads_as_absent_and_is_replaced(
         # Cut short (a crash, a full disk): not used at all; the marker no longer stands, and
         # the next prefetch asks for what no file holds.
         pack.write_bytes(whole[: len(whole) // 2])
-        with _cache(proxy.url, tier, job.known) as cache:
+        with job_cache(proxy.url, tier, job.known) as cache:
             again = cache.prefetch(manifest)
             assert again.requests == 1 and again.missing == ()
             assert [cache.get(r, compile=False).origin for r in job.recipes] == ["node"] * 3
         assert "not using the pack" in caplog.text
         # The damaged file is still listed (and so evicted, cleared), without entries.
-        with _cache(None, tier, job.known) as cache:
+        with job_cache(None, tier, job.known) as cache:
             assert cache.tier.clear().bytes_freed > 0
         assert _packs(tier) == []
     finally:
@@ -514,7 +502,7 @@ def test_a_pack_entry_signed_by_an_unknown_key_is_not_used(
     from kcache_client._pack_file import PackWriter
 
     # A pack planted in the tier: the server's bytes and metadata, signed by another key.
-    with _cache(job.server.url, tmp_path / "src", job.known) as cache:
+    with job_cache(job.server.url, tmp_path / "src", job.known) as cache:
         arts = [cache.get(r, compile=False) for r in job.recipes]
     planted = tmp_path / "tier"
     attacker = SigningKey.generate()
@@ -523,7 +511,7 @@ def test_a_pack_entry_signed_by_an_unknown_key_is_not_used(
             pack.add(
                 art.recipe_key, art.metadata, art.data, attacker.sign(art.recipe_key, art.metadata)
             )
-    with _cache(job.server.url, planted, job.known, trusted_keys=job.public_key) as cache:
+    with job_cache(job.server.url, planted, job.known, trusted_keys=job.public_key) as cache:
         assert [cache.get(r, compile=False).origin for r in job.recipes] == ["server"] * 3
     assert f"signed by key {attacker.key_id}" in caplog.text
 
@@ -537,7 +525,7 @@ def test_pack_files_that_are_links_or_fifos_are_never_opened(
     (tier / "packs").mkdir(parents=True)
     os.mkfifo(tier / "packs" / f"{'a' * 32}.kcb")
     (tier / "packs" / f"{'b' * 32}.kcb").symlink_to("/dev/zero")
-    with _cache(job.server.url, tier, job.known) as cache:  # a FIFO opened would hang here
+    with job_cache(job.server.url, tier, job.known) as cache:  # a FIFO opened would hang here
         assert cache.prefetch(manifest).fetched == 3
         assert [cache.get(r, compile=False).origin for r in job.recipes] == ["node"] * 3
         assert cache.tier.usage().entries == 3
@@ -546,7 +534,7 @@ def test_pack_files_that_are_links_or_fifos_are_never_opened(
 def test_removing_one_kernel_rewrites_its_pack_without_it(
     job: Job, manifest: JobManifest, tmp_path: Path
 ) -> None:
-    with _cache(job.server.url, tmp_path / "tier", job.known) as cache:
+    with job_cache(job.server.url, tmp_path / "tier", job.known) as cache:
         cache.prefetch(manifest)
         removal = cache.tier.remove([job.keys[1]])
         assert removal.removed == 1 and removal.unknown == ()
@@ -563,7 +551,7 @@ def test_one_signature_covers_every_entry_of_a_bundle(
 ) -> None:
     proxy = Proxy(job.server.url)
     try:
-        with _cache(proxy.url, tmp_path / "t0", job.known) as cache:
+        with job_cache(proxy.url, tmp_path / "t0", job.known) as cache:
             seen: list[bytes] = []
             _rewriting_bundles(proxy, lambda body: seen.append(body) or body)
             cache.prefetch(manifest)
@@ -586,12 +574,12 @@ def test_one_signature_covers_every_entry_of_a_bundle(
         cases = [(forged, "refused|not trusted"), (retargeted, "does not verify")]
         for n, (change, match) in enumerate(cases, 1):
             _rewriting_bundles(proxy, change)
-            with _cache(proxy.url, tmp_path / f"t{n}", job.known) as cache:
+            with job_cache(proxy.url, tmp_path / f"t{n}", job.known) as cache:
                 with pytest.raises(KCacheError, match=match):
                     cache.prefetch(manifest)
                 assert cache.tier.entries() == [] and _packs(tmp_path / f"t{n}") == []
         _rewriting_bundles(proxy, unsigned)
-        with _cache(proxy.url, tmp_path / "old", job.known) as cache:
+        with job_cache(proxy.url, tmp_path / "old", job.known) as cache:
             assert cache.prefetch(manifest).fetched == 3  # each entry's own signature checked
     finally:
         proxy.close()
@@ -609,7 +597,7 @@ def test_a_cut_bundle_keeps_the_entries_that_arrived_whole(
 
     _rewriting_bundles(proxy, cut)
     try:
-        with _cache(proxy.url, tmp_path / "tier", job.known) as cache:
+        with job_cache(proxy.url, tmp_path / "tier", job.known) as cache:
             with pytest.raises(BundleError, match="truncated"):
                 cache.prefetch(manifest)
             assert len(cache.tier.entries()) == 2
@@ -633,7 +621,7 @@ def test_a_pack_a_dead_writer_left_half_written_is_swept_and_a_live_ones_kept(
         partial.write_bytes(b'{"format": "kcache-bundle", "version": 1}\n' + b"x" * 1000)
     hours_ago = time.time() - 2 * 3600
     os.utime(dead, (hours_ago, hours_ago))
-    with _cache(None, tmp_path / "tier", job.known) as cache:
+    with job_cache(None, tmp_path / "tier", job.known) as cache:
         assert cache.tier.usage().entries == 0  # a partial is no pack
         cache.tier.evict()
     assert not dead.exists() and live.exists()

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from client_harness import Proxy, kernels
-from kcache_client import ClientSettings, KernelCache
+from client_harness import Proxy, job_cache, kernels
 from kcache_client._foreign import ForeignCache
 from kcache_client.errors import UntrustedArtifactError
 from kcache_server.settings import Settings
@@ -30,7 +29,7 @@ from kcache.bundle_format import BundleError
 from kcache.foreign import ForeignName
 from kcache.job_manifest import JobManifest
 from tests.cli_harness import kcache, user_env
-from tests.support import FAST, ServerThread
+from tests.support import ServerThread
 
 JOB = "job-47-foreign"
 
@@ -43,17 +42,6 @@ class World:
     keys: list[str]
     groups: dict[ForeignName, dict[str, bytes]]
     used: list[str]  # binding keys the writer's own manifest named
-
-
-def _cache(url: str, tier: Path, known: Path, **kw: Any) -> KernelCache:
-    settings = dataclasses.replace(
-        ClientSettings.from_env(
-            auto_target="sm_80", retry=FAST, send_events=False, job_id=kw.pop("job_id", None)
-        ),
-        known_servers=known,
-        **kw,
-    )
-    return KernelCache(url, cache_dir=tier, settings=settings)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +62,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         },
     }
     try:
-        with _cache(server.url, home / "writer", known, job_id=JOB) as cache:
+        with job_cache(server.url, home / "writer", known, job_id=JOB) as cache:
             recipes = [cache.prepare(r) for r in kernels(1, "jf", target="sm_80")]
             arts = cache.get_many(recipes)
             assert all(not isinstance(a, Exception) for a in arts), arts
@@ -98,7 +86,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
 @pytest.fixture(scope="module")
 def manifest(world: World, tmp_path_factory: pytest.TempPathFactory) -> JobManifest:
-    with _cache(world.server.url, tmp_path_factory.mktemp("m"), world.known) as cache:
+    with job_cache(world.server.url, tmp_path_factory.mktemp("m"), world.known) as cache:
         return cache.job_manifest(JOB)
 
 
@@ -126,7 +114,7 @@ def test_the_jobs_manifest_names_the_foreign_groups_its_hooks_published(
     # The writer's own (process) manifest names what its hooks used, too.
     assert sorted(world.used) == sorted(names)
     # Another job's manifest names none of them: the lookups carried their job.
-    with _cache(world.server.url, world.known.parent / "other", world.known) as cache:
+    with job_cache(world.server.url, world.known.parent / "other", world.known) as cache:
         assert cache.job_manifest("another-job").foreign == ()
 
 
@@ -135,7 +123,7 @@ def test_prefetch_brings_kernels_and_groups_in_one_request_then_hooks_ask_nothin
 ) -> None:
     proxy = Proxy(world.server.url)
     try:
-        with _cache(proxy.url, tmp_path / "tier", world.known) as cache:
+        with job_cache(proxy.url, tmp_path / "tier", world.known) as cache:
             done = cache.prefetch(manifest)
             assert (done.requests, done.fetched, done.held, done.missing) == (1, 3, 0, ())
             assert _asked(proxy) == 1 and proxy.count("POST", "/v1/bundle") == 1
@@ -147,7 +135,7 @@ def test_prefetch_brings_kernels_and_groups_in_one_request_then_hooks_ask_nothin
             assert hooks.counts["node_hits"] == 2 and hooks.counts["server_hits"] == 0
             assert cache.get(world.recipes[0], compile=False).origin == "node"
             assert _asked(proxy) == 1  # the hooks and the kernel: no request more
-        with _cache(proxy.url, tmp_path / "tier", world.known) as cache:  # another process
+        with job_cache(proxy.url, tmp_path / "tier", world.known) as cache:  # another process
             again = cache.prefetch(manifest)
             assert (again.requests, again.held, again.fetched) == (0, 3, 0)
             assert _asked(proxy) == 1  # the marker covers the groups: complete, no request
@@ -217,7 +205,7 @@ def test_a_group_that_does_not_check_is_refused_whole(
     proxy.faults.rewrite = rewrite
     first, second = sorted(manifest.foreign, key=lambda g: g.binding_key)  # in the order asked
     try:
-        with _cache(proxy.url, tmp_path / "tier", world.known) as cache:
+        with job_cache(proxy.url, tmp_path / "tier", world.known) as cache:
             with pytest.raises(error, match=said):
                 cache.prefetch(manifest)
             tier = cache.tier
@@ -249,7 +237,7 @@ def test_a_replayed_jobs_prefetch_names_the_groups_in_its_own_manifest(
     # The bundle's groups are audited as foreign lookups with the bundle's context: the
     # next run of the job, which only prefetched, has the same manifest.
     replay = "job-47-foreign-replay"
-    with _cache(world.server.url, tmp_path / "tier", world.known, job_id=replay) as cache:
+    with job_cache(world.server.url, tmp_path / "tier", world.known, job_id=replay) as cache:
         assert cache.prefetch(manifest).fetched == 3
         again = cache.job_manifest(replay)
     assert again.digest == manifest.digest and again.job_id == replay
