@@ -19,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Request
+from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from kcache.artifact_header import CONTEXT_HEADER, MAX_CONTEXT_CHARS
 from kcache_server.auth import PRINCIPAL_KEY, Principal, authorization_header
 from kcache_server.errors import InvalidRequestError, PayloadTooLargeError
 from kcache_server.fairness import caller_identity, current_caller
@@ -43,6 +44,7 @@ __all__ = [
     "State",
     "body_doc",
     "caller",
+    "context_header",
     "get_state",
     "is_json_content_type",
     "read_body",
@@ -142,6 +144,20 @@ Publisher = Annotated[Principal, Depends(require_publish)]
 Admin = Annotated[Principal, Depends(require_admin)]
 #: The server state.
 State = Annotated[ServerState, Depends(get_state)]
+
+
+def context_header(recorded: str) -> Any:
+    """The ``X-KCache-Context`` header of a lookup route (who asks, as a resolve's context
+    says), bounded; ``recorded``: what the route records it with, for the contract's text."""
+    return Header(
+        alias=CONTEXT_HEADER,
+        max_length=MAX_CONTEXT_CHARS,
+        description=(
+            "who asks, form-encoded as a resolve's context fields (client_id, host, pid, "
+            f"job_id, rank, world_size): recorded with {recorded}; a field that does not fit "
+            "is left out, never refused"
+        ),
+    )
 
 
 def _doc(*statuses: int) -> dict[int | str, dict[str, Any]]:

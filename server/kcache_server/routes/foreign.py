@@ -16,10 +16,9 @@ import time
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from kcache.artifact_header import CONTEXT_HEADER, MAX_CONTEXT_CHARS
 from kcache.errors import ArtifactNotFoundError
 from kcache.foreign import (
     FILE_NAME_PATTERN,
@@ -47,6 +46,7 @@ from kcache_server.routes._deps import (
     Reader,
     State,
     body_doc,
+    context_header,
     read_body,
 )
 from kcache_server.schemas import (
@@ -243,15 +243,8 @@ async def lookup(
     toolchain: Annotated[str, _label_query("toolchain")],
     context: Annotated[
         str | None,
-        Header(
-            alias=CONTEXT_HEADER,
-            max_length=MAX_CONTEXT_CHARS,
-            description=(
-                "who asks, form-encoded as a resolve's context fields (client_id, host, pid, "
-                "job_id, rank, world_size): recorded with the lookup's audit event, so a job's "
-                "manifest names the foreign groups it used; a field that does not fit is left "
-                "out, never refused"
-            ),
+        context_header(
+            "the lookup's audit event, so a job's manifest names the foreign groups it used"
         ),
     ] = None,
 ) -> ForeignEntry:

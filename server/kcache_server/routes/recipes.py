@@ -8,19 +8,17 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 
+from kcache.artifact_header import HEADER as META_HEADER
 from kcache.artifact_header import (
-    CONTEXT_HEADER,
     MAX_CHARS,
-    MAX_CONTEXT_CHARS,
     ON_MISS_HEADER,
     ON_MISS_RESOLVE,
 )
-from kcache.artifact_header import HEADER as META_HEADER
 from kcache.errors import ArtifactNotFoundError, CompileError
 from kcache.signing import HEADER as SIGNATURE_HEADER
 from kcache_server.errors import ArtifactSetAsideError
 from kcache_server.http_cache import artifact_headers, etag_matches
-from kcache_server.routes._deps import ERRORS, Reader, State
+from kcache_server.routes._deps import ERRORS, Reader, State, context_header
 from kcache_server.routes.blobs import bytes_answer
 from kcache_server.schemas import ArtifactBody, RecipeKeyPath, check_key
 
@@ -103,18 +101,7 @@ async def recipe_artifact(
             ),
         ),
     ] = None,
-    context: Annotated[
-        str | None,
-        Header(
-            alias=CONTEXT_HEADER,
-            max_length=MAX_CONTEXT_CHARS,
-            description=(
-                "who asks, form-encoded as a resolve's context fields (client_id, host, pid, "
-                "job_id, rank, world_size): recorded with the fetch's audit event; a field "
-                "that does not fit is left out, never refused"
-            ),
-        ),
-    ] = None,
+    context: Annotated[str | None, context_header("the fetch's audit event")] = None,
 ) -> Response:
     """The artifact's bytes and its metadata in one round trip; ``ETag`` is the digest.
 
