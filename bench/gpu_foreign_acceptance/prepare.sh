@@ -12,13 +12,8 @@
 # `bash bench/gpu_foreign_acceptance/run.sh`.
 set -euo pipefail
 CUPY_GIT=${CUPY_GIT:?the git directory of a CuPy clone}
-mkdir -p .device/whl .device/meta .device/cupy/tests/cupy_tests/core_tests .device/triton .device/cuda_core
-.venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux1_x86_64 -d .device/whl \
-  fastapi starlette uvicorn httptools pydantic pydantic-core pydantic-settings python-dotenv \
-  annotated-types typing-inspection opentelemetry-api typing-extensions sqlalchemy greenlet alembic mako cryptography cffi pycparser
-cp -r kcache_core.egg-info client/kcache_client.egg-info server/kcache_server.egg-info .device/meta/
+mkdir -p .device/cupy/tests/cupy_tests/core_tests .device/triton .device/cuda_core
+source bench/gpu_foreign_acceptance/device_wheels.sh
 for f in tests/conftest.py tests/cupy_tests/__init__.py tests/cupy_tests/core_tests/__init__.py \
   tests/cupy_tests/core_tests/test_raw.py tests/cupy_tests/core_tests/test_elementwise.py \
   tests/cupy_tests/core_tests/test_reduction.py; do
