@@ -26,6 +26,11 @@ A fetch also says who asks, as a resolve's ``context`` does (client id, host, pi
 id, rank, world size): ``X-KCache-Context`` (:data:`CONTEXT_HEADER`), the fields
 form-encoded (:func:`encode_context`, :func:`decode_context`), so the audit event of a
 fetch carries the job and process its resolve would have.
+
+And the answer says how far the withdrawals behind it go: ``X-KCache-Withdrawals-Through``
+(:data:`WITHDRAWALS_HEADER`), the newest withdrawal id the answering server process has
+acted on. A client whose node has read the withdrawal feed that far counts the answer as a
+read of the feed that found nothing new (docs/design.md, "What a binding rests on").
 """
 
 from __future__ import annotations
@@ -48,11 +53,13 @@ __all__ = [
     "MAX_CONTEXT_CHARS",
     "ON_MISS_HEADER",
     "ON_MISS_RESOLVE",
+    "WITHDRAWALS_HEADER",
     "decode_context",
     "decode_meta",
     "encode_context",
     "encode_meta",
     "parse_meta",
+    "parse_withdrawals_through",
 ]
 
 #: The header's name (HTTP header names are case-insensitive).
@@ -63,6 +70,8 @@ ON_MISS_HEADER = "X-KCache-On-Miss"
 ON_MISS_RESOLVE = "resolve"
 #: A fetch's request header: who asks (a resolve's ``context``), form-encoded.
 CONTEXT_HEADER = "X-KCache-Context"
+#: A fetch's answer header: the newest withdrawal id its server process has acted on.
+WITHDRAWALS_HEADER = "X-KCache-Withdrawals-Through"
 #: The context's fields, and which of them are integers.
 CONTEXT_FIELDS = ("client_id", "host", "pid", "job_id", "rank", "world_size")
 _CONTEXT_INTS = frozenset({"pid", "rank", "world_size"})
@@ -207,3 +216,11 @@ def decode_context(value: str | None) -> dict[str, Any]:
         else:
             out[name] = text
     return out
+
+
+def parse_withdrawals_through(value: str | None) -> int | None:
+    """:data:`WITHDRAWALS_HEADER`'s withdrawal id; None where it is absent or anything but
+    a decimal of at most 18 digits (nothing is then claimed, and the feed is read as ever)."""
+    if value is None or not (0 < len(value) <= 18 and value.isascii() and value.isdigit()):
+        return None
+    return int(value)

@@ -218,12 +218,8 @@ def _opened(
         return part.first(nullcontext(received.chunks))
     cache.stats.add("bundle_requests")
     context = cache.context()
-    groups = list(part.groups.values())
-    answer = (
-        foreign.request(remote, keys, groups, context)
-        if groups
-        else remote.bundle(keys, context=context)
-    )
+    named = [group.name.to_dict() for group in part.groups.values()]
+    answer = remote.bundle(keys, context=context, foreign=named)
     return part.first(answer if tee is None else _teed(answer, tee))
 
 

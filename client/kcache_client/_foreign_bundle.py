@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
 
 from kcache.foreign_section import ForeignMissing, ForeignSectionReader
 from kcache.job_manifest import JobManifest, ManifestForeign
@@ -29,7 +28,7 @@ from kcache_client._remote import Remote
 from kcache_client._tier import NodeTier
 from kcache_client.errors import ResponseRefusedError
 
-__all__ = ["ForeignPart", "request", "split", "wanted", "wanted_keys"]
+__all__ = ["ForeignPart", "split", "wanted", "wanted_keys"]
 
 
 def wanted(tier: NodeTier, manifest: JobManifest) -> tuple[ManifestForeign, ...]:
@@ -56,18 +55,6 @@ def split(
         else:
             held[group.binding_key] = digest
     return held, lacking
-
-
-def request(
-    remote: Remote,
-    keys: list[str],
-    groups: Sequence[ManifestForeign],
-    context: dict[str, Any],
-) -> AbstractContextManager[Iterator[bytes]]:
-    """``POST /v1/bundle`` of ``keys`` and the ``groups`` by name (their section comes first)."""
-    foreign = [g.name.to_dict() for g in groups]
-    body = {"recipe_keys": keys, "foreign": foreign, "context": dict(context)}
-    return remote.transport.stream("POST", "/v1/bundle", json=body)
 
 
 class ForeignPart:

@@ -323,7 +323,13 @@ class Transport:
 
     @contextmanager
     def stream(
-        self, method: str, path: str, *, json: Any = None, ok: tuple[int, ...] = (200,)
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        ok: tuple[int, ...] = (200,),
+        headers_seen: Callable[[Mapping[str, str]], None] | None = None,
     ) -> Iterator[Iterator[bytes]]:
         """One request, not retried, whose answer's body is handed over as it arrives.
 
@@ -334,7 +340,8 @@ class Transport:
         raises its mapped error (its body read up to :data:`MAX_JSON_BYTES`); a
         connection that fails or the deadline passing, before or while the body is read,
         ServerUnavailableError (raised by the iteration itself when the body was being
-        read, so the caller's handling of its own errors sees it).
+        read, so the caller's handling of its own errors sees it). ``headers_seen`` is
+        given the headers of an answer in ``ok`` before its body is read.
         """
         if self.offline:
             raise ServerUnavailableError(self.url, OFFLINE_CAUSE)
@@ -350,6 +357,8 @@ class Transport:
                         "utf-8", "replace"
                     )
                     raise _error(response.status_code, url, text, response.headers, self.url)
+                if headers_seen is not None:
+                    headers_seen(response.headers)
                 yield self._mapped(response.iter_bytes(), tried, until)
         except TransportError as exc:
             raise ServerUnavailableError(self.url, self._failure(exc, tried, until)) from None

@@ -138,6 +138,8 @@ class Lookup:
             if remote is not None
             else None
         )
+        if remote is not None and self.watch is not None:
+            remote.withdrawals_through = self.watch.answered
 
     def require_server(self) -> Remote:
         """The server, or ServerUnavailableError naming why there is none."""

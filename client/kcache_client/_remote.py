@@ -20,19 +20,29 @@ its metadata, by a key this client trusts (given, or pinned on first contact:
 :mod:`~kcache_client._trust`), checked once the bytes match their digest; else
 :class:`~kcache_client.errors.UntrustedArtifactError`. The signature is handed back
 with the artifact, for the node tier to store beside it.
+
+A fetch's answer also says how far the server's withdrawals behind it go
+(``X-KCache-Withdrawals-Through``); a checked answer hands that id to
+:attr:`Remote.withdrawals_through` (the withdrawal watch's: a node that knows the feed
+that far needs no read of it, :mod:`kcache_client._withdrawals`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from kcache.artifact import ArtifactMeta
 from kcache.artifact_header import HEADER as META_HEADER
-from kcache.artifact_header import decode_meta, parse_meta
+from kcache.artifact_header import (
+    WITHDRAWALS_HEADER,
+    decode_meta,
+    parse_meta,
+    parse_withdrawals_through,
+)
 from kcache.outcomes import ResolveStatus
 from kcache.recipe import Recipe
 from kcache.signing import HEADER as SIGNATURE_HEADER
@@ -89,6 +99,8 @@ class Remote:
         self.max_artifact_bytes = (
             max_artifact_bytes if max_artifact_bytes is not None else max_artifact_bytes_from_env()
         )
+        #: Told the withdrawal id a checked fetch answer was right as of (module docstring).
+        self.withdrawals_through: Callable[[int], None] | None = None
 
     def toolchains(self) -> dict[str, Any]:
         """``GET /v1/toolchains``: the server's toolchain ids, default and targets."""
@@ -132,10 +144,12 @@ class Remote:
         where = self.url + path
         headed: list[ArtifactMeta] = []
         signed: list[str | None] = []
+        through: list[int | None] = [None]
 
         def expect(headers: Mapping[str, str]) -> Limit:
             headed.clear()
             signed[:] = [headers.get(SIGNATURE_HEADER)]
+            through[0] = parse_withdrawals_through(headers.get(WITHDRAWALS_HEADER))
             encoded = headers.get(META_HEADER)
             if encoded is None:  # too long for a header (design §5): the metadata route says it
                 return self._artifact_limit()
@@ -179,7 +193,10 @@ class Remote:
                 raise DigestMismatchError(where, meta.digest, actual) from None
         if len(data) != meta.size:
             raise MetadataError(where, f"its size is {meta.size}, its bytes are {len(data)}")
-        return meta, data, self._check_signature(key, meta, signature, where)
+        checked = self._check_signature(key, meta, signature, where)
+        if through[0] is not None and self.withdrawals_through is not None:
+            self.withdrawals_through(through[0])
+        return meta, data, checked
 
     def resolve(
         self, concrete: Recipe, key: str, *, compile: bool, context: Mapping[str, Any]
@@ -245,20 +262,38 @@ class Remote:
             raise MetadataError(where, f"its size is {meta.size}, its bytes are {len(data)}")
         return data
 
+    @contextmanager
     def bundle(
-        self, keys: Sequence[str], *, context: Mapping[str, Any]
-    ) -> AbstractContextManager[Iterator[bytes]]:
-        """``POST /v1/bundle`` of ``keys``: the answer's bytes as they arrive (one request).
+        self,
+        keys: Sequence[str],
+        *,
+        context: Mapping[str, Any],
+        foreign: Sequence[Mapping[str, str]] = (),
+    ) -> Iterator[Iterator[bytes]]:
+        """``POST /v1/bundle`` of ``keys`` (and the ``foreign`` groups by name, whose section
+        comes first): the answer's bytes as they arrive (one request).
 
         Not retried: a prefetch cut short keeps what it verified and published, and its
         next call asks for the rest. Error statuses raise the transport's typed errors
         (the JSON body read within the transport's cap); a connection that fails raises
         ServerUnavailableError. The caller parses and checks the stream
         (:class:`kcache.bundle_format.BundleReader`, :meth:`check_size`, and
-        :meth:`check_bundle` or :meth:`check_entry`).
+        :meth:`check_bundle` or :meth:`check_entry`). An answer read to its end without an
+        error tells :attr:`withdrawals_through` how far its withdrawals went, as a fetch's.
         """
-        body = {"recipe_keys": list(keys), "context": dict(context)}
-        return self.transport.stream("POST", "/v1/bundle", json=body)
+        body: dict[str, Any] = {"recipe_keys": list(keys)}
+        if foreign:
+            body["foreign"] = [dict(group) for group in foreign]
+        body["context"] = dict(context)
+        through: list[int | None] = [None]
+
+        def seen(headers: Mapping[str, str]) -> None:
+            through[0] = parse_withdrawals_through(headers.get(WITHDRAWALS_HEADER))
+
+        with self.transport.stream("POST", "/v1/bundle", json=body, headers_seen=seen) as chunks:
+            yield chunks
+        if through[0] is not None and self.withdrawals_through is not None:
+            self.withdrawals_through(through[0])
 
     def check_entry(
         self, key: str, meta: ArtifactMeta, signature: Signature, where: str

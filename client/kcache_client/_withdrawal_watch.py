@@ -111,6 +111,23 @@ class WithdrawalWatch:
         clears it at its end)."""
         self._expired = expired
 
+    def answered(self, through: int) -> None:
+        """A fetch answer was right as of the server's withdrawal ``through``: where the node
+        knows the feed that far, that is a read of it that found nothing new, noted as a
+        check (and in the tier's file, for the node's other processes, as a read is);
+        otherwise nothing, and the next check reads the feed. Once a second at most."""
+        checked = self._checked
+        if checked is not None and time.monotonic() - checked < SHARED_S / 2:
+            return  # noted a moment ago: not a file write per fetch
+        with self._lock:
+            self.known.load()
+            last, _ = self.known.last(self.remote.url)
+            if through > last:
+                return
+            self.known.learn(self.remote.url, [], last)
+            self._checked = time.monotonic()
+            self._expired = False
+
     def check(self, *, force: bool = False) -> None:
         """Learn the withdrawals after the last one known; act on the new ones. Never raises
         for the server's sake (module docstring). ``force``: even when this process checked

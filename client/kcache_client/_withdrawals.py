@@ -34,6 +34,13 @@ usually answered with nothing, and costs nothing per entry.
 A check another process of the node made less than :data:`SHARED_S` ago (written in the
 tier's file) counts as this process's own, and processes that check at once take the
 tier's lock for it, so a node's ranks starting together send one request, not one each.
+And a fetch's answer is a check: it says how far the server's withdrawals behind it go
+(``X-KCache-Withdrawals-Through``, the newest withdrawal its process acted on), and where
+this node has read the feed that far, the answer stands for a read that found nothing new
+(:meth:`~kcache_client._withdrawal_watch.WithdrawalWatch.answered`, noted in the tier's
+file as a read is, at most once a second): a cold node whose ranks fetch what they need
+sends no feed request. The header is trusted as the feed is (neither is signed), and is
+at most the server's poll (half a second) plus an edge cache's 2 s behind.
 A server that does not answer, or answers what cannot be read, leaves the cache with what
 it knew (no exception: the next check is due after the interval); one that answers 404
 for the route predates withdrawals and has none to tell.

@@ -129,6 +129,10 @@ class Resolver:
         self._set_aside: LruCache[str, bool] = LruCache(max_entries=_MAX_SET_ASIDE)
         # Bindings (recipe key, digest) withdrawn lately: never remembered again (withdraw).
         self._withdrawn: LruCache[tuple[str, str], bool] = LruCache(max_entries=_MAX_WITHDRAWN)
+        #: The newest withdrawal id this process has acted on (its follower sets it), so
+        #: that its answers are right as of it: ``X-KCache-Withdrawals-Through`` on a fetch
+        #: by key. None until the follower has read the table (then nothing is claimed).
+        self.withdrawn_through: int | None = None
 
     # ------------------------------------------------------------------ resolving
     async def resolve(

@@ -12,7 +12,10 @@ transaction (docs/design.md, "What a binding rests on"). This module is the read
   which reads the rows after the last it saw every ``poll_s`` (twice a second) and drops
   each withdrawn key from the resolver's memory, which both fast paths answer from. So no
   process answers a withdrawn binding from memory for more than about ``poll_s`` plus a
-  query after it was withdrawn; the index no longer has it.
+  query after it was withdrawn; the index no longer has it. The last id it acted on is
+  the resolver's ``withdrawn_through``, which a fetch by key answers with
+  (``X-KCache-Withdrawals-Through``): a client whose node knows the feed that far needs no
+  read of it (kcache_client._withdrawals).
 
 A thread of its own rather than a step of the evictor's loop: the evictor is about the
 store's size, and a withdrawal must reach memory even while an eviction pass runs.
@@ -23,9 +26,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
@@ -83,24 +86,33 @@ class WithdrawalLog:
         return [WithdrawnBinding(int(r.id), r.at, r.recipe_key, r.digest, r.reason) for r in rows]
 
 
-class WithdrawalFollower:
-    """Reads new withdrawals every ``poll_s`` and hands each to ``forget(recipe_key, digest)``.
+class Forgetting(Protocol):
+    """What a follower acts on (a :class:`~kcache_server.resolving.Resolver`)."""
 
-    ``forget`` is the resolver's :meth:`~kcache_server.resolving.Resolver.withdraw`. The
-    first read starts after the newest row at :meth:`start` (memory is empty then); a
-    process that could not read it then starts from the first row (each is cheap to
-    forget). A failed read is retried at the next poll, from the same id.
+    withdrawn_through: int | None
+
+    def withdraw(self, recipe_key: str, digest: str) -> None: ...
+
+
+class WithdrawalFollower:
+    """Reads new withdrawals every ``poll_s`` and hands each to ``memory.withdraw``.
+
+    ``memory`` is the process's resolver; its ``withdrawn_through`` is set to the last id
+    acted on after each read. The first read starts after the newest row at :meth:`start`
+    (memory is empty then); a process that could not read it then starts from the first
+    row (each is cheap to forget), and claims no id until that read is done. A failed
+    read is retried at the next poll, from the same id.
     """
 
     def __init__(
         self,
         withdrawals: WithdrawalLog,
-        forget: Callable[[str, str], None],
+        memory: Forgetting,
         *,
         poll_s: float = 0.5,
     ) -> None:
         self.withdrawals = withdrawals
-        self.forget = forget
+        self.memory = memory
         self.poll_s = poll_s
         #: The id of the newest withdrawal this process has acted on.
         self.last_id = 0
@@ -112,6 +124,7 @@ class WithdrawalFollower:
         """Follow in a background thread until :meth:`close`."""
         try:
             self.last_id = self.withdrawals.last_id()
+            self.memory.withdrawn_through = self.last_id
         except DBAPIError:
             self.last_id = 0
         self._thread = threading.Thread(target=self._loop, name="kcache-withdrawals", daemon=True)
@@ -127,8 +140,9 @@ class WithdrawalFollower:
         """Act on the withdrawals after the last one seen; how many there were."""
         rows = self.withdrawals.after(self.last_id)
         for row in rows:
-            self.forget(row.recipe_key, row.digest)
+            self.memory.withdraw(row.recipe_key, row.digest)
             self.last_id = row.id
+        self.memory.withdrawn_through = self.last_id
         if rows:
             log.info("forgot %d withdrawn binding(s), up to withdrawal %d", len(rows), self.last_id)
         return len(rows)
@@ -149,4 +163,4 @@ class WithdrawalFollower:
 
 def install_withdrawals(state: ServerState) -> WithdrawalFollower:
     """The process's follower of the withdrawals, forgetting in ``state``'s resolver; start it in the lifespan."""
-    return WithdrawalFollower(WithdrawalLog(state.backends.db), state.resolver.withdraw)
+    return WithdrawalFollower(WithdrawalLog(state.backends.db), state.resolver)

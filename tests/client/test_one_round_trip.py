@@ -118,12 +118,20 @@ def test_a_cold_get_is_one_request_with_everything_the_client_needs(
         assert art.lowered_names["scale<float, 3>"].startswith("_Z")  # usable: load() finds it
         assert art.metadata.dependencies_exact and art.kind == "cubin"
     assert not client.is_closed  # injected: used as it is, closed by its owner
+    # Each answer said how far the server's withdrawals go (none yet), which the node knew:
+    # it stood for a read of the feed, noted in the tier's file (kcache_client._withdrawals).
+    state_file = tmp_path / "index" / "withdrawals.json"
+    state = json.loads(state_file.read_bytes())
+    assert state["servers"][seeded.server.url]["last_id"] == 0
+    # Made older than the node shares (2 s), as a later process finds it:
+    state["servers"][seeded.server.url]["checked_at"] -= 60
+    state_file.write_text(json.dumps(state))
     before = len(sent)
     with KernelCache(
         seeded.server.url, cache_dir=tmp_path, settings=QUIET, http_client=client
     ) as again:
         assert again.get(plain[0]).origin == "node"  # another process of the node: no fetch,
-    # only the withdrawals read before its first answer from the tier (kcache_client._withdrawals)
+    # only the withdrawals read before its first answer from the tier
     assert [r.url.path for r in sent[before:]] == ["/v1/withdrawals"]
     client.close()
 

@@ -279,9 +279,7 @@ def test_a_cache_reads_the_feed_before_its_tier_answers_and_then_asks_the_server
         assert cache.get(right).origin == "node"
     assert len(feed.asked()) == 1
     # ... and one later reads on from the last id it knows.
-    state = json.loads((root / "index" / FILE_NAME).read_bytes())
-    state["servers"][feed.url]["checked_at"] -= 60
-    (root / "index" / FILE_NAME).write_text(json.dumps(state))
+    _age_node_checks(root)
     with _cache(feed.url, root) as cache:
         assert cache.get(right).origin == "node"
     assert feed.asked()[1:] == ["/v1/withdrawals?after=1&limit=10000"]
@@ -387,6 +385,16 @@ def _withdrawn(client: httpx.Client, key: str, timeout: float = 120.0) -> dict[s
     raise AssertionError(f"no withdrawal of {key} within {timeout}s: {rows}")
 
 
+def _age_node_checks(root: Path, seconds: float = 60.0) -> None:
+    """Make the node's reads of every server's feed ``seconds`` older (as a later job finds
+    them: one within SHARED_S is shared with the node's other processes)."""
+    path = root / "index" / FILE_NAME
+    state = json.loads(path.read_bytes())
+    for server in state["servers"].values():
+        server["checked_at"] -= seconds
+    path.write_text(json.dumps(state))
+
+
 def _server_cache(server: ServerThread, root: Path) -> KernelCache:
     settings = QUIET.located(server.url, ADMIN, root)
     return KernelCache(settings=settings)
@@ -421,6 +429,9 @@ def test_a_tier_that_held_a_withdrawn_binding_answers_the_fresh_one_after_its_ne
         replay = alias.read_bytes()  # the signed answer key -> wrong digest
         assert json.loads(replay)["signature"]
         _withdrawn(client, key)  # verification found it and withdrew it
+        # The first job's answers stood for reads of the feed (X-KCache-Withdrawals-Through),
+        # which the node's processes share for 2 s: the next job starts later than that.
+        _age_node_checks(root)
         with _server_cache(server, root) as nxt:  # the node's next job
             again = nxt.get(recipe)
             assert (again.origin, again.digest) == ("server", right_digest)
@@ -448,3 +459,91 @@ def test_a_tier_that_held_a_withdrawn_binding_answers_the_fresh_one_after_its_ne
             assert found is not None and found[0].digest == wrong_digest and found[2]
             art = other_user.get(recipe)
             assert (art.origin, art.digest) == ("server", right_digest)
+
+
+def _through(server: ServerThread, at_least: int, timeout: float = 60.0) -> int:
+    """The server's withdrawal position once its follower has read ``at_least`` (a generous
+    bound: the follower polls twice a second)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        through = server.state.resolver.withdrawn_through
+        if through is not None and through >= at_least:
+            return through
+        assert time.monotonic() < deadline, f"the follower is at {through}, not {at_least}"
+        time.sleep(0.05)
+
+
+def _node_reads_the_feed(server: ServerThread, root: Path) -> int:
+    """A process of the node at ``root`` reads the server's feed to its end; the last id,
+    once the server's follower has read that far too."""
+    with _server_cache(server, root) as reader:
+        reader.check_withdrawals()
+        known = reader.tier.withdrawals.last(server.url)[0]
+    assert _through(server, known) == known
+    return known
+
+
+def test_a_fetch_answer_stands_for_a_read_of_the_feed_the_node_has_read_that_far(
+    server: ServerThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kcache_client import _withdrawal_watch
+
+    # A node's processes share a read for SHARED_S (2 s): widened here, so that whether a
+    # process reads the feed depends on what the node knows, not on how fast this runs.
+    window = 3600.0
+    monkeypatch.setattr(_withdrawal_watch, "SHARED_S", window)
+    bodies = [_kernel(f"through-{i}", 10 + i) for i in range(3)]
+    recipes = [Recipe(source=b["source"], target="sm_90") for b in bodies]
+    root = tmp_path / "tier"
+    with server.client(ADMIN) as client:
+        for body in bodies:
+            _resolve(client, body)
+    known = _node_reads_the_feed(server, root)
+    _age_node_checks(root, 2 * window)  # no longer shared: only an answer can stand for a read
+
+    with _server_cache(server, root) as first:  # a cold fetch: the answer says "through known"
+        assert first.get(recipes[0]).origin == "server"
+        assert first.stats.withdrawal_requests == 0
+    with _server_cache(server, root) as second:  # another process: its tier answer needs no read
+        assert second.get(recipes[0]).origin == "node"
+        assert second.stats.withdrawal_requests == 0
+
+    # The server withdraws something the node does not know: an answer through it is no read
+    # of the feed, and the next tier answer reads it.
+    key, digest = hashlib.sha256(b"elsewhere").hexdigest(), hashlib.sha256(b"d").hexdigest()
+    newest = server.state.backends.index.withdraw_binding(key, digest, "test", base_key=key)
+    assert _through(server, newest) == newest > known
+    _age_node_checks(root, 2 * window)
+    with _server_cache(server, root) as behind:
+        assert behind.get(recipes[1]).origin == "server"
+        assert behind.stats.withdrawal_requests == 0
+        assert behind.get(recipes[0]).origin == "node"
+        assert behind.stats.withdrawal_requests == 1
+        assert behind.tier.withdrawals.withdrawn(key, digest)
+
+
+def test_a_bundle_answer_stands_for_a_read_of_the_feed_too(
+    server: ServerThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kcache_client import _withdrawal_watch
+
+    window = 3600.0  # as above: what the node knows decides, not how fast this runs
+    monkeypatch.setattr(_withdrawal_watch, "SHARED_S", window)
+    bodies = [_kernel(f"bundled-{i}", 20 + i) for i in range(2)]
+    recipes = [Recipe(source=b["source"], target="sm_90") for b in bodies]
+    with server.client(ADMIN) as client:
+        for body in bodies:
+            _resolve(client, body)
+    with _server_cache(server, tmp_path / "built") as build:  # the job's previous run
+        for recipe in recipes:
+            build.get(recipe)
+        manifest = build.manifest("bundled")
+    root = tmp_path / "tier"
+    _node_reads_the_feed(server, root)
+    _age_node_checks(root, 2 * window)
+    with _server_cache(server, root) as leader:  # the node's prefetch: one bundle request
+        assert leader.prefetch(manifest).fetched == len(recipes)
+        assert leader.stats.withdrawal_requests == 0
+    with _server_cache(server, root) as rank:  # a rank's tier answers need no read
+        assert [rank.get(r).origin for r in recipes] == ["node", "node"]
+        assert rank.stats.withdrawal_requests == 0

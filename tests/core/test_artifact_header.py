@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from kcache.artifact import ArtifactMeta
-from kcache.artifact_header import MAX_CHARS, decode_meta, encode_meta, parse_meta
+from kcache.artifact_header import (
+    MAX_CHARS,
+    decode_meta,
+    encode_meta,
+    parse_meta,
+    parse_withdrawals_through,
+)
 from kcache.deps import DEPENDENCY_CHECK, Dependency
 
 META = ArtifactMeta(
@@ -122,3 +128,26 @@ def test_json_bodies_are_checked_the_same_way_with_their_log() -> None:
     assert parse_meta(META.to_dict()) == META
     with pytest.raises(ValueError, match="resolve: kind"):
         parse_meta({**META.to_dict(), "kind": "exe"}, "resolve")
+
+
+@pytest.mark.parametrize(
+    ("value", "read"),
+    [
+        ("0", 0),
+        ("42", 42),
+        ("9" * 18, int("9" * 18)),
+        (None, None),
+        ("", None),
+        ("-1", None),
+        ("+1", None),
+        (" 1", None),
+        ("1.0", None),
+        ("0x10", None),
+        ("\u0661", None),  # an Arabic-Indic one: a digit to str.isdigit, not a decimal here
+        ("9" * 19, None),
+    ],
+)
+def test_the_withdrawals_position_is_a_plain_decimal_or_nothing(
+    value: str | None, read: int | None
+) -> None:
+    assert parse_withdrawals_through(value) == read

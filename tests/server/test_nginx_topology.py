@@ -50,7 +50,14 @@ from tests.support import (
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "kcache.conf.template"
 PREFIX = "/_kcache_blobs/"
 #: The headers a client relies on, which nginx must send as the replica does.
-KEPT = ("etag", "cache-control", "x-kcache-meta", "x-kcache-signature", "x-kcache-digest")
+KEPT = (
+    "etag",
+    "cache-control",
+    "x-kcache-meta",
+    "x-kcache-signature",
+    "x-kcache-digest",
+    "x-kcache-withdrawals-through",
+)
 
 
 def render(template: str, values: dict[str, str]) -> str:

@@ -137,10 +137,15 @@ class Withdrawn:
     stopped: bool  # whether the other replica stopped answering the withdrawn binding
     seconds: float  # how long that took after the withdrawal was listed (for the log only)
     served_before: set[str]  # what the other replica's workers answered before
+    through_before: set[str | None]  # how far their answers' withdrawals went, before
+
+
+def _fetch(url: str, key: str) -> httpx.Response:
+    return httpx.get(f"{url}/v1/recipes/{key}/artifact", timeout=60)  # a fresh connection
 
 
 def _fetch_digest(url: str, key: str) -> str | None:
-    answer = httpx.get(f"{url}/v1/recipes/{key}/artifact", timeout=60)  # a fresh connection
+    answer = _fetch(url, key)
     return answer.headers["x-kcache-digest"] if answer.status_code == 200 else None
 
 
@@ -212,8 +217,11 @@ def withdrawn(
             # Every worker of the other replica answers the wrong binding, from memory
             # once it has read it.
             served_before: set[str] = set()
+            through_before: set[str | None] = set()
             for _ in range(IN_A_ROW):
-                served_before.add(str(_fetch_digest(other.url, wrong_key)))
+                fetched = _fetch(other.url, wrong_key)
+                served_before.add(str(fetched.headers.get("x-kcache-digest")))
+                through_before.add(fetched.headers.get("x-kcache-withdrawals-through"))
                 served_before.add(str(_resolved_digest(other.url, wrong_recipe)))
                 served_before.add(str(_fetch_digest(other.url, right["recipe_key"])))
 
@@ -252,6 +260,7 @@ def withdrawn(
                 stopped,
                 time.monotonic() - listed_at,
                 served_before,
+                through_before,
             )
         finally:
             other.stop()
@@ -297,3 +306,24 @@ def test_the_feed_lists_the_withdrawal_in_the_shape_clients_read(withdrawn: With
     assert after == {"withdrawals": [], "last_id": row["id"]}  # none: `after` comes back
     for bad in ({"limit": 0}, {"limit": 10_001}, {"after": -1}):
         assert httpx.get(f"{url}/v1/withdrawals", params=bad).status_code == 422
+
+
+def test_every_answer_by_key_says_how_far_its_withdrawals_go(withdrawn: Withdrawn) -> None:
+    # Before: every worker had acted on no withdrawal (a new database), and said so.
+    assert withdrawn.through_before == {"0"}
+    (row,) = _listed(withdrawn.other.url, withdrawn.wrong_key)
+    # After: every process of both replicas says the withdrawal's id once its follower read it
+    # (the route's answers and the fast path's alike; a generous bound, twice a second each).
+    for url in (withdrawn.verifying.url, withdrawn.other.url):
+        deadline = time.monotonic() + 60
+        in_a_row = 0
+        while in_a_row < IN_A_ROW:
+            answer = _fetch(url, withdrawn.right_key)
+            assert answer.status_code == 200
+            assert answer.headers["cache-control"] == "no-cache"  # a key's answer is not for ever
+            if answer.headers.get("x-kcache-withdrawals-through") == str(row["id"]):
+                in_a_row += 1
+            else:
+                in_a_row = 0
+                assert time.monotonic() < deadline, answer.headers
+                time.sleep(0.1)

@@ -31,6 +31,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
 from kcache.artifact import ArtifactMeta
+from kcache.artifact_header import WITHDRAWALS_HEADER
 from kcache.bundle_format import (
     BUNDLE_MEDIA_TYPE,
     end_line,
@@ -239,6 +240,16 @@ async def _stream(state: ServerState, body: BundleWithForeignRequest) -> AsyncIt
                 '{"end": true, "entries": E, "missing": M}. Without the trailer the answer was cut'
             ),
             "content": {BUNDLE_MEDIA_TYPE: {}},
+            "headers": {
+                WITHDRAWALS_HEADER: {
+                    "description": (
+                        "the newest withdrawal id the answering server process had acted on "
+                        "when the answer began: its entries are right as of it (as a fetch by "
+                        "key's); absent while the server has not read its withdrawals yet"
+                    ),
+                    "schema": {"type": "integer"},
+                },
+            },
         },
     },
     openapi_extra=body_doc(BundleWithForeignRequest),
@@ -247,4 +258,6 @@ async def post_bundle(request: Request, _: Reader, state: State) -> StreamingRes
     """The artifacts of up to 10000 recipe keys in one streamed answer, each signed, after
     the groups of up to 10000 foreign names (their own section, each group whole)."""
     body = await read_body(request, state, _parse)
-    return StreamingResponse(_stream(state, body), media_type=BUNDLE_MEDIA_TYPE)
+    through = state.resolver.withdrawn_through
+    headers = {} if through is None else {WITHDRAWALS_HEADER: str(through)}
+    return StreamingResponse(_stream(state, body), media_type=BUNDLE_MEDIA_TYPE, headers=headers)

@@ -13,6 +13,7 @@ from kcache.artifact_header import (
     MAX_CHARS,
     ON_MISS_HEADER,
     ON_MISS_RESOLVE,
+    WITHDRAWALS_HEADER,
 )
 from kcache.errors import ArtifactNotFoundError, CompileError
 from kcache.signing import HEADER as SIGNATURE_HEADER
@@ -65,6 +66,15 @@ _FETCH_HEADERS = {
         ),
         "schema": {"type": "string"},
     },
+    WITHDRAWALS_HEADER: {
+        "description": (
+            "the newest withdrawal id the answering server process has acted on: this answer "
+            "is right as of it. A client whose node has read GET /v1/withdrawals that far "
+            "needs no read of it now (an empty page); absent while the server has not read "
+            "its withdrawals yet"
+        ),
+        "schema": {"type": "integer"},
+    },
 }
 
 
@@ -105,8 +115,9 @@ async def recipe_artifact(
 ) -> Response:
     """The artifact's bytes and its metadata in one round trip; ``ETag`` is the digest.
 
-    The body is the bytes, cacheable forever; ``X-KCache-Meta`` carries the metadata a
-    client needs to trust and use them (see the 200 response's headers). Warm keys are
+    The body is the bytes, kept by caches only if they ask again before each use (a
+    withdrawal ends a key's answer); ``X-KCache-Meta`` carries the metadata a client needs
+    to trust and use them (see the 200 response's headers). Warm keys are
     answered before this route by :mod:`kcache_server.serving.artifact_fastpath`; this one serves the
     rest (and fills the memory caches the fast path reads). A blob that fails its
     check on the read is a 404 ``not_found`` saying so, as for an evicted artifact
@@ -123,6 +134,8 @@ async def recipe_artifact(
         meta = await resolver.artifact(recipe_key)
         headers = artifact_headers(meta)
         headers[SIGNATURE_HEADER] = state.signer.sign(recipe_key, meta).header_value()
+        if resolver.withdrawn_through is not None:
+            headers[WITHDRAWALS_HEADER] = str(resolver.withdrawn_through)
         if etag_matches(request.headers.get("if-none-match"), meta.digest):
             resolver.record_fetch(recipe_key, meta, started, "hit", context)
             return Response(status_code=304, headers=headers)

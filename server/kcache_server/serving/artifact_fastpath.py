@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from kcache.artifact import ArtifactMeta
-from kcache.artifact_header import CONTEXT_HEADER, MAX_CONTEXT_CHARS
+from kcache.artifact_header import CONTEXT_HEADER, MAX_CONTEXT_CHARS, WITHDRAWALS_HEADER
 from kcache.keys import is_hex_key
 from kcache.lru import LruCache
 from kcache.signing import HEADER as SIGNATURE_HEADER
@@ -53,6 +53,7 @@ _OCTETS = (b"content-type", b"application/octet-stream")
 SIGNATURE = SIGNATURE_HEADER.lower().encode()
 _ACCEL = ACCEL_HEADER.lower().encode()
 _CONTEXT = CONTEXT_HEADER.lower().encode()
+_THROUGH = WITHDRAWALS_HEADER.lower().encode()
 
 
 class ArtifactFastPath:
@@ -145,7 +146,9 @@ class ArtifactFastPath:
         signature = (SIGNATURE, self.signer.header_pair(recipe_key, meta))
         if context is not None and len(context) > MAX_CONTEXT_CHARS:
             return None  # the route refuses it (422), as for any header over its bound
-        return WarmFetch(recipe_key, meta, data, encoded, signature, fresh, redirect, context)
+        through = resolver.withdrawn_through  # none claimed before the follower's first read
+        answer_pairs = (signature,) if through is None else (signature, (_THROUGH, b"%d" % through))
+        return WarmFetch(recipe_key, meta, data, encoded, answer_pairs, fresh, redirect, context)
 
     def finish(self, answer: WarmFetch, started: float) -> None:
         """Audit the fetch and count it, as the route does, once its answer was sent."""
@@ -196,8 +199,9 @@ class WarmFetch(NamedTuple):
     meta: ArtifactMeta
     data: bytes
     headers: EncodedHeaders
-    #: The server's signature of this key -> artifact (``X-KCache-Signature``), per key.
-    signature: tuple[bytes, bytes]
+    #: Per answer: the server's signature of this key -> artifact (``X-KCache-Signature``)
+    #: and how far the withdrawals behind it go (``X-KCache-Withdrawals-Through``).
+    answer_pairs: tuple[tuple[bytes, bytes], ...]
     not_modified: bool
     #: Answer with ``X-Accel-Redirect`` and no body: nginx sends the bytes.
     redirect: bool = False
@@ -208,12 +212,12 @@ class WarmFetch(NamedTuple):
         """Status, headers (a new request id among them) and body."""
         request_id = (HEADER, new_request_id().encode())
         if self.not_modified:
-            return 304, [*self.headers.pairs, self.signature, request_id], b""
+            return 304, [*self.headers.pairs, *self.answer_pairs, request_id], b""
         if self.redirect:
             return (
                 200,
-                [*self.headers.pairs, self.signature, request_id, *self.headers.accel_pairs],
+                [*self.headers.pairs, *self.answer_pairs, request_id, *self.headers.accel_pairs],
                 b"",
             )
-        pairs = [*self.headers.pairs, self.signature, request_id, *self.headers.body_pairs]
+        pairs = [*self.headers.pairs, *self.answer_pairs, request_id, *self.headers.body_pairs]
         return 200, pairs, self.data
