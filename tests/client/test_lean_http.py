@@ -32,6 +32,7 @@ from kcache_client import (
     RemoteCompileError,
     RemoteNotFoundError,
     RequestRejectedError,
+    ResponseRefusedError,
     RetryPolicy,
     ServerBusyError,
     ServerResponseError,
@@ -948,4 +949,54 @@ def test_a_stream_that_stops_sending_is_a_read_timeout() -> None:
         assert info.value.cause.startswith("ReadTimeout"), info.value.cause
     finally:
         release.set()
+        server.close()
+
+
+# ------------------------------------------------------------------------------ headers read
+def _answer_with(head: str) -> bytes:
+    return f"HTTP/1.1 200 OK\r\n{head}Content-Length: 2\r\n\r\nok".encode("latin-1")
+
+
+def test_headers_are_read_as_http_client_reads_them_without_its_email_parser() -> None:
+    head = (
+        "X-One: first\r\n"
+        "x-one: second\r\n"  # repeated: joined, as httpx joins them
+        "X-Folded: begun\r\n"
+        "\t and continued\r\n"  # obsolete folding: the value goes on
+        "X-Blank:   \t leading blanks dropped, trailing kept  \r\n"
+        "X-Latin: caf\xe9\r\n"  # not UTF-8: read as latin-1
+        "X-Utf8: caf\xc3\xa9\r\n"  # UTF-8: decoded as httpx decodes it
+    )
+    server = RawServer(lambda n: _answer_with(head))
+    try:
+        reply = Transport(server.url, retry=FAST).request("GET", "/x")
+        assert reply.content == b"ok"
+        assert reply.headers["X-ONE"] == "first, second"
+        assert reply.headers["x-folded"] == "begun and continued"
+        assert reply.headers["x-blank"] == "leading blanks dropped, trailing kept  "
+        assert reply.headers["x-latin"] == "caf\xe9" and reply.headers["x-utf8"] == "caf\xe9"
+        assert server.connections == 1
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("head", "said"),
+    [
+        ("X-No-Colon\r\n", "not 'name: value'"),
+        (": no name\r\n", "not 'name: value'"),
+        ("X-Space : before the colon\r\n", "not 'name: value'"),
+        ("X-Long: " + "a" * 70_000 + "\r\n", "too long"),
+        ("".join(f"X-{i}: v\r\n" for i in range(101)), "too many headers"),
+    ],
+)
+def test_headers_past_the_bounds_or_malformed_are_refused_without_a_retry(
+    head: str, said: str
+) -> None:
+    server = RawServer(lambda n: _answer_with(head))
+    try:
+        with pytest.raises(ResponseRefusedError, match=said):
+            Transport(server.url, retry=FAST).request("GET", "/x")
+        assert server.requests == 1  # the same server would answer the same: not asked again
+    finally:
         server.close()
