@@ -119,7 +119,9 @@ class WithdrawalWatch:
         checked = self._checked
         if checked is not None and time.monotonic() - checked < SHARED_S / 2:
             return  # noted a moment ago: not a file write per fetch
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return  # another thread is checking: it reads the feed itself, no fetch waits for it
+        try:
             self.known.load()
             last, _ = self.known.last(self.remote.url)
             if through > last:
@@ -127,6 +129,8 @@ class WithdrawalWatch:
             self.known.learn(self.remote.url, [], last)
             self._checked = time.monotonic()
             self._expired = False
+        finally:
+            self._lock.release()
 
     def check(self, *, force: bool = False) -> None:
         """Learn the withdrawals after the last one known; act on the new ones. Never raises
