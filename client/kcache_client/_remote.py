@@ -278,8 +278,9 @@ class Remote:
         (the JSON body read within the transport's cap); a connection that fails raises
         ServerUnavailableError. The caller parses and checks the stream
         (:class:`kcache.bundle_format.BundleReader`, :meth:`check_size`, and
-        :meth:`check_bundle` or :meth:`check_entry`). An answer read to its end without an
-        error tells :attr:`withdrawals_through` how far its withdrawals went, as a fetch's.
+        :meth:`check_bundle` or :meth:`check_entry`). Once the caller's block ends without an
+        error, :attr:`withdrawals_through` is told how far the answer's withdrawals went, as
+        for a fetch.
         """
         body: dict[str, Any] = {"recipe_keys": list(keys)}
         if foreign:
