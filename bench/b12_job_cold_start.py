@@ -11,9 +11,13 @@ Per round (``B12_ROUNDS``, default 3; the median is reported), interleaved:
 
 * ``manifest``: each rank calls ``KernelCache.prefetch(manifest)``, then ``get`` on every
   kernel. Goal: 1 request per node on the wire (the node's ranks share the manifest's
-  lock; the one holding it makes the only ``POST /v1/bundle``).
+  lock; the one holding it makes the only ``POST /v1/bundle``, whose answer also stands for
+  the withdrawals read: ``X-KCache-Withdrawals-Through``).
 * ``complete``: the same, on the tiers the round above filled (fresh processes). Goal: 0
-  requests (the completeness marker).
+  requests (the completeness marker). What it makes is one per node: the read of the
+  server's withdrawals that a tier answer rests on (docs/design.md, "What a binding rests
+  on"), since no answer of the server comes first to stand for it; the goal predates
+  withdrawals.
 * ``per_kernel``: today's path, each rank ``get`` on every kernel on an empty tier (B8).
 * anchor: one curl per node fetching one tar of the same cubins from nginx (1 worker), into
   that node's directory. Goal: ``manifest`` <= 1.2 x. Also reported against it: the
