@@ -58,6 +58,7 @@ __all__ = [
     "decode_meta",
     "encode_context",
     "encode_meta",
+    "encode_withdrawals_through",
     "parse_meta",
     "parse_withdrawals_through",
 ]
@@ -216,6 +217,12 @@ def decode_context(value: str | None) -> dict[str, Any]:
         else:
             out[name] = text
     return out
+
+
+def encode_withdrawals_through(through: int | None) -> dict[str, str]:
+    """The :data:`WITHDRAWALS_HEADER` of an answer right as of withdrawal ``through``; none
+    while it is None (the server has not read its withdrawals yet: nothing is claimed)."""
+    return {} if through is None else {WITHDRAWALS_HEADER: str(through)}
 
 
 def parse_withdrawals_through(value: str | None) -> int | None:

@@ -13,6 +13,7 @@ from kcache.artifact_header import (
     MAX_CHARS,
     decode_meta,
     encode_meta,
+    encode_withdrawals_through,
     parse_meta,
     parse_withdrawals_through,
 )
@@ -151,3 +152,11 @@ def test_the_withdrawals_position_is_a_plain_decimal_or_nothing(
     value: str | None, read: int | None
 ) -> None:
     assert parse_withdrawals_through(value) == read
+
+
+def test_the_withdrawals_position_is_sent_as_it_is_read_and_not_at_all_when_unknown() -> None:
+    assert encode_withdrawals_through(None) == {}
+    for through in (0, 7, 10**17):
+        ((name, value),) = encode_withdrawals_through(through).items()
+        assert name == "X-KCache-Withdrawals-Through"
+        assert parse_withdrawals_through(value) == through

@@ -24,7 +24,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from kcache.artifact_header import CONTEXT_HEADER, MAX_CONTEXT_CHARS
+from kcache.artifact_header import CONTEXT_HEADER, MAX_CONTEXT_CHARS, WITHDRAWALS_HEADER
 from kcache_server.auth import PRINCIPAL_KEY, Principal, authorization_header
 from kcache_server.errors import InvalidRequestError, PayloadTooLargeError
 from kcache_server.fairness import caller_identity, current_caller
@@ -36,6 +36,7 @@ __all__ = [
     "BODY_LIMITS_DOC",
     "ERRORS",
     "INLINE_BODY_BYTES",
+    "WITHDRAWALS_DOC",
     "Admin",
     "Compiler",
     "Publisher",
@@ -144,6 +145,20 @@ Publisher = Annotated[Principal, Depends(require_publish)]
 Admin = Annotated[Principal, Depends(require_admin)]
 #: The server state.
 State = Annotated[ServerState, Depends(get_state)]
+
+
+#: The OpenAPI entry of the header every answer giving bindings carries (fetch, bundle).
+WITHDRAWALS_DOC: dict[str, Any] = {
+    WITHDRAWALS_HEADER: {
+        "description": (
+            "the newest withdrawal id the answering server process had acted on when the "
+            "answer began: the answer is right as of it. A client whose node has read "
+            "GET /v1/withdrawals that far needs no read of it now (an empty page); absent "
+            "while the server has not read its withdrawals yet"
+        ),
+        "schema": {"type": "integer"},
+    },
+}
 
 
 def context_header(recorded: str) -> Any:

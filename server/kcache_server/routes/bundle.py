@@ -31,7 +31,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
 from kcache.artifact import ArtifactMeta
-from kcache.artifact_header import WITHDRAWALS_HEADER
+from kcache.artifact_header import encode_withdrawals_through
 from kcache.bundle_format import (
     BUNDLE_MEDIA_TYPE,
     end_line,
@@ -48,7 +48,7 @@ from kcache.foreign_section import missing_line as foreign_missing_line
 from kcache.signing import BundleDigest
 from kcache_server.auditing.writer import AuditRecord
 from kcache_server.foreign import StoredBinding
-from kcache_server.routes._deps import ERRORS, Reader, State, body_doc, read_body
+from kcache_server.routes._deps import ERRORS, WITHDRAWALS_DOC, Reader, State, body_doc, read_body
 from kcache_server.routes.foreign import audit_lookup
 from kcache_server.schemas import (
     MAX_BUNDLE_KEYS,
@@ -240,16 +240,7 @@ async def _stream(state: ServerState, body: BundleWithForeignRequest) -> AsyncIt
                 '{"end": true, "entries": E, "missing": M}. Without the trailer the answer was cut'
             ),
             "content": {BUNDLE_MEDIA_TYPE: {}},
-            "headers": {
-                WITHDRAWALS_HEADER: {
-                    "description": (
-                        "the newest withdrawal id the answering server process had acted on "
-                        "when the answer began: its entries are right as of it (as a fetch by "
-                        "key's); absent while the server has not read its withdrawals yet"
-                    ),
-                    "schema": {"type": "integer"},
-                },
-            },
+            "headers": WITHDRAWALS_DOC,
         },
     },
     openapi_extra=body_doc(BundleWithForeignRequest),
@@ -258,6 +249,5 @@ async def post_bundle(request: Request, _: Reader, state: State) -> StreamingRes
     """The artifacts of up to 10000 recipe keys in one streamed answer, each signed, after
     the groups of up to 10000 foreign names (their own section, each group whole)."""
     body = await read_body(request, state, _parse)
-    through = state.resolver.withdrawn_through
-    headers = {} if through is None else {WITHDRAWALS_HEADER: str(through)}
+    headers = encode_withdrawals_through(state.resolver.withdrawn_through)
     return StreamingResponse(_stream(state, body), media_type=BUNDLE_MEDIA_TYPE, headers=headers)

@@ -13,13 +13,13 @@ from kcache.artifact_header import (
     MAX_CHARS,
     ON_MISS_HEADER,
     ON_MISS_RESOLVE,
-    WITHDRAWALS_HEADER,
+    encode_withdrawals_through,
 )
 from kcache.errors import ArtifactNotFoundError, CompileError
 from kcache.signing import HEADER as SIGNATURE_HEADER
 from kcache_server.errors import ArtifactSetAsideError
 from kcache_server.http_cache import artifact_headers, etag_matches
-from kcache_server.routes._deps import ERRORS, Reader, State, context_header
+from kcache_server.routes._deps import ERRORS, WITHDRAWALS_DOC, Reader, State, context_header
 from kcache_server.routes.blobs import bytes_answer
 from kcache_server.schemas import ArtifactBody, RecipeKeyPath, check_key
 
@@ -66,15 +66,7 @@ _FETCH_HEADERS = {
         ),
         "schema": {"type": "string"},
     },
-    WITHDRAWALS_HEADER: {
-        "description": (
-            "the newest withdrawal id the answering server process has acted on: this answer "
-            "is right as of it. A client whose node has read GET /v1/withdrawals that far "
-            "needs no read of it now (an empty page); absent while the server has not read "
-            "its withdrawals yet"
-        ),
-        "schema": {"type": "integer"},
-    },
+    **WITHDRAWALS_DOC,
 }
 
 
@@ -134,8 +126,7 @@ async def recipe_artifact(
         meta = await resolver.artifact(recipe_key)
         headers = artifact_headers(meta)
         headers[SIGNATURE_HEADER] = state.signer.sign(recipe_key, meta).header_value()
-        if resolver.withdrawn_through is not None:
-            headers[WITHDRAWALS_HEADER] = str(resolver.withdrawn_through)
+        headers.update(encode_withdrawals_through(resolver.withdrawn_through))
         if etag_matches(request.headers.get("if-none-match"), meta.digest):
             resolver.record_fetch(recipe_key, meta, started, "hit", context)
             return Response(status_code=304, headers=headers)
