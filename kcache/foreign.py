@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import quote
@@ -35,6 +35,8 @@ __all__ = [
     "ForeignNameError",
     "binding_key",
     "check_name",
+    "group_digest",
+    "refs_of",
 ]
 
 #: A library's name: lowercase, as ``cupy``, ``cuda-core``, ``triton`` (never ``blobs``).
@@ -49,6 +51,8 @@ FILE_NAME_PATTERN = "^[A-Za-z0-9_][A-Za-z0-9._=+-]{0,255}$"
 MAX_FILES = 64
 #: What the signature of a foreign binding signs before its canonical JSON.
 MESSAGE_PREFIX = b"kcache-foreign/v1:"
+#: What a group's content digest hashes before its files' canonical JSON.
+GROUP_PREFIX = b"kcache-foreign-group/v1:"
 #: Libraries that cannot be a name: ``blobs`` is the route of a foreign file's bytes.
 RESERVED_LIBRARIES = frozenset({"blobs"})
 
@@ -172,6 +176,11 @@ class ForeignBinding:
         """The group's bytes."""
         return sum(f.size for f in self.files)
 
+    @property
+    def group_digest(self) -> str:
+        """:func:`group_digest` of this binding's files: what a withdrawal of it names."""
+        return group_digest(self.files)
+
     def message(self) -> bytes:
         """The bytes the server's signature covers ("published by <writer>")."""
         body = {
@@ -181,6 +190,27 @@ class ForeignBinding:
         }
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return MESSAGE_PREFIX + text.encode("ascii")
+
+
+def group_digest(files: Iterable[ForeignFileRef]) -> str:
+    """A group's content digest: the sha256 of its files' names, digests and sizes, sorted.
+
+    What a withdrawal of a foreign binding names beside its binding key (docs/design.md
+    section 3, "What a binding rests on"): the server has it in its rows, a client computes
+    it from the bytes it holds (:func:`refs_of`). The writer is not in it: a withdrawal is
+    of the bytes under the name, whoever published them.
+    """
+    listed = sorted([f.name, f.digest, f.size] for f in files)
+    text = json.dumps(listed, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(GROUP_PREFIX + text.encode("ascii")).hexdigest()
+
+
+def refs_of(files: Mapping[str, bytes]) -> tuple[ForeignFileRef, ...]:
+    """The references of a group held as bytes (file name -> bytes), sorted by name."""
+    return tuple(
+        ForeignFileRef(name, hashlib.sha256(data).hexdigest(), len(data))
+        for name, data in sorted(files.items())
+    )
 
 
 def check_files(

@@ -136,7 +136,9 @@ def prefetch(cache: BundleCache, manifest: JobManifest) -> PrefetchResult:
     size = len(manifest) + len(groups)
     for each in tiers:  # the packs first: a key they hold is not looked for as an alias file
         each.packs.refresh()
-    if any(_held(tiers, key) is not None for key in manifest.recipe_keys):
+    if any(_held(tiers, key) is not None for key in manifest.recipe_keys) or any(
+        tier.held_digest(g.binding_key) is not None for g in groups
+    ):
         cache.check_withdrawals()  # what the tiers hold of it and the server withdrew: not held
 
     def result(held: int, fetched: int, missing: tuple[str, ...], requests: int) -> PrefetchResult:

@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # the job façade's results: kcache_client._jobs is imported 
     from kcache_client._bundle import PrefetchResult
     from kcache_client._foreign_ledger import ForeignLedger
     from kcache_client._warmup import WarmupResult
+    from kcache_client._withdrawal_watch import WithdrawalWatch
 
 __all__ = ["OFFLINE_LOGGER", "KernelCache"]
 
@@ -482,11 +483,17 @@ class KernelCache:
         return prefetch_manifest(self, manifest, group, timeout=timeout, host=self.host)
 
     # ------------------------------------------------------------------ tiers
+    @property
+    def withdrawal_watch(self) -> WithdrawalWatch | None:
+        """When the server's withdrawals are read (kcache_client._withdrawal_watch); None
+        without a server. The library hooks' lookups ask it as ``get``'s do."""
+        return self._lookup.watch
+
     def check_withdrawals(self) -> None:
         """Read the server's withdrawals now and drop what they name from memory and the node
         tier (:mod:`~kcache_client._withdrawals`); a prefetch does it first when the tiers hold
         some of its manifest. Never raises for the server's sake; nothing without a server."""
-        watch = self._lookup.watch
+        watch = self.withdrawal_watch
         if watch is not None:
             watch.check(force=True)
 

@@ -12,6 +12,10 @@ target, toolchain, the library's key) and looked up
    checked with the keys trusted for the server) and each file by digest, each checked;
    a file that is gone makes the whole group a miss. A server hit is kept in the tier.
 
+A group an admin removed from the server is not answered from memory or the tier once
+the server's withdrawals say so: they are read when due, as before a kernel's answer
+(:mod:`kcache_client._withdrawals`, "Foreign groups").
+
 A lookup never raises: a server that cannot be reached, refuses, or answers something
 that does not check is a miss (the library then compiles), and a server that could not
 be reached is not asked again for :data:`DOWN_S` seconds, so a dead server costs one
@@ -43,7 +47,14 @@ from urllib.parse import urlencode
 from kcache.artifact_header import CONTEXT_HEADER, encode_context
 from kcache.foreign import ForeignBinding, ForeignName, ForeignNameError, check_files
 from kcache.signing import Signature, SignatureError
-from kcache_client._foreign_groups import keep_group, pack_group, takes_foreign, unpack_group
+from kcache_client._foreign_groups import (
+    keep_group,
+    pack_group,
+    read_group,
+    takes_foreign,
+    unpack_group,
+    withdrawn_group,
+)
 from kcache_client._lean_request import json_body
 from kcache_client.errors import UntrustedArtifactError
 
@@ -114,11 +125,13 @@ class ForeignCache:
             found = self._memory.get(name)
             if found is not None:
                 self._memory.move_to_end(name)
-        if found is not None:
-            self.counts["memory_hits"] += 1
-            self._ledger.note(name, found, name.binding_key)
-            return found
         try:
+            if found is not None:
+                if self._holds(name, found, tier=False):
+                    self.counts["memory_hits"] += 1
+                    self._ledger.note(name, found, name.binding_key)
+                    return found
+                self._drop(name)
             found = self._from_tier(name)
             if found is not None:
                 self.counts["node_hits"] += 1
@@ -137,6 +150,23 @@ class ForeignCache:
         self._ledger.note(name, found, name.binding_key)
         self._keep(name, found)
         return found
+
+    def _holds(self, name: ForeignName, files: Mapping[str, bytes], *, tier: bool) -> bool:
+        """Whether a group held in memory (``tier``: read from the node tier) may be answered:
+        the server's withdrawals read first when due, as for a kernel, then not withdrawn
+        (an admin's removal: docs/design.md section 3, "What a binding rests on")."""
+        watch = self.cache.withdrawal_watch
+        if watch is not None:
+            (watch.before_tier_answer if tier else watch.before_memory_answer)()
+        if not withdrawn_group(self.cache.tier.withdrawals, name.binding_key, files):
+            return True
+        self.counts["withdrawn"] += 1
+        log.info(
+            "kcache: foreign %s entry %s not used: the server withdrew it (removed by an admin)",
+            name.library,
+            name.key,
+        )
+        return False
 
     def _remember(self, name: ForeignName, files: dict[str, bytes]) -> None:
         size = sum(len(v) for v in files.values())
@@ -169,7 +199,7 @@ class ForeignCache:
         """Remove ``name`` from this process's memory and the node tier (never from the server:
         that is an admin's ``DELETE``); True when either held it."""
         held = self._drop(name)
-        if self._tier_usable() and self._from_tier(name) is not None:
+        if read_group(self.cache.tier, name.binding_key) is not None:
             self.cache.tier.remove([name.binding_key])
             held = True
         return held
@@ -192,15 +222,11 @@ class ForeignCache:
         return takes_foreign(self.cache.tier)
 
     def _from_tier(self, name: ForeignName) -> dict[str, bytes] | None:
-        if not self._tier_usable():
-            return None
-        hit = self.cache.tier.lookup(name.binding_key)
-        if hit is None:
-            return None
-        meta, blob = hit
-        if meta.kind != "foreign":
-            return None
-        return unpack_group(blob)
+        group = read_group(self.cache.tier, name.binding_key)
+        if group is None or self._holds(name, group, tier=True):
+            return group
+        self.cache.tier.remove([name.binding_key])
+        return None
 
     def _client(self) -> LeanClient:
         with self._http_lock:
@@ -267,6 +293,8 @@ class ForeignCache:
                 )
                 return None
             files[ref.name] = data
+        # The server's word now, whatever the feed said of the same bytes before.
+        self.cache.tier.withdrawals.reinstate((binding.binding_key, binding.group_digest))
         return files
 
     def _checked(self, name: ForeignName, reply: LeanResponse) -> ForeignBinding | None:

@@ -111,6 +111,8 @@ class ForeignPart:
             self.remote.trust.check_foreign(
                 self.remote.url, item.binding, item.signature, self.remote.keys, self.where
             )
+            # The server's word now, whatever the feed said of the same bytes before.
+            self.tier.withdrawals.reinstate((key, item.binding.group_digest))
             digest = keep_group(self.tier, group.name, key, item.files)
             if digest is not None:
                 self.held[key] = digest

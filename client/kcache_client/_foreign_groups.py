@@ -5,6 +5,11 @@ prefetch of a job's manifest writes (docs/design.md section 10) are the same ent
 the group packed into one blob (:func:`pack_group`), published under its binding key
 with kind ``foreign``, unsigned (a foreign signature is not kcache's, and only the
 user's private tier takes one: :func:`takes_foreign`).
+
+A group an admin removed from the server is withdrawn by its binding key and content
+digest (:func:`kcache.foreign.group_digest`; docs/design.md section 3, "What a binding
+rests on"): :func:`withdrawn_group` is the verdict on a group held as bytes, which hashes
+them only when some withdrawal names the key.
 """
 
 from __future__ import annotations
@@ -15,11 +20,21 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kcache.artifact import ArtifactMeta
+from kcache.foreign import group_digest, refs_of
 
 if TYPE_CHECKING:
     from kcache_client._tier import NodeTier
+    from kcache_client._withdrawals import Withdrawals
 
-__all__ = ["group_meta", "keep_group", "pack_group", "takes_foreign", "unpack_group"]
+__all__ = [
+    "group_meta",
+    "keep_group",
+    "pack_group",
+    "read_group",
+    "takes_foreign",
+    "unpack_group",
+    "withdrawn_group",
+]
 
 _MAGIC = b"kcache-foreign-group/1\n"
 
@@ -84,3 +99,18 @@ def keep_group(
     blob = pack_group(files)
     meta = group_meta(name, blob)
     return meta.digest if tier.publish(key, None, meta, blob) is not None else None
+
+
+def read_group(tier: NodeTier, key: str) -> dict[str, bytes] | None:
+    """The group ``tier`` holds under binding key ``key`` (file name -> bytes), or None."""
+    if not takes_foreign(tier):
+        return None
+    hit = tier.lookup(key)
+    if hit is None or hit[0].kind != "foreign":
+        return None
+    return unpack_group(hit[1])
+
+
+def withdrawn_group(known: Withdrawals, key: str, files: Mapping[str, bytes]) -> bool:
+    """Whether the group ``files`` under binding key ``key`` is withdrawn, as far as ``known`` says."""
+    return known.names(key) and known.withdrawn(key, group_digest(refs_of(files)))

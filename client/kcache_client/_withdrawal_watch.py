@@ -15,9 +15,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kcache.artifact import ArtifactMeta
 from kcache.errors import KCacheError, LockTimeoutError
+from kcache.foreign import group_digest, refs_of
 from kcache.fsutil import UnsafeFileError, read_file_identified
 from kcache.index.file import MAX_ENTRY_BYTES
 from kcache.keys import sha256_hex
+from kcache_client._foreign_groups import read_group
 from kcache_client._http import OFFLINE_CAUSE
 from kcache_client._remote import Remote
 from kcache_client._settings import RetryPolicy
@@ -34,7 +36,8 @@ _log = logging.getLogger("kcache_client")
 
 def drop_from_tier(tier: NodeTier, pairs: Iterable[Pair]) -> int:
     """Remove the aliases of ``tier`` that name a withdrawn pair (and each artifact record no
-    alias names any more); how many aliases. Nothing in a tier this process may not write."""
+    alias names any more); how many aliases. Nothing in a tier this process may not write.
+    A foreign group's alias names its blob; the pair names the group's content digest."""
     if not tier.standing.writable or tier.read_only:
         return 0
     gone: set[str] = set()
@@ -43,20 +46,28 @@ def drop_from_tier(tier: NodeTier, pairs: Iterable[Pair]) -> int:
         try:
             raw, seen = read_file_identified(path, MAX_ENTRY_BYTES)
             entry, _ = tier.index.parse_signed_alias(key, raw)
-            if not isinstance(entry, ArtifactMeta) or entry.digest != digest:
+            if not isinstance(entry, ArtifactMeta) or not _names(tier, key, entry, digest):
                 continue
             if os.lstat(path).st_ino != seen[1]:  # replaced meanwhile (a fresh publish)
                 continue
             os.unlink(path)
         except (OSError, UnsafeFileError, KCacheError):
             continue
-        gone.add(digest)
+        gone.add(entry.digest)
     if gone:
         named = tier.size.aliases()  # the tier's own walk of its aliases
         for digest in gone - named.keys():
             with contextlib.suppress(OSError):
                 os.unlink(tier.record_path(digest))
     return len(gone)
+
+
+def _names(tier: NodeTier, key: str, entry: ArtifactMeta, digest: str) -> bool:
+    """Whether the alias of ``key`` (``entry``) is the withdrawn pair's ``digest``."""
+    if entry.kind != "foreign":
+        return entry.digest == digest
+    group = read_group(tier, key)
+    return group is not None and group_digest(refs_of(group)) == digest
 
 
 class WithdrawalWatch:
@@ -90,20 +101,28 @@ class WithdrawalWatch:
         self._told = False
 
     def tier_holds(self, recipe_key: str, digest: str) -> bool:
-        """Whether a tier's answer of ``recipe_key`` -> ``digest`` may be given; read the feed
-        first when this process never did, or did ``interval_s`` ago."""
-        last = self._checked
-        if last is None or self._expired or time.monotonic() - last >= self.interval_s:
-            self.check(force=self._expired)
+        """Whether a tier's answer of ``recipe_key`` -> ``digest`` may be given (:meth:`before_tier_answer`)."""
+        self.before_tier_answer()
         return not self.known.withdrawn(recipe_key, digest)
 
     def memory_holds(self, recipe_key: str, digest: str) -> bool:
-        """Whether a memory answer of ``recipe_key`` -> ``digest`` may be given; read the feed
-        first when ``interval_s`` passed since the last check (or since the cache was made)."""
+        """Whether a memory answer of ``recipe_key`` -> ``digest`` may be given (:meth:`before_memory_answer`)."""
+        self.before_memory_answer()
+        return not self.known.withdrawn(recipe_key, digest)
+
+    def before_tier_answer(self) -> None:
+        """Read the feed if a tier's answer is due one: this process never read it, or did
+        ``interval_s`` ago (then ask :attr:`known`)."""
+        last = self._checked
+        if last is None or self._expired or time.monotonic() - last >= self.interval_s:
+            self.check(force=self._expired)
+
+    def before_memory_answer(self) -> None:
+        """Read the feed if a memory answer is due one: ``interval_s`` passed since the last
+        check (or since the cache was made)."""
         last = self._checked if self._checked is not None else self._made
         if self._expired or time.monotonic() - last >= self.interval_s:
             self.check(force=self._expired)
-        return not self.known.withdrawn(recipe_key, digest)
 
     def expire(self, expired: bool = True) -> None:
         """Read the feed before the next answer from a tier or memory, however recent the last

@@ -61,6 +61,12 @@ the same keep their binding), the process's memory forgets it; a pack entry cann
 removed in place (the pack would be written again), so it is refused at every lookup, as
 are a layer's entries, a bundle's entries being unpacked (:meth:`NodeTier.publish`
 refuses the pair) and a signed answer replayed into a shared tier by someone else.
+
+**Foreign groups** an admin removed are withdrawn the same way, by binding key and the
+group's content digest (:func:`kcache.foreign.group_digest`): the tier's alias is removed
+when its group's content matches, and a hook's lookup refuses such a group in memory or
+the tier (:class:`~kcache_client._foreign.ForeignCache`). The server answering the pair
+again (the same bytes published anew) is its word now: :meth:`Withdrawals.reinstate`.
 """
 
 from __future__ import annotations
@@ -134,6 +140,9 @@ class Withdrawals:
         self._tier = tier
         self.path = os.path.join(str(tier.root), "index", FILE_NAME)
         self._pairs: dict[Pair, None] = {}  # oldest first
+        self._keys: dict[str, int] = {}  # key -> how many of the pairs name it
+        # Pairs the server answered again after this process learnt them (reinstate).
+        self._reinstated: set[Pair] = set()
         # url -> (last id, when checked, epoch s): this process's, and the file's (trusted or not).
         self._mine: dict[str, tuple[int, float]] = {}
         self._filed: dict[str, tuple[int, float]] = {}
@@ -151,6 +160,40 @@ class Withdrawals:
         if not self._loaded:
             self.load()
         return bool(self._pairs) and (recipe_key, digest) in self._pairs
+
+    def names(self, recipe_key: str) -> bool:
+        """Whether any withdrawn pair names ``recipe_key`` (so that a caller whose digest
+        costs a hash computes it only then: a foreign group's content digest)."""
+        if not self._loaded:
+            self.load()
+        return bool(self._keys) and recipe_key in self._keys
+
+    def reinstate(self, pair: Pair) -> None:
+        """The server answered ``pair`` again after it was withdrawn (a foreign group published
+        again with the same bytes): this process stops refusing it, and leaves it out of
+        the tier's file when it next writes it, until the feed withdraws it anew (another
+        process that read the pair finds the server's answer on its own, once). Nothing
+        when the pair is not withdrawn here."""
+        if not self.withdrawn(*pair):
+            return
+        with self._lock:
+            self._reinstated.add(pair)
+            self._remove(pair)
+
+    def _add(self, pair: Pair) -> bool:
+        if pair in self._pairs or pair in self._reinstated:
+            return False
+        self._pairs[pair] = None
+        self._keys[pair[0]] = self._keys.get(pair[0], 0) + 1
+        return True
+
+    def _remove(self, pair: Pair) -> None:
+        if pair not in self._pairs:
+            return
+        del self._pairs[pair]
+        left = self._keys.pop(pair[0]) - 1
+        if left:
+            self._keys[pair[0]] = left
 
     @property
     def trusts_file(self) -> bool:
@@ -173,7 +216,7 @@ class Withdrawals:
             self._seen = seen
             pairs, servers = _parse_file(raw)
             for pair in pairs:
-                self._pairs.setdefault(pair, None)
+                self._add(pair)
             self._trim()
             self._filed = servers
 
@@ -207,8 +250,8 @@ class Withdrawals:
         with self._lock:
             for row in rows:
                 pair = (row.recipe_key, row.digest)
-                if pair not in self._pairs:
-                    self._pairs[pair] = None
+                self._reinstated.discard(pair)  # withdrawn anew: the feed is newer
+                if self._add(pair):
                     new.append(pair)
             self._trim()
             previous = self._mine.get(url, (0, 0.0))[0]
@@ -218,7 +261,7 @@ class Withdrawals:
 
     def _trim(self) -> None:
         while len(self._pairs) > MAX_PAIRS:
-            del self._pairs[next(iter(self._pairs))]
+            self._remove(next(iter(self._pairs)))
 
     def _save(self, url: str, now: float) -> None:
         tier = self._tier

@@ -22,7 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from kcache.errors import ArtifactNotFoundError
-from kcache.foreign import ForeignBinding, ForeignFileRef, ForeignName
+from kcache.foreign import ForeignBinding, ForeignFileRef, ForeignName, group_digest
 from kcache.lru import LruCache
 from kcache.signing import Signature
 from kcache.store.base import ArtifactStore
@@ -34,6 +34,7 @@ from kcache_server.models import foreign_files_table as _files
 from kcache_server.models import pins_table as _pins
 from kcache_server.models import utcnow
 from kcache_server.signer import ArtifactSigner
+from kcache_server.withdrawals import record_withdrawal, serialise_withdrawals
 
 __all__ = ["EvictedBinding", "ForeignStore", "StoredBinding", "least_recently_used_of_both"]
 
@@ -202,16 +203,35 @@ class ForeignStore:
         )
         return StoredBinding(binding, row.published_at, row.last_used_at)
 
-    def delete(self, binding_key: str) -> bool:
-        """Remove the binding (its files' blobs go with garbage collection); True if it was there."""
+    def delete(self, binding_key: str, reason: str) -> bool:
+        """Remove the binding (its files' blobs go with garbage collection); True if it was there.
+
+        A withdrawal too, in the same transaction (:mod:`kcache_server.withdrawals`): the
+        binding key and the group's content digest (:func:`kcache.foreign.group_digest`),
+        so that node tiers and processes holding the group stop using it, ``reason`` saying
+        why. Eviction writes none: an evicted binding was right.
+        """
         with self.db.begin() as conn:
-            row_id = conn.execute(
-                sa.select(_bindings.c.id).where(_bindings.c.binding_key == binding_key)
-            ).scalar()
-            if row_id is None:
+            serialise_withdrawals(conn)
+            # Writes first (kcache_server.index's module docstring): SQLite's lock, then reads.
+            files = conn.execute(
+                sa.delete(_files)
+                .where(
+                    _files.c.binding_id.in_(
+                        sa.select(_bindings.c.id).where(_bindings.c.binding_key == binding_key)
+                    )
+                )
+                .returning(_files.c.name, _files.c.digest, _files.c.size)
+            ).all()
+            removed = conn.execute(
+                sa.delete(_bindings)
+                .where(_bindings.c.binding_key == binding_key)
+                .returning(_bindings.c.id)
+            ).all()
+            if not removed:
                 return False
-            conn.execute(sa.delete(_files).where(_files.c.binding_id == row_id))
-            conn.execute(sa.delete(_bindings).where(_bindings.c.id == row_id))
+            refs = [ForeignFileRef(f.name, f.digest, int(f.size)) for f in files]
+            record_withdrawal(conn, binding_key, group_digest(refs), reason)
         self._signatures.discard(binding_key)
         return True
 

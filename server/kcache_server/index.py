@@ -29,10 +29,6 @@ from kcache.eviction import LruCandidate, least_recently_used
 from kcache.index.base import MANIFEST_LIMIT
 from kcache.keys import canonical_json, require_hex_key, sha256_hex
 from kcache.store.local import LocalArtifactStore
-from kcache_server.models import (
-    WITHDRAWAL_REASON_LENGTH,
-    utcnow,
-)
 from kcache_server.models import artifacts_table as _artifacts
 from kcache_server.models import compile_charges_table as _charges
 from kcache_server.models import evictions_table as _evictions
@@ -42,13 +38,11 @@ from kcache_server.models import manifests_table as _manifests
 from kcache_server.models import negative_entries_table as _negatives
 from kcache_server.models import pins_table as _pins
 from kcache_server.models import recipe_aliases_table as _aliases
-from kcache_server.models import withdrawals_table as _withdrawals
+from kcache_server.models import utcnow
+from kcache_server.withdrawals import record_withdrawal, serialise_withdrawals
 
 __all__ = ["RemovedArtifact", "SqlIndex", "StoreUsage", "pinned"]
 
-# pg_advisory_xact_lock(int, int) serialising withdrawals, apart from the evictor's and
-# the per-recipe compile locks.
-_WITHDRAWAL_LOCK = {"a": 0x6B63, "b": 0x57445257}  # "kc", "WDRW"
 # When an artifact was last served (batched from the hit path), else when it was made.
 _last_use = sa.func.coalesce(_artifacts.c.last_used_at, _artifacts.c.created_at)
 # Rows deleted per transaction by an eviction: short transactions, few round trips.
@@ -374,16 +368,15 @@ class SqlIndex:
         and client reads. Other recipes whose key names the same bytes keep their
         binding: the bytes are right for them. The artifact row and blob stay.
 
-        Withdrawals are written one at a time (on PostgreSQL under a transaction-scoped
-        advisory lock; SQLite has one writer), so their ids commit in order and a reader
-        that saw id N never misses a smaller one committed later.
+        Withdrawals are written one at a time
+        (:func:`~kcache_server.withdrawals.serialise_withdrawals`), so their ids commit in
+        order.
         """
         _check(recipe_key)
         _check(digest)
         _check(base_key)
         with self.engine.begin() as conn:
-            if self.engine.dialect.name == "postgresql":
-                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:a, :b)"), _WITHDRAWAL_LOCK)
+            serialise_withdrawals(conn)
             # Writes first (see the module docstring): the alias delete takes SQLite's lock.
             conn.execute(
                 sa.delete(_aliases).where(
@@ -395,17 +388,7 @@ class SqlIndex:
                     _manifests.c.base_key == base_key, _manifests.c.digest == digest
                 )
             )
-            inserted = conn.execute(
-                sa.insert(_withdrawals)
-                .values(
-                    at=utcnow(),
-                    recipe_key=recipe_key,
-                    digest=digest,
-                    reason=reason[:WITHDRAWAL_REASON_LENGTH],
-                )
-                .returning(_withdrawals.c.id)
-            )
-            return int(inserted.scalar_one())
+            return record_withdrawal(conn, recipe_key, digest, reason)
 
     # ------------------------------------------------------------------ recovery
     def recover(self, store: LocalArtifactStore) -> tuple[int, int]:

@@ -338,8 +338,48 @@ def test_racing_publishes_of_one_name_bind_one_group(foreign_store: Any) -> None
     assert {found.binding for found, _ in results} == {winner}  # every writer sees the one binding
     stored = foreign_store.get(winner.binding_key)
     assert stored is not None and stored.binding == winner
-    assert foreign_store.delete(winner.binding_key)
+    assert foreign_store.delete(winner.binding_key, "a test removes it")
     assert foreign_store.get(winner.binding_key) is None
+
+
+def test_a_removal_writes_its_withdrawal_in_the_same_transaction(foreign_store: Any) -> None:
+    """The binding key and the group's content digest, once (a second removal finds none);
+    removals racing each other get ids in commit order, each naming its own group."""
+    import threading
+
+    from kcache_server.withdrawals import WithdrawalLog
+
+    from kcache.foreign import group_digest
+
+    bindings = []
+    for i in range(6):
+        data = f"group {i}".encode()
+        foreign_store.store_blob(hashlib.sha256(data).hexdigest(), data)
+        ref = ForeignFileRef("payload", hashlib.sha256(data).hexdigest(), len(data))
+        name = ForeignName("cupy", "14.2.0", "sm_90", "nvrtc-13.0", f"removed{i}")
+        binding = ForeignBinding(name, (ref,), "token:w")
+        assert foreign_store.publish(binding)[1]
+        bindings.append(binding)
+    log = WithdrawalLog(foreign_store.db)
+    before = log.last_id()
+    barrier = threading.Barrier(len(bindings))
+
+    def remove(binding: ForeignBinding) -> None:
+        barrier.wait()
+        assert foreign_store.delete(binding.binding_key, f"test: {binding.name.key}")
+
+    threads = [threading.Thread(target=remove, args=(b,)) for b in bindings]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = log.after(before)
+    assert [r.id for r in rows] == sorted(r.id for r in rows)
+    assert {(r.recipe_key, r.digest, r.reason) for r in rows} == {
+        (b.binding_key, group_digest(b.files), f"test: {b.name.key}") for b in bindings
+    }
+    assert not foreign_store.delete(bindings[0].binding_key, "again")
+    assert log.last_id() == rows[-1].id  # nothing removed, nothing withdrawn
 
 
 def test_foreign_bindings_share_the_cap_and_the_lru_order_with_artifacts(

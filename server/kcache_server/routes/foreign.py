@@ -30,7 +30,6 @@ from kcache.foreign import (
     ForeignConflictError,
     ForeignName,
     ForeignNameError,
-    binding_key,
     check_files,
     check_name,
 )
@@ -277,13 +276,12 @@ async def remove(
     target: Annotated[str, _label_query("target")],
     toolchain: Annotated[str, _label_query("toolchain")],
 ) -> Removed:
-    """Remove the binding; the next publish of the name wins again."""
+    """Remove the binding; the next publish of the name wins again. A withdrawal too: node
+    tiers and processes holding the group stop using it (docs/design.md section 10)."""
     library, key = _named("library", library, path=True), _named("key", key, path=True)
-    name = binding_key(
-        library,
-        _named("version", version, path=False),
-        _named("target", target, path=False),
-        _named("toolchain", toolchain, path=False),
-        key,
-    )
-    return Removed(removed=await state.run(state.foreign.delete, name))
+    version = _named("version", version, path=False)
+    target = _named("target", target, path=False)
+    toolchain = _named("toolchain", toolchain, path=False)
+    name = ForeignName(library, version, target, toolchain, key)
+    reason = f"removed by an admin: DELETE {name.path()}"
+    return Removed(removed=await state.run(state.foreign.delete, name.binding_key, reason))
