@@ -547,3 +547,41 @@ def test_a_bundle_answer_stands_for_a_read_of_the_feed_too(
     with _server_cache(server, root) as rank:  # a rank's tier answers need no read
         assert [rank.get(r).origin for r in recipes] == ["node", "node"]
         assert rank.stats.withdrawal_requests == 0
+
+
+def test_in_a_shared_tier_an_answer_stands_for_no_read_and_a_planted_position_for_none(
+    server: ServerThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tier others can write (1777): its file's last ids are not trusted, so a fresh
+    process knows the feed from 0, an answer through a later withdrawal stands for no read,
+    and each process reads the feed at its first tier answer, whatever the file claims."""
+    from kcache_client import _withdrawal_watch
+
+    window = 3600.0  # as above: what the process knows decides, not how fast this runs
+    monkeypatch.setattr(_withdrawal_watch, "SHARED_S", window)
+    key, digest = hashlib.sha256(b"shared-elsewhere").hexdigest(), hashlib.sha256(b"e").hexdigest()
+    newest = server.state.backends.index.withdraw_binding(key, digest, "test", base_key=key)
+    assert _through(server, newest) >= newest > 0
+    body = _kernel("shared-through", 30)
+    recipe = Recipe(source=body["source"], target="sm_90")
+    with server.client(ADMIN) as client:
+        _resolve(client, body)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+
+    with _server_cache(server, shared) as first:  # a cold fetch into the shared tier
+        assert first.tier.standing.kind == "shared"
+        assert first.get(recipe).origin == "server"
+        assert first.stats.withdrawal_requests == 0  # a server answer needs no read ...
+        assert first.tier.withdrawals.last(server.url)[0] == 0  # ... and stood for none
+    # Someone who can write the tier claims the node read the feed far ahead, just now.
+    path = shared / "index" / FILE_NAME
+    claimed = {server.url: {"last_id": 10**9, "checked_at": time.time()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": 1, "servers": claimed, "pairs": []}))
+    for _ in range(2):  # each later process reads the feed before its first tier answer
+        with _server_cache(server, shared) as later:
+            assert later.get(recipe).origin == "node"
+            assert later.stats.withdrawal_requests >= 1
+            assert later.tier.withdrawals.withdrawn(key, digest)
