@@ -27,14 +27,13 @@ from kcache.lru import LruCache
 from kcache.signing import Signature
 from kcache.store.base import ArtifactStore
 from kcache_server.errors import InvalidRequestError
-from kcache_server.index import pinned
+from kcache_server.index import pinned, record_withdrawal, serialise_withdrawals
 from kcache_server.models import artifacts_table as _artifacts
 from kcache_server.models import foreign_bindings_table as _bindings
 from kcache_server.models import foreign_files_table as _files
 from kcache_server.models import pins_table as _pins
 from kcache_server.models import utcnow
 from kcache_server.signer import ArtifactSigner
-from kcache_server.withdrawals import record_withdrawal, serialise_withdrawals
 
 __all__ = ["EvictedBinding", "ForeignStore", "StoredBinding", "least_recently_used_of_both"]
 
@@ -206,7 +205,7 @@ class ForeignStore:
     def delete(self, binding_key: str, reason: str) -> bool:
         """Remove the binding (its files' blobs go with garbage collection); True if it was there.
 
-        A withdrawal too, in the same transaction (:mod:`kcache_server.withdrawals`): the
+        A withdrawal too, in the same transaction (:func:`~kcache_server.index.record_withdrawal`): the
         binding key and the group's content digest (:func:`kcache.foreign.group_digest`),
         so that node tiers and processes holding the group stop using it, ``reason`` saying
         why. Eviction writes none: an evicted binding was right.

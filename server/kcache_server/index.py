@@ -29,6 +29,7 @@ from kcache.eviction import LruCandidate, least_recently_used
 from kcache.index.base import MANIFEST_LIMIT
 from kcache.keys import canonical_json, require_hex_key, sha256_hex
 from kcache.store.local import LocalArtifactStore
+from kcache_server.models import WITHDRAWAL_REASON_LENGTH, utcnow
 from kcache_server.models import artifacts_table as _artifacts
 from kcache_server.models import compile_charges_table as _charges
 from kcache_server.models import evictions_table as _evictions
@@ -38,15 +39,51 @@ from kcache_server.models import manifests_table as _manifests
 from kcache_server.models import negative_entries_table as _negatives
 from kcache_server.models import pins_table as _pins
 from kcache_server.models import recipe_aliases_table as _aliases
-from kcache_server.models import utcnow
-from kcache_server.withdrawals import record_withdrawal, serialise_withdrawals
+from kcache_server.models import withdrawals_table as _withdrawals
 
-__all__ = ["RemovedArtifact", "SqlIndex", "StoreUsage", "pinned"]
+__all__ = [
+    "RemovedArtifact",
+    "SqlIndex",
+    "StoreUsage",
+    "pinned",
+    "record_withdrawal",
+    "serialise_withdrawals",
+]
 
 # When an artifact was last served (batched from the hit path), else when it was made.
 _last_use = sa.func.coalesce(_artifacts.c.last_used_at, _artifacts.c.created_at)
 # Rows deleted per transaction by an eviction: short transactions, few round trips.
 _EVICT_BATCH = 2000
+
+
+# pg_advisory_xact_lock(int, int) serialising withdrawals, apart from the evictor's and
+# the per-recipe compile locks.
+_WITHDRAWAL_LOCK = {"a": 0x6B63, "b": 0x57445257}  # "kc", "WDRW"
+
+
+def serialise_withdrawals(conn: sa.Connection) -> None:
+    """Make the transaction of ``conn`` the only one writing withdrawals until it ends; its
+    first statement. Withdrawals are written one at a time (on PostgreSQL under a
+    transaction-scoped advisory lock; SQLite has one writer), so their ids commit in order
+    and a reader that saw id N never misses a smaller one committed later."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:a, :b)"), _WITHDRAWAL_LOCK)
+
+
+def record_withdrawal(conn: sa.Connection, recipe_key: str, digest: str, reason: str) -> int:
+    """Write the row saying ``recipe_key`` no longer answers ``digest``, in the transaction
+    that removed the binding (begun with :func:`serialise_withdrawals`); its id."""
+    inserted = conn.execute(
+        sa.insert(_withdrawals)
+        .values(
+            at=utcnow(),
+            recipe_key=recipe_key,
+            digest=digest,
+            reason=reason[:WITHDRAWAL_REASON_LENGTH],
+        )
+        .returning(_withdrawals.c.id)
+    )
+    return int(inserted.scalar_one())
 
 
 def pinned(digest: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
@@ -369,7 +406,7 @@ class SqlIndex:
         binding: the bytes are right for them. The artifact row and blob stay.
 
         Withdrawals are written one at a time
-        (:func:`~kcache_server.withdrawals.serialise_withdrawals`), so their ids commit in
+        (:func:`serialise_withdrawals`), so their ids commit in
         order.
         """
         _check(recipe_key)

@@ -5,8 +5,8 @@ it does, :meth:`SqlIndex.withdraw_binding <kcache_server.index.SqlIndex.withdraw
 removes it from the index and writes a row of the ``withdrawals`` table in the same
 transaction (docs/design.md, "What a binding rests on"); so does an admin's removal of a
 foreign binding (:meth:`ForeignStore.delete <kcache_server.foreign.ForeignStore.delete>`,
-naming its group's content digest). Both write the row with :func:`record_withdrawal`.
-This module is also the reading side:
+naming its group's content digest). Both write the row with
+:func:`kcache_server.index.record_withdrawal`. This module is the reading side:
 
 - :class:`WithdrawalLog` reads the rows after a given id, in id order (withdrawals commit
   one at a time, so ids commit in order), for the route ``GET /v1/withdrawals`` and for
@@ -31,16 +31,13 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 
-from kcache_server.models import WITHDRAWAL_REASON_LENGTH, utcnow
 from kcache_server.models import withdrawals_table as _withdrawals
-
-if TYPE_CHECKING:
-    from kcache_server.state import ServerState
+from kcache_server.state import ServerState
 
 __all__ = [
     "MAX_READ",
@@ -48,8 +45,6 @@ __all__ = [
     "WithdrawalLog",
     "WithdrawnBinding",
     "install_withdrawals",
-    "record_withdrawal",
-    "serialise_withdrawals",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,34 +53,6 @@ log = logging.getLogger(__name__)
 MAX_READ = 10_000
 # Seconds between two log lines about a failing read (a database outage repeats).
 _COMPLAINT_EVERY_S = 60.0
-# pg_advisory_xact_lock(int, int) serialising withdrawals, apart from the evictor's and
-# the per-recipe compile locks.
-_WITHDRAWAL_LOCK = {"a": 0x6B63, "b": 0x57445257}  # "kc", "WDRW"
-
-
-def serialise_withdrawals(conn: sa.Connection) -> None:
-    """Make the transaction of ``conn`` the only one writing withdrawals until it ends; its
-    first statement. Withdrawals are written one at a time (on PostgreSQL under a
-    transaction-scoped advisory lock; SQLite has one writer), so their ids commit in order
-    and a reader that saw id N never misses a smaller one committed later."""
-    if conn.dialect.name == "postgresql":
-        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:a, :b)"), _WITHDRAWAL_LOCK)
-
-
-def record_withdrawal(conn: sa.Connection, recipe_key: str, digest: str, reason: str) -> int:
-    """Write the row saying ``recipe_key`` no longer answers ``digest``, in the transaction
-    that removed the binding (begun with :func:`serialise_withdrawals`); its id."""
-    inserted = conn.execute(
-        sa.insert(_withdrawals)
-        .values(
-            at=utcnow(),
-            recipe_key=recipe_key,
-            digest=digest,
-            reason=reason[:WITHDRAWAL_REASON_LENGTH],
-        )
-        .returning(_withdrawals.c.id)
-    )
-    return int(inserted.scalar_one())
 
 
 @dataclass(frozen=True)
