@@ -31,12 +31,17 @@ class WithdrawalBody(BaseModel):
     """One withdrawn binding: ``recipe_key`` no longer answers ``digest``."""
 
     id: int = Field(description="the withdrawal's id; ids grow, rows come in id order")
-    recipe_key: Annotated[str, SchemaPattern(HEX_KEY_PATTERN)]
+    recipe_key: Annotated[str, SchemaPattern(HEX_KEY_PATTERN)] = Field(
+        description="the recipe key, or a removed foreign binding's binding_key"
+    )
     digest: Annotated[str, SchemaPattern(HEX_KEY_PATTERN)] = Field(
-        description="the artifact the key must no longer answer (other keys may still)"
+        description="the artifact the key must no longer answer (other keys may still), or "
+        "a removed foreign group's content digest (kcache.foreign.group_digest)"
     )
     at: datetime = Field(description="when it was withdrawn (RFC 3339, UTC)")
-    reason: str = Field(description="why, in short (what a fresh compile found different)")
+    reason: str = Field(
+        description="why, in short (what a fresh compile found different, or an admin's removal)"
+    )
 
 
 class WithdrawalsResponse(BaseModel):
