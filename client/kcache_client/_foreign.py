@@ -40,7 +40,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -151,14 +151,35 @@ class ForeignCache:
         self._keep(name, found)
         return found
 
-    def _holds(self, name: ForeignName, files: Mapping[str, bytes], *, tier: bool) -> bool:
-        """Whether a group held in memory (``tier``: read from the node tier) may be answered:
-        the server's withdrawals read first when due, as for a kernel, then not withdrawn
-        (an admin's removal: docs/design.md section 3, "What a binding rests on")."""
+    def copy_holds(self, name: ForeignName, read: Callable[[], Mapping[str, bytes] | None]) -> bool:
+        """Whether a copy of ``name`` that a library keeps on disk itself (Triton's own cache
+        directory, which kcache's manager fills) may still be used: as a node tier's entry,
+        the server's withdrawals read first when due; ``read`` gives the copy's files, asked
+        only when a withdrawal names the binding. Never raises."""
+        try:
+            return self._holds(name, read, tier=True)
+        except Exception as exc:  # a lookup never raises: the copy is used as before
+            self._warn("lookup", f"checking a local copy failed ({type(exc).__name__}: {exc})")
+            return True
+
+    def _holds(
+        self,
+        name: ForeignName,
+        files: Mapping[str, bytes] | Callable[[], Mapping[str, bytes] | None],
+        *,
+        tier: bool,
+    ) -> bool:
+        """Whether a group held in memory (``tier``: read from the node tier or a local copy)
+        may be answered: the server's withdrawals read first when due, as for a kernel, then
+        not withdrawn (an admin's removal: docs/design.md section 3, "What a binding rests on")."""
         watch = self.cache.withdrawal_watch
         if watch is not None:
             (watch.before_tier_answer if tier else watch.before_memory_answer)()
-        if not withdrawn_group(self.cache.tier.withdrawals, name.binding_key, files):
+        known = self.cache.tier.withdrawals
+        if not known.names(name.binding_key):
+            return True
+        held = files() if callable(files) else files
+        if held is None or not withdrawn_group(known, name.binding_key, held):
             return True
         self.counts["withdrawn"] += 1
         log.info(

@@ -14,7 +14,10 @@ files locally before the ``__grp__`` file that names them, so a reader of the lo
 directory never sees a group whose files are not all there. Triton's own remote cache
 stores file by file, and a group there can be torn.
 
-A lookup never raises and a server out of reach is a miss (Triton then compiles).
+A lookup never raises and a server out of reach is a miss (Triton then compiles). A
+group in the local directory is used while the server's withdrawals do not name it (an
+admin removed it: docs/design.md section 3), read as before a node tier's answer; one
+they name is removed, and looked up afresh.
 Files put without a group (a launcher's ``.so``, autotuning results) stay on this node:
 nothing tells what they were built from beyond Triton's key, and a launcher is specific
 to the node's Python and driver. Triton's override and dump directories (debugging) are
@@ -82,6 +85,14 @@ def _cache_root() -> Path:
         return Path(configured)
     home = os.environ.get("TRITON_HOME") or str(Path.home())
     return Path(home) / ".triton" / "cache"
+
+
+def _read_group(paths: dict[str, str]) -> dict[str, bytes] | None:
+    """A local group's files (name -> bytes), or None when one cannot be read."""
+    try:
+        return {child: Path(path).read_bytes() for child, path in paths.items()}
+    except OSError:
+        return None
 
 
 class CacheManager:
@@ -158,12 +169,17 @@ class CacheManager:
         if self._delegate is not None:
             return self._delegate.get_group(filename)  # type: ignore[no-any-return]
         local = self._local_group(filename)
-        if local is not None:
-            return local
         try:
             name = self._name(filename)
         except Exception:  # a key or file name kcache cannot file: never shared
-            return None
+            return local
+        if local is not None:
+            # A copy kcache (or this node's compile) wrote: used while the server has not
+            # withdrawn the group (an admin's removal); else gone, and looked up afresh.
+            if _shared().copy_holds(name, lambda: _read_group(local)):
+                return local
+            with contextlib.suppress(OSError):
+                os.unlink(self._path(_GROUP_PREFIX + filename))
         files = _shared().get(name)
         if not files:
             return None

@@ -183,3 +183,31 @@ def test_a_prefetch_asks_again_for_a_group_its_tier_holds_withdrawn(fleet: Fleet
     assert read_group(process.cache.tier, name.binding_key) == fixed
     assert process.get(name) == fixed
     assert process.counts["node_hits"] == 1
+
+
+def test_tritons_own_directory_stops_answering_a_removed_group(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """kcache's Triton manager keeps Triton's layout on local disk: a copy there is refused
+    (and removed) once the server withdrew the group, like a node tier's."""
+    import kcache_client.triton as kt
+
+    key = unique("REMOVED").upper().replace("-", "")
+    files = {"add.cubin": os.urandom(800), "add.json": b'{"name": "add"}'}
+    name = ForeignName("triton", kt._triton_version(), kt.TARGET, kt.TOOLCHAIN, f"{key}.add.json")
+    fleet.publish_group(name, files)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    node = fleet.node()
+    monkeypatch.setattr(kt, "_foreign", fleet.process(node))
+    got = kt.CacheManager(key).get_group("add.json")  # from kcache, written locally
+    assert got is not None and {n: Path(p).read_bytes() for n, p in got.items()} == files
+    monkeypatch.setattr(kt, "_foreign", fleet.process(node))  # a later process: a local hit
+    assert kt.CacheManager(key).get_group("add.json") == got
+    assert kt._foreign.counts["server_hits"] == 0
+
+    fleet.remove(name)
+    monkeypatch.setattr(kt, "_foreign", fleet.process(node))
+    manager = kt.CacheManager(key)
+    assert manager.get_group("add.json") is None  # refused locally, a miss on the server
+    assert not Path(manager.cache_dir, "__grp__add.json").exists()
+    assert kt._foreign.counts["withdrawn"] == 1
