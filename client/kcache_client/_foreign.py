@@ -51,6 +51,7 @@ from kcache_client._foreign_groups import (
     keep_group,
     pack_group,
     read_group,
+    reinstate_group,
     takes_foreign,
     unpack_group,
     withdrawn_group,
@@ -315,7 +316,9 @@ class ForeignCache:
                 return None
             files[ref.name] = data
         # The server's word now, whatever the feed said of the same bytes before.
-        self.cache.tier.withdrawals.reinstate((binding.binding_key, binding.group_digest))
+        known = self.cache.tier.withdrawals
+        if known.names(binding.binding_key):
+            known.reinstate((binding.binding_key, binding.group_digest))
         return files
 
     def _checked(self, name: ForeignName, reply: LeanResponse) -> ForeignBinding | None:
@@ -361,6 +364,9 @@ class ForeignCache:
             self._warn("name", f"a foreign name was refused ({exc}); not kept")
             return False
         group = {k: bytes(v) for k, v in files.items()}
+        # This node's own compile is its word, as a server answer is (a removed group's bytes
+        # made again here are used here: one compile per process, not one per lookup).
+        reinstate_group(self.cache.tier.withdrawals, name.binding_key, group)
         self._remember(name, group)
         self._ledger.note(name, group)  # handed over: these files, whatever was noted before
         try:

@@ -31,6 +31,7 @@ __all__ = [
     "keep_group",
     "pack_group",
     "read_group",
+    "reinstate_group",
     "takes_foreign",
     "unpack_group",
     "withdrawn_group",
@@ -114,3 +115,12 @@ def read_group(tier: NodeTier, key: str) -> dict[str, bytes] | None:
 def withdrawn_group(known: Withdrawals, key: str, files: Mapping[str, bytes]) -> bool:
     """Whether the group ``files`` under binding key ``key`` is withdrawn, as far as ``known`` says."""
     return known.names(key) and known.withdrawn(key, group_digest(refs_of(files)))
+
+
+def reinstate_group(known: Withdrawals, key: str, files: Mapping[str, bytes]) -> None:
+    """The group ``files`` under binding key ``key`` is someone's word now (the server's
+    answer, this node's own compile): no longer refused here, whatever the feed said of the
+    same bytes (:meth:`~kcache_client._withdrawals.Withdrawals.reinstate`). Hashes the
+    bytes only when a withdrawal names the key."""
+    if known.names(key):
+        known.reinstate((key, group_digest(refs_of(files))))

@@ -66,7 +66,8 @@ refuses the pair) and a signed answer replayed into a shared tier by someone els
 group's content digest (:func:`kcache.foreign.group_digest`): the tier's alias is removed
 when its group's content matches, and a hook's lookup refuses such a group in memory or
 the tier (:class:`~kcache_client._foreign.ForeignCache`). The server answering the pair
-again (the same bytes published anew) is its word now: :meth:`Withdrawals.reinstate`.
+again (the same bytes published anew) is its word now, and the node's library compiling
+the same bytes itself is the node's: :meth:`Withdrawals.reinstate`.
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ class Withdrawals:
 
     def reinstate(self, pair: Pair) -> None:
         """The server answered ``pair`` again after it was withdrawn (a foreign group published
-        again with the same bytes): this process stops refusing it, and leaves it out of
+        again with the same bytes), or this node's library made those bytes again itself:
+        this process stops refusing it, and leaves it out of
         the tier's file when it next writes it, until the feed withdraws it anew (another
         process that read the pair finds the server's answer on its own, once). Nothing
         when the pair is not withdrawn here."""

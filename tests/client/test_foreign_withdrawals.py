@@ -211,3 +211,19 @@ def test_tritons_own_directory_stops_answering_a_removed_group(
     assert manager.get_group("add.json") is None  # refused locally, a miss on the server
     assert not Path(manager.cache_dir, "__grp__add.json").exists()
     assert kt._foreign.counts["withdrawn"] == 1
+
+
+def test_a_nodes_own_compile_of_the_removed_bytes_is_used_there(fleet: Fleet) -> None:
+    """A node that cannot publish compiles the removed group's bytes again: its own word,
+    used from its memory and tier, not refused and compiled again at every lookup."""
+    name, files = _name(), {"kernel.cubin": os.urandom(900)}
+    fleet.publish_group(name, files)
+    node = fleet.node()
+    assert fleet.process(node).get(name) == files
+    fleet.remove(name)
+    process = fleet.process(node)  # a read token: its put is kept here, never published
+    assert process.get(name) is None  # refused, a miss: the library compiles ...
+    assert process.counts["withdrawn"] == 1
+    assert process.put(name, files)  # ... the same bytes
+    assert process.get(name) == files and process.get(name) == files
+    assert process.counts["memory_hits"] == 2 and process.counts["withdrawn"] == 1
