@@ -101,18 +101,20 @@ class WithdrawalWatch:
         self._told = False
 
     def tier_holds(self, recipe_key: str, digest: str) -> bool:
-        """Whether a tier's answer of ``recipe_key`` -> ``digest`` may be given (:meth:`before_tier_answer`)."""
+        """Whether a tier's answer of ``recipe_key`` -> ``digest`` may be given
+        (:meth:`before_tier_answer` first)."""
         self.before_tier_answer()
         return not self.known.withdrawn(recipe_key, digest)
 
     def memory_holds(self, recipe_key: str, digest: str) -> bool:
-        """Whether a memory answer of ``recipe_key`` -> ``digest`` may be given (:meth:`before_memory_answer`)."""
+        """Whether a memory answer of ``recipe_key`` -> ``digest`` may be given
+        (:meth:`before_memory_answer` first)."""
         self.before_memory_answer()
         return not self.known.withdrawn(recipe_key, digest)
 
     def before_tier_answer(self) -> None:
         """Read the feed if a tier's answer is due one: this process never read it, or did
-        ``interval_s`` ago (then ask :attr:`known`)."""
+        ``interval_s`` ago (then ask :attr:`known` about the answer)."""
         last = self._checked
         if last is None or self._expired or time.monotonic() - last >= self.interval_s:
             self.check(force=self._expired)

@@ -172,10 +172,10 @@ class Withdrawals:
     def reinstate(self, pair: Pair) -> None:
         """The server answered ``pair`` again after it was withdrawn (a foreign group published
         again with the same bytes), or this node's library made those bytes again itself:
-        this process stops refusing it, and leaves it out of
-        the tier's file when it next writes it, until the feed withdraws it anew (another
-        process that read the pair finds the server's answer on its own, once). Nothing
-        when the pair is not withdrawn here."""
+        this process stops refusing it, and leaves it out of the tier's file when it next
+        writes it, until the feed withdraws it anew (another process that read the pair
+        finds the server's answer on its own, once). Nothing when the pair is not withdrawn
+        here."""
         if not self.withdrawn(*pair):
             return
         with self._lock:

@@ -205,10 +205,11 @@ class ForeignStore:
     def delete(self, binding_key: str, reason: str) -> bool:
         """Remove the binding (its files' blobs go with garbage collection); True if it was there.
 
-        A withdrawal too, in the same transaction (:func:`~kcache_server.index.record_withdrawal`): the
-        binding key and the group's content digest (:func:`kcache.foreign.group_digest`),
-        so that node tiers and processes holding the group stop using it, ``reason`` saying
-        why. Eviction writes none: an evicted binding was right.
+        A withdrawal too, in the same transaction
+        (:func:`~kcache_server.index.record_withdrawal`): the binding key and the group's
+        content digest (:func:`kcache.foreign.group_digest`), so that node tiers and
+        processes holding the group stop using it, ``reason`` saying why. Eviction writes
+        none: an evicted binding was right.
         """
         with self.db.begin() as conn:
             serialise_withdrawals(conn)
