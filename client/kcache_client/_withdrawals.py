@@ -206,21 +206,25 @@ class Withdrawals:
         """Merge what the file says now (when it changed since it was last read)."""
         with self._lock:
             self._loaded = True
-            try:
-                raw, seen = read_file_identified(self.path, MAX_FILE_BYTES)
-            except FileNotFoundError:
-                return
-            except (OSError, UnsafeFileError) as exc:
-                _log.debug("kcache: not reading %s: %s", self.path, exc)
-                return
-            if seen == self._seen:
-                return
-            self._seen = seen
-            pairs, servers = _parse_file(raw)
-            for pair in pairs:
-                self._add(pair)
-            self._trim()
-            self._filed = servers
+            self._merge_file()
+
+    def _merge_file(self) -> None:
+        """:meth:`load` under the lock: what another process wrote is kept, not overwritten."""
+        try:
+            raw, seen = read_file_identified(self.path, MAX_FILE_BYTES)
+        except FileNotFoundError:
+            return
+        except (OSError, UnsafeFileError) as exc:
+            _log.debug("kcache: not reading %s: %s", self.path, exc)
+            return
+        if seen == self._seen:
+            return
+        self._seen = seen
+        pairs, servers = _parse_file(raw)
+        for pair in pairs:
+            self._add(pair)
+        self._trim()
+        self._filed = servers
 
     def last(self, url: str) -> tuple[int, float | None]:
         """(the last id read from ``url``, when it was read, epoch s or None): this process's,
@@ -269,6 +273,10 @@ class Withdrawals:
         tier = self._tier
         if not tier.standing.writable or tier.read_only:
             return
+        # What others wrote since this process last read the file goes into what it writes
+        # (a check holds the node's lock for its server, a fetch's answer and other servers
+        # do not): a pair another process learnt is never lost from the file.
+        self._merge_file()
         servers = dict(self._filed) if self.trusts_file else {}
         servers[url] = self._mine[url]
         kept = sorted(servers.items(), key=lambda item: -item[1][1])[:MAX_SERVERS]

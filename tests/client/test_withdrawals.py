@@ -188,6 +188,19 @@ def test_a_tier_refuses_and_drops_a_withdrawn_binding_and_keeps_the_others(
     del kept
 
 
+def test_a_pair_another_process_wrote_is_never_lost_from_the_tiers_file(tmp_path: Path) -> None:
+    """Two processes of a node: one learns a pair after the other read the file; the other's
+    next write (a fetch's answer standing for a read) keeps it, for the processes after."""
+    first, second = NodeTier(tmp_path / "tier"), NodeTier(tmp_path / "tier")
+    assert not first.withdrawals.withdrawn(K1, D1)  # read the (absent) file
+    row = Withdrawn(1, K1, D1, "2027-03-01T12:00:00Z", "code: differs")
+    second.withdrawals.learn("http://s", [row], 1)
+    first.withdrawals.learn("http://other", [], 0)  # writes what it knows, without a feed
+    later = NodeTier(tmp_path / "tier")
+    assert later.withdrawals.withdrawn(K1, D1)
+    assert first.withdrawals.withdrawn(K1, D1)  # and the writer took it in
+
+
 def test_the_last_binding_of_a_digest_takes_its_record_with_it(tmp_path: Path) -> None:
     tier = NodeTier(tmp_path / "tier")
     key, meta, _ = _entry(tier, "alone")
