@@ -316,9 +316,7 @@ class ForeignCache:
                 return None
             files[ref.name] = data
         # The server's word now, whatever the feed said of the same bytes before.
-        known = self.cache.tier.withdrawals
-        if known.names(binding.binding_key):
-            known.reinstate((binding.binding_key, binding.group_digest))
+        self.cache.tier.withdrawals.reinstate((binding.binding_key, binding.group_digest))
         return files
 
     def _checked(self, name: ForeignName, reply: LeanResponse) -> ForeignBinding | None:

@@ -112,8 +112,7 @@ class ForeignPart:
                 self.remote.url, item.binding, item.signature, self.remote.keys, self.where
             )
             # The server's word now, whatever the feed said of the same bytes before.
-            if self.tier.withdrawals.names(key):
-                self.tier.withdrawals.reinstate((key, item.binding.group_digest))
+            self.tier.withdrawals.reinstate((key, item.binding.group_digest))
             digest = keep_group(self.tier, group.name, key, item.files)
             if digest is not None:
                 self.held[key] = digest

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kcache_client._withdrawals import Withdrawals
 
 __all__ = [
+    "content_digest",
     "group_meta",
     "keep_group",
     "pack_group",
@@ -112,9 +113,14 @@ def read_group(tier: NodeTier, key: str) -> dict[str, bytes] | None:
     return unpack_group(hit[1])
 
 
+def content_digest(files: Mapping[str, bytes]) -> str:
+    """The content digest (:func:`kcache.foreign.group_digest`) of a group held as bytes."""
+    return group_digest(refs_of(files))
+
+
 def withdrawn_group(known: Withdrawals, key: str, files: Mapping[str, bytes]) -> bool:
     """Whether the group ``files`` under binding key ``key`` is withdrawn, as far as ``known`` says."""
-    return known.names(key) and known.withdrawn(key, group_digest(refs_of(files)))
+    return known.names(key) and known.withdrawn(key, content_digest(files))
 
 
 def reinstate_group(known: Withdrawals, key: str, files: Mapping[str, bytes]) -> None:
@@ -123,4 +129,4 @@ def reinstate_group(known: Withdrawals, key: str, files: Mapping[str, bytes]) ->
     same bytes (:meth:`~kcache_client._withdrawals.Withdrawals.reinstate`). Hashes the
     bytes only when a withdrawal names the key."""
     if known.names(key):
-        known.reinstate((key, group_digest(refs_of(files))))
+        known.reinstate((key, content_digest(files)))

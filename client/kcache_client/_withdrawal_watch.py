@@ -15,11 +15,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kcache.artifact import ArtifactMeta
 from kcache.errors import KCacheError, LockTimeoutError
-from kcache.foreign import group_digest, refs_of
 from kcache.fsutil import UnsafeFileError, read_file_identified
 from kcache.index.file import MAX_ENTRY_BYTES
 from kcache.keys import sha256_hex
-from kcache_client._foreign_groups import read_group
+from kcache_client._foreign_groups import content_digest, read_group
 from kcache_client._http import OFFLINE_CAUSE
 from kcache_client._remote import Remote
 from kcache_client._settings import RetryPolicy
@@ -67,7 +66,7 @@ def _names(tier: NodeTier, key: str, entry: ArtifactMeta, digest: str) -> bool:
     if entry.kind != "foreign":
         return entry.digest == digest
     group = read_group(tier, key)
-    return group is not None and group_digest(refs_of(group)) == digest
+    return group is not None and content_digest(group) == digest
 
 
 class WithdrawalWatch:
