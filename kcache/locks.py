@@ -35,7 +35,9 @@ each time up to 50 ms (a compile takes seconds: a few percent more at most), and
 (``published()``) after every nap; it tries the lock once the key's file is gone (its
 holder removes it as it lets go, right after publishing) or at the longest naps (a holder
 that died and left its file). A caller's ``idle`` work (a node tier's records of its own
-earlier publishes) is done in place of the naps, never past a nap's end. Naps longer than
+earlier publishes) is done in place of the naps, never past a nap's end. A caller may
+also ask to look before it tries the lock (``defer``): one nap first, then as a waiter
+(a rank that expects the rank it follows to claim the key in a moment). Naps longer than
 a fetch are what ranks asking for the same kernels in the same order want: the one
 fetching goes on to the next kernel without waiting for anyone, and a waiter that wakes
 finds several published and reads them back to back, so it wakes a few times per job
@@ -132,6 +134,8 @@ class SingleFlight:
         timeout: float,
         published: Callable[[], T | None],
         idle: Callable[[float], None] | None = None,
+        *,
+        defer: bool = False,
     ) -> Iterator[T | None]:
         """:meth:`FileKeyLock.hold_unless` behind this process's own queue for ``key``.
 
@@ -155,7 +159,7 @@ class SingleFlight:
                 with inner.hold(key, timeout):
                     yield None
                 return
-            with looking(key, timeout, published, idle) as found:
+            with looking(key, timeout, published, idle, defer=defer) as found:
                 yield found
 
     def let_go(self, key: str) -> None:
@@ -239,6 +243,8 @@ class FileKeyLock:
         timeout: float,
         published: Callable[[], T | None],
         idle: Callable[[float], None] | None = None,
+        *,
+        defer: bool = False,
     ) -> Iterator[T | None]:
         """Hold ``key``'s lock, unless ``published()`` finds the holder's result first.
 
@@ -249,11 +255,13 @@ class FileKeyLock:
         the lock: the holder publishes before it lets go, so the waiters find the
         entry instead of passing through the lock one after another. ``idle(until)``, if
         given, is work of the caller's own done in place of each nap, up to the monotonic
-        time ``until`` at most (the rest of the nap is slept). Raises LockTimeoutError
-        after ``timeout``.
+        time ``until`` at most (the rest of the nap is slept). With ``defer`` the lock is
+        not tried at once: the first try comes after a nap and a look, as a waiter's
+        would (a caller that expects another process to claim the key in a moment).
+        Raises LockTimeoutError after ``timeout``.
         """
         lock = _KeyFile(self.path(key), self._dir)
-        if not lock.take():
+        if defer or not lock.take():
             found = self._outwait(lock, key, timeout, published, idle)
             if found is not None:
                 yield found

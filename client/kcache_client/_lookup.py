@@ -179,11 +179,12 @@ class Lookup:
         # The per-key lock makes the node download once however many ranks ask; it
         # guards no correctness (publishing is atomic), so a lock timeout only costs time.
         # A rank waiting for another's download takes the entry from the tier as soon as
-        # it is published, without queueing for the lock (hold_unless).
+        # it is published, without queueing for the lock (hold_unless), and leaves the
+        # next key to the rank that fetched this one (follows).
         published: Callable[[], Artifact | None] = (
             _nothing if refresh else lambda: self._from_tier(key, concrete)
         )
-        with self.tier.hold_unless(key, published) as art:
+        with self.tier.hold_unless(key, published, follows=True) as art:
             if art is None and not refresh:
                 art = self._from_tier(key, concrete)  # published before the lock was had
             if art is not None:

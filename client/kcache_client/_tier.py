@@ -413,11 +413,11 @@ class NodeTier:
         return self.publisher.hold(recipe_key)
 
     def hold_unless(
-        self, recipe_key: str, published: Callable[[], T | None]
+        self, recipe_key: str, published: Callable[[], T | None], *, follows: bool = False
     ) -> contextlib.AbstractContextManager[T | None]:
         """The per-key download lock, unless another process publishes the key meanwhile
         (:meth:`TierPublisher.hold_unless <kcache_client._tier_publish.TierPublisher.hold_unless>`)."""
-        return self.publisher.hold_unless(recipe_key, published)
+        return self.publisher.hold_unless(recipe_key, published, follows=follows)
 
     # ---------------------------------------------------------------- notes (_tier_notes)
     def save_server_facts(self, url: str, facts: dict[str, Any]) -> None:

@@ -9,12 +9,14 @@
 * A child forked while its parent held a key does not keep the key once the parent dies.
 * A publish writes the recipe's alias first and lets go of the key at once, so other
   processes take the entry before the holder has written the artifact record and the
-  manifest; an entry whose record and manifest a crash lost still reads, lists and
+  manifest; a rank that took an entry another rank fetched leaves the next key to that
+  rank (``follows``), so ranks asking in the same order keep one fetcher; an entry whose record and manifest a crash lost still reads, lists and
   evicts, and the next publish writes them.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -266,6 +269,48 @@ def _wait_for_a_holder(root: Path, key: str) -> object:
             return found
     finally:
         thread.join()
+
+
+def test_ranks_asking_in_the_same_order_keep_one_fetcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks (each its own tier object, as processes are) get twelve keys in order.
+    The one fetching lingers after each publish until the other has taken the entry, as
+    a rank descheduled between two kernels does: the other then leaves the next key to
+    it instead of claiming it (it claimed it at once, so the fetch went from rank to rank
+    at every key). A rank that follows still fetches a key no one else claims."""
+    monkeypatch.setattr("kcache.locks._FIRST_NAP_S", 0.05)  # room for a loaded machine
+    keys = [f"{i + 16:02x}" * 32 for i in range(12)]
+    entries = [(artifact_meta(f"kernel {i}".encode()), f"kernel {i}".encode()) for i in range(12)]
+    taken = [threading.Event() for _ in keys]
+    fetcher: dict[int, str] = {}
+    tiers = {name: NodeTier(tmp_path, max_bytes=0) for name in ("a", "b")}
+
+    def rank(name: str) -> None:
+        tier = tiers[name]
+        for i, key in enumerate(keys):
+            with tier.hold_unless(key, lambda key=key: tier.lookup(key), follows=True) as found:
+                if found is None and tier.lookup(key) is None:
+                    time.sleep(0.02)  # the fetch: the other rank comes to wait for this key
+                    tier.publish(key, BASE, *entries[i])
+                    fetcher[i] = name
+                    taken[i].wait(10)
+                    time.sleep(0.001)  # between two kernels
+                    continue
+            taken[i].set()
+
+    threads = [threading.Thread(target=rank, args=(name,)) for name in tiers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(fetcher) == list(range(12))  # each key fetched once
+    order = [fetcher[i] for i in range(12)]
+    handovers = sum(a != b for a, b in itertools.pairwise(order))
+    assert handovers <= 2, order  # without: 11, one at every key
+    follower = tiers["b" if order[-1] == "a" else "a"]
+    with follower.hold_unless("7a" * 32, lambda: None, follows=True) as found:
+        assert found is None  # the lock, after a nap: no one else was fetching it
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
