@@ -58,7 +58,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness, b1_fetch, b8
 from _harness import emit, kcache_server
 from b1_fetch import nginx_serving
-from b8_rank_fetch import run_ranks
+from b8_rank_fetch import report, run_ranks
 
 NODES = int(os.environ.get("B12_NODES", "2"))
 RANKS = int(os.environ.get("B12_RANKS", "8"))
@@ -108,20 +108,17 @@ def rank_main(config_path: str) -> None:
     artifacts = [cache.get(r) for r in recipes]
     end, cpu = time.monotonic(), time.process_time() - cpu
     verified = all(hashlib.sha256(a.data).hexdigest() == a.digest for a in artifacts)
-    print(
-        json.dumps(
-            {
-                "start": start,
-                "prefetched": prefetched,
-                "end": end,
-                "cpu_ms": cpu * 1000.0,
-                "origins": Counter(a.origin for a in artifacts),
-                "digests": [a.digest for a in artifacts],
-                "verified": verified,
-                "bundle_requests": cache.stats.bundle_requests,
-            }
-        ),
-        flush=True,
+    report(
+        {
+            "start": start,
+            "prefetched": prefetched,
+            "end": end,
+            "cpu_ms": cpu * 1000.0,
+            "origins": Counter(a.origin for a in artifacts),
+            "digests": [a.digest for a in artifacts],
+            "verified": verified,
+            "bundle_requests": cache.stats.bundle_requests,
+        }
     )
     cache.close()
 
@@ -138,7 +135,7 @@ def floor_rank(tar_path: str) -> None:
             assert handle is not None
             digests.append(hashlib.sha256(handle.read()).hexdigest())
     end, cpu = time.monotonic(), time.process_time() - cpu
-    print(json.dumps({"start": start, "end": end, "cpu_ms": cpu * 1000.0, "digests": digests}))
+    report({"start": start, "end": end, "cpu_ms": cpu * 1000.0, "digests": digests})
 
 
 # ---------------------------------------------------------------------------- the benchmark
@@ -263,8 +260,8 @@ def one_size(
                 shutil.rmtree(tier, ignore_errors=True)
     for mode in rounds.values():
         for r in mode:
-            for report in r["reports"]:
-                if report["digests"] != expected or not report["verified"]:
+            for rank_report in r["reports"]:
+                if rank_report["digests"] != expected or not rank_report["verified"]:
                     raise RuntimeError("a rank got other bytes than the server's")
     bundle_bytes, per_key_bytes = served_bytes(url, keys)
 
@@ -273,8 +270,8 @@ def one_size(
 
     requests = {m: [r["server"] for r in rs] for m, rs in rounds.items()}
     origins: Counter[str] = Counter()
-    for report in rounds["manifest"][-1]["reports"]:
-        origins.update(report["origins"])
+    for rank_report in rounds["manifest"][-1]["reports"]:
+        origins.update(rank_report["origins"])
     common = {"nodes": NODES, "ranks_per_node": RANKS, "kernels": k, "rounds": ROUNDS}
     emit(
         f"B12.job_cold_start.k{k}.requests_per_node",
