@@ -89,8 +89,9 @@ class TierPublisher:
         # (base key, metadata, size) of publishes whose record is not written yet (flush).
         self._pending: list[tuple[str | None, ArtifactMeta, int]] = []
         self._pending_lock = threading.Lock()
-        # When a get of this process last found a key another process fetched (monotonic).
-        self._followed_at = -_FOLLOWING_S
+        # Per thread (a rank's gets come one after another on its thread): when its get last
+        # found a key that another process or thread fetched (monotonic), as ``at``.
+        self._following = threading.local()
 
     @contextlib.contextmanager
     def hold(self, recipe_key: str) -> Iterator[bool]:
@@ -110,15 +111,18 @@ class TierPublisher:
         each took the lock in turn only to read the entry made a convoy (B8).
 
         ``follows``: the key is one of a list that other processes of the node likely
-        ask for in the same order (a get's). A process that has just found such a key
-        published by another process (within :data:`_FOLLOWING_S`) lets that process
+        ask for in the same order (a get's). A thread that has just found such a key
+        published by another process or thread (within :data:`_FOLLOWING_S`) lets it
         claim the next key first: it looks after one nap before it tries the lock
         (``defer``). Without it, a waiter that woke while the fetching rank was between
         two kernels took the next one's lock, so the fetches moved from rank to rank,
         each paying its first fetch's costs while the last fetcher napped (B8: eight
         ranks on two cores, 100-136 ms a round against 60-75 with one fetcher).
         """
-        defer = follows and time.monotonic() - self._followed_at < _FOLLOWING_S
+        followed_at: float | None = getattr(self._following, "at", None)
+        defer = (
+            follows and followed_at is not None and time.monotonic() - followed_at < _FOLLOWING_S
+        )
         # While this process waits for another's fetch, its own pending bookkeeping,
         # which nothing waits for, takes the waiting time (no more of it: the wait ends
         # when the entry is there, not when the bookkeeping is done).
@@ -126,7 +130,7 @@ class TierPublisher:
             recipe_key, self._tier.lock_timeout, published, self.flush, defer=defer
         ) as found:
             if follows:
-                self._followed_at = time.monotonic() if found is not None else -_FOLLOWING_S
+                self._following.at = time.monotonic() if found is not None else None
             yield found
 
     def publish(
