@@ -46,8 +46,9 @@ T = TypeVar("T")
 
 # Publishes whose record and manifest entry wait for a moment the process is idle, at most.
 _PENDING_MAX = 32
-#: How long after finding a key another process fetched a get lets that process claim
-#: the next key first (:meth:`TierPublisher.hold_unless`): a fetch or two.
+#: How long after a thread's get found a key another process or thread fetched that get's
+#: thread lets the fetcher claim the next key first (:meth:`TierPublisher.hold_unless`): a
+#: fetch or two.
 _FOLLOWING_S = 0.05
 
 

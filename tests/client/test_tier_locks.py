@@ -10,8 +10,9 @@
 * A publish writes the recipe's alias first and lets go of the key at once, so other
   processes take the entry before the holder has written the artifact record and the
   manifest; a rank that took an entry another rank fetched leaves the next key to that
-  rank (``follows``), so ranks asking in the same order keep one fetcher; an entry whose record and manifest a crash lost still reads, lists and
-  evicts, and the next publish writes them.
+  rank (``follows``), so ranks asking in the same order keep one fetcher; an entry whose
+  record and manifest a crash lost still reads, lists and evicts, and the next publish
+  writes them.
 """
 
 from __future__ import annotations
