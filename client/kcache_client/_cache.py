@@ -118,8 +118,6 @@ class KernelCache:
         )
         self.stats = CacheStats()
         _tier_stats.track(self.tier, self.stats)  # written at exit: kcache cache stats
-        self.host = settings.hostname
-        self.client_id = settings.client_id or f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.rank = int(os.environ.get("RANK", "0") or 0)
         self.world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
         self._transport = (
@@ -210,6 +208,17 @@ class KernelCache:
         ref = weakref.ref(self)
         self._atexit = lambda: (lambda c: c.close() if c is not None else None)(ref())
         atexit.register(self._atexit)
+
+    @functools.cached_property
+    def host(self) -> str:
+        """This machine's name as the audit records it (``ClientSettings.hostname``)."""
+        return self.settings.hostname
+
+    @functools.cached_property
+    def client_id(self) -> str:
+        """Who this cache is in the audit: ``ClientSettings.client_id``, else host, pid and a
+        random part (worked out when first sent: a cache that only reads its tier never asks)."""
+        return self.settings.client_id or f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -492,9 +492,14 @@ class ClientSettings:
         """A copy with the server and cache directory given (what is None is kept)."""
         if url is None and token is None and cache_dir is None:
             return self
-        return replace(
-            self,
+        # A copy of the fields, three replaced: none of them is checked in __post_init__, and
+        # the rest were when this object was made (``replace`` would check all again: every
+        # process's ``KernelCache(cache_dir=..., settings=...)`` comes here).
+        located = object.__new__(type(self))
+        located.__dict__.update(
+            self.__dict__,
             url=self.url if url is None else _url(url),
             token=self.token if token is None else token or None,
             cache_dir=self.cache_dir if cache_dir is None else default_cache_dir(cache_dir),
         )
+        return located

@@ -157,7 +157,10 @@ class NodeTier:
         # A private tier's packs carry their index beside them (only this user writes them).
         self.packs.sidecars = self.standing.kind == "private" and not read_only
         if self.standing.kind != "private" and not read_only:
-            _log.warning(
+            # A shared tier is a team's, as its owner meant it: said at INFO (every rank of
+            # every job opens it). An untrusted one is a mistake to mend: a warning.
+            _log.log(
+                logging.WARNING if self.standing.kind == "untrusted" else logging.INFO,
                 "kcache: the node tier %s is %s (%s): only entries signed by a trusted key are "
                 "used%s",
                 self.root,

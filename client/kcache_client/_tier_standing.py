@@ -6,8 +6,9 @@ Who else could have written the tier decides what of it is used
 *shared* one (writable by others, sticky) only entries signed by a key this client
 trusts (:mod:`~kcache_client._trust`) are used, and nothing unsigned is published
 into it; an *untrusted* one (writable by others without the sticky bit, another
-user's, a linked directory) is only read, for signed entries. One warning says so
-at open, one per entry refused. Every file is read with ``O_NOFOLLOW``, only if it
+user's, a linked directory) is only read, for signed entries. The standing is said at
+open (a warning for an untrusted tier; a shared one, as its owner meant it, at INFO), and
+each entry refused is warned about once. Every file is read with ``O_NOFOLLOW``, only if it
 is a regular file, and no further than expected (an alias by
 :data:`~kcache.index.file.MAX_ENTRY_BYTES`, a blob by its size), and walks never
 follow links (:mod:`kcache.fsutil`), so a FIFO, a device or a link planted in the
@@ -61,9 +62,13 @@ def share_dirs(root: Path) -> None:
     directory (untrusted). A directory made later, on first use (``packs/`` by the first
     prefetch, ``index/complete/``, ``servers/``), made with the umask's ``0755``, turned
     the tier untrusted for every other user until its creator opened it again. This
-    user's directories made before are given the mode too."""
+    user's directories made before are given the mode too.
+
+    Every process of every user opens the tier, so the common case, everything there as
+    it should be, costs one ``lstat`` per directory and nothing else."""
+    base = os.fspath(root)
     try:
-        st = os.lstat(root)
+        st = os.lstat(base)
     except OSError:
         return
     mode = st.st_mode & 0o7777
@@ -71,23 +76,25 @@ def share_dirs(root: Path) -> None:
         return  # not shared: a private tier makes its directories when it first needs them
     uid = os.geteuid()
     for sub in (*TIER_DIRS, SERVERS_DIR):
-        path = root / sub
+        path = f"{base}/{sub}"
         with contextlib.suppress(OSError):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path)  # the umask's mode, then the root's below
-            made = os.lstat(path)
+            try:
+                made = os.lstat(path)
+            except FileNotFoundError:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path)  # the umask's mode, then the root's below
+                made = os.lstat(path)
             if made.st_uid == uid and made.st_mode & 0o7777 != mode:
                 os.chmod(path, mode, follow_symlinks=False)
     # The lock files every user's processes open for writing (the per-key download lock,
     # the eviction lock): made writable by all here, or the first user's 0644 files would
     # stop every other user's lookups (a sticky directory keeps them).
     for name in _LOCK_FILES:
+        path = f"{base}/locks/{name}"
+        if os.path.lexists(path):
+            continue
         with contextlib.suppress(OSError):
-            fd = os.open(
-                root / "locks" / name,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                0o666,
-            )
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
             try:
                 os.fchmod(fd, 0o666)
             finally:

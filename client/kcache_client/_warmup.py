@@ -65,8 +65,12 @@ class WarmupResult:
 class WarmupCache(Protocol):
     """What a warmup needs of a ``KernelCache``."""
 
-    host: str
     rank: int
+
+    @property
+    def host(self) -> str:
+        """This machine's name (the ranks of one node agree on it)."""
+        ...
 
     def prepare(self, recipe: Recipe) -> Recipe:
         """The concrete recipe (``auto`` and the default toolchain filled in)."""
