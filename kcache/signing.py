@@ -44,7 +44,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kcache.artifact import ArtifactMeta
 from kcache.errors import KCacheError
@@ -59,6 +59,7 @@ __all__ = [
     "SignatureError",
     "SigningKey",
     "TrustedKeys",
+    "VerifiedMemo",
     "key_id_of",
     "load_backend",
     "signed_message",
@@ -458,12 +459,29 @@ class SigningKey:
         return Signature(self.key_id, _b64(self._private.sign(_ENDORSEMENT + raw)))
 
 
+class VerifiedMemo(Protocol):
+    """Signatures known to have verified: (public key, signature, message) triples that
+    :func:`verifier` accepted once (kcache_client._verified keeps them for a user)."""
+
+    def holds(self, public_raw: bytes, signature: bytes, message: bytes) -> bool:
+        """Whether this triple verified before."""
+        ...
+
+    def add(self, public_raw: bytes, signature: bytes, message: bytes) -> None:
+        """Remember that this triple verified just now."""
+        ...
+
+
 class TrustedKeys:
     """The public keys a client accepts signatures by, by key id.
 
     A key is kept as its 32 raw bytes: parsing and naming keys need base64 and sha256
     only, and nothing is imported for Ed25519 until a signature is checked (:func:`verifier`).
     """
+
+    #: Where signatures that verified are remembered and looked up first (:meth:`remembering`);
+    #: None: every signature is verified.
+    memo: VerifiedMemo | None = None
 
     def __init__(self, public_keys: Iterable[str] = ()) -> None:
         self._keys: dict[str, bytes] = {}
@@ -488,6 +506,15 @@ class TrustedKeys:
         else:
             items = value.replace(",", " ").split()
         return cls(item for item in items if item)
+
+    def remembering(self, memo: VerifiedMemo | None) -> TrustedKeys:
+        """These keys, their checks looked up in ``memo`` first and the signatures that verify
+        remembered there (whether a key is trusted is decided here every time, as before)."""
+        if memo is None:
+            return self
+        view = object.__new__(TrustedKeys)
+        view._keys, view.public_keys, view.memo = self._keys, self.public_keys, memo
+        return view
 
     def __or__(self, other: TrustedKeys) -> TrustedKeys:
         return TrustedKeys([*self.public_keys.values(), *other.public_keys.values()])
@@ -549,8 +576,14 @@ class TrustedKeys:
                 f"{what} is signed by key {signature.key_id}, which is not trusted here "
                 f"(trusted: {', '.join(self.key_ids) or 'none'})"
             )
-        if not verifier().verify(public, _unb64(signature.signature, "the signature"), message):
+        raw = _unb64(signature.signature, "the signature")
+        memo = self.memo
+        if memo is not None and memo.holds(public, raw, message):
+            return
+        if not verifier().verify(public, raw, message):
             raise SignatureError(
                 f"the signature of {what} by key {signature.key_id} does not verify: the "
                 "metadata or the key-to-digest binding was changed"
             )
+        if memo is not None:
+            memo.add(public, raw, message)

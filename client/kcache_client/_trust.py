@@ -60,6 +60,7 @@ from kcache.errors import KCacheError
 from kcache.foreign import ForeignBinding
 from kcache.fsutil import atomic_write
 from kcache.signing import BundleDigest, DefaultToolchain, Signature, SignatureError, TrustedKeys
+from kcache_client._verified import VerifiedSignatures
 from kcache_client.errors import UntrustedArtifactError
 
 __all__ = ["ACCEPTED", "KnownServers", "Trust", "Verdict", "default_known_servers"]
@@ -193,6 +194,9 @@ class Trust:
         #: is met before this user ever contacted it (set by the cache; None: never asked).
         self.contact: Callable[[], Any] | None = None
         self._contact_failed: tuple[float, str] | None = None  # when, and why
+        #: Stored entries' signatures that verified, kept for this user's later processes
+        #: beside its pin file (kcache_client._verified).
+        self.memo = VerifiedSignatures(os.path.join(os.path.dirname(known.path), "verified"))
 
     @classmethod
     def from_settings(
@@ -390,7 +394,7 @@ class Trust:
         if signature.key_id not in keys:
             return Verdict(self.foreign_key(signature.key_id), lasting=False)
         try:
-            verify(keys)
+            verify(keys.remembering(self.memo))
         except SignatureError as exc:
             return Verdict(str(exc))
         return ACCEPTED

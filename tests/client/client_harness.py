@@ -25,7 +25,7 @@ import httpx
 import pytest
 from kcache_client import ClientSettings, KernelCache
 
-from kcache import Recipe
+from kcache import Recipe, signing
 from kcache.artifact import ArtifactMeta
 from tests.support import FAST, ServerProcess
 
@@ -227,6 +227,18 @@ class Scripted(_Base):
 
     def _respond(self, seen: Seen) -> tuple[int, dict[str, str], bytes]:
         return self.route(seen)
+
+
+class CountingVerifier(signing.Ed25519Verifier):
+    """The process's real Ed25519 verifier, counting its verifications (install it as
+    ``kcache.signing._verifier`` with monkeypatch)."""
+
+    def __init__(self, real: signing.Ed25519Verifier) -> None:
+        self.real, self.calls = real, 0
+
+    def verify(self, public_raw: bytes, signature: bytes, message: bytes) -> bool:
+        self.calls += 1
+        return self.real.verify(public_raw, signature, message)
 
 
 def artifact_meta(data: bytes, target: str = "sm_90") -> ArtifactMeta:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from client_harness import Proxy, artifact_meta, kernels
+from client_harness import CountingVerifier, Proxy, artifact_meta, kernels
 from kcache_client import (
     ClientSettings,
     KernelCache,
@@ -180,17 +180,6 @@ def test_get_and_load_agree_where_no_key_is_given(
         shutil.rmtree(shared, ignore_errors=True)
 
 
-class _Counting(signing.Ed25519Verifier):
-    """The process's real verifier, counting its verifications."""
-
-    def __init__(self, real: signing.Ed25519Verifier) -> None:
-        self.real, self.calls = real, 0
-
-    def verify(self, public_raw: bytes, signature: bytes, message: bytes) -> bool:
-        self.calls += 1
-        return self.real.verify(public_raw, signature, message)
-
-
 def test_a_shared_entry_is_verified_once_per_file_and_load_does_not_verify_again(
     tmp_path: Path,
     fleet: tuple[ServerThread, SigningKey],
@@ -200,7 +189,7 @@ def test_a_shared_entry_is_verified_once_per_file_and_load_does_not_verify_again
     tier_a, _, recipes, _ = built
     _, key = fleet
     monkeypatch.setattr(_tier_reads, "_SETTLED_NS", 0)  # every file's identity may be known at once
-    counting = _Counting(signing.verifier())
+    counting = CountingVerifier(signing.verifier())
     monkeypatch.setattr(signing, "_verifier", counting)
     shared = _shared_dir()
     try:
@@ -465,7 +454,7 @@ def test_a_prefetched_pack_in_a_shared_tier_is_judged_by_its_one_signature(
     server, key = fleet
     _, _, recipes, manifest = built
     shared = _shared_dir()
-    counting = _Counting(signing.verifier())
+    counting = CountingVerifier(signing.verifier())
     monkeypatch.setattr(signing, "_verifier", counting)
     try:
         tier = shared / "tier"
