@@ -102,8 +102,8 @@ class VerifiedSignatures:
         return 0
 
     def _path(self, public_raw: bytes, signature: bytes, message: bytes) -> str:
-        # Fixed sizes (a 32-byte key, a 64-byte signature, a 32-byte digest): no two
-        # triples give one string to hash.
+        # The key (32 bytes) and the message's digest (32) have fixed sizes, so the
+        # signature between them is delimited: no two triples give one string to hash.
         name = hashlib.sha256(
             _DOMAIN + public_raw + signature + hashlib.sha256(message).digest()
         ).hexdigest()
@@ -122,7 +122,7 @@ class VerifiedSignatures:
     def _check(self, make: bool) -> str:
         if make:
             try:
-                os.makedirs(self.directory, mode=0o700, exist_ok=True)
+                _make_private(self.directory)
             except OSError as exc:
                 _log.debug("kcache: cannot make %s: %s", self.directory, exc)
                 return "refused"
@@ -130,7 +130,9 @@ class VerifiedSignatures:
             return "absent"
         standing = directory_standing(Path(self.directory))
         if standing.kind != "private":
-            _log.warning(
+            # Only speed is lost (every signature is checked), so INFO, not a warning in every
+            # process of every rank.
+            _log.info(
                 "kcache: not remembering verified signatures in %s: %s (it must be this user's "
                 "alone)",
                 self.directory,
@@ -138,3 +140,19 @@ class VerifiedSignatures:
             )
             return "refused"
         return "usable"
+
+
+def _make_private(directory: str) -> None:
+    """Make ``directory`` and any missing parent with mode 0700 (``os.makedirs`` gives the
+    parents the umask's mode, which a umask of 002 leaves writable by the group)."""
+    missing = []
+    here = directory
+    while not os.path.isdir(here):
+        missing.append(here)
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)

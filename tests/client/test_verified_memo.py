@@ -180,7 +180,7 @@ def test_a_memo_directory_others_can_write_is_never_read(
     # A file planted for the forged triple, as anyone who could write the directory could.
     planted = VerifiedSignatures(memo)._path(_public_raw(key), raw, message)
     Path(planted).touch()
-    with caplog.at_level(logging.WARNING, "kcache_client"):
+    with caplog.at_level(logging.INFO, "kcache_client"):
         found = _reader(shared, home, key).lookup_signed(RECIPE_KEY)
     if mode == 0o700:
         # This user's own directory is believed (which is why it must be this user's alone).
@@ -202,3 +202,17 @@ def test_the_oldest_are_pruned_past_the_cap(tmp_path: Path) -> None:
     kept = [i for i in range(10) if memo.holds(key, bytes([i]) * 64, b"message")]
     assert kept == [7, 8, 9]
     assert memo.prune(keep=4) == 0
+
+
+def test_the_memo_and_its_missing_parents_are_made_this_users_alone(tmp_path: Path) -> None:
+    """Under a umask that leaves directories writable by the group (002), the parents the memo
+    makes are not: else its own standing check would refuse it in every process."""
+    memo = VerifiedSignatures(tmp_path / "config" / "kcache" / "verified")
+    old = os.umask(0o002)
+    try:
+        memo.add(bytes(32), bytes(64), b"message")
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "config", tmp_path / "config" / "kcache", Path(memo.directory)):
+        assert os.stat(path).st_mode & 0o777 == 0o700
+    assert VerifiedSignatures(memo.directory).holds(bytes(32), bytes(64), b"message")
