@@ -61,7 +61,6 @@ __all__ = [
     "TrustedKeys",
     "VerifiedMemo",
     "key_id_of",
-    "load_backend",
     "signed_message",
     "verifier",
 ]
@@ -94,12 +93,6 @@ def _unb64(text: str, what: str) -> bytes:
         return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (ValueError, TypeError) as exc:
         raise SignatureError(f"{what} is not base64url") from exc
-
-
-def load_backend() -> None:
-    """Make the Ed25519 verifier now (:func:`verifier`: well under a millisecond), so that a
-    first check does not pay it."""
-    verifier()
 
 
 class Ed25519Verifier:

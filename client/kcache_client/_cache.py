@@ -29,7 +29,6 @@ from kcache.artifact_header import (
 from kcache.errors import KCacheError
 from kcache.job_manifest import JobManifest
 from kcache.recipe import Recipe
-from kcache.signing import load_backend
 from kcache_client import _tier_stats
 from kcache_client._artifact import Artifact
 from kcache_client._bundle import open_layers
@@ -171,10 +170,9 @@ class KernelCache:
         for layer in self.layers:  # the layers refuse what the node tier knows withdrawn
             layer.withdrawals = self.tier.withdrawals
         if self._remote is not None:
-            # A cache with a server checks its answers' signatures: the verifier is made now
-            # (0.4 ms: kcache.signing.verifier), not in a rank's first fetch. Without a server
-            # nothing is made until a signature is met (a private tier's hits meet none).
-            load_backend()
+            # The Ed25519 verifier is made when a signature is first met (a fetch's answer, a
+            # shared tier's entry), not here: a process whose kernels are all in its private
+            # tier meets none, server or not (B7), and a rank that fetches pays it once.
             # A tier entry signed by a key not pinned yet, met before this user ever talked to
             # the server, is looked up there first (its first contact pins it): one try, short.
             contact_retry = replace(
