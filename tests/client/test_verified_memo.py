@@ -74,7 +74,7 @@ def _reader(shared: Path, home: Path, key: SigningKey) -> NodeTier:
     return NodeTier(shared, max_bytes=0, trust=_trust(home, TrustedKeys([key.public_key])))
 
 
-def test_a_later_process_of_the_user_checks_nothing_another_user_checks_again(
+def test_a_later_process_of_the_user_checks_nothing_another_home_checks_again(
     shared: Path, fleet: SigningKey, tmp_path: Path, counting: CountingVerifier
 ) -> None:
     home = tmp_path / "home"
@@ -93,12 +93,13 @@ def test_a_later_process_of_the_user_checks_nothing_another_user_checks_again(
 
 _FRESH = """
 import json, sys
+from pathlib import Path
 from kcache.signing import TrustedKeys
 import kcache.signing as signing
 from kcache_client._tier import NodeTier
 from kcache_client._trust import KnownServers, Trust
 cfg = json.loads(sys.argv[1])
-trust = Trust(TrustedKeys([cfg["key"]]), KnownServers(cfg["known"]))
+trust = Trust(TrustedKeys([cfg["key"]]), KnownServers(Path(cfg["known"])))
 found = NodeTier(cfg["tier"], max_bytes=0, trust=trust).lookup_signed(cfg["recipe_key"])
 print(json.dumps({"found": found is not None, "verifier": signing._verifier is not None,
                   "ctypes": "ctypes" in sys.modules}))
