@@ -32,6 +32,7 @@ __all__ = [
     "identity",
     "is_disk_full",
     "make_dirs",
+    "make_private_dirs",
     "open_regular",
     "read_file",
     "read_file_identified",
@@ -213,6 +214,28 @@ def make_dirs(path: str) -> None:
         pass
     except FileNotFoundError:
         os.makedirs(path, exist_ok=True)
+
+
+def make_private_dirs(path: str) -> None:
+    """Make the directory ``path`` and any missing parent with mode 0700: this user's alone.
+
+    ``os.makedirs(path, mode=0o700)`` gives only the last one that mode and its parents the
+    umask's, which a umask of 002 leaves writable by the group: a parent others can write
+    lets them swap the directory below it (kcache's pin file and verified-signature memo
+    live in such directories and are trusted only while private). Directories already there
+    are left as they are.
+    """
+    missing = []
+    here = path
+    while not os.path.isdir(here):
+        missing.append(here)
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -58,7 +58,7 @@ import filelock
 from kcache.artifact import ArtifactMeta
 from kcache.errors import KCacheError
 from kcache.foreign import ForeignBinding
-from kcache.fsutil import atomic_write
+from kcache.fsutil import atomic_write, make_private_dirs
 from kcache.signing import BundleDigest, DefaultToolchain, Signature, SignatureError, TrustedKeys
 from kcache_client._verified import VerifiedSignatures
 from kcache_client.errors import UntrustedArtifactError
@@ -154,7 +154,7 @@ class KnownServers:
 
     def pin(self, url: str, keys: TrustedKeys) -> None:
         """Add ``keys`` to ``url``'s pins (atomically; the file private to this user)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_private_dirs(str(self.path.parent))
         with filelock.FileLock(f"{self.path}.lock", timeout=30):
             data = self.load()
             entry = data[url] if isinstance(data.get(url), dict) else {}

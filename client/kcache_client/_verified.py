@@ -36,6 +36,7 @@ import random
 import threading
 from pathlib import Path
 
+from kcache.fsutil import make_private_dirs
 from kcache.standing import directory_standing
 
 __all__ = ["MAX_ENTRIES", "VerifiedSignatures"]
@@ -122,7 +123,7 @@ class VerifiedSignatures:
     def _check(self, make: bool) -> str:
         if make:
             try:
-                _make_private(self.directory)
+                make_private_dirs(self.directory)
             except OSError as exc:
                 _log.debug("kcache: cannot make %s: %s", self.directory, exc)
                 return "refused"
@@ -140,19 +141,3 @@ class VerifiedSignatures:
             )
             return "refused"
         return "usable"
-
-
-def _make_private(directory: str) -> None:
-    """Make ``directory`` and any missing parent with mode 0700 (``os.makedirs`` gives the
-    parents the umask's mode, which a umask of 002 leaves writable by the group)."""
-    missing = []
-    here = directory
-    while not os.path.isdir(here):
-        missing.append(here)
-        parent = os.path.dirname(here)
-        if parent == here:
-            break
-        here = parent
-    for path in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)

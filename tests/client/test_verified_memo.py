@@ -20,6 +20,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from client_harness import CountingVerifier, artifact_meta
@@ -205,15 +206,32 @@ def test_the_oldest_are_pruned_past_the_cap(tmp_path: Path) -> None:
     assert memo.prune(keep=4) == 0
 
 
-def test_the_memo_and_its_missing_parents_are_made_this_users_alone(tmp_path: Path) -> None:
-    """Under a umask that leaves directories writable by the group (002), the parents the memo
-    makes are not: else its own standing check would refuse it in every process."""
-    memo = VerifiedSignatures(tmp_path / "config" / "kcache" / "verified")
+def _remember_a_signature(directory: Path) -> None:
+    memo = VerifiedSignatures(directory)
+    memo.add(bytes(32), bytes(64), b"message")
+    assert VerifiedSignatures(directory).holds(bytes(32), bytes(64), b"message")
+
+
+def _pin_a_server(directory: Path) -> None:
+    key = SigningKey.generate()
+    known = KnownServers(directory / "known_servers.json")
+    known.pin("http://kcache:1777", TrustedKeys([key.public_key]))
+    assert known.pinned_for(key.key_id) == ["http://kcache:1777"]
+
+
+@pytest.mark.parametrize("make", [_remember_a_signature, _pin_a_server])
+def test_this_users_directories_and_their_missing_parents_are_made_private(
+    tmp_path: Path, make: Any
+) -> None:
+    """Under a umask that leaves directories writable by the group (002), the directories the
+    memo and the pin file live in, and the parents made for them, are not: a parent others can
+    write lets them swap what is below it (and the memo's own standing check would refuse it
+    in every process)."""
+    directory = tmp_path / "config" / "kcache" / "verified"
     old = os.umask(0o002)
     try:
-        memo.add(bytes(32), bytes(64), b"message")
+        make(directory)
     finally:
         os.umask(old)
-    for path in (tmp_path / "config", tmp_path / "config" / "kcache", Path(memo.directory)):
-        assert os.stat(path).st_mode & 0o777 == 0o700
-    assert VerifiedSignatures(memo.directory).holds(bytes(32), bytes(64), b"message")
+    for path in (tmp_path / "config", tmp_path / "config" / "kcache", directory):
+        assert os.stat(path).st_mode & 0o777 == 0o700, path
