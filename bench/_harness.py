@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
@@ -176,6 +178,70 @@ def wrk(
         "non_2xx": float(bad.group(1)) if bad else 0.0,
         "socket_errors": 1.0 if errors else 0.0,
     }
+
+
+def curls_wall_ms(transfers: Sequence[Sequence[tuple[str, Path]]]) -> float:
+    """One curl process per item of ``transfers``, each fetching its ``(url, output file)``
+    pairs in order over one connection: ms from "go" until the last has exited.
+
+    Measured as ours is (B8's and B12's ranks): every curl is started and waits, set up,
+    until it is released (curl reads its whole config from stdin before its first
+    transfer: :func:`_blocked_reading_stdin`), and its exit is seen the moment it happens,
+    by a blocking ``waitpid``. ``Popen.wait(timeout=...)`` polls instead, sleeping 0.5 ms
+    and doubling up to 50 ms, which rounded every anchor up to 7.5, 15.5, 31.5 or 63.5 ms
+    (bench/RESULTS.md, eleventh session); a transfer that hangs is ended by curl's own
+    ``--max-time``.
+    """
+    procs = [
+        subprocess.Popen(
+            ["curl", "--silent", "--fail", "--max-time", "120", "--config", "-"],
+            stdin=subprocess.PIPE,
+            text=True,
+        )
+        for _ in transfers
+    ]
+    configs = [
+        "".join(f'url = "{url}"\noutput = "{out}"\n' for url, out in pairs) for pairs in transfers
+    ]
+    _blocked_reading_stdin([proc.pid for proc in procs])
+    go = time.monotonic()
+    for proc, config in zip(procs, configs, strict=True):
+        assert proc.stdin is not None
+        proc.stdin.write(config)
+        proc.stdin.close()
+    for proc in procs:
+        if proc.wait() != 0:  # no timeout: a blocking waitpid (see above)
+            raise RuntimeError(f"curl exited {proc.returncode}")
+    return (time.monotonic() - go) * 1000.0
+
+
+#: ``read``'s system call number, as ``/proc/PID/syscall`` gives it.
+_READ_SYSCALL = {"x86_64": "0", "aarch64": "63"}
+
+
+def _blocked_reading_stdin(pids: list[int], timeout: float = 30.0) -> None:
+    """Return once each process waits in ``read(0, ...)`` (``/proc/PID/syscall``: the call's
+    number and its first argument): started, set up and waiting for input."""
+    read = _READ_SYSCALL.get(platform.machine())
+    if read is None:
+        time.sleep(0.5)  # another architecture: time enough to start (their exit is still exact)
+        return
+    deadline = time.monotonic() + timeout
+    waiting = set(pids)
+    while waiting:
+        for pid in list(waiting):
+            try:
+                fields = Path(f"/proc/{pid}/syscall").read_text().split()
+            except OSError:
+                fields = []
+            if fields[:2] == [read, "0x0"]:
+                waiting.discard(pid)
+        if waiting:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"curl processes {sorted(waiting)} never waited for their config"
+                )
+            time.sleep(0.001)
 
 
 def post_json_lua(body: dict[str, object]) -> str:

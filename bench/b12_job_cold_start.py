@@ -44,7 +44,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -56,7 +55,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness, b1_fetch, b8
-from _harness import emit, kcache_server
+from _harness import curls_wall_ms, emit, kcache_server
 from b1_fetch import nginx_serving
 from b8_rank_fetch import report, run_ranks
 
@@ -165,30 +164,12 @@ def floor(url: str, work: Path, tar_path: Path) -> dict[str, Any]:
 
 def curls(tar_url: str, work: Path, tag: str) -> float:
     """One curl per node fetching the tar into the node's directory: wall ms from "go"."""
-    procs = []
-    for n in range(NODES):
-        out = work / f"curl-{tag}-{n}"
+    outs = [work / f"curl-{tag}-{n}" for n in range(NODES)]
+    for out in outs:
         out.mkdir(parents=True)
-        procs.append(
-            subprocess.Popen(
-                ["curl", "--silent", "--fail", "--config", "-"], stdin=subprocess.PIPE, text=True
-            )
-        )
-    configs = [
-        f'url = "{tar_url}"\noutput = "{work / f"curl-{tag}-{n}" / "k.tar"}"\n'
-        for n in range(NODES)
-    ]
-    go = time.monotonic()  # curl reads its whole config before it starts
-    for proc, config in zip(procs, configs, strict=True):
-        assert proc.stdin is not None
-        proc.stdin.write(config)
-        proc.stdin.close()
-    for proc in procs:
-        if proc.wait(timeout=120) != 0:
-            raise RuntimeError(f"curl exited {proc.returncode}")
-    wall_ms = (time.monotonic() - go) * 1000.0
-    for n in range(NODES):
-        shutil.rmtree(work / f"curl-{tag}-{n}")
+    wall_ms = curls_wall_ms([[(tar_url, out / "k.tar")] for out in outs])
+    for out in outs:
+        shutil.rmtree(out)
     return wall_ms
 
 

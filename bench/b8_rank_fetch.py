@@ -55,7 +55,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness, b1_fetch
-from _harness import emit, kcache_server
+from _harness import curls_wall_ms, emit, kcache_server
 from b1_fetch import nginx_serving
 
 RANKS = int(os.environ.get("B8_RANKS", "8"))
@@ -209,30 +209,12 @@ def ours(
 
 def curls(urls: list[str], work: Path, ranks: int, tag: str) -> float:
     """``ranks`` curl processes, each fetching ``urls`` into its own directory: wall ms."""
-    procs, configs = [], []
-    for rank in range(ranks):
-        out = work / f"curl-{tag}-{rank}"
+    outs = [work / f"curl-{tag}-{rank}" for rank in range(ranks)]
+    for out in outs:
         out.mkdir(parents=True)
-        configs.append(
-            "".join(f'url = "{u}"\noutput = "{out / u.rsplit("/", 1)[1]}"\n' for u in urls)
-        )
-        procs.append(
-            subprocess.Popen(
-                ["curl", "--silent", "--fail", "--config", "-"], stdin=subprocess.PIPE, text=True
-            )
-        )
-    # curl reads its whole config before it starts: started above, released here.
-    go = time.monotonic()
-    for proc, config in zip(procs, configs, strict=True):
-        assert proc.stdin is not None
-        proc.stdin.write(config)
-        proc.stdin.close()
-    for proc in procs:
-        if proc.wait(timeout=120) != 0:
-            raise RuntimeError(f"curl exited {proc.returncode}")
-    wall_ms = (time.monotonic() - go) * 1000.0
-    for rank in range(ranks):
-        shutil.rmtree(work / f"curl-{tag}-{rank}")
+    wall_ms = curls_wall_ms([[(u, out / u.rsplit("/", 1)[1]) for u in urls] for out in outs])
+    for out in outs:
+        shutil.rmtree(out)
     return wall_ms
 
 
