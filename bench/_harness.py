@@ -203,7 +203,7 @@ def curls_wall_ms(transfers: Sequence[Sequence[tuple[str, Path]]]) -> float:
     configs = [
         "".join(f'url = "{url}"\noutput = "{out}"\n' for url, out in pairs) for pairs in transfers
     ]
-    _blocked_reading_stdin([proc.pid for proc in procs])
+    _blocked_reading_stdin(procs)
     go = time.monotonic()
     for proc, config in zip(procs, configs, strict=True):
         assert proc.stdin is not None
@@ -219,7 +219,7 @@ def curls_wall_ms(transfers: Sequence[Sequence[tuple[str, Path]]]) -> float:
 _READ_SYSCALL = {"x86_64": "0", "aarch64": "63"}
 
 
-def _blocked_reading_stdin(pids: list[int], timeout: float = 30.0) -> None:
+def _blocked_reading_stdin(procs: list[subprocess.Popen[str]], timeout: float = 30.0) -> None:
     """Return once each process waits in ``read(0, ...)`` (``/proc/PID/syscall``: the call's
     number and its first argument): started, set up and waiting for input."""
     read = _READ_SYSCALL.get(platform.machine())
@@ -227,20 +227,20 @@ def _blocked_reading_stdin(pids: list[int], timeout: float = 30.0) -> None:
         time.sleep(0.5)  # another architecture: time enough to start (their exit is still exact)
         return
     deadline = time.monotonic() + timeout
-    waiting = set(pids)
+    waiting = list(procs)
     while waiting:
-        for pid in list(waiting):
+        for proc in list(waiting):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args} exited {proc.returncode} before its input")
             try:
-                fields = Path(f"/proc/{pid}/syscall").read_text().split()
+                fields = Path(f"/proc/{proc.pid}/syscall").read_text().split()
             except OSError:
                 fields = []
             if fields[:2] == [read, "0x0"]:
-                waiting.discard(pid)
+                waiting.remove(proc)
         if waiting:
             if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"curl processes {sorted(waiting)} never waited for their config"
-                )
+                raise RuntimeError(f"{waiting[0].args} never waited for its input")
             time.sleep(0.001)
 
 

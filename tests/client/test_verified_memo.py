@@ -18,9 +18,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from client_harness import CountingVerifier, artifact_meta
@@ -221,13 +220,13 @@ def _pin_a_server(directory: Path) -> None:
 
 @pytest.mark.parametrize("make", [_remember_a_signature, _pin_a_server])
 def test_this_users_directories_and_their_missing_parents_are_made_private(
-    tmp_path: Path, make: Any
+    tmp_path: Path, make: Callable[[Path], None]
 ) -> None:
     """Under a umask that leaves directories writable by the group (002), the directories the
     memo and the pin file live in, and the parents made for them, are not: a parent others can
     write lets them swap what is below it (and the memo's own standing check would refuse it
     in every process)."""
-    directory = tmp_path / "config" / "kcache" / "verified"
+    directory = tmp_path / "config" / "kcache" / "private"
     old = os.umask(0o002)
     try:
         make(directory)
