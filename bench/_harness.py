@@ -180,9 +180,10 @@ def wrk(
     }
 
 
-def curls_wall_ms(transfers: Sequence[Sequence[tuple[str, Path]]]) -> float:
-    """One curl process per item of ``transfers``, each fetching its ``(url, output file)``
-    pairs in order over one connection: ms from "go" until the last has exited.
+def curls_wall_ms(work: Path, urls: Sequence[Sequence[str]]) -> float:
+    """One curl process per item of ``urls``, each fetching its URLs in order over one
+    connection into a directory of its own under ``work`` (removed afterwards): ms from "go"
+    until the last has exited.
 
     Measured as ours is (B8's and B12's ranks): every curl is started and waits, set up,
     until it is released (curl reads its whole config from stdin before its first
@@ -192,16 +193,28 @@ def curls_wall_ms(transfers: Sequence[Sequence[tuple[str, Path]]]) -> float:
     (bench/RESULTS.md, eleventh session); a transfer that hangs is ended by curl's own
     ``--max-time``.
     """
+    with tempfile.TemporaryDirectory(prefix="curls-", dir=work) as scratch:
+        configs = []
+        for n, fetched in enumerate(urls):
+            out = Path(scratch) / str(n)
+            out.mkdir()
+            configs.append(
+                "".join(
+                    f'url = "{url}"\noutput = "{out / str(i)}"\n' for i, url in enumerate(fetched)
+                )
+            )
+        return _released_curls_ms(configs)
+
+
+def _released_curls_ms(configs: list[str]) -> float:
+    """One curl per config, released together once all are set up: ms until the last exits."""
     procs = [
         subprocess.Popen(
             ["curl", "--silent", "--fail", "--max-time", "120", "--config", "-"],
             stdin=subprocess.PIPE,
             text=True,
         )
-        for _ in transfers
-    ]
-    configs = [
-        "".join(f'url = "{url}"\noutput = "{out}"\n' for url, out in pairs) for pairs in transfers
+        for _ in configs
     ]
     _blocked_reading_stdin(procs)
     go = time.monotonic()

@@ -162,17 +162,6 @@ def floor(url: str, work: Path, tar_path: Path) -> dict[str, Any]:
     return run_ranks(__file__, [config] * (RANKS * NODES), url, timeout=600)
 
 
-def curls(tar_url: str, work: Path, tag: str) -> float:
-    """One curl per node fetching the tar into the node's directory: wall ms from "go"."""
-    outs = [work / f"curl-{tag}-{n}" for n in range(NODES)]
-    for out in outs:
-        out.mkdir(parents=True)
-    wall_ms = curls_wall_ms([[(tar_url, out / "k.tar")] for out in outs])
-    for out in outs:
-        shutil.rmtree(out)
-    return wall_ms
-
-
 def served_bytes(url: str, keys: list[str]) -> tuple[int, int]:
     """The bytes of one bundle answer for ``keys``, and of one artifact answer per key."""
     with httpx.Client(base_url=url, timeout=60) as client:
@@ -229,7 +218,7 @@ def one_size(
         for n in range(ROUNDS):
             tiers = [work / f"tier-{k}-{n}-node{i}" for i in range(NODES)]
             rounds["manifest"].append(job(url, work, with_manifest, tiers))
-            anchor.append(curls(tar_url, work, f"{k}-{n}"))
+            anchor.append(curls_wall_ms(work, [[tar_url]] * NODES))  # one per node
             rounds["complete"].append(job(url, work, with_manifest, tiers))
             fresh = [work / f"pk-{k}-{n}-node{i}" for i in range(NODES)]
             if PER_KERNEL:

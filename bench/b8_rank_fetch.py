@@ -207,17 +207,6 @@ def ours(
     return run_ranks(__file__, [config] * ranks, url, timeout=300)
 
 
-def curls(urls: list[str], work: Path, ranks: int, tag: str) -> float:
-    """``ranks`` curl processes, each fetching ``urls`` into its own directory: wall ms."""
-    outs = [work / f"curl-{tag}-{rank}" for rank in range(ranks)]
-    for out in outs:
-        out.mkdir(parents=True)
-    wall_ms = curls_wall_ms([[(u, out / u.rsplit("/", 1)[1]) for u in urls] for out in outs])
-    for out in outs:
-        shutil.rmtree(out)
-    return wall_ms
-
-
 def file_create_us(directory: Path, files: int = 100) -> float:
     """CPU per file created in ``directory`` (created, written, closed), in microseconds."""
     scratch = directory / "create-probe"
@@ -270,9 +259,9 @@ def main() -> None:
             rounds, anchor, alone, single = [], [], [], []
             for n in range(ROUNDS):
                 rounds.append(ours(url, work, payload, RANKS, f"{n}-all"))
-                anchor.append(curls(urls, work, RANKS, f"{n}-all"))
+                anchor.append(curls_wall_ms(work, [urls] * RANKS))
                 alone.append(ours(url, work, payload, 1, f"{n}-one"))
-                single.append(curls(urls, work, 1, f"{n}-one"))
+                single.append(curls_wall_ms(work, [urls]))
     for r in rounds:
         for rank_report in r["reports"]:
             if rank_report["digests"] != expected or not rank_report["verified"]:
