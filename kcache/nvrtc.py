@@ -1,7 +1,8 @@
 """Compiling a recipe with NVRTC, and linking with nvJitLink.
 
-This is the only module that talks to NVRTC and nvJitLink. Vendor errors are
-translated here into :class:`CompileError` carrying the compiler's log.
+This is the only module that compiles and links with NVRTC and nvJitLink
+(:mod:`kcache.toolchain` only finds them, reads their versions and unpacks the headers).
+Vendor errors are translated here into :class:`CompileError` carrying the compiler's log.
 
 A compile reads exactly its inputs (see :mod:`kcache.deps`):
 

@@ -2,9 +2,10 @@
 
 Read from the audit events that name the job (``job_id``): its resolves and batch
 resolves (a warmup's), its bundle fetches (``POST /v1/bundle`` with its context), and
-the memory and node-tier hits its clients reported. A fetch by key
-(``GET /v1/recipes/{key}/artifact``) carries no context, so it is not attributed to a
-job; a job's warmup, which resolves, is. Per recipe key the latest served event
+the memory and node-tier hits its clients reported, and its fetches by key
+(``GET /v1/recipes/{key}/artifact``, whose context comes in ``X-KCache-Context``). A fetch
+that nginx answers from its edge cache carries no context and is not attributed to a
+job. Per recipe key the latest served event
 decides the digest; the artifact's kind and size come from the store's index while
 it holds the artifact (empty and 0 once it is evicted). Events past the audit's
 retention are gone, and with them a job's manifest: save it when the job runs.

@@ -642,7 +642,7 @@ class ForeignBinding(Base):
     """A group of files a library's own cache hook published under the library's key.
 
     Named by (library, version, target, toolchain, key) as the library reports them;
-    ``binding_key`` is the sha256 of that name (:func:`kcache.signing.foreign_binding_key`),
+    ``binding_key`` is the sha256 of that name (:func:`kcache.foreign.binding_key`),
     unique. ``writer`` is who published it (``token:<name>``, ``client:<address>``): the
     server signs "published by <writer>", never "compiled by kcache". The first publish
     of a name wins; its files are ``foreign_files`` rows, written in the same transaction.

@@ -13,7 +13,7 @@ and no answer comes), so each check is a :class:`BoundedCheck`:
   seconds, and the bucket is asked at most once per ``ttl_s`` whatever they do.
 
 The bucket's check is its store's :meth:`~kcache.store.base.ArtifactStore.probe` (for
-S3, one HEAD, never retried, with its own timeout); the database's is ``SELECT 1``. What a check says is
+S3, a listing of at most one name, never retried, with its own timeout); the database's is ``SELECT 1``. What a check says is
 for anyone who can reach the port: it names what failed and what to do, never a
 driver's or the bucket's error text (those go to the server log).
 

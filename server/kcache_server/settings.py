@@ -228,7 +228,7 @@ class Settings(BaseSettings):
     foreign_max_bytes: int = Field(
         default=32 << 20,
         ge=1024,
-        description="the largest file a library cache hook may publish (PUT /v1/foreign/blobs, 413 "
+        description="the largest file a library cache hook may publish (PUT /v1/blobs/{digest}, 413 "
         "past it; max_request_bytes bounds every body too)",
     )
     min_free_bytes: int = Field(
@@ -265,7 +265,7 @@ class Settings(BaseSettings):
     auth_cache_s: float = Field(default=2.0, ge=0, description="how long token checks are cached")
     accel_redirect: str | None = Field(
         default=None,
-        description="behind the deploy's nginx (deploy/nginx/kcache.conf): a fetch by key or by "
+        description="behind the deploy's nginx (deploy/nginx/kcache.conf.template): a fetch by key or by "
         "digest is answered with its headers and X-Accel-Redirect to this internal location plus "
         "ab/cd/<digest>, and nginx sends the bytes from the data directory's blobs/; a request "
         "carrying X-KCache-Accel: off (nginx's fallback) gets the bytes. Unset: the bytes are sent "

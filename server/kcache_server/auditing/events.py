@@ -89,8 +89,8 @@ class ClientEvent(Context):
         allow_inf_nan=False,
         description=(
             "when, in unix seconds. A time more than x-max-clock-skew-s seconds past the "
-            "server's clock when the batch arrives is refused (422 naming the event's time: "
-            "check the client's clock); JSON Schema cannot state a bound relative to now"
+            "server's clock when the batch arrives is recorded as the batch's arrival (check "
+            "the client's clock); JSON Schema cannot state a bound relative to now"
         ),
         json_schema_extra={
             "maximum": MAX_EVENT_TIME,

@@ -52,7 +52,7 @@ _FETCH_HEADERS = {
             "the artifact's metadata: base64url (RFC 4648 section 5, no padding) of the compact "
             "JSON object GET /v1/recipes/{recipe_key} returns (digest, size, kind, target, "
             "toolchain, lowered_names, kernel, dependencies, dependencies_exact, "
-            "compile_seconds, created_at, log). Check the body's sha256 and size "
+            "compile_seconds, created_at, dependency_check, log). Check the body's sha256 and size "
             f"against it. Absent when it would exceed {MAX_CHARS} characters (read the metadata "
             "route then)."
         ),
