@@ -50,12 +50,13 @@ def resolve_keys(
     known: Callable[[], Sequence[Known]],
     where: str,
     what: str = "KEY",
+    names: str = "recipe key or digest",
 ) -> list[str]:
     """Each value as the whole key it starts, the way git takes a commit's prefix.
 
     A whole key (64 digits) is taken as it is, known or not; a shorter one must begin
-    exactly one of ``known()`` (asked only when a prefix needs it): none is an error,
-    and so is more than one, listing them.
+    exactly one of ``known()`` (asked only when a prefix needs it): none is an error
+    (saying what the keys ``names``), and so is more than one, listing them.
     """
     out: list[str] = []
     candidates: Sequence[Known] | None = None
@@ -68,8 +69,7 @@ def resolve_keys(
         matches = {k.key: k for k in candidates if k.key.startswith(value)}
         if not matches:
             raise ClientError(
-                f"{what} {value} begins no recipe key or digest of {where} "
-                "(`kcache cache ls` lists them)"
+                f"{what} {value} begins no {names} of {where} (`kcache cache ls` lists them)"
             )
         if len(matches) > 1:
             shown = [

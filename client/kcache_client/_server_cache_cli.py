@@ -238,7 +238,9 @@ def cmd_pin(args: argparse.Namespace) -> int:
             return emit(
                 args, body, text_table(["recipe key", "group", "size", "by", "pinned"], rows)
             )
-        keys = resolve_keys(args.keys, lambda: _pinnable(server), f"the server {server.url}")
+        keys = resolve_keys(
+            args.keys, lambda: _pinnable(server), f"the server {server.url}", names="recipe key"
+        )
         if not keys and not args.job:
             raise ClientError(
                 "name recipe keys to pin, or --job JOB to pin a job's recipes (or --list)"
@@ -278,7 +280,9 @@ def cmd_unpin(args: argparse.Namespace) -> int:
             pins = server.request("GET", "/v1/pins").json()["pins"]
             return [Known(p["recipe_key"], "recipe key", "pinned") for p in pins]
 
-        keys = resolve_keys(args.keys, pinned, f"the pins of {server.url}", "RECIPE_KEY")
+        keys = resolve_keys(
+            args.keys, pinned, f"the pins of {server.url}", "RECIPE_KEY", names="pinned recipe key"
+        )
         params = [("recipe_key", k) for k in keys] + ([("group", args.group)] if args.group else [])
         body = server.request("DELETE", f"/v1/pins?{urlencode(params)}").json()
     return emit(args, body, f"unpinned {body['unpinned']}")

@@ -83,6 +83,7 @@ class PinStore:
         label = check_group(group)
         if not wanted:
             return 0
+        self._refuse_digests(wanted)
         now = utcnow()
         rows = [
             {"recipe_key": k, "group_name": label, "created_at": now, "created_by": created_by}
@@ -95,6 +96,26 @@ class PinStore:
                 .on_conflict_do_nothing(index_elements=["recipe_key", "group_name"])
             )
         return int(result.rowcount or 0)
+
+    def _refuse_digests(self, keys: list[str]) -> None:
+        """Refuse a key that is a stored artifact's digest and no recipe's key: a pin names a
+        recipe key, so a digest pinned by mistake would protect nothing, silently."""
+        named = sa.select(_aliases.c.recipe_key).where(_aliases.c.recipe_key == _artifacts.c.digest)
+        query = sa.select(_artifacts.c.digest).where(_artifacts.c.digest.in_(keys), ~named.exists())
+        with self.db.connect() as conn:
+            digest = conn.execute(query.limit(1)).scalar()
+            if digest is None:
+                return
+            recipes = conn.execute(
+                sa.select(_aliases.c.recipe_key).where(_aliases.c.digest == digest).limit(3)
+            ).scalars()
+            naming = ", ".join(recipes) or "none now"
+        raise InvalidRequestError(
+            "recipe_keys",
+            f"{digest} is the digest of a stored artifact, not a recipe key: a pin names a "
+            f"recipe key (recipe keys naming this artifact: {naming}; `kcache cache ls "
+            "--server URL` lists both)",
+        )
 
     def keys_of_job(self, job_id: str) -> list[str]:
         """Recipe keys a job was served (hit, compiled or joined), from the audit events it left."""

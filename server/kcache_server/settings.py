@@ -64,7 +64,10 @@ class AuditSettings(BaseSettings):
         default=10_000, ge=1, description="events per POST /v1/events"
     )
     max_clock_skew_s: float = Field(
-        default=86_400.0, ge=0, description="client event times further in the future are refused"
+        default=86_400.0,
+        ge=0,
+        description="client event times further in the future are recorded as the batch's "
+        "arrival (a client's clock is ahead)",
     )
     max_reported_per_minute: int = Field(
         default=100_000_000,

@@ -235,6 +235,12 @@ def test_pins_are_listed_removable_and_block_removal(server: ServerThread) -> No
         assert bad.status_code == 422 and bad.json()["field"] == "recipe_keys[0]"
         bad = client.post("/v1/pins", json={"recipe_keys": [key], "group": "x\x1b[31m"})
         assert bad.status_code == 422 and bad.json()["field"] == "group"
+        # A stored artifact's digest is not a recipe key: pinning it would protect nothing.
+        digest = listed[key]["digest"]
+        bad = client.post("/v1/pins", json={"recipe_keys": [never_compiled, digest]})
+        assert bad.status_code == 422 and bad.json()["field"] == "recipe_keys"
+        assert f"{digest} is the digest of a stored artifact" in bad.json()["detail"]
+        assert key in bad.json()["detail"]  # the recipe key to pin instead
         # A DELETE naming neither keys nor a group removes nothing (never the whole list).
         assert client.delete("/v1/pins").json() == {"unpinned": 0}
         assert client.delete("/v1/pins", params={"group": "g2"}).json() == {"unpinned": 2}
@@ -270,6 +276,18 @@ def test_cli_pins_and_server_cache(server: ServerThread) -> None:
     assert unpinned.returncode == 0 and "unpinned 1" in unpinned.stdout
     bad = kcache("pin", "not-a-key", "--server", server.url)
     assert bad.returncode != 0 and "not a recipe key" in bad.stderr
+    digest = listed["pins"][0]["digest"]
+    for given, said in (
+        (digest, "is the digest of a stored artifact"),
+        (digest[:12], "begins no recipe key"),
+    ):
+        bad = kcache("pin", given, "--server", server.url)  # a whole digest, or the start of one
+        assert bad.returncode != 0 and said in bad.stderr and "Traceback" not in bad.stderr, (
+            bad.stderr
+        )
+    assert (
+        json.loads(kcache("pin", "--list", "--server", server.url, "--json").stdout)["pins"] == []
+    )
 
 
 def test_admin_scope_and_per_token_quota(
