@@ -3,7 +3,10 @@
 Tokens are random, shown once at creation, and stored as their sha256; a presented
 token is hashed and compared with ``hmac.compare_digest``. With no active token in
 the database the server is open (the loopback development default; a non-loopback
-bind without tokens is refused at start-up unless forced).
+bind without tokens is refused at start-up unless forced). Once a server process has
+seen an active token it needs one for the rest of its life: revoking the last token
+(a leaked one, say) leaves it refusing every request until a token is created again,
+never open.
 
 Each scope includes the ones before it. ``report`` (post client audit events)
 sits above ``read``: a reporting worker also fetches, but a token that may only
@@ -120,6 +123,8 @@ class TokenStore:
         self.cache_s = cache_s
         self._lock = threading.Lock()
         self._any: tuple[float, bool] | None = None
+        # Set once an active token was seen: from then on this process is never open.
+        self._guarded = False
         # Token hash -> (checked at, principal); bounded, so a flood of random tokens cannot grow it.
         self._cache: LruCache[str, tuple[float, Principal | None]] = LruCache(max_entries=10_000)
 
@@ -198,7 +203,8 @@ class TokenStore:
         return bool(result.rowcount)
 
     def any_active(self) -> bool:
-        """True when at least one unrevoked token exists (then every request needs one)."""
+        """True when every request needs a token: an unrevoked token exists, or one did
+        since this store was made (the module docstring: a guarded server never opens)."""
         now = time.monotonic()
         with self._lock:
             if self._any is not None and now - self._any[0] < self.cache_s:
@@ -208,8 +214,19 @@ class TokenStore:
                 sa.select(_tokens.c.id).where(_tokens.c.revoked_at.is_(None)).limit(1)
             ).first()
         with self._lock:
-            self._any = (now, found is not None)
-        return found is not None
+            self._guarded = self._guarded or found is not None
+            self._any = (now, self._guarded)
+            return self._guarded
+
+    def active_count(self) -> int:
+        """How many unrevoked tokens the database holds."""
+        with self.engine.connect() as conn:
+            count = conn.execute(
+                sa.select(sa.func.count())
+                .select_from(_tokens)
+                .where(_tokens.c.revoked_at.is_(None))
+            ).scalar()
+        return int(count or 0)
 
     def _invalidate(self) -> None:
         with self._lock:

@@ -59,6 +59,16 @@ def test_tokens_and_scopes(
     assert main(["token", "revoke", "reader", "--data-dir", str(settings.data_dir)]) == 0
     with server.client(reader) as client:
         assert client.get("/v1/toolchains").status_code == 401
+    assert "no active token" not in capsys.readouterr().err  # the builder's is left
+
+    # Revoking the last token (a leaked one) never opens a server that needed tokens.
+    assert main(["token", "revoke", "builder", "--data-dir", str(settings.data_dir)]) == 0
+    assert "no active token is left" in capsys.readouterr().err
+    with server.client() as anonymous:
+        assert anonymous.get("/v1/toolchains").status_code == 401
+        assert anonymous.post("/v1/resolve", json={"recipe": recipe}).status_code == 401
+    with server.client(compiler) as client:
+        assert client.get("/v1/toolchains").status_code == 401
 
     engine = sa.create_engine(settings.database_url)
     with engine.connect() as conn:
@@ -67,6 +77,21 @@ def test_tokens_and_scopes(
     stored = " ".join(" ".join(map(str, r)) for r in rows)
     assert reader not in stored and compiler not in stored  # only hashes are kept
     assert all(len(r.token_hash) == 64 for r in rows)
+
+
+def test_a_server_started_with_tokens_needs_one_after_the_last_is_revoked(
+    make_settings: Any, serve: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Guarded from its start, before any request came: revoking every token opens nothing."""
+    settings = make_settings()
+    assert main(["db", "upgrade", "--data-dir", str(settings.data_dir)]) == 0
+    capsys.readouterr()
+    _token(capsys, settings.data_dir, "only", "compile")
+    server = serve(settings)
+    assert main(["token", "revoke", "only", "--data-dir", str(settings.data_dir)]) == 0
+    with server.client() as anonymous:
+        assert anonymous.get("/v1/toolchains").status_code == 401
+        assert anonymous.get("/metrics").status_code == 401
 
 
 def test_public_bind_without_tokens_is_refused(

@@ -77,8 +77,13 @@ log = logging.getLogger(__name__)
 
 
 def check_bind(settings: Settings, tokens: TokenStore) -> None:
-    """Refuse a non-loopback bind that no token protects, unless ``force_insecure``."""
-    if settings.loopback or settings.force_insecure or tokens.any_active():
+    """Refuse a non-loopback bind that no token protects, unless ``force_insecure``.
+
+    Asks the database first whatever the bind: a process that starts where tokens exist
+    needs one from then on, even if they are all revoked later (:mod:`kcache_server.auth`).
+    """
+    guarded = tokens.any_active()
+    if settings.loopback or settings.force_insecure or guarded:
         return
     raise InsecureBindError(
         f"refusing to serve on {settings.host} without tokens: anyone who can reach it could compile code "

@@ -459,8 +459,17 @@ def _cmd_token_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_revoke(args: argparse.Namespace) -> int:
-    if _tokens(args).revoke(args.name):
+    tokens = _tokens(args)
+    if tokens.revoke(args.name):
         print(f"revoked {args.name}")
+        if tokens.active_count() == 0:
+            print(
+                "kcache: no active token is left. Servers running on this database keep "
+                "refusing every request until one is created (`kcache token create NAME "
+                "--scope compile`); a server started now is open on a loopback address and "
+                "refuses to start on any other",
+                file=sys.stderr,
+            )
         return 0
     print(f"kcache: no active token named {args.name!r}", file=sys.stderr)
     return 1
