@@ -13,8 +13,10 @@ and no answer comes), so each check is a :class:`BoundedCheck`:
   seconds, and the bucket is asked at most once per ``ttl_s`` whatever they do.
 
 The bucket's check is its store's :meth:`~kcache.store.base.ArtifactStore.probe` (for
-S3, a listing of at most one name, never retried, with its own timeout); the database's is ``SELECT 1``. What a check says is
-for anyone who can reach the port: it names what failed and what to do, never a
+S3, a listing of at most one name, never retried, with its own timeout); the database's is
+``SELECT 1`` and its schema's revision, which must be the one this server started with (a
+database dropped and recreated empty, or restored from an older backup, answers ``SELECT 1``
+while every request would fail). What a check says is for anyone who can reach the port: it names what failed and what to do, never a
 driver's or the bucket's error text (those go to the server log).
 
 The compiler's checks (:func:`compiler_checks`) ask nothing remote: the compile workers
@@ -39,6 +41,7 @@ from kcache.errors import BucketMissingError, StoreUnavailableError
 from kcache.store.base import ArtifactStore
 from kcache_server.backends import Backends
 from kcache_server.compile_pool import ProcessPoolCompiler
+from kcache_server.migrate import script_head
 from kcache_server.request_ids import current_request_id
 
 __all__ = ["BUCKET_TTL_S", "BoundedCheck", "Readiness", "compiler_checks"]
@@ -118,10 +121,18 @@ def _no_answer(name: str, timeout_s: float) -> str:
     return f"failed: the {name} did not answer within {timeout_s:g} s"
 
 
-def _database(db: sa.Engine) -> str:
+def _database(db: sa.Engine, head: str | None) -> str:
+    """``SELECT 1``, then the schema's revision against ``head`` (None: not checked)."""
+    revisions: list[str] | None = None
     try:
         with db.connect() as conn:
             conn.execute(sa.text("SELECT 1"))
+            if head is not None:
+                try:
+                    found = conn.execute(sa.text("SELECT version_num FROM alembic_version"))
+                    revisions = sorted(found.scalars())
+                except sa.exc.DBAPIError:  # no such table: a database recreated empty
+                    revisions = []
     except Exception as exc:  # any driver error means not ready
         # The driver's text can hold the host, user and database name: log it, do not answer it.
         request_id = current_request_id()
@@ -132,6 +143,13 @@ def _database(db: sa.Engine) -> str:
         return (
             "failed: database unreachable (the server log has the error under request id "
             f"{request_id})"
+        )
+    if head is not None and revisions != [head]:
+        have = f"revision {', '.join(revisions)}" if revisions else "no kcache schema"
+        return (
+            f"failed: the database has {have}, this server revision {head}: it was replaced "
+            "or migrated since the server started; restore it, or run `kcache db upgrade` "
+            "and restart the server"
         )
     return "ok"
 
@@ -163,8 +181,9 @@ class Readiness:
     """The bounded checks of one server's backends (built once per app, with its state)."""
 
     def __init__(self, backends: Backends, *, timeout_s: float) -> None:
+        head = script_head()  # read once: the scripts this server was started with
         self.database = BoundedCheck(
-            "database", lambda: _database(backends.db), timeout_s=timeout_s
+            "database", lambda: _database(backends.db, head), timeout_s=timeout_s
         )
         remote = backends.store.remote
         self.bucket = (

@@ -71,6 +71,31 @@ def test_a_replica_that_is_not_ready_says_so_in_its_metrics(
     assert _value(text, "kcache_readiness_check", check="database") == 1
 
 
+def test_a_database_whose_schema_went_is_not_ready(
+    make_settings: Callable[..., Any], serve: Callable[[Any], Any]
+) -> None:
+    """A database that answers ``SELECT 1`` but lost its schema (dropped and recreated
+    empty, restored from another release's backup) fails the check: every request would."""
+    import sqlalchemy as sa
+
+    server = serve(make_settings())
+    db = server.app.state.kcache.backends.db
+    with server.client() as client:
+        assert client.get("/readyz").status_code == 200
+        with db.begin() as conn:
+            conn.execute(sa.text("UPDATE alembic_version SET version_num = '0001'"))
+        wait_until(lambda: client.get("/readyz").status_code == 503, "readiness to fail")
+        said = client.get("/readyz").json()["checks"]["database"]
+        assert "revision 0001" in said and "kcache db upgrade" in said, said
+        with db.begin() as conn:
+            conn.execute(sa.text("DROP TABLE alembic_version"))
+        wait_until(
+            lambda: "no kcache schema" in client.get("/readyz").json()["checks"]["database"],
+            "readiness to name the missing schema",
+        )
+        assert _value(client.get("/metrics").text, "kcache_readiness_check", check="database") == 0
+
+
 def test_readiness_gauges_are_current_without_a_probe(
     make_settings: Callable[..., Any], serve: Callable[[Any], Any]
 ) -> None:
