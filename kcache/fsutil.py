@@ -282,6 +282,7 @@ def atomic_write(
     # Strings, not pathlib: this runs several times per kernel a node tier publishes.
     dest = os.fspath(dest)
     parent, name = os.path.split(dest)
+    parent = parent or os.curdir  # a bare name: the directory to sync is the current one
     tmp = os.path.join(parent, f"{TMP_PREFIX}{name}-{os.getpid()}-{secrets.token_hex(6)}")
     try:
         try:

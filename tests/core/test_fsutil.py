@@ -31,6 +31,18 @@ def test_atomic_write_creates_missing_fan_out_directories(tmp_path: Path, durabl
     assert leftovers == []
 
 
+@pytest.mark.parametrize("durable", [True, False])
+def test_atomic_write_of_a_bare_name_writes_in_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
+) -> None:
+    """``-o out.json`` of a command: no directory in the name (the sync of its directory,
+    '', failed after the file was written, and the command reported a failure)."""
+    monkeypatch.chdir(tmp_path)
+    atomic_write("out.json", b"{}", durable=durable)
+    assert (tmp_path / "out.json").read_bytes() == b"{}"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
 def test_atomic_write_leaves_no_temp_file_when_it_fails(tmp_path: Path) -> None:
     (tmp_path / "file").write_bytes(b"x")
     with pytest.raises(OSError):
