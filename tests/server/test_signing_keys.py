@@ -308,3 +308,35 @@ def test_two_replicas_starting_at_once_with_different_keys_one_serves(
         finally:
             for replica in replicas:
                 replica.stop()
+
+
+def test_public_halves_never_replace_a_private_key_or_another_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``signing-key create --public`` and ``signing-key public --out`` write a public key file,
+    replacing only such a file: a private key named by mistake (or the key itself) is kept."""
+    from kcache.cli import main
+
+    first, second = tmp_path / "a.pem", tmp_path / "b.pem"
+    assert main(["signing-key", "create", str(first)]) == 0
+    assert main(["signing-key", "create", str(second)]) == 0
+    keys = {path: path.read_bytes() for path in (first, second)}
+    source = tmp_path / "add.cu"
+    source.write_text("// a source\n")
+    capsys.readouterr()
+    for argv in (
+        ["signing-key", "public", str(second), "--out", str(first)],
+        ["signing-key", "public", str(second), "--out", str(second)],
+        ["signing-key", "public", str(second), "--out", str(source)],
+        ["signing-key", "create", str(tmp_path / "c.pem"), "--public", str(first)],
+    ):
+        assert main(argv) == 2, argv
+        assert "not a public key file" in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in keys} == keys
+    assert source.read_text() == "// a source\n"
+    assert not (tmp_path / "c.pem").exists()  # refused before a key was made
+    # A public key file is written, and written again (the same command run twice).
+    public = tmp_path / "fleet-key.pub"
+    for _ in range(2):
+        assert main(["signing-key", "public", str(second), "--out", str(public)]) == 0
+    assert SigningKey.load(second).public_key in public.read_text()

@@ -7,7 +7,7 @@ private PEM, mode 0600, never replacing a file) and prints the public half in th
 ``KCACHE_TRUSTED_KEYS`` takes (base64url of the 32 raw bytes, which ``openssl`` does not
 print); ``kcache signing-key public FILE`` prints it for a key that exists (one a server
 made at its first start, say). ``--public``/``--out`` write it as a key file the clients
-read with ``@FILE``.
+read with ``@FILE``, replacing only such a file (never a private key or anything else).
 
 The keys the servers on a database signed with are recorded there
 (:mod:`kcache_server.signing_keys`); ``kcache db signing-keys`` lists them and
@@ -28,6 +28,25 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["register"]
+
+
+def _check_public_destination(path: Path, option: str) -> None:
+    """Refuse ``path`` for ``option`` when something other than a public key file is there:
+    writing it would destroy a private signing key (or a source) without a word."""
+    from kcache.cli_toolkit import UsageError
+    from kcache.signing import SignatureError, TrustedKeys
+
+    if not (path.exists() or path.is_symlink()):
+        return
+    try:
+        if path.is_file() and not path.is_symlink() and TrustedKeys.parse(f"@{path}"):
+            return  # a public key file (this command's own, written again): replaced
+    except (OSError, UnicodeError, SignatureError, ValueError):
+        pass
+    raise UsageError(
+        f"{option} {path}: a file is there that is not a public key file (a private signing "
+        "key, say): kcache replaces only a public key file it wrote; name a new file"
+    )
 
 
 def _write_public(path: Path, key_id: str, public_key: str) -> None:
@@ -54,6 +73,8 @@ def _cmd_create(args: argparse.Namespace) -> int:
             f"it and clients trust it); print its public half with `kcache signing-key public "
             f"{path}`, or name a new file"
         )
+    if args.public:
+        _check_public_destination(Path(args.public), "--public")
     key = SigningKey.load_or_create(path)  # mode 0600, written atomically
     if args.public:
         _write_public(Path(args.public), key.key_id, key.public_key)
@@ -80,6 +101,7 @@ def _cmd_public(args: argparse.Namespace) -> int:
     except (SignatureError, ValueError) as exc:
         raise UsageError(f"{path}: {exc}") from None
     if args.out:
+        _check_public_destination(Path(args.out), "--out")
         _write_public(Path(args.out), key.key_id, key.public_key)
         print(f"kcache: wrote the public half of key {key.key_id} to {args.out}", file=sys.stderr)
     print(key.public_key)
