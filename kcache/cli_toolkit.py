@@ -227,11 +227,11 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
         data = dict(loaded)
     else:
         data = {"source": text, "name": path.name}
-    headers = dict(data.get("headers") or {})
+    headers = _from_file(path, data, "headers", dict)
     for item in args.header:
         name, file = _header_item(item)
         headers[name] = _read(f"--header {item}", Path(file).expanduser())
-    spec = dict(data.get("specialization") or {})
+    spec = _from_file(path, data, "specialization", dict)
     for item in args.spec:
         key, value = _split("--spec", item, "KEY=JSON")
         try:
@@ -244,12 +244,13 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
                     f"string as JSON: {key}='{json.dumps(value)}'"
                 ) from exc
             spec[key] = value
-    flags = list(data.get("flags") or [])
+    flags = _from_file(path, data, "flags", list)
     flags += [f"-D{d}" for d in args.define] + list(args.flag)
     data.update(headers=headers, specialization=spec, flags=flags)
-    data["name_expressions"] = list(data.get("name_expressions") or []) + list(args.name_expression)
+    expressions = _from_file(path, data, "name_expressions", list)
+    data["name_expressions"] = expressions + list(args.name_expression)
     names = [item.partition("=")[0] for item in args.include_set]
-    data["include_sets"] = list(data.get("include_sets") or []) + [n for n in names if n]
+    data["include_sets"] = _from_file(path, data, "include_sets", list) + [n for n in names if n]
     for option in ("target", "output", "name"):
         if getattr(args, option):
             data[option] = getattr(args, option)
@@ -265,6 +266,18 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
     if not recipe.source.strip() and not recipe.link:
         raise UsageError(f"{path} is empty: there is no kernel to compile")
     return recipe
+
+
+def _from_file(path: Path, data: dict[str, Any], field: str, kind: type[Any]) -> Any:
+    """A copy of the recipe file's ``field`` that the command line adds to, checked to be a
+    ``kind`` first (a string is not taken apart into characters, nor a list into pairs)."""
+    value = data.get(field)
+    if value is None:
+        return kind()
+    if not isinstance(value, kind):
+        what = "an object" if kind is dict else "a list"
+        raise UsageError(f"{path}: {field}: must be {what}, not {json.dumps(value)[:80]}")
+    return kind(value)
 
 
 def recipe_title(recipe: Recipe) -> str:

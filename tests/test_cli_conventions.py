@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -42,6 +43,28 @@ def test_a_spec_without_a_value_names_its_own_form(tmp_path: Path) -> None:
         "key", "k.cu", "--target", "sm_90", "--spec", "dtype", env=user_env(tmp_path), cwd=tmp_path
     )
     assert_user_error(result, "--spec", "KEY=JSON")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("headers", ["a.h"], "must be an object"),
+        ("headers", "a.h", "must be an object"),
+        ("specialization", [1], "must be an object"),
+        ("flags", "-lineinfo", "must be a list"),  # was taken apart: '-', 'l', ...
+        ("name_expressions", "add", "must be a list"),
+        ("include_sets", "cutlass", "must be a list"),
+    ],
+)
+def test_a_recipe_file_field_of_the_wrong_type_is_named(
+    tmp_path: Path, field: str, value: object, said: str
+) -> None:
+    """A recipe file's field that the command line adds to is checked before it is: a string
+    was taken apart into characters (flags '-', 'l', ...), a list into pairs (a traceback)."""
+    recipe = {"source": SOURCE, "target": "sm_90", field: value}
+    (tmp_path / "r.json").write_text(json.dumps(recipe))
+    result = kcache("key", "r.json", env=user_env(tmp_path), cwd=tmp_path)
+    assert_user_error(result, f"r.json: {field}: {said}")
 
 
 @pytest.mark.parametrize(
