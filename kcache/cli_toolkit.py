@@ -19,6 +19,7 @@ one is read), so ``kcache --help`` stays instant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -212,6 +213,7 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
     from kcache.recipe import Recipe
 
     path = Path(args.recipe)
+    _check_output(args, [path, *(Path(_header_item(h)[1]).expanduser() for h in args.header)])
     text = _read("recipe", path)
     data: dict[str, Any]
     from_json = path.suffix == ".json"
@@ -266,6 +268,24 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
     if not recipe.source.strip() and not recipe.link:
         raise UsageError(f"{path} is empty: there is no kernel to compile")
     return recipe
+
+
+def _check_output(args: argparse.Namespace, inputs: Sequence[Path]) -> None:
+    """Refuse an ``-o`` that names no file, or one of the recipe's own inputs (the artifact
+    would replace the source it was compiled from), before anything is compiled."""
+    output = getattr(args, "o", None)
+    if output is None:
+        return
+    if not output:
+        raise UsageError("-o needs a file name to write the artifact to")
+    target = Path(output).expanduser()
+    for given in inputs:
+        with contextlib.suppress(OSError):
+            if target.samefile(given):
+                raise UsageError(
+                    f"-o {output} is the recipe's own input {given}: the artifact would replace "
+                    "it; name another file (add.cubin, say)"
+                )
 
 
 def _from_file(path: Path, data: dict[str, Any], field: str, kind: type[Any]) -> Any:

@@ -67,6 +67,22 @@ def test_a_recipe_file_field_of_the_wrong_type_is_named(
     assert_user_error(result, f"r.json: {field}: {said}")
 
 
+@pytest.mark.parametrize("command", ["compile", "get"])
+def test_o_never_replaces_the_recipes_own_input(tmp_path: Path, command: str) -> None:
+    """``-o`` naming the source (or a header) was written over with the cubin; an empty one
+    wrote nothing and succeeded. Both are refused before anything is compiled."""
+    (tmp_path / "k.cu").write_text(SOURCE)
+    (tmp_path / "mytile.h").write_text("#define TILE 8\n")
+    env = {**user_env(tmp_path), "KCACHE_URL": ""}
+    base = [command, "k.cu", "--target", "sm_90", "--header", "mytile.h"]
+    for output in ("k.cu", "./k.cu", str(tmp_path / "mytile.h")):
+        result = kcache(*base, "-o", output, env=env, cwd=tmp_path)
+        assert_user_error(result, f"-o {output}", "the recipe's own input")
+    assert (tmp_path / "k.cu").read_text() == SOURCE
+    assert (tmp_path / "mytile.h").read_text() == "#define TILE 8\n"
+    assert_user_error(kcache(*base, "-o", "", env=env, cwd=tmp_path), "-o needs a file name")
+
+
 @pytest.mark.parametrize(
     "command",
     [
