@@ -147,6 +147,22 @@ def test_warmup_local_compile_compiles_when_the_server_is_down(home: Path) -> No
     ]
 
 
+def test_warmup_prints_every_recipes_result_when_one_fails(home: Path) -> None:
+    """A recipe that does not compile is its own line (and its log on stderr), beside the
+    others': one failure printed nothing for the recipes that compiled."""
+    recipes = home / "mixed.json"
+    broken = {"source": 'extern "C" __global__ void broken( {', "target": "sm_90"}
+    good = {"source": VECTOR_ADD.replace("add(", "mixed_ok("), "target": "sm_90"}
+    recipes.write_text(json.dumps([good, broken, good]))
+    env = user_env(home, KCACHE_URL="")
+    result = kcache("warmup", str(recipes), "-q", env=env, cwd=home)
+    assert result.returncode == 1, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["status"] for line in lines] == ["compiled", "error", "compiled"], lines
+    assert lines[1]["error"] == "compile_error" and lines[0]["digest"] == lines[2]["digest"]
+    assert "recipes[1]" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_python_warmup_with_local_compile_compiles_when_the_server_is_down(tmp_path: Path) -> None:
     from kcache_client import ClientSettings, KernelCache, RetryPolicy
 

@@ -263,8 +263,9 @@ def _cmd_get(args: argparse.Namespace) -> int:
 
 
 def _cmd_warmup(args: argparse.Namespace) -> int:
+    from kcache_client._artifact import Artifact
     from kcache_client._job_cli import load_manifest, prefetch_summary
-    from kcache_client.errors import WarmupError
+    from kcache_client._warmup import recipe_outcome
 
     if args.file is None and args.manifest is None:
         raise UsageError("give a recipes FILE, a --manifest FILE, or both")
@@ -285,19 +286,23 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
             complete = done.complete
         if not recipes:
             return 0 if complete else 1
-        try:
-            result = run_long(
-                lambda: cache.warmup(recipes, compile=args.compile, progress=not args.quiet),
-                f"warming up {len(recipes)} recipes",
-                status=False,  # its progress bar says how far it is
-            )
-        except WarmupError as exc:
-            if exc.log:
-                print(exc.log.rstrip(), file=sys.stderr)
-            print(f"kcache: {exc}", file=sys.stderr)
-            return 1
-        for art, status in zip(result.artifacts, result.statuses, strict=True):
-            print_result(status, art.recipe_key, art.digest, art.path)
+        # One process is its own leader: each recipe's result, a failure beside the others.
+        results = run_long(
+            lambda: cache.get_many(recipes, compile=args.compile, progress=not args.quiet),
+            f"warming up {len(recipes)} recipes",
+            status=False,  # its progress bar says how far it is
+        )
+        for i, result in enumerate(results):
+            if isinstance(result, Artifact):
+                print_result(result.outcome, result.recipe_key, result.digest, result.path)
+                continue
+            complete = False
+            outcome = recipe_outcome(getattr(result, "recipe_key", None) or "", result)
+            log = outcome.pop("log", "")
+            if log:
+                print(log.rstrip(), file=sys.stderr)
+            print(f"kcache: recipes[{i}]: {outcome['detail']}", file=sys.stderr)
+            print(json.dumps({**outcome, "recipe_key": outcome["recipe_key"] or None}))
         if url and cache.stats.local_compiles:
             print(
                 f"kcache: server unreachable at {url}; {cache.stats.local_compiles} recipes compiled here",
@@ -343,7 +348,8 @@ def register(subparsers: Any) -> None:
         "warmup",
         help="resolve a list of recipes into the server and your cache directory",
         description="Resolve every recipe once (through /v1/resolve/batch where a server is "
-        "configured) and fill your cache directory; prints one JSON line per recipe. With "
+        "configured) and fill your cache directory; prints one JSON line per recipe, a failed "
+        'one as {"status": "error", ...} (its log on stderr; exit 1). With '
         "--manifest, first fetches what the directory lacks of a job's manifest in one request "
         "(as kcache prefetch does) and prints its line; exit 1 when the server lacked some.",
     )

@@ -37,7 +37,14 @@ from kcache_client.errors import (
     WarmupTimeoutError,
 )
 
-__all__ = ["WarmupResult", "error_dict", "malformed", "run_collective", "warmup"]
+__all__ = [
+    "WarmupResult",
+    "error_dict",
+    "malformed",
+    "recipe_outcome",
+    "run_collective",
+    "warmup",
+]
 
 _T = TypeVar("_T")
 
@@ -114,7 +121,9 @@ def warmup(
         concrete = [cache.prepare(r) for r in own]
         keys = [r.key() for r in concrete]
         results = cache.get_many(concrete, compile=compile, progress=bool(progress))
-        outcomes = {key: _outcome(key, result) for key, result in zip(keys, results, strict=True)}
+        outcomes = {
+            key: recipe_outcome(key, result) for key, result in zip(keys, results, strict=True)
+        }
         _raise_first_error(outcomes, keys, leader=cache.rank)
         held = {key: r for key, r in zip(keys, results, strict=True) if isinstance(r, Artifact)}
         return _finish(
@@ -229,7 +238,7 @@ def _lead(
     finally:
         pool.shutdown(wait=False)  # a stuck request must not hold the broadcast back
     keys = [r.key() for r in union]
-    outcomes = {key: _outcome(key, result) for key, result in zip(keys, results, strict=True)}
+    outcomes = {key: recipe_outcome(key, result) for key, result in zip(keys, results, strict=True)}
     held = {key: r for key, r in zip(keys, results, strict=True) if isinstance(r, Artifact)}
     return {"outcomes": outcomes, "error": None}, held
 
@@ -251,8 +260,8 @@ def _finish(
     return WarmupResult(artifacts, statuses, leader, union, time.monotonic() - started)
 
 
-def _outcome(key: str, result: Artifact | KCacheError) -> dict[str, Any]:
-    """One recipe's result as plain data for the broadcast."""
+def recipe_outcome(key: str, result: Artifact | KCacheError) -> dict[str, Any]:
+    """One recipe's result as plain data (the broadcast's; `kcache warmup` prints it)."""
     if isinstance(result, Artifact):
         return {"status": result.outcome, "digest": result.digest}
     if isinstance(result, CompileError):
