@@ -16,7 +16,9 @@ waiting) and keeps it while it lives; the others only append. When a process end
 of a job to end sends the job's last events, and one that ended while the sender was busy
 finds them sent or sends them itself. A sender killed mid-send leaves its taken file
 (``<name>.sending-<pid>-<random>``); whoever holds the lock next sends it too (while the
-lock is held nobody else is sending, so any taken file is a dead sender's).
+lock is held nobody else is sending, so any taken file is a dead sender's). A forked child
+does not lead whatever its parent did: it takes the lock of its own accord (a new lock
+object: the parent's cannot be used in a child).
 
 Where: only in a node tier that is this user's alone (``private`` standing): every line is
 this user's processes', sent with their token (the spool's name is a hash of the server's
@@ -36,6 +38,7 @@ import json
 import logging
 import os
 import secrets
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -70,13 +73,20 @@ class NodeEventSpool:
         tag = hashlib.sha256(f"{url}\0{token or ''}".encode()).hexdigest()[:16]
         self.directory = os.path.join(os.fspath(tier_root), SPOOL_DIR)
         self.path = os.path.join(self.directory, f"{tag}.jsonl")
-        # Not thread-local: the sink's thread takes it, and close() lets it go.
-        self._lock = filelock.FileLock(
-            os.path.join(self.directory, f"{tag}.lock"), mode=0o600, thread_local=False
-        )
+        self._lock_path = os.path.join(self.directory, f"{tag}.lock")
+        self._lock = self._new_lock()
         self.leading = False
+        _SPOOLS.add(self)
         #: Events this process could not spool (the spool full, or not writable).
         self.dropped = 0
+
+    def _new_lock(self) -> filelock.BaseFileLock:
+        # Not thread-local: the sink's thread takes it, and close() lets it go.
+        return filelock.FileLock(self._lock_path, mode=0o600, thread_local=False)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = self._new_lock()
+        self.leading = False
 
     @classmethod
     def for_tier(cls, tier: NodeTier, url: str, token: str | None) -> NodeEventSpool | None:
@@ -209,3 +219,16 @@ def _events_in(path: str) -> list[dict[str, Any]]:
             if isinstance(event, dict):
                 events.append(event)
     return events
+
+
+#: Every spool of this process, for the fork hook below.
+_SPOOLS: weakref.WeakSet[NodeEventSpool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for spool in list(_SPOOLS):
+        spool._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

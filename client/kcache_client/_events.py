@@ -14,14 +14,19 @@ run out of memory over audit records.
 Given a node's spool (:class:`~kcache_client._event_spool.NodeEventSpool`: a private node
 tier), batches are appended to it instead, and the one process of the node that holds the
 spool's lock sends them all: one post per interval per node, not per process.
+
+A forked child (a data loader's worker) starts with an empty queue, no thread and a spool
+it does not lead: what was queued before the fork is the parent's to send, once.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
+import weakref
 from typing import Any
 
 from kcache_client._event_spool import NodeEventSpool
@@ -76,6 +81,15 @@ class EventSink:
         self.sent = 0
         self.dropped = 0
         self.failures = 0
+        _SINKS.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """This sink in a forked child: no thread (threads do not survive a fork), a lock
+        of its own, and none of the parent's queue (the parent sends that)."""
+        self._cond = threading.Condition()
+        self._thread = None
+        self._pending.clear()
+        self._open.clear()
 
     def record(self, event: dict[str, Any]) -> None:
         """Queue one event; never blocks on I/O."""
@@ -234,3 +248,16 @@ class EventSink:
                 if self.pending() < self._batch_size:
                     break
             self._drain_spool(time.monotonic() + self._interval_s)
+
+
+#: Every sink of this process, for the fork hook below.
+_SINKS: weakref.WeakSet[EventSink] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for sink in list(_SINKS):
+        sink._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

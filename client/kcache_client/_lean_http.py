@@ -21,6 +21,10 @@ they are (never followed), and the failures: every transport failure is raised a
 (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``, ``ReadError``, ``WriteError``,
 ``RemoteProtocolError``), so a caller's retry loop treats both alike.
 
+A forked child starts with no idle connection and a lock of its own: the parent's
+connections stay the parent's (a child reading from one of them read the parent's answers,
+and the parent the child's).
+
 A keep-alive connection the server closed while it sat idle is dropped before it is
 used again when its socket reads as closed (as httpcore does). One that fails anyway
 (the request cannot be sent, or the answer ends or resets before it began) is sent
@@ -48,6 +52,7 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
@@ -169,6 +174,7 @@ class LeanClient:
         self._max_idle = max_idle
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
+        _CLIENTS.add(self)
         self._ssl_context: ssl.SSLContext | None = None
         self._closed = False
         self.connections_opened = 0
@@ -389,6 +395,25 @@ class LeanClient:
                     self._idle.append(conn)
                     return
         conn.close()
+
+
+#: Every client of this process, for :func:`_after_fork_in_child`.
+_CLIENTS: weakref.WeakSet[LeanClient] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child's clients let go of the parent's idle connections (closing only the
+    child's copies of their sockets: the parent's stay open) and get locks of their own."""
+    for client in list(_CLIENTS):
+        client._lock = threading.Lock()  # the parent's may have been held by another thread
+        idle, client._idle = client._idle, []
+        for conn in idle:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def tls_context() -> ssl.SSLContext:
