@@ -17,8 +17,10 @@ thing with whichever they are given.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +29,7 @@ from kcache.errors import KCacheError, StoreFullError
 __all__ = [
     "LAYOUT_FILE",
     "SERVER_DATABASE_FILE",
+    "absolute_path",
     "cache_dir",
     "cache_layout",
     "data_dir",
@@ -35,6 +38,7 @@ __all__ = [
     "is_kcache_cache_dir",
     "mark_cache_dir",
     "toolchain_dir",
+    "unusable_cache_dir_message",
     "user_cache_dir",
 ]
 
@@ -48,6 +52,14 @@ CacheLayout = Literal["flat", "fanout"]
 #: Names a cache directory's layout; written when this release creates the directory.
 LAYOUT_FILE = "LAYOUT"
 _LAYOUTS: tuple[CacheLayout, ...] = ("flat", "fanout")
+#: The way out of a cache directory that cannot be used as it is.
+_OTHER_DIRECTORY = (
+    "remove or repair it (the directory is a cache: its kernels are fetched or compiled again), "
+    "or use another directory: --cache-dir DIR or KCACHE_CACHE_DIR (cache_dir= in Python)"
+)
+#: What a layout name looks like (a newer release's among them): anything else in the
+#: file is damage (a crash, an editor), not a release this one does not know.
+_LAYOUT_NAME = re.compile(r"[a-z][a-z0-9_.-]{0,31}")
 
 #: Marks a cache directory (https://bford.info/cachedir/: backup tools skip it too).
 CACHE_TAG_FILE = "CACHEDIR.TAG"
@@ -57,14 +69,24 @@ _CACHE_TAG = (
 )
 
 
+def absolute_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` with ``~`` expanded, joined to the working directory if relative: fixed once,
+    so a later ``os.chdir`` moves nothing. An absolute path is kept as it is (no ``..``
+    resolved, no symlink followed)."""
+    # Strings, one Path at the end: this runs in every process's KernelCache().
+    text = os.path.expanduser(os.fspath(path))
+    if not os.path.isabs(text):
+        text = os.path.join(os.getcwd(), text)
+    return Path(text)
+
+
 def user_cache_dir(name: str, override_env: str | None = None) -> Path:
-    """``$override_env`` if set, else ``<user cache>/kcache/<name>``."""
+    """``$override_env`` if set, else ``<user cache>/kcache/<name>``; absolute, ``~`` expanded."""
     explicit = os.environ.get(override_env) if override_env else None
     if explicit:
-        return Path(explicit)
-    # Strings, one Path at the end: this runs in every process's KernelCache().
+        return absolute_path(explicit)
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(os.path.join(cache_home, "kcache", name))
+    return absolute_path(os.path.join(cache_home, "kcache", name))
 
 
 def toolchain_dir() -> Path:
@@ -76,10 +98,11 @@ def cache_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     """The user's cache directory: ``explicit``, else ``$KCACHE_CACHE_DIR``, else ``~/.cache/kcache/client``.
 
     The client's node tier and local compiles share it, so what one command put there
-    every other command (and every process of the node) finds.
+    every other command (and every process of the node) finds. Absolute, ``~`` expanded
+    (:func:`absolute_path`): a relative one is taken from the working directory now.
     """
     if explicit:
-        return Path(explicit)
+        return absolute_path(explicit)
     return user_cache_dir("client", "KCACHE_CACHE_DIR")
 
 
@@ -122,24 +145,74 @@ def mark_cache_dir(root: Path) -> None:
     :func:`directory_kind` never mistakes a cache that is being filled for a server's."""
     if os.path.exists(f"{root}/{CACHE_TAG_FILE}"):
         return
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:
+        raise unusable_cache_dir(root, exc, "creating it") from None
     _write_marker(root, CACHE_TAG_FILE, _CACHE_TAG)
+
+
+def unusable_cache_dir_message(path: str | os.PathLike[str], problem: str) -> str:
+    """What to say when the cache directory ``path`` cannot be used because of ``problem``:
+    the directory and the ways out (another directory, or a read-only copy as a layer)."""
+    return (
+        f"cannot use the cache directory {path}: {problem}. Use a directory this user can "
+        "write: --cache-dir DIR or KCACHE_CACHE_DIR (cache_dir= in Python); a read-only copy of "
+        "a cache can still be read, named in KCACHE_CACHE_LAYERS above a writable cache directory"
+    )
+
+
+def unusable_cache_dir(
+    root: str | os.PathLike[str], exc: OSError | ValueError, doing: str
+) -> KCacheError:
+    """The :class:`KCacheError` for an ``exc`` met while ``doing`` something in the cache
+    directory ``root``; a full disk (``ENOSPC``, ``EDQUOT``) stays a :class:`StoreFullError`."""
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        full = StoreFullError(full_cache_dir_message(root, code, doing))
+        full.errno = code  # one argument: the message alone, without "[Errno 28]"
+        return full
+    path = os.fspath(root)
+    if isinstance(exc, ValueError):  # the only one os calls raise for a path: a NUL in it
+        problem = "its path holds a NUL character"
+    elif code in (errno.EEXIST, errno.ENOTDIR):
+        problem = _not_a_directory(path)
+    elif code == errno.EROFS:
+        problem = f"it is on a read-only filesystem ({doing})"
+    elif code in (errno.EACCES, errno.EPERM):
+        problem = f"this user may not write there ({doing}: {exc.strerror or exc})"
+    elif code == errno.ENAMETOOLONG:
+        problem = "its path is too long"
+    else:
+        problem = f"{doing}: {exc.strerror or exc}"
+    return KCacheError(unusable_cache_dir_message(path, problem))
+
+
+def _not_a_directory(path: str) -> str:
+    """Which part of ``path`` is a file rather than a directory, in words."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        return "it is a file, not a directory"
+    parent = os.path.dirname(path)
+    while parent and parent != os.path.dirname(parent):
+        if os.path.lexists(parent) and not os.path.isdir(parent):
+            return f"{parent} is a file, not a directory"
+        parent = os.path.dirname(parent)
+    return "a part of its path is a file, not a directory"
 
 
 def _write_marker(root: Path, name: str, text: str) -> None:
     """Write ``root/name`` (concurrent creators write the same bytes); a full disk is a
-    :class:`StoreFullError` naming the directory and the fix, not a bare ``ENOSPC``."""
+    :class:`StoreFullError` naming the directory and the fix, not a bare ``ENOSPC``, and
+    any other failure (a read-only filesystem, no permission) a :class:`KCacheError` saying
+    the same (:func:`unusable_cache_dir`)."""
     staging = root / f".{name}.{os.getpid()}"
     try:
         staging.write_text(text)
         os.replace(staging, root / name)
-    except OSError as exc:
-        staging.unlink(missing_ok=True)
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        full = StoreFullError(full_cache_dir_message(root, exc.errno, f"creating its {name}"))
-        full.errno = exc.errno  # one argument: the message alone, without "[Errno 28]"
-        raise full from None
+    except (OSError, ValueError) as exc:
+        with contextlib.suppress(OSError, ValueError):
+            staging.unlink(missing_ok=True)
+        raise unusable_cache_dir(root, exc, f"creating its {name}") from None
 
 
 def directory_kind(root: Path) -> DirectoryKind:
@@ -190,10 +263,21 @@ def cache_layout(root: Path) -> CacheLayout:
         if named is None and filled:
             return "fanout"
     if named is None:
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except (OSError, ValueError) as exc:
+            raise unusable_cache_dir(root, exc, "creating it") from None
         _write_marker(root, LAYOUT_FILE, "flat\n")
         return "flat"
     if named not in _LAYOUTS:
+        if not _LAYOUT_NAME.fullmatch(named):
+            raise KCacheError(
+                f"{marker} is damaged: it holds {named[:40]!r}, not the name of a layout (a "
+                "crash while it was written, or an edit). The directory is a cache: remove it "
+                "(its kernels are fetched or compiled again), or write flat into the file if "
+                "this release made the directory, or use another directory: --cache-dir DIR or "
+                "KCACHE_CACHE_DIR (cache_dir= in Python)"
+            )
         raise KCacheError(
             f"{marker} names the layout {named[:40]!r}, which this kcache release does not know: "
             "a newer release made this cache directory; upgrade kcache, or use another "
@@ -209,7 +293,17 @@ def _read_marker(path: Path) -> str | None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except NotADirectoryError as exc:  # the directory itself is a file, or under one
+        raise unusable_cache_dir(path.parent, exc, f"reading its {path.name}") from None
+    except (OSError, ValueError) as exc:
+        raise KCacheError(
+            f"cannot read {path} ({getattr(exc, 'strerror', None) or exc}): " + _OTHER_DIRECTORY
+        ) from None
     try:
         return os.read(fd, 64).decode(errors="replace").strip()
+    except OSError as exc:  # a directory by the marker's name, an I/O error
+        raise KCacheError(
+            f"cannot read {path} ({exc.strerror or exc}): " + _OTHER_DIRECTORY
+        ) from None
     finally:
         os.close(fd)

@@ -52,22 +52,24 @@ _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(i?)b?\s*", re.IGNOREC
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
-def parse_size(text: str | int, what: str = "size") -> int:
+def parse_size(text: str | int, what: str = "size", *, zero_means: str | None = "no cap") -> int:
     """Bytes from ``text``: an integer, or a number with a unit (``10GiB``, ``512M``, ``1.5 GB``).
 
     ``K``/``M``/``G``/``T`` with an ``i`` are powers of 1024 (``GiB``), without one
     powers of 1000 (``GB``), as pydantic's ``ByteSize`` reads them, so a server flag
-    and a client variable agree. ``what`` names the setting in the error.
+    and a client variable agree. ``what`` names the setting in the error, which offers 0
+    as ``zero_means`` (None: a setting that refuses 0 offers nothing).
     """
+    zero = f", or 0 for {zero_means}" if zero_means else ""
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
-            raise ValueError(f"{what}: {text} is negative; give a size in bytes, or 0 for no cap")
+            raise ValueError(f"{what}: {text} is negative; give a size in bytes{zero}")
         return text
     match = _SIZE.fullmatch(str(text))
     if match is None:
         raise ValueError(
             f"{what}: {str(text)[:40]!r} is not a size; give bytes (1073741824) or a number with "
-            "a unit (1GiB, 500MB, 512M), or 0 for no cap"
+            f"a unit (1GiB, 500MB, 512M){zero}"
         )
     number, prefix, binary = match.groups()
     base = 1024 if binary or not prefix else 1000

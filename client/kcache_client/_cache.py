@@ -38,15 +38,15 @@ from kcache_client._freeze import FreezeMode, parse_mode
 from kcache_client._http import RetryNotice, Transport
 from kcache_client._include_pins import IncludeSetPins, server_set_digests
 from kcache_client._local import LocalCompiler
-from kcache_client._lookup import Lookup
+from kcache_client._lookup import Lookup, require_recipe
 from kcache_client._offline import OFFLINE_LOGGER, offline_set_digests, offline_toolchain
 from kcache_client._remote import Remote
 from kcache_client._server_facts import kept_default, signed_default
-from kcache_client._settings import ClientSettings
+from kcache_client._settings import ClientSettings, _env_int
 from kcache_client._stats import CacheStats
 from kcache_client._tier import NodeTier
 from kcache_client._trust import Trust
-from kcache_client.errors import ServerUnavailableError
+from kcache_client.errors import CacheClosedError, ServerUnavailableError
 
 if TYPE_CHECKING:  # the job façade's results: kcache_client._jobs is imported when first used
     import httpx  # a caller's own client only: kcache's requests never import it
@@ -57,6 +57,15 @@ if TYPE_CHECKING:  # the job façade's results: kcache_client._jobs is imported 
     from kcache_client._withdrawal_watch import WithdrawalWatch
 
 __all__ = ["OFFLINE_LOGGER", "KernelCache"]
+
+
+def _require_manifest(manifest: object, where: str) -> None:
+    """TypeError naming ``where`` unless ``manifest`` is a JobManifest."""
+    if not isinstance(manifest, JobManifest):
+        raise TypeError(
+            f"{where} takes a kcache.job_manifest.JobManifest (KernelCache.manifest(), "
+            f"job_manifest() or JobManifest.load), not {type(manifest).__name__}"
+        )
 
 
 def _needs(recipe: Recipe) -> tuple[bool, bool]:
@@ -117,8 +126,10 @@ class KernelCache:
         )
         self.stats = CacheStats()
         _tier_stats.track(self.tier, self.stats)  # written at exit: kcache cache stats
-        self.rank = int(os.environ.get("RANK", "0") or 0)
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        # The launcher's (torchrun, SLURM wrappers): a value that is no number is refused
+        # here, by name, not at some later int() deep in a request.
+        self.rank = _env_int("RANK", 0, 0)
+        self.world_size = _env_int("WORLD_SIZE", 1, 1)
         self._transport = (
             Transport(
                 settings.url,
@@ -221,10 +232,18 @@ class KernelCache:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Write the tier's pending records, deliver queued audit events (bounded wait) and
-        close connections; idempotent."""
+        close connections; idempotent.
+
+        A closed cache serves nothing, with a server or without, from memory too: ``get``,
+        ``get_many``, ``warmup``, ``prefetch``, ``job_manifest``, ``toolchains``, ``prepare``,
+        ``key`` and ``check_withdrawals`` raise
+        :class:`~kcache_client.errors.CacheClosedError`; make a new ``KernelCache``. What
+        needs nothing of it still answers: ``stats``, ``manifest()``, ``settings``. Artifacts
+        it returned before stay usable (their bytes are in memory)."""
         if self._closed:
             return
         self._closed = True
+        self._lookup.closed = True
         atexit.unregister(self._atexit)
         self.tier.flush()  # the records of this process's last publishes
         for tier in (self.tier, *self.layers):
@@ -261,6 +280,11 @@ class KernelCache:
             "world_size": self.world_size,
         }
 
+    def _check_open(self, doing: str) -> None:
+        """CacheClosedError after :meth:`close` (see its docstring)."""
+        if self._closed:
+            raise CacheClosedError(doing)
+
     # ------------------------------------------------------------------ keying
     def auto_target(self) -> str:
         """What ``target="auto"`` means here (the device's ``sm_XY``); NoDeviceError without a GPU."""
@@ -278,6 +302,7 @@ class KernelCache:
         and one started while the server is down still keys recipes as it did; failing
         that, a local NVRTC's id is used when local compiles are enabled.
         """
+        self._check_open("default_toolchain()")
         with self._toolchain_lock:
             if self._toolchain_default is not None:
                 return self._toolchain_default
@@ -293,6 +318,7 @@ class KernelCache:
 
     def toolchains(self) -> dict[str, Any]:
         """The server's ``GET /v1/toolchains`` answer (also saved in the tier for offline keying)."""
+        self._check_open("toolchains()")
         remote = self._require_server()
         body = remote.toolchains()
         self.tier.save_server_facts(
@@ -317,6 +343,10 @@ class KernelCache:
     def prepare(self, recipe: Recipe) -> Recipe:
         """The concrete recipe: ``auto`` resolved to this device, the toolchain to the server's,
         and each include set pinned to its contents (:mod:`~kcache_client._include_pins`)."""
+        if not isinstance(recipe, Recipe):
+            require_recipe(recipe, "recipe")
+        if self._closed:
+            raise CacheClosedError("prepare()")
         auto, toolchain = _needs(recipe)
         unpinned = recipe.unpinned_include_sets()
         if not (auto or toolchain or unpinned):
@@ -415,6 +445,15 @@ class KernelCache:
         else ``warn``), ``"warn"``, ``"error"``, ``"allow"``, or None (KCACHE_AFTER_WARMUP's
         word, else nothing changes). A warmup thaws the cache for its own lookups.
         """
+        self._check_open("warmup()")
+        if isinstance(recipes, Recipe | str | bytes | Mapping) or not isinstance(recipes, Iterable):
+            raise TypeError(
+                f"warmup(recipes=...) takes an iterable of kcache Recipe objects, not "
+                f"{type(recipes).__name__}"
+            )
+        recipes = [require_recipe(r, f"warmup recipes[{i}]") for i, r in enumerate(recipes)]
+        if manifest is not None:
+            _require_manifest(manifest, "warmup(manifest=...)")
         from kcache_client._jobs import run_warmup
 
         return run_warmup(
@@ -468,6 +507,7 @@ class KernelCache:
     def job_manifest(self, job_id: str | None = None) -> JobManifest:
         """The server's manifest of ``job_id`` (default this cache's job): every kernel its
         audit events name (``GET /v1/jobs/{job}/manifest``)."""
+        self._check_open("job_manifest()")
         from kcache_client._jobs import server_manifest
 
         return server_manifest(self, job_id)
@@ -485,6 +525,8 @@ class KernelCache:
         request per job, fanned out to the nodes that lack it (:mod:`~kcache_client._fanout`),
         every wait bounded by ``timeout`` as a warmup's.
         """
+        self._check_open("prefetch()")
+        _require_manifest(manifest, "prefetch(manifest)")
         from kcache_client._jobs import prefetch_manifest
 
         return prefetch_manifest(self, manifest, group, timeout=timeout, host=self.host)
@@ -500,6 +542,7 @@ class KernelCache:
         """Read the server's withdrawals now and drop what they name from memory and the node
         tier (:mod:`~kcache_client._withdrawals`); a prefetch does it first when the tiers hold
         some of its manifest. Never raises for the server's sake; nothing without a server."""
+        self._check_open("check_withdrawals()")
         watch = self.withdrawal_watch
         if watch is not None:
             watch.check(force=True)

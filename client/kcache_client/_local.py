@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 
 from kcache.artifact import ArtifactMeta
-from kcache.dirs import user_cache_dir
+from kcache.dirs import toolchain_dir, user_cache_dir
 from kcache.engine import Engine
 from kcache.errors import ToolchainError
 from kcache.recipe import Recipe
@@ -41,6 +41,11 @@ class LocalCompiler:
         self._tier: NodeTier | None = tier if tier.standing.kind == "private" else None
         self._engine: Engine | None = None
         self._lock = threading.Lock()
+        # Where this user's own tier and NVRTC's headers go, absolute now: a process that
+        # changes its working directory later still uses the same ones (KCACHE_TOOLCHAIN_DIR
+        # or XDG_CACHE_HOME may be relative).
+        self._own_root = user_cache_dir("local")
+        self._toolchain_root = toolchain_dir()
 
     @property
     def enabled(self) -> bool:
@@ -52,7 +57,7 @@ class LocalCompiler:
         """The tier local compiles go to: the node tier when private, else this user's own."""
         if self._tier is None:
             own = NodeTier(
-                user_cache_dir("local"),
+                self._own_root,
                 lock_timeout=self.settings.lock_timeout_s,
                 max_bytes=self.settings.cache_max_bytes,
                 trust=self.shared_tier.trust,
@@ -78,7 +83,8 @@ class LocalCompiler:
                     self.tier.index,
                     self.tier.lock,
                     InProcessCompiler(
-                        load_toolchain(), IncludeSets(self.settings.include_sets, max_age_s=0)
+                        load_toolchain(self._toolchain_root),
+                        IncludeSets(self.settings.include_sets, max_age_s=0),
                     ),
                 )
             return self._engine

@@ -55,13 +55,14 @@ from kcache_client._trust import Trust
 from kcache_client._withdrawal_watch import WithdrawalWatch
 from kcache_client._withdrawals import Pair
 from kcache_client.errors import (
+    CacheClosedError,
     RecipeRefusedError,
     RemoteNotFoundError,
     ServerResponseError,
     ServerUnavailableError,
 )
 
-__all__ = ["Lookup"]
+__all__ = ["Lookup", "require_recipe"]
 
 #: Recipes per ``/v1/resolve/batch`` request: big enough for the server to compile
 #: in parallel, small enough for the progress bar to move.
@@ -73,6 +74,26 @@ _ORIGIN_OF_STATUS: dict[str, ArtifactOrigin] = {
     "compiled": "compiled",
     "waited": "waited",
 }
+
+
+def require_recipe(value: Any, where: str) -> Recipe:
+    """``value`` if it is a :class:`~kcache.recipe.Recipe`, else a TypeError naming ``where``,
+    what was given and what is wanted (the project's TypeError for a wrong argument type)."""
+    if isinstance(value, Recipe):
+        return value
+    shown = (
+        f"{type(value).__name__} {value!r}"
+        if value is None or isinstance(value, int | float)
+        else type(value).__name__
+    )
+    hint = (
+        ": wrap source text in Recipe(source=..., kernel=..., target=...)"
+        if isinstance(value, str | bytes)
+        else ": build one with Recipe(...) (a dict: Recipe.from_dict)"
+        if isinstance(value, Mapping)
+        else ""
+    )
+    raise TypeError(f"{where} must be a kcache Recipe, not {shown}{hint}")
 
 
 def _nothing() -> None:
@@ -140,9 +161,14 @@ class Lookup:
         )
         if remote is not None and self.watch is not None:
             remote.withdrawals_through = self.watch.answered
+        #: Set by ``KernelCache.close()``: every lookup then raises CacheClosedError, with a
+        #: server or without, memory hits too (one behaviour, whatever the cache holds).
+        self.closed = False
 
     def require_server(self) -> Remote:
         """The server, or ServerUnavailableError naming why there is none."""
+        if self.closed:
+            raise CacheClosedError("a request to the server")
         if self.remote is None:
             raise ServerUnavailableError(
                 "(none)", "no server configured: set KCACHE_URL or pass url="
@@ -152,6 +178,10 @@ class Lookup:
     # ------------------------------------------------------------------ get
     def get(self, recipe: Recipe, *, compile: bool, refresh: bool) -> Artifact:
         """``KernelCache.get``: see its docstring."""
+        if not isinstance(recipe, Recipe):
+            require_recipe(recipe, "get(recipe)")
+        if self.closed:
+            raise CacheClosedError("get()")
         try:
             return self._get(recipe, compile=compile, refresh=refresh)
         except IncludeSetChangedError:
@@ -212,6 +242,16 @@ class Lookup:
         context: Mapping[str, Any] | None,
     ) -> list[Artifact | KCacheError]:
         """``KernelCache.get_many``: see its docstring."""
+        if isinstance(recipes, Recipe | str | bytes | Mapping) or not isinstance(recipes, Sequence):
+            raise TypeError(
+                f"get_many(recipes) takes a sequence (a list) of kcache Recipe objects, not "
+                f"{type(recipes).__name__}"
+            )
+        for i, recipe in enumerate(recipes):
+            if not isinstance(recipe, Recipe):
+                require_recipe(recipe, f"get_many recipes[{i}]")
+        if self.closed:
+            raise CacheClosedError("get_many()")
         results = self._get_many(recipes, compile=compile, progress=progress, context=context)
         stale = [
             i

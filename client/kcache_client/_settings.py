@@ -29,11 +29,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from kcache._env import env_flag
+from kcache.dirs import absolute_path
 from kcache.dirs import cache_dir as default_cache_dir
-from kcache.errors import KCacheError
+from kcache.errors import KCacheError, RecipeError
 from kcache.eviction import parse_size
+from kcache.targets import parse_target
 from kcache_client._trust import default_known_servers
 from kcache_client._waits import Timeouts, Waits
 
@@ -232,7 +235,7 @@ def _size(explicit: int | str | None, field: str, *, minimum: int = 0) -> int | 
         return None
     what = field if explicit is not None else name
     try:
-        size = parse_size(value, what)
+        size = parse_size(value, what, zero_means="no cap" if minimum == 0 else None)
     except ValueError as exc:
         raise KCacheError(str(exc)) from None
     if size < minimum:
@@ -245,14 +248,78 @@ def _job_id_from_env() -> str | None:
     for name in ("KCACHE_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID"):
         value = os.environ.get(name)
         if value:
-            return value
+            return _label(value, name)
     return None
 
 
-def _include_sets(sets: Mapping[str, str | os.PathLike[str]] | None) -> Mapping[str, Path]:
+#: The longest ``job_id``, ``client_id`` or ``host`` a server records (its audit's columns):
+#: each is sent with every request (``X-KCache-Context``), so a longer one failed them all.
+MAX_LABEL_CHARS = 256
+
+
+def _label(value: str | None, what: str) -> str | None:
+    """``value``, a name the audit records (a job, a client, a host), or a KCacheError naming
+    ``what`` when the server could not record it: too long, or with a control character."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise KCacheError(f"{what}: give a string, not {type(value).__name__}")
+    if len(value) > MAX_LABEL_CHARS:
+        raise KCacheError(
+            f"{what} is {len(value)} characters long; the server records at most "
+            f"{MAX_LABEL_CHARS}: give a shorter one"
+        )
+    if any(c < " " or c == "\x7f" for c in value):
+        raise KCacheError(
+            f"{what}={value[:40]!r} holds a control character: give one without (the server "
+            "records printable names only)"
+        )
+    return value
+
+
+def _path(value: str | os.PathLike[str], what: str, fix: str = "give another path") -> Path:
+    """``value`` as an absolute path, ``~`` expanded (:func:`kcache.dirs.absolute_path`): fixed
+    when the settings are made, so a later ``os.chdir`` moves nothing; a KCacheError naming
+    ``what`` (and saying ``fix``) for what is no path at all."""
+    if isinstance(value, Path) and value.is_absolute() and "\0" not in str(value):
+        return value  # made here already (from_env's, then __post_init__'s look)
+    if not isinstance(value, str | os.PathLike):
+        raise KCacheError(
+            f"{what}: give a path (a str or os.PathLike), not {type(value).__name__}: {fix}"
+        )
+    try:
+        path = absolute_path(value)
+    except (TypeError, ValueError) as exc:
+        raise KCacheError(f"{what}: {value!r} is not a path ({exc}): {fix}") from None
+    if "\0" in str(path):
+        raise KCacheError(f"{what}: {str(value)!r} holds a NUL character, which no path can: {fix}")
+    return path
+
+
+#: The ways to name another cache directory.
+_CACHE_DIR_FIX = "give another with cache_dir= in Python, KCACHE_CACHE_DIR, or --cache-dir"
+
+
+def _cache_dir(explicit: str | os.PathLike[str] | None) -> Path:
+    """The cache directory: ``explicit``, else ``KCACHE_CACHE_DIR``, else the default; absolute."""
+    if explicit is not None and not isinstance(explicit, str | os.PathLike):
+        return _path(explicit, "cache_dir", _CACHE_DIR_FIX)  # refused, naming the argument
+    what = "cache_dir" if explicit else ENVIRONMENT["cache_dir"]
+    if not explicit and not os.environ.get(what):
+        what = "the default cache directory"
+    try:
+        chosen = default_cache_dir(explicit)
+    except (TypeError, ValueError) as exc:
+        raise KCacheError(f"{what}: not a path ({exc}): {_CACHE_DIR_FIX}") from None
+    return _path(chosen, what, _CACHE_DIR_FIX)
+
+
+def _include_sets(
+    sets: Mapping[str, str | os.PathLike[str]] | None, what: str = "include_sets"
+) -> Mapping[str, Path]:
     out: dict[str, Path] = {}
     for name, root in (sets or {}).items():
-        path = Path(root)
+        path = _path(root, f"{what}[{name!r}]", "give the include set's directory")
         if not path.is_dir():
             raise KCacheError(f"include set {name!r}: {path} is not a directory")
         out[name] = path
@@ -260,7 +327,53 @@ def _include_sets(sets: Mapping[str, str | os.PathLike[str]] | None) -> Mapping[
 
 
 def _known_servers(explicit: str | os.PathLike[str] | None) -> Path:
-    return Path(explicit).expanduser() if explicit is not None else default_known_servers()
+    if explicit is not None:
+        return _path(explicit, "known_servers", "give the pin file's path")
+    return _path(default_known_servers(), ENVIRONMENT["known_servers"], "give the pin file's path")
+
+
+def _layers(
+    layers: Sequence[str | os.PathLike[str]] | None, what: str = "layers"
+) -> tuple[Path, ...]:
+    """The read-only layers (``KCACHE_CACHE_LAYERS``, or ``layers``), each absolute."""
+    if layers is None:
+        what = ENVIRONMENT["layers"]
+        layers = os.environ.get(what, "").split(os.pathsep)
+    elif isinstance(layers, str | os.PathLike):
+        layers = [layers]  # one layer given as it is, not its characters
+    fix = "give tier directories or .kcb bundle files"
+    return tuple(_path(p, f"{what}[{i}]", fix) for i, p in enumerate(layers) if str(p).strip())
+
+
+def _token(value: str | None, what: str) -> str | None:
+    """``value``, a token the ``Authorization`` header can carry (printable ASCII), or a
+    KCacheError naming ``what`` and the character's kind, never the token: it is a secret."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise KCacheError(
+            f"{what}: give the server's token as a string, not {type(value).__name__}"
+        )
+    for i, c in enumerate(value):
+        if not " " <= c <= "~":
+            kind = "a control character" if c < " " or c == "\x7f" else "a non-ASCII character"
+            raise KCacheError(
+                f"{what} holds {kind} (character {i + 1} of {len(value)}; the token is not "
+                "shown): an HTTP header carries printable ASCII only. Set it again as the "
+                "server gave it (kcache token create), without line breaks or other characters"
+            )
+    return value
+
+
+def _auto_target(value: str | None, what: str) -> str | None:
+    """``value``, a target ``target="auto"`` can stand for, or a KCacheError naming ``what``."""
+    if value is None:
+        return None
+    try:
+        parse_target(value, what)
+    except RecipeError as exc:
+        raise KCacheError(f'{exc} ({what} says what target="auto" means here)') from None
+    return value
 
 
 def _env_device() -> int | None:
@@ -300,8 +413,49 @@ def _bypass(value: str | None) -> Literal["allow", "error"]:
     raise KCacheError(f"KCACHE_BYPASS={value!r}: give allow (the default) or error")
 
 
-def _url(value: str | None) -> str | None:
-    return (value or "").strip() or None
+#: The ways to give a server's URL, and what one looks like.
+_URL_FIX = (
+    "give the server's URL, such as http://kcache.example:8080 or https://kcache.example (url= "
+    "in Python, KCACHE_URL, or --server)"
+)
+
+
+def _url(value: str | None, what: str = "url") -> str | None:
+    """``value`` stripped (None for none), checked to be a server's URL now rather than at
+    the first request: ``http`` or ``https``, a host, a port that can be one. A
+    KCacheError names ``what`` and shows the URL without its credentials."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise KCacheError(f"{what}={value!r} is a {type(value).__name__}, not a URL: {_URL_FIX}")
+    text = value.strip()
+    if not text:
+        return None
+    problem = None
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018  (raises ValueError for a port that is no port)
+    except ValueError as exc:
+        problem = str(exc)
+    else:
+        if parts.scheme not in ("http", "https"):
+            problem = (
+                "it has no http:// or https:// in front"
+                if "://" not in text
+                else f"the scheme {parts.scheme!r} is not http or https"
+            )
+        elif not parts.hostname:
+            problem = "it names no host"
+    if problem is None:
+        return text
+    scheme, sep, rest = text.rpartition("://") if "://" in text else ("", "", text)
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:  # user:password@host: the credentials are not shown
+        rest = f"***@{authority.rpartition('@')[2]}{slash}{path}"
+    shown = f"{scheme}{sep}{rest}"
+    if not sep:
+        problem += f" (did you mean http://{shown}?)"
+    raise KCacheError(f"{what}={shown!r} is not a server URL: {problem}; {_URL_FIX}")
 
 
 @dataclass(frozen=True)
@@ -332,6 +486,12 @@ class ClientSettings:
     ``bypass`` (``KCACHE_BYPASS``): ``allow`` lets the CuPy and cuda.core adapters hand
     a compile kcache cannot key to the library itself (warned once, audited as
     ``bypass``), ``error`` raises :class:`~kcache_client.errors.BypassRefusedError` instead.
+
+    Checked when made, each refusal a KCacheError naming the argument or variable: the URL
+    (``http``/``https``, a host, a port), the token (printable ASCII, never shown), the auto
+    target, the audit's names (at most 256 printable characters, as the server records
+    them). Paths (``cache_dir``, ``include_sets``, ``layers``, ``known_servers``) are made
+    absolute, ``~`` expanded, then: a later ``os.chdir`` moves none of them.
     """
 
     url: str | None = None
@@ -373,6 +533,27 @@ class ClientSettings:
     offline: bool = False
 
     def __post_init__(self) -> None:
+        # Paths absolute and ``~`` expanded once, here: a later os.chdir moves nothing (what
+        # from_env made is kept as it is), and each is checked to be a path at all.
+        fixed = {
+            "cache_dir": _path(self.cache_dir, "cache_dir", _CACHE_DIR_FIX),
+            "include_sets": (
+                self.include_sets
+                if all(isinstance(p, Path) and p.is_absolute() for p in self.include_sets.values())
+                else _include_sets(self.include_sets)
+            ),
+            "known_servers": _path(self.known_servers, "known_servers", "give the pin file's path"),
+            "layers": _layers(self.layers),
+        }
+        for name, value in fixed.items():
+            if value is not getattr(self, name):
+                object.__setattr__(self, name, value)
+        if self.url is not None and _url(self.url) != self.url:
+            object.__setattr__(self, "url", _url(self.url))
+        _token(self.token, "token")
+        _auto_target(self.auto_target, "auto_target")
+        for name in ("job_id", "client_id", "host"):
+            _label(getattr(self, name), name)
         if self.after_warmup not in (None, "warn", "error", "allow"):
             raise KCacheError(
                 f"KCACHE_AFTER_WARMUP={self.after_warmup!r}: give warn, error or allow"
@@ -441,19 +622,32 @@ class ClientSettings:
         """
         if local_compile is None:
             local_compile = env_flag("KCACHE_LOCAL_COMPILE")
+        env = os.environ
         return cls(
-            url=_url(url or os.environ.get("KCACHE_URL")),
-            token=token or os.environ.get("KCACHE_TOKEN") or None,
-            cache_dir=default_cache_dir(cache_dir),
+            url=_url(url, "url") if url else _url(env.get("KCACHE_URL"), "KCACHE_URL"),
+            token=_token(token, "token")
+            if token
+            else _token(env.get("KCACHE_TOKEN") or None, "KCACHE_TOKEN"),
+            cache_dir=_cache_dir(cache_dir),
             cache_max_bytes=_size(cache_max_bytes, "cache_max_bytes"),
             local_compile=local_compile,
-            include_sets=_include_sets(include_sets or _env_include_sets()),
-            job_id=job_id or _job_id_from_env(),
-            client_id=client_id or os.environ.get("KCACHE_CLIENT_ID") or None,
-            host=host or os.environ.get(ENVIRONMENT["host"], "").strip() or None,
-            auto_target=auto_target
-            or os.environ.get(ENVIRONMENT["auto_target"], "").strip()
-            or None,
+            include_sets=(
+                _include_sets(include_sets)
+                if include_sets
+                else _include_sets(_env_include_sets(), ENVIRONMENT["include_sets"])
+            ),
+            job_id=_label(job_id, "job_id") if job_id else _job_id_from_env(),
+            client_id=_label(client_id, "client_id")
+            if client_id
+            else _label(env.get("KCACHE_CLIENT_ID") or None, "KCACHE_CLIENT_ID"),
+            host=_label(host, "host")
+            if host
+            else _label(env.get(ENVIRONMENT["host"], "").strip() or None, ENVIRONMENT["host"]),
+            auto_target=_auto_target(auto_target, "auto_target")
+            if auto_target
+            else _auto_target(
+                env.get(ENVIRONMENT["auto_target"], "").strip() or None, ENVIRONMENT["auto_target"]
+            ),
             device=device if device is not None else _env_device(),
             send_events=send_events if send_events is not None else _env_send_events(),
             bypass=_bypass(bypass or os.environ.get(ENVIRONMENT["bypass"])),
@@ -469,15 +663,7 @@ class ClientSettings:
             after_warmup=after_warmup
             or os.environ.get(ENVIRONMENT["after_warmup"], "").strip().lower()
             or None,
-            layers=tuple(
-                Path(p).expanduser()
-                for p in (
-                    layers
-                    if layers is not None
-                    else os.environ.get(ENVIRONMENT["layers"], "").split(os.pathsep)
-                )
-                if str(p).strip()
-            ),
+            layers=_layers(layers),
             withdrawal_check_s=withdrawal_check_s
             or _env_seconds(ENVIRONMENT["withdrawal_check_s"], 60.0),
             offline=offline if offline is not None else bool(env_flag(ENVIRONMENT["offline"])),
@@ -492,14 +678,14 @@ class ClientSettings:
         """A copy with the server and cache directory given (what is None is kept)."""
         if url is None and token is None and cache_dir is None:
             return self
-        # A copy of the fields, three replaced: none of them is checked in __post_init__, and
-        # the rest were when this object was made (``replace`` would check all again: every
+        # A copy of the fields, three replaced (each checked here as __post_init__ would), and
+        # the rest were checked when this object was made (``replace`` would check all again: every
         # process's ``KernelCache(cache_dir=..., settings=...)`` comes here).
         located = object.__new__(type(self))
         located.__dict__.update(
             self.__dict__,
-            url=self.url if url is None else _url(url),
-            token=self.token if token is None else token or None,
-            cache_dir=self.cache_dir if cache_dir is None else default_cache_dir(cache_dir),
+            url=self.url if url is None else _url(url, "url"),
+            token=self.token if token is None else _token(token or None, "token"),
+            cache_dir=self.cache_dir if cache_dir is None else _cache_dir(cache_dir),
         )
         return located

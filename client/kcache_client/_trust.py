@@ -104,6 +104,23 @@ def default_known_servers() -> Path:
     return Path(os.path.join(config, "kcache", "known_servers.json"))  # one Path: per cache
 
 
+def _given_keys(value: str) -> TrustedKeys:
+    """``TrustedKeys.parse(value)`` (``~`` expanded in ``@FILE``); a key file that cannot be read is a
+    KCacheError naming the setting and the file, not a bare OSError."""
+    if value.startswith("@"):  # ~ expanded, as the other paths of the settings
+        value = "@" + os.path.expanduser(value[1:])
+    try:
+        return TrustedKeys.parse(value)
+    except (OSError, UnicodeDecodeError) as exc:
+        path = os.path.abspath(value[1:])
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise KCacheError(
+            f"KCACHE_TRUSTED_KEYS (trusted_keys=) names the key file {path}, which cannot be "
+            f"read ({why}): give a readable file of public keys, one a line, as @FILE, or the "
+            "keys themselves, separated by commas or spaces"
+        ) from None
+
+
 class KnownServers:
     """The pin file: URL -> the keys it signed with when first contacted (and since endorsed)."""
 
@@ -204,7 +221,7 @@ class Trust:
     ) -> Trust:
         """Given keys parsed from a setting (SignatureError names a bad one), the pin file,
         and the server entries are checked for (``url``; None: no server, given keys only)."""
-        given = TrustedKeys.parse(trusted_keys) if trusted_keys else TrustedKeys()
+        given = _given_keys(trusted_keys) if trusted_keys else TrustedKeys()
         return cls(given, KnownServers(known_servers), url)
 
     # ------------------------------------------------------------ server answers

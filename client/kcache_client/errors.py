@@ -21,6 +21,7 @@ Hierarchy (every class is also a :class:`kcache.errors.KCacheError`)::
         ├── NoDeviceError (RuntimeError)               target "auto", Artifact.load() or a torch launch without a usable GPU
         ├── ArchitectureMismatchError (RuntimeError)   an artifact built for another GPU or a newer driver
         ├── LateCompileError                           a frozen cache missed its tiers after the warmup
+        ├── CacheClosedError                           the KernelCache was closed: make a new one
         ├── CacheDirFullError (StoreFullError)         the cache directory's filesystem is full (or the quota spent)
         └── WarmupError                                a warmup failed; raised identically on every rank
             ├── WarmupCompileError (CompileError)      ... because a recipe does not compile
@@ -48,6 +49,7 @@ __all__ = [
     "ArchitectureMismatchError",
     "AuthenticationError",
     "BypassRefusedError",
+    "CacheClosedError",
     "CacheDirFullError",
     "ClientError",
     "DigestMismatchError",
@@ -333,6 +335,21 @@ class LateCompileError(ClientError):
         self.recipe_key = recipe_key
         self.kernel = kernel
         self.target = target
+
+
+class CacheClosedError(ClientError):
+    """A ``KernelCache`` was used after its ``close()`` (or the ``with`` block that closed it):
+    its connections, tier handles and event sender are gone. Make a new ``KernelCache``."""
+
+    def __init__(self, doing: str) -> None:
+        super().__init__(
+            f"{doing}: this KernelCache was closed (close(), or the end of its with block); "
+            "make a new KernelCache to go on"
+        )
+        self.doing = doing
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.doing,))
 
 
 class CacheDirFullError(ClientError, StoreFullError):
