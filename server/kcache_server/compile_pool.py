@@ -30,6 +30,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import shutil
+import signal
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -68,6 +69,9 @@ _MEMORY_FAILURES = (
 _START_TIMEOUT_S = 180.0
 #: Waits between attempts to start a replacement worker that failed to start.
 _RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+#: How long a worker that died of SIGTERM or SIGINT waits for the pool to close before it is
+#: replaced: a stop sent to the server's process group reaches the workers first.
+_GROUP_STOP_WAIT_S = 5.0
 #: A worker that dies with less free scratch space than this is taken to have hit a full disk.
 _FULL_DISK_MARGIN = 1 << 20
 
@@ -369,12 +373,27 @@ class ProcessPoolCompiler:
             busy = False
             for sentinel in ready:
                 worker = by_sentinel[sentinel]  # type: ignore[index]
+                if self._stopped_with_the_server(worker):
+                    return
                 if self._queue.take_idle(worker):
                     self._replace(worker, "died while idle")
                 else:
                     busy = True  # starting or compiling: that thread sees the death and replaces it
             if busy:
                 self._stop.wait(0.1)  # its sentinel stays ready until then; do not spin on it
+
+    def _stopped_with_the_server(self, worker: _Worker) -> bool:
+        """Whether ``worker`` died of a stop signal sent to the server's whole process group
+        (systemd's stop, ``timeout``, a terminal's Ctrl-C), as the pool began closing too.
+
+        Such a death comes before the server's own shutdown closes the pool: it waits a
+        moment for that, rather than log a worker dead and start a replacement on every
+        stop. A worker stopped alone (a signal to its pid) is replaced after the wait.
+        """
+        worker.process.join(timeout=1.0)  # its exit code is set once it has been reaped
+        if worker.process.exitcode not in (-signal.SIGTERM, -signal.SIGINT):
+            return False
+        return self._stop.wait(_GROUP_STOP_WAIT_S)
 
     def _unavailable(self) -> str | None:
         """Why no worker can come to a waiting compile, or None (asked under the queue's lock)."""

@@ -33,6 +33,8 @@ import sqlalchemy as sa
 from tests.support import (
     KCACHE,
     ServerThread,
+    answers_200,
+    free_port,
     never_finishes,
     unique,
     upgrade,
@@ -202,6 +204,9 @@ def test_row11_dead_idle_workers_are_replaced_and_no_wait_is_unbounded(
     deaths = [r.getMessage() for r in caplog.records if "died while idle" in r.getMessage()]
     assert len(deaths) == 2
     assert any("started as a replacement" in r.getMessage() for r in caplog.records)
+    stopped = pool.pids[0]
+    os.kill(stopped, signal.SIGTERM)  # one worker stopped alone, not the server's group
+    wait_until(lambda: pool.idle == 2 and stopped not in pool.pids, "the stopped one replaced")
 
     # Every worker dead and none can start: answered with 503 + Retry-After, not a hang
     # (the client's timeout would fail this test first).
@@ -580,3 +585,31 @@ def test_row13_a_full_disk_is_507_store_full_everywhere(small_disk: Path) -> Non
     finally:
         filler.unlink(missing_ok=True)
         server.stop()
+
+
+def test_a_stop_sent_to_the_servers_process_group_logs_no_worker_death(tmp_path: Path) -> None:
+    """systemd's stop (and ``timeout``, a terminal's Ctrl-C) signals the whole process group:
+    the compile workers die of it before the server's shutdown closes the pool, and every
+    stop logged "compile worker pid N died while idle (exit code -15); starting a
+    replacement" for each of them, starting replacements on the way out."""
+    port = free_port()
+    env = {**os.environ, "KCACHE_DATA_DIR": str(tmp_path / "data"), "KCACHE_COMPILE_WORKERS": "2"}
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [KCACHE, "serve", "--port", str(port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group, as a service's
+        )
+    try:
+        wait_until(lambda: answers_200(f"http://127.0.0.1:{port}/readyz"), "the server ready")
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) in (0, -signal.SIGTERM)  # uvicorn re-raises it
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    said = log.read_text()
+    assert "died while idle" not in said and "replacement" not in said, said
