@@ -200,8 +200,10 @@ def include_set_dirs(args: argparse.Namespace) -> dict[str, Path]:
 
 
 def _read(option: str, path: Path) -> str:
+    """A source, header or recipe file's text: UTF-8, a byte-order mark some editors write
+    at its start left out (NVRTC reads it as stray tokens; nvcc skips it)."""
     try:
-        return path.read_text()
+        return path.read_text(encoding="utf-8-sig")
     except OSError as exc:
         raise UsageError(f"{option}: cannot read {path}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
@@ -247,7 +249,7 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
                 ) from exc
             spec[key] = value
     flags = _from_file(path, data, "flags", list)
-    flags += [f"-D{d}" for d in args.define] + list(args.flag)
+    flags += [_define(d) for d in args.define] + list(args.flag)
     data.update(headers=headers, specialization=spec, flags=flags)
     expressions = _from_file(path, data, "name_expressions", list)
     data["name_expressions"] = expressions + list(args.name_expression)
@@ -268,6 +270,18 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
     if not recipe.source.strip() and not recipe.link:
         raise UsageError(f"{path} is empty: there is no kernel to compile")
     return recipe
+
+
+def _define(item: str) -> str:
+    """``--define NAME[=VALUE]`` as its ``-D`` flag; a NAME that is no macro is named here."""
+    from kcache.options import ALLOWED_FLAGS, recipe_flag_refusal
+
+    flag = f"-D{item}"
+    if not ALLOWED_FLAGS.fullmatch(flag):
+        raise UsageError(
+            f"--define {item!r}: {recipe_flag_refusal(flag).removeprefix(repr(flag) + ' ')}"
+        )
+    return flag
 
 
 def _check_output(args: argparse.Namespace, inputs: Sequence[Path]) -> None:

@@ -94,6 +94,10 @@ CONTROL_CHARACTERS = "\\x00-\\x1f\\x7f-\\x9f"
 # "\S" and "." within a line, written so that ECMA-262 reads them alike).
 _CHAR = f"[^{CONTROL_CHARACTERS}]"
 _NON_SPACE = f"[^{CONTROL_CHARACTERS} ]"
+# A macro as -D defines it (NAME, NAME=value, NAME(args)=value) and as -U names it: what
+# NVRTC takes, so "-D=3" or "-D1X" is refused by name rather than failing the compile.
+_MACRO_NAME = "[A-Za-z_][A-Za-z0-9_]*"
+_MACRO = rf"{_MACRO_NAME}(?:\([A-Za-z0-9_, .]*\))?(?:={_CHAR}*)?"
 # An include name's characters: its first is not "." (nor "/"); a later part's may be.
 _NAME_FIRST = "[A-Za-z0-9_+\\-]"
 _NAME_CHAR = "[A-Za-z0-9_.+\\-]"
@@ -138,7 +142,7 @@ _SPECS: tuple[_Spec, ...] = (
         "macro",
         r".+",
         field="define_macro",
-        recipe=(f"-D{_NON_SPACE}{_CHAR}*", f"--define-macro={_CHAR}+"),
+        recipe=(f"-D{_MACRO}", f"--define-macro={_MACRO}"),
     ),
     _Spec(
         "--undefine-macro",
@@ -146,7 +150,7 @@ _SPECS: tuple[_Spec, ...] = (
         "undef",
         r".+",
         field="undefine_macro",
-        recipe=(f"-U{_NON_SPACE}+", f"--undefine-macro={_NON_SPACE}+"),
+        recipe=(f"-U{_MACRO_NAME}", f"--undefine-macro={_MACRO_NAME}"),
     ),
     _Spec("--include-path", "-I", "include", r".+", field="include_path"),
     _Spec("--relocatable-device-code", "-rdc", "setting", _BOOL, "-rdc", "relocatable_device_code"),

@@ -67,6 +67,34 @@ def test_a_recipe_file_field_of_the_wrong_type_is_named(
     assert_user_error(result, f"r.json: {field}: {said}")
 
 
+def test_a_byte_order_mark_is_no_part_of_a_source_or_header(tmp_path: Path) -> None:
+    """An editor's UTF-8 BOM at a file's start failed NVRTC ("unrecognized token"); the key
+    is the one of the same text without it."""
+    plain = _key_of(tmp_path, "plain", SOURCE.encode(), b"#define TILE 8\n")
+    marked = _key_of(
+        tmp_path, "marked", b"\xef\xbb\xbf" + SOURCE.encode(), b"\xef\xbb\xbf#define TILE 8\n"
+    )
+    assert marked == plain
+
+
+def _key_of(tmp_path: Path, name: str, source: bytes, header: bytes) -> str:
+    home = tmp_path / name
+    home.mkdir()
+    (home / "k.cu").write_bytes(source)
+    (home / "mytile.h").write_bytes(header)
+    return _key(home, "--header", "mytile.h")
+
+
+@pytest.mark.parametrize("item", ["A B=3", "=3", "1X=3"])
+def test_a_define_that_is_no_macro_is_named(tmp_path: Path, item: str) -> None:
+    """It compiled and failed inside NVRTC ("catastrophic error"), its message hidden."""
+    (tmp_path / "k.cu").write_text(SOURCE)
+    result = kcache(
+        "key", "k.cu", "--target", "sm_90", "--define", item, env=user_env(tmp_path), cwd=tmp_path
+    )
+    assert_user_error(result, f"--define {item!r}", "is not a macro definition")
+
+
 @pytest.mark.parametrize("command", ["compile", "get"])
 def test_o_never_replaces_the_recipes_own_input(tmp_path: Path, command: str) -> None:
     """``-o`` naming the source (or a header) was written over with the cubin; an empty one

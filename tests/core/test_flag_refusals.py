@@ -36,6 +36,14 @@ from kcache.recipe import Recipe
         ("--use_fast_math=1", "takes no value"),
         ("--ftz=yes", "one of true, false"),
         ("--no-such-option", "is not an NVRTC option kcache knows"),
+        # Not a macro: these passed the allow-list and failed inside NVRTC ("catastrophic
+        # error"), its message hidden as one about a file outside the recipe's inputs.
+        ("-D=3", "is not a macro definition"),
+        ("-D1X=3", "is not a macro definition"),
+        ("-DA B=3", "is not a macro definition"),
+        ("--define-macro==3", "is not a macro definition"),
+        ("-U=1", "does not name a macro"),
+        ("--undefine-macro=1X", "does not name a macro"),
     ],
 )
 def test_a_refused_flag_says_why(flag: str, said: str) -> None:
