@@ -134,3 +134,8 @@ def test_bad_parameters_are_refused_precisely(workload: Workload) -> None:
         assert r.json()["error"] == "invalid_request" and r.json()["field"] == "query.since"
         r = http.get("/v1/stats", params={"group_by": "color"})
         assert r.status_code == 422 and r.json()["field"] == "query.group_by"
+        # A window that ends before it starts held nothing: it read as an empty window.
+        r = http.get("/v1/stats", params={"since": "1h", "until": "2h"})
+        assert r.status_code == 422 and r.json()["field"] == "query.until"
+        assert "is before query.since" in r.json()["detail"]
+        assert http.get("/v1/stats", params={"since": "2h", "until": "1h"}).status_code == 200

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta, timezone
 
 from kcache_server.errors import InvalidRequestError
 
-__all__ = ["SPAN_PATTERN", "UNIX_TIME_PATTERN", "YEAR_PATTERN", "parse_time"]
+__all__ = ["SPAN_PATTERN", "UNIX_TIME_PATTERN", "YEAR_PATTERN", "parse_time", "parse_window"]
 
 # Times a query may name: the unix epoch up to the last second of year 9999.
 _MAX_UNIX_S = 253_402_300_799.0
@@ -95,6 +95,24 @@ def parse_time(value: str | None, field: str, now: float | None = None) -> datet
             "or a span back from now (15m, 2h, 7d)",
         )
     return parsed
+
+
+def parse_window(
+    since: str | None, until: str | None, fields: tuple[str, str]
+) -> tuple[datetime | None, datetime | None]:
+    """A query's window, each end as :func:`parse_time` reads it (``fields`` name them); a
+    window that ends before it starts is an InvalidRequestError naming the end (it held
+    nothing, and its figures read as an empty window rather than as a mistake)."""
+    now = time.time()
+    start, end = parse_time(since, fields[0], now), parse_time(until, fields[1], now)
+    if start is not None and end is not None and end < start:
+        raise InvalidRequestError(
+            fields[1],
+            f"{until!r} ({end:%Y-%m-%d %H:%M:%S}Z) is before {fields[0]} {since!r} "
+            f"({start:%Y-%m-%d %H:%M:%S}Z): a window ends after it starts (a span such as 2h "
+            "counts back from now)",
+        )
+    return start, end
 
 
 def _rfc3339(text: str) -> datetime | None:

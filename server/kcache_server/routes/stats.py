@@ -10,7 +10,7 @@ from kcache_server.auditing.query_times import (
     SPAN_PATTERN,
     UNIX_TIME_PATTERN,
     YEAR_PATTERN,
-    parse_time,
+    parse_window,
 )
 from kcache_server.auditing.stats import compute_stats
 from kcache_server.auditing.stats_models import GroupBy, Stats, StatsQuery
@@ -73,9 +73,10 @@ async def get_stats(
     buckets: Annotated[int, Query(ge=1, le=1000, description="about how many series buckets")] = 60,
 ) -> Stats:
     """Aggregates over the audit events of a window, filtered and grouped as asked."""
+    start, end = parse_window(since, until, ("query.since", "query.until"))
     query = StatsQuery(
-        since=parse_time(since, "query.since"),
-        until=parse_time(until, "query.until"),
+        since=start,
+        until=end,
         job_id=job_id,
         client_id=client_id,
         kernel=kernel,

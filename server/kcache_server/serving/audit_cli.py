@@ -332,7 +332,7 @@ def _unknown_filter(
 
 def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:
     from kcache_server import migrate
-    from kcache_server.auditing.query_times import parse_time
+    from kcache_server.auditing.query_times import parse_window
     from kcache_server.auditing.stats import compute_stats
     from kcache_server.auditing.stats_models import StatsQuery
     from kcache_server.db import open_database
@@ -343,9 +343,12 @@ def _local(args: argparse.Namespace, params: dict[str, str]) -> dict[str, Any]:
     engine = open_database(settings.database_url)
     try:
         migrate.check_schema(engine, settings.database_url)
+        since, until = parse_window(
+            params.get("since"), params.get("until"), ("--since", "--until")
+        )
         query = StatsQuery(
-            since=parse_time(params.get("since"), "--since"),
-            until=parse_time(params.get("until"), "--until"),
+            since=since,
+            until=until,
             job_id=params.get("job_id"),
             client_id=params.get("client_id"),
             kernel=params.get("kernel"),
