@@ -285,4 +285,12 @@ def cmd_unpin(args: argparse.Namespace) -> int:
         )
         params = [("recipe_key", k) for k in keys] + ([("group", args.group)] if args.group else [])
         body = server.request("DELETE", f"/v1/pins?{urlencode(params)}").json()
+        if args.group and not body["unpinned"]:  # a misspelt group read as done
+            pins = server.request("GET", "/v1/pins").json()["pins"]
+            groups = sorted({p["group"] for p in pins if p["group"]})
+            raise ClientError(
+                f"--group {show(args.group)!r}: no pin {'of these keys ' if keys else ''}is in "
+                f"this group, so nothing was unpinned; the groups: "
+                f"{', '.join(map(show, groups)) or '(none)'} (`kcache pin --list`)"
+            )
     return emit(args, body, f"unpinned {body['unpinned']}")

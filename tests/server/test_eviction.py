@@ -272,6 +272,8 @@ def test_cli_pins_and_server_cache(server: ServerThread) -> None:
     assert ls.returncode == 0 and key[:16] in ls.stdout and "pinned" in ls.stdout
     stats = kcache("stats", "--server", server.url)
     assert stats.returncode == 0 and "of 2.0 MiB" in stats.stdout, stats.stdout + stats.stderr
+    typo = kcache("unpin", "--group", "cli-relaese", "--server", server.url)  # unpins nothing
+    assert typo.returncode != 0 and "the groups: cli-release" in typo.stderr, typo.stderr
     unpinned = kcache("unpin", "--group", "cli-release", "--server", server.url)
     assert unpinned.returncode == 0 and "unpinned 1" in unpinned.stdout
     bad = kcache("pin", "not-a-key", "--server", server.url)
