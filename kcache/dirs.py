@@ -27,6 +27,7 @@ from typing import Literal
 from kcache.errors import KCacheError, StoreFullError
 
 __all__ = [
+    "CACHE_TAG_FILE",
     "LAYOUT_FILE",
     "SERVER_DATABASE_FILE",
     "absolute_path",
