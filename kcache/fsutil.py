@@ -118,12 +118,17 @@ def read_file(path: str, max_bytes: int | None = None) -> bytes:
 def open_regular(path: str) -> tuple[int, os.stat_result]:
     """A read-only descriptor of the regular file at ``path`` (never through a symbolic link,
     never blocking on a FIFO) and its ``fstat``; :class:`UnsafeFileError` for anything else.
-    The caller closes it."""
+    A file standing where one of its directories goes is FileNotFoundError: no file is
+    there (readers of a damaged cache read the entry as absent). The caller closes it."""
     try:
         fd = os.open(path, _READ)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafeFileError(path, "is a symbolic link") from None
+        if exc.errno == errno.ENOTDIR:
+            raise FileNotFoundError(
+                errno.ENOENT, "no such file (a part of its path is a file)", path
+            ) from None
         raise
     try:
         st = os.fstat(fd)

@@ -21,6 +21,9 @@ publish: a process that only reads never imports this module.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,11 +37,13 @@ from kcache.locks import SingleFlight
 from kcache.signing import Signature
 from kcache.standing import Standing
 from kcache.store.local import LocalArtifactStore
-from kcache_client._disk_full import tolerate_full
+from kcache_client._disk_full import full_error, tolerate_full, warn_full
 from kcache_client._withdrawals import Withdrawals
 
 if TYPE_CHECKING:
     from kcache_client._tier_size import TierSize
+
+_log = logging.getLogger("kcache_client")
 
 __all__ = ["PublishingTier", "TierPublisher"]
 
@@ -99,6 +104,32 @@ class TierPublisher:
         """The per-key download lock; yields True when another process or thread had it first."""
         with self._tier.lock.hold(recipe_key, self._tier.lock_timeout) as waited:
             yield waited
+
+    def _write(
+        self, recipe_key: str, meta: ArtifactMeta, data: bytes, signature: Signature | None
+    ) -> None:
+        """The blob, then the alias (what a hit reads)."""
+        tier = self._tier
+        digest = tier.store.put(data)
+        if digest != meta.digest:  # the caller verified; this is a second line of defence
+            raise CorruptArtifactError(meta.digest, digest, None)
+        tier.index.write_alias(
+            recipe_key, meta, signature.to_dict() if signature is not None else None
+        )
+
+    def _clear_directory(self, path: object) -> bool:
+        """Remove a directory found where one of this tier's files goes (damage, a stray
+        ``mkdir``), when the tier is this user's own; whether it was removed. In a shared
+        tier it is another user's, and left alone (the kernel is then used from memory)."""
+        tier = self._tier
+        if tier.standing.kind != "private" or not isinstance(path, str | os.PathLike):
+            return False
+        target = os.fspath(path)
+        if not target.startswith(f"{tier.root}{os.sep}") or not os.path.isdir(target):
+            return False
+        shutil.rmtree(target, ignore_errors=True)
+        _log.warning("kcache: removed the directory %s, which stood where a file goes", target)
+        return not os.path.lexists(target)
 
     @contextlib.contextmanager
     def hold_unless(
@@ -174,23 +205,21 @@ class TierPublisher:
             tier.lock.let_go(recipe_key)
             return None
         try:
-            digest = tier.store.put(data)
-            if digest != meta.digest:  # the caller verified; this is a second line of defence
-                raise CorruptArtifactError(meta.digest, digest, None)
-            tier.index.write_alias(
-                recipe_key, meta, signature.to_dict() if signature is not None else None
-            )
-        except PermissionError as exc:
-            if not tier.standing.signed_only:
-                raise
-            # Another user's file (a stale or planted one) at this name in a shared tier.
+            try:
+                self._write(recipe_key, meta, data, signature)
+            except IsADirectoryError as exc:  # a directory where the blob or alias goes
+                if not self._clear_directory(exc.filename2):
+                    raise
+                self._write(recipe_key, meta, data, signature)  # once more, in its place
+        except OSError as exc:  # the kernel is used from memory, never a failed get
+            # A full disk; another user's file at this name in a shared tier (a stale or
+            # planted one); a directory there that is not this user's to remove; ...
             tier.lock.let_go(recipe_key)
-            tier.refuse(f"the entry of recipe {recipe_key}", f"cannot be published: {exc}")
-            return None
-        except OSError:  # a full disk: the kernel is used from memory (kcache_client._disk_full)
-            tier.lock.let_go(recipe_key)
-            with tolerate_full(tier.root, "keeping a kernel"):
-                raise
+            full = full_error(tier.root, exc, "keeping a kernel")
+            if full is not None:
+                warn_full(full)  # once per process (kcache_client._disk_full)
+            else:
+                tier.refuse(f"the entry of recipe {recipe_key}", f"cannot be published: {exc}")
             return None
         tier.lock.let_go(recipe_key)
         with self._pending_lock:
@@ -198,7 +227,7 @@ class TierPublisher:
             due = len(self._pending) >= _PENDING_MAX
         if due:
             self.flush()
-        return tier.store.path(digest)
+        return tier.store.path(meta.digest)
 
     def flush(self, until: float | None = None) -> None:
         """Write the records and manifest entries of this process's pending publishes; may

@@ -60,6 +60,14 @@ def test_read_file_reads_the_whole_file(tmp_path: Path, size: int) -> None:
     assert read_file(str(tmp_path / "f")) == data
 
 
+def test_a_file_where_a_directory_goes_reads_as_no_file(tmp_path: Path) -> None:
+    """ENOTDIR (a damaged cache: a file where an index directory goes) is FileNotFoundError,
+    which every reader takes as an absent entry; it escaped as NotADirectoryError."""
+    (tmp_path / "recipes").write_text("not a directory\n")
+    with pytest.raises(FileNotFoundError):
+        read_file(str(tmp_path / "recipes" / "entry.json"))
+
+
 def test_read_file_raises_as_open_does(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         read_file(str(tmp_path / "missing"))
