@@ -446,6 +446,8 @@ def _url(value: str | None, what: str = "url") -> str | None:
             )
         elif not parts.hostname:
             problem = "it names no host"
+        elif parts.path.rstrip("/").endswith("/v1"):  # every request would be /v1/v1/...: 404
+            problem = "it ends in /v1, which kcache adds itself: give the server's root"
     if problem is None:
         return text
     scheme, sep, rest = text.rpartition("://") if "://" in text else ("", "", text)

@@ -160,6 +160,8 @@ def test_a_rank_that_is_no_number_is_refused_by_name(
         ("http://host:port", ["Port could not be cast"]),
         ("ftp://kcache.example", ["'ftp' is not http or https"]),
         ("http://", ["no host"]),
+        ("http://127.0.0.1:8470/v1", ["ends in /v1", "the server's root"]),
+        ("https://kcache.example/prefix/v1/", ["ends in /v1"]),
         (18800, ["int"]),
     ],
 )
