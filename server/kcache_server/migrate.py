@@ -42,8 +42,10 @@ __all__ = [
     "current_revisions",
     "has_tables",
     "head_revisions",
+    "known_revisions",
     "migrations_dir",
     "prepare_database",
+    "refuse_newer",
     "script_head",
     "upgrade",
 ]
@@ -88,6 +90,35 @@ def head_revisions(url: str) -> set[str]:
     from alembic.script import ScriptDirectory
 
     return set(ScriptDirectory.from_config(alembic_config(url)).get_heads())
+
+
+def known_revisions(url: str) -> list[str]:
+    """Every revision of this release's migration scripts, oldest first."""
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(alembic_config(url))
+    return [script.revision for script in reversed(list(scripts.walk_revisions()))]
+
+
+def _newer_release(have: set[str], url: str) -> str | None:
+    """Why a database at ``have`` cannot be used by this release, if a newer one migrated it."""
+    unknown = have - set(known_revisions(url))
+    if not unknown:
+        return None
+    where = make_url(url).render_as_string(hide_password=True)
+    return (
+        f"the database {where} was migrated by a newer release of kcache (revision "
+        f"{', '.join(sorted(unknown))} > {', '.join(sorted(head_revisions(url)))}, this "
+        "release's newest): run that release (or a newer one) against it, or restore a backup "
+        "taken before that upgrade; `kcache db upgrade` never downgrades"
+    )
+
+
+def refuse_newer(engine: sa.Engine, url: str) -> None:
+    """Raise :class:`SchemaOutOfDateError` when a newer release migrated the database."""
+    problem = _newer_release(current_revisions(engine), url)
+    if problem is not None:
+        raise SchemaOutOfDateError(problem)
 
 
 def current_revisions(engine: sa.Engine) -> set[str]:
@@ -171,6 +202,9 @@ def check_schema(engine: sa.Engine, url: str) -> None:
     need = head_revisions(url)
     have = current_revisions(engine)
     if have != need:
+        newer = _newer_release(have, url)
+        if newer is not None:
+            raise SchemaOutOfDateError(newer)
         where = make_url(url).render_as_string(hide_password=True)
         raise SchemaOutOfDateError(
             f"the database {where} is at revision {', '.join(sorted(have)) or '(none)'} but this "

@@ -3,28 +3,123 @@
 One object, built in :func:`kcache_server.create_app` (never at import), so tests
 and the ``kcache serve`` flags inject every value, the auditing ones included:
 ``Settings(audit=AuditSettings(retention_days=7))`` or ``KCACHE_AUDIT_RETENTION_DAYS=7``.
+
+Every number a setting gives is checked against what the code that uses it can take,
+whatever the field's own bounds (:class:`_Checked`): a number is finite (``inf`` and
+``nan`` are refused), a duration in seconds (``*_s``) is at most :data:`MAX_SECONDS` (a
+year), one in days (``*_days``) at most :data:`MAX_DAYS`, and a whole number at most
+:data:`MAX_INT` (what SQLite and PostgreSQL store). A variable set to the empty string
+is unset (its default), as an empty ``KCACHE_DB_URL`` always was.
 """
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import json
+import math
 import re
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
+    "KNOWN_OTHER_VARIABLES",
+    "MAX_DAYS",
+    "MAX_INT",
+    "MAX_SECONDS",
     "AuditSettings",
     "Settings",
     "VerificationSettings",
     "is_loopback",
     "settings_help",
     "settings_variables",
+    "unknown_variables",
 ]
+
+#: The longest duration a ``*_s`` setting may give: a year. Longer is a mistake (``1e12``),
+#: and the code that waits with one (threading's and subprocess's timeouts, ``now +`` it
+#: as a time) cannot take much more.
+MAX_SECONDS = 365 * 86_400
+#: The longest a ``*_days`` setting may give: 100 years (``now -`` it is still a date).
+MAX_DAYS = 36_500
+#: The largest whole number a setting may give (bytes, counts): a signed 64-bit integer,
+#: what SQLite, PostgreSQL's BIGINT and the C calls they reach hold.
+MAX_INT = (1 << 63) - 1
+#: What ``kcache serve --help`` says of those bounds.
+_BOUNDS = (
+    f"numbers must be finite; *_S durations are at most {MAX_SECONDS} (a year), *_DAYS at most "
+    f"{MAX_DAYS}, whole numbers at most {MAX_INT}; an empty variable is unset"
+)
+
+#: ``KCACHE_*`` variables that are not server settings but are known, so ``kcache serve``
+#: does not warn of them (:func:`unknown_variables`): the client's (its ``ENVIRONMENT``,
+#: kept in step by tests/server/test_settings_mistakes.py, since the server never imports
+#: the client), the core's, the server's internal ones and the deploy files' (nginx's
+#: template, install-systemd).
+KNOWN_OTHER_VARIABLES = frozenset(
+    {
+        # the client (kcache_client._settings.ENVIRONMENT)
+        "KCACHE_URL",
+        "KCACHE_OFFLINE",
+        "KCACHE_TOKEN",
+        "KCACHE_CACHE_DIR",
+        "KCACHE_CACHE_MAX_BYTES",
+        "KCACHE_LOCAL_COMPILE",
+        "KCACHE_CLIENT_INCLUDE_SETS",
+        "KCACHE_JOB_ID",
+        "KCACHE_CLIENT_ID",
+        "KCACHE_CLIENT_HOST",
+        "KCACHE_AUTO_TARGET",
+        "KCACHE_DEVICE",
+        "KCACHE_SEND_EVENTS",
+        "KCACHE_BYPASS",
+        "KCACHE_MEMORY_ENTRIES",
+        "KCACHE_CLIENT_LOCK_TIMEOUT_S",
+        "KCACHE_WITHDRAWAL_CHECK_S",
+        "KCACHE_RETRY_ATTEMPTS",
+        "KCACHE_RETRY_BASE_S",
+        "KCACHE_RETRY_CAP_S",
+        "KCACHE_RETRY_BUDGET_S",
+        "KCACHE_MAX_RETRY_AFTER_S",
+        "KCACHE_REQUEST_DEADLINE_S",
+        "KCACHE_COMPILE_DEADLINE_S",
+        "KCACHE_CONNECT_TIMEOUT_S",
+        "KCACHE_READ_TIMEOUT_S",
+        "KCACHE_CLIENT_MAX_ARTIFACT_BYTES",
+        "KCACHE_TRUSTED_KEYS",
+        "KCACHE_KNOWN_SERVERS",
+        "KCACHE_AFTER_WARMUP",
+        "KCACHE_CACHE_LAYERS",
+        # the core (kcache.cli, kcache._waiting)
+        "KCACHE_DEBUG",
+        "KCACHE_PROGRESS_S",
+        # the server's own, not settings
+        "KCACHE_MIGRATIONS_DIR",
+        "KCACHE_SERVER_SETTINGS_JSON",
+        # a section as one JSON value (pydantic-settings reads them as such)
+        "KCACHE_AUDIT",
+        "KCACHE_VERIFY",
+        # the deploy files: nginx's template, install-systemd, the image build
+        "KCACHE_LISTEN",
+        "KCACHE_REPLICA",
+        "KCACHE_BLOBS",
+        "KCACHE_EDGE_CACHE",
+        "KCACHE_FLEET_KEY",
+        "KCACHE_PREFIX",
+        "KCACHE_USER",
+        "KCACHE_UNIT_DIR",
+        "KCACHE_CONFIG_DIR",
+        "KCACHE_STATE_DIR",
+        "KCACHE_NO_START",
+        # the tests' PostgreSQL
+        "KCACHE_TEST_PG_URL",
+    }
+)
 
 
 #: What ``accel_redirect`` may be: a path nginx's internal location is named by.
@@ -41,7 +136,31 @@ def is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve to anything
 
 
-class AuditSettings(BaseSettings):
+def _usable_number(name: str, value: object) -> object:
+    """``value`` if the code that uses setting ``name`` can take it; a ValueError saying why not."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("is not a finite number: give a number (inf and nan are refused)")
+    if name.endswith("_s") and value > MAX_SECONDS:
+        raise ValueError(f"is more than a year: give at most {MAX_SECONDS} seconds")
+    if name.endswith("_days") and value > MAX_DAYS:
+        raise ValueError(f"is more than 100 years: give at most {MAX_DAYS} days")
+    if isinstance(value, int) and value > MAX_INT:
+        raise ValueError(f"is too large: give at most {MAX_INT}")
+    return value
+
+
+class _Checked(BaseSettings):
+    """What every settings model checks beyond its fields' own bounds (the module docstring)."""
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _usable(cls, value: Any, info: ValidationInfo) -> Any:
+        return _usable_number(info.field_name or "", value)
+
+
+class AuditSettings(_Checked):
     """``Settings.audit``: the audit writer, retention and client-event limits.
 
     Each field is ``KCACHE_AUDIT_<NAME>`` in the environment. A section of
@@ -49,7 +168,9 @@ class AuditSettings(BaseSettings):
     from the environment whether the section is built alone or with ``Settings``.
     """
 
-    model_config = SettingsConfigDict(env_prefix="KCACHE_AUDIT_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="KCACHE_AUDIT_", extra="ignore", env_ignore_empty=True
+    )
 
     flush_s: float = Field(
         default=0.5, gt=0, description="audit events are written in batches this often"
@@ -79,7 +200,7 @@ class AuditSettings(BaseSettings):
     )
 
 
-class VerificationSettings(BaseSettings):
+class VerificationSettings(_Checked):
     """``Settings.verify``: verified hits (:mod:`kcache_server.verification`).
 
     Each field is ``KCACHE_VERIFY_<NAME>`` in the environment. On by default, at a
@@ -87,7 +208,9 @@ class VerificationSettings(BaseSettings):
     each at most once a day, by one low-priority worker busy at most 5 % of the time.
     """
 
-    model_config = SettingsConfigDict(env_prefix="KCACHE_VERIFY_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="KCACHE_VERIFY_", extra="ignore", env_ignore_empty=True
+    )
 
     enabled: bool = Field(default=True, description="compile a sample of served artifacts again")
     sample_rate: float = Field(
@@ -107,15 +230,16 @@ class VerificationSettings(BaseSettings):
     )
 
 
-class Settings(BaseSettings):
+class Settings(_Checked):
     """Everything ``kcache serve`` can be told; each field is ``KCACHE_<NAME>`` in the environment.
 
     An unknown keyword is refused rather than ignored: a misspelt setting injected by
     code would otherwise silently keep its default. (Unknown ``KCACHE_*`` variables are
-    never read, so the client's ``KCACHE_URL`` does not bother the server.)
+    never read, so the client's ``KCACHE_URL`` does not bother the server; ``kcache serve``
+    warns of those that are nobody's, :func:`unknown_variables`.)
     """
 
-    model_config = SettingsConfigDict(env_prefix="KCACHE_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="KCACHE_", extra="forbid", env_ignore_empty=True)
 
     data_dir: Path = Field(
         default=Path(".kcache"), description="blob store, SQLite database, locks, compile scratch"
@@ -191,7 +315,10 @@ class Settings(BaseSettings):
         default=120.0, gt=0, description="a compile past this is killed"
     )
     compile_memory_mb: int = Field(
-        default=8192, ge=256, description="address-space limit of a compile worker"
+        default=8192,
+        ge=256,
+        le=1 << 24,
+        description="address-space limit of a compile worker (at most 16777216: 16 TiB)",
     )
     compile_sandbox: Literal["auto", "required", "best-effort", "off"] = Field(
         default="auto",
@@ -337,6 +464,49 @@ class Settings(BaseSettings):
         description="verified hits: KCACHE_VERIFY_<NAME>, see VerificationSettings",
     )
 
+    @field_validator(
+        "data_dir",
+        "toolchain_dir",
+        "edge_log",
+        "signing_key_file",
+        "signing_previous_key_file",
+        mode="before",
+    )
+    @classmethod
+    def _named_path(cls, value: Any) -> Any:
+        """An empty path (a flag given as ``''``) is refused: ``Path('')`` is the current directory."""
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is empty: name a path, or leave it unset for the default")
+        return value
+
+    @field_validator("data_dir")
+    @classmethod
+    def _a_directory(cls, value: Path) -> Path:
+        """Refuse a data directory that is a file, or lies under one (it is made when missing)."""
+        place = value
+        while not (place.exists() or place.is_symlink()) and place.parent != place:
+            place = place.parent
+        if place.exists() and not place.is_dir():
+            where = "is" if place == value else f"lies under {place}, which is"
+            raise ValueError(
+                f"{where} a file, not a directory: name the server's data directory "
+                "(made when missing)"
+            )
+        return value
+
+    @field_validator("store_low_water")
+    @classmethod
+    def _below_high_water(cls, value: float, info: ValidationInfo) -> float:
+        """The low water mark is below the high one (eviction goes from the high down to the low)."""
+        high = info.data.get("store_high_water")
+        if high is not None and not value < high:
+            raise ValueError(
+                f"must be below KCACHE_STORE_HIGH_WATER={high:g} (eviction starts above the "
+                "high mark and evicts down to the low one): lower KCACHE_STORE_LOW_WATER or raise "
+                "KCACHE_STORE_HIGH_WATER, e.g. 0.8 and 0.9"
+            )
+        return value
+
     @field_validator("db_url")
     @classmethod
     def _openable_db_url(cls, value: str | None) -> str | None:
@@ -344,6 +514,12 @@ class Settings(BaseSettings):
         if not value:
             return None
         scheme = value.split("://", 1)[0].lower() if "://" in value else ""
+        if scheme and scheme.split("+", 1)[0] not in ("sqlite", "postgresql", "postgres"):
+            raise ValueError(
+                f"{scheme}:// is not a database kcache can use (it keeps its index in SQLite or "
+                "PostgreSQL): write sqlite:////ABSOLUTE/PATH/kcache.db or "
+                "postgresql+psycopg://USER:PASSWORD@HOST:5432/DB"
+            )
         if scheme in ("postgres", "postgresql", "postgresql+psycopg2"):
             raise ValueError(
                 f"{scheme}:// cannot be opened here (SQLAlchemy has no postgres:// dialect, and "
@@ -442,6 +618,9 @@ def settings_variables() -> list[tuple[str, str, str]]:
 def settings_help(width: int = 100) -> str:
     """The ``KCACHE_*`` settings, one entry each: the variable and its default, then what it does."""
     lines = ["settings: each is a KCACHE_* environment variable (a flag above overrides its own):"]
+    lines.extend(
+        textwrap.wrap(f"({_BOUNDS})", width=width, initial_indent="  ", subsequent_indent="  ")
+    )
     body = textwrap.TextWrapper(
         width=width, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False
     )
@@ -450,3 +629,23 @@ def settings_help(width: int = 100) -> str:
         if description:
             lines.extend(body.wrap(description))
     return "\n".join(lines) + "\n"
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """The ``KCACHE_*`` names in ``environ`` no one reads, each with the closest setting (or None).
+
+    Known: every server setting (:func:`settings_variables`) and
+    :data:`KNOWN_OTHER_VARIABLES`. Names are compared as pydantic-settings reads them,
+    regardless of case. ``kcache serve`` warns of each: a misspelt setting would
+    otherwise keep its default silently.
+    """
+    settings = [variable for variable, _, _ in settings_variables()]
+    known = set(settings) | KNOWN_OTHER_VARIABLES
+    found: list[tuple[str, str | None]] = []
+    for name in sorted(n for n in environ if n.upper().startswith("KCACHE_")):
+        if name.upper() in known:
+            continue
+        # Compared without the prefix all share, which would make any two names look alike.
+        close = difflib.get_close_matches(name.upper()[7:], [v[7:] for v in settings], n=1)
+        found.append((name, f"KCACHE_{close[0]}" if close else None))
+    return found

@@ -38,7 +38,7 @@ from kcache.signing import (
     SigningKey,
 )
 
-__all__ = ["HEADER", "ArtifactSigner"]
+__all__ = ["HEADER", "ArtifactSigner", "load_signing_key"]
 
 #: Recipe keys whose signature is remembered (the resolver keeps as many keys' metadata).
 _MEMO_KEYS = 100_000
@@ -59,18 +59,20 @@ class ArtifactSigner:
         """The signer of the key in ``key_path`` (made there when ``create`` and absent).
 
         A key given explicitly (a secret file) is never made: its absence is a
-        configuration error, said with the setting to fix.
+        configuration error, said with the setting to fix. So is a file that holds no
+        unencrypted Ed25519 private key in PEM (garbage, DER, a public key, a passphrase).
         """
-        try:
-            key = SigningKey.load_or_create(path) if create else SigningKey.load(path)
-        except FileNotFoundError:
-            raise SignatureError(
-                f"KCACHE_SIGNING_KEY_FILE={path} does not exist: give the path of an Ed25519 "
-                "private key (PEM), e.g. made by `openssl genpkey -algorithm ed25519 -out FILE && chmod 600 FILE`, or unset it"
-            ) from None
+        setting = (
+            f"KCACHE_SIGNING_KEY_FILE={path}"
+            if not create
+            else f"the signing key {path} (KCACHE_SIGNING_KEY_FILE is unset: the data directory's)"
+        )
+        key = load_signing_key(path, setting, create=create, unset=not create)
         previous = None
         if previous_path is not None:
-            previous = SigningKey.load(previous_path)
+            previous = load_signing_key(
+                previous_path, f"KCACHE_SIGNING_PREVIOUS_KEY_FILE={previous_path}", unset=True
+            )
             if previous.key_id == key.key_id:
                 raise SignatureError(
                     "KCACHE_SIGNING_PREVIOUS_KEY_FILE holds the current signing key: give the key "
@@ -122,3 +124,41 @@ class ArtifactSigner:
                 }
             )
         return {"algorithm": ALGORITHM, "signing_key_id": self.key.key_id, "keys": keys}
+
+
+#: How a usable key file is made, for the errors about one that is not.
+_MAKE_KEY = (
+    "give the path of an unencrypted Ed25519 private key in PEM (`kcache signing-key create "
+    "FILE` makes one)"
+)
+
+
+def load_signing_key(
+    path: Path, setting: str, *, create: bool = False, unset: bool = False
+) -> SigningKey:
+    """The key in ``path`` (made there when ``create`` and absent).
+
+    A :class:`SignatureError` naming ``setting`` (the variable and file, or the file)
+    when there is none to use: missing, a directory, unreadable, readable by others,
+    encrypted, or no private key in PEM; ``unset``: a setting, which may be unset instead.
+    """
+    fix = _MAKE_KEY + (", or unset it" if unset else "")
+    if path.is_dir():
+        raise SignatureError(f"{setting} is a directory: {fix}")
+    try:
+        return SigningKey.load_or_create(path) if create else SigningKey.load(path)
+    except FileNotFoundError:
+        raise SignatureError(f"{setting} does not exist: {fix}") from None
+    except OSError as exc:
+        raise SignatureError(f"{setting} cannot be read ({exc.strerror or exc}): {fix}") from None
+    except SignatureError as exc:
+        raise SignatureError(f"{setting}: {exc}") from None
+    except TypeError:  # cryptography: "Password was not given but private key is encrypted"
+        raise SignatureError(
+            f"{setting} is encrypted with a passphrase, which a server cannot be given: "
+            "write it unencrypted (mode 0600), e.g. `openssl pkey -in FILE -out NEW && chmod 600 NEW`"
+        ) from None
+    except ValueError:  # cryptography: empty, not PEM (DER), a public key, another format
+        raise SignatureError(
+            f"{setting} holds no private key in PEM (is it empty, DER, or a public key?): {fix}"
+        ) from None

@@ -55,8 +55,22 @@ _URL_HELP = (
 )
 
 
-def _variable(loc: Iterable[object]) -> str:
-    return "KCACHE_" + "_".join(str(part) for part in loc).upper()
+def _variable(loc: Iterable[object], prefix: str = "KCACHE_") -> str:
+    return prefix + "_".join(str(part) for part in loc).upper()
+
+
+def _prefix(model: str) -> str:
+    """The variables' prefix of the settings model named ``model`` (a section's own: ``KCACHE_AUDIT_``).
+
+    A section built from the environment by itself (``Settings``' default for it) reports
+    its errors under its own name, its fields' names without the section's.
+    """
+    from kcache_server.settings import AuditSettings, Settings, VerificationSettings
+
+    for section in (AuditSettings, VerificationSettings, Settings):
+        if section.__name__ == model:
+            return str(section.model_config.get("env_prefix") or "KCACHE_")
+    return "KCACHE_"
 
 
 def settings_error(exc: Exception, flags: Mapping[str, object]) -> UsageError:
@@ -65,10 +79,12 @@ def settings_error(exc: Exception, flags: Mapping[str, object]) -> UsageError:
 
     lines: list[str] = []
     if isinstance(exc, ValidationError):
+        prefix = _prefix(exc.title)
         for err in exc.errors():
             loc = [str(part) for part in err["loc"]]
             name = loc[0] if loc else "?"
-            where = _FLAGS.get(name, name) if name in flags and len(loc) == 1 else _variable(loc)
+            flagged = name in flags and len(loc) == 1 and prefix == "KCACHE_"
+            where = _FLAGS.get(name, name) if flagged else _variable(loc, prefix)
             shown = "" if any(s in name for s in _SECRET) else f"={str(err.get('input'))[:80]!r}"
             message = str(err["msg"]).removeprefix("Value error, ")
             lines.append(f"{where}{shown}: {message}")

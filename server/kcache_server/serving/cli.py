@@ -166,9 +166,26 @@ def _disk_at_start(settings: Settings) -> int:
     return 0
 
 
+def _warn_unknown_variables() -> None:
+    """One warning per ``KCACHE_*`` variable that is no one's setting (a misspelt one keeps its default)."""
+    import logging
+
+    from kcache_server.settings import unknown_variables
+
+    log = logging.getLogger("kcache_server.serving")
+    for name, close in unknown_variables(os.environ):
+        hint = f"; did you mean {close}?" if close else ""
+        log.warning(
+            "%s is not a kcache setting and is ignored%s (kcache serve --help lists them)",
+            name,
+            hint,
+        )
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     cap = {"max_store_bytes": args.max_store_bytes} if args.max_store_bytes is not None else {}
     settings = _settings(args, **cap)
+    _warn_unknown_variables()
     taken = _port_taken(settings.host, settings.port)
     if taken is not None:
         print(
@@ -215,6 +232,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _upgrade(url: str, revision: str) -> None:
+    """``migrate.upgrade``, a revision Alembic refuses told as the argument to fix."""
+    from alembic.util.exc import CommandError
+
+    from kcache.cli_toolkit import UsageError
+    from kcache_server import migrate
+
+    try:
+        migrate.upgrade(url, revision)
+    except CommandError as exc:
+        known = migrate.known_revisions(url)
+        if revision not in (*known, "head", "heads"):
+            raise UsageError(
+                f"db upgrade: this release has no revision {revision!r}: give head (the default) "
+                f"or one of its revisions {known[0]} ... {known[-1]}"
+            ) from None
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(
+            f"db upgrade {revision}: {detail}; `kcache db current` shows where the database is "
+            "(it is never downgraded)"
+        ) from None
+
+
 def _cmd_db_upgrade(args: argparse.Namespace) -> int:
     from kcache_server import migrate
     from kcache_server.backends import open_settings_database
@@ -223,7 +263,8 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
     db = open_settings_database(settings)  # creates the data directory for SQLite
     try:
         before = migrate.current_revisions(db)
-        migrate.upgrade(settings.database_url, args.revision)
+        migrate.refuse_newer(db, settings.database_url)
+        _upgrade(settings.database_url, args.revision)
         reached = migrate.current_revisions(db)
     finally:
         db.dispose()
@@ -353,13 +394,27 @@ def _verify_by_recompiling(settings: Any, db: Any, sample: int | None) -> int:
 
 
 def _positive_float(text: str) -> float:
-    """An argparse type: a number above 0."""
+    """An argparse type: a finite number above 0 (a setting's own upper bound is its own check)."""
+    import math
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number (inf and nan are refused)")
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} is not a number above 0")
+    return value
+
+
+def _days(text: str) -> float:
+    """An argparse type: a number of days above 0, at most ``MAX_DAYS`` (100 years)."""
+    from kcache_server.settings import MAX_DAYS
+
+    value = _positive_float(text)
+    if value > MAX_DAYS:
+        raise argparse.ArgumentTypeError(f"{text} is more than 100 years: give at most {MAX_DAYS}")
     return value
 
 
@@ -430,9 +485,17 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
             ) from exc
     elif args.exist_ok:
         raise UsageError("--exist-ok needs --token-file (a fresh random token never exists yet)")
-    token = _tokens(args).create(
-        args.name, args.scope or ["read"], token=given, exist_ok=args.exist_ok
-    )
+    tokens = _tokens(args)
+    try:
+        token = tokens.create(
+            args.name, args.scope or ["read"], token=given, exist_ok=args.exist_ok
+        )
+    except Exception as exc:
+        import sqlalchemy as sa
+
+        if given is None or not isinstance(exc, sa.exc.IntegrityError):
+            raise
+        raise UsageError(_token_in_use(tokens.engine, given, args.token_file)) from None
     if given is not None:  # the caller has the value already: never echo a secret
         print(f"kcache: token {args.name!r} is stored (from {args.token_file})", file=sys.stderr)
         return 0
@@ -442,6 +505,28 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _token_in_use(engine: Any, token: str, file: str) -> str:
+    """Why a token from ``--token-file`` cannot be stored: another token (named) holds that value."""
+    import sqlalchemy as sa
+
+    from kcache_server.auth import hash_token
+    from kcache_server.models import tokens_table
+    from kcache_server.terminal import printable
+
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(tokens_table.c.name, tokens_table.c.revoked_at).where(
+                tokens_table.c.token_hash == hash_token(token)
+            )
+        ).first()
+    holder = f"token {printable(row.name)!r}" if row is not None else "another token"
+    revoked = " (revoked)" if row is not None and row.revoked_at is not None else ""
+    return (
+        f"--token-file: {file} holds the value of {holder}{revoked}, and each token needs its own: "
+        "write a new secret to a file for this one (e.g. `openssl rand -hex 32 > FILE`)"
+    )
 
 
 def _cmd_token_list(args: argparse.Namespace) -> int:
@@ -591,7 +676,7 @@ def register(subparsers: Any) -> None:
     _add_db_options(rekey)
     rekey.add_argument(
         "--since",
-        type=_positive_float,
+        type=_days,
         default=30.0,
         metavar="DAYS",
         help="recipes used within this many days (default 30)",

@@ -91,15 +91,16 @@ def _cmd_create(args: argparse.Namespace) -> int:
 
 def _cmd_public(args: argparse.Namespace) -> int:
     from kcache.cli_toolkit import UsageError
-    from kcache.signing import SignatureError, SigningKey
+    from kcache.signing import SignatureError
+    from kcache_server.signer import load_signing_key
 
     path = Path(args.file)
+    if not path.exists():
+        raise UsageError(f"{path} does not exist: name a server's signing key file")
     try:
-        key = SigningKey.load(path)
-    except FileNotFoundError:
-        raise UsageError(f"{path} does not exist: name a server's signing key file") from None
-    except (SignatureError, ValueError) as exc:
-        raise UsageError(f"{path}: {exc}") from None
+        key = load_signing_key(path, str(path))
+    except SignatureError as exc:
+        raise UsageError(str(exc)) from None
     if args.out:
         _check_public_destination(Path(args.out), "--out")
         _write_public(Path(args.out), key.key_id, key.public_key)
