@@ -494,6 +494,19 @@ class Settings(_Checked):
             )
         return value
 
+    @field_validator("include_sets")
+    @classmethod
+    def _set_directories(cls, value: dict[str, Path]) -> dict[str, Path]:
+        """Each include set names a directory (a compile that names the set would otherwise
+        be refused for every header it includes, as if the set were empty)."""
+        for name, root in value.items():
+            if not root.is_dir():
+                what = "is not a directory" if root.exists() else "does not exist"
+                raise ValueError(
+                    f"include set {name!r}: {root} {what}: name its headers' directory"
+                )
+        return value
+
     @field_validator("store_low_water")
     @classmethod
     def _below_high_water(cls, value: float, info: ValidationInfo) -> float:

@@ -22,6 +22,7 @@ Every command is a real ``kcache`` process in a clean environment (tests/cli_har
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -199,6 +200,13 @@ def test_water_marks_out_of_order_name_both_variables(tmp_path: Path, env: dict[
 def test_a_mysql_url_says_which_databases_kcache_uses(tmp_path: Path) -> None:
     text = _refused(_serve(tmp_path, "--db-url", "mysql://u@localhost/d"), "--db-url", "mysql")
     assert "sqlite" in text and "postgresql+psycopg" in text
+
+
+def test_an_include_set_that_names_no_directory_stops_the_start(tmp_path: Path) -> None:
+    """It was an "unexpected error" (a ValueError from deep in the start)."""
+    missing = json.dumps({"cutlass": str(tmp_path / "no" / "such")})
+    text = _refused(_serve(tmp_path, KCACHE_INCLUDE_SETS=missing), "KCACHE_INCLUDE_SETS")
+    assert "include set 'cutlass'" in text and "does not exist" in text
 
 
 def test_a_data_dir_that_is_a_file_says_so(tmp_path: Path) -> None:
