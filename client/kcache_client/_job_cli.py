@@ -72,7 +72,7 @@ def _open_cache(args: argparse.Namespace, url: str | None) -> KernelCache:
 @contextmanager
 def _session(args: argparse.Namespace, url: str | None) -> Iterator[KernelCache]:
     """A cache for one command; a server that fails it told as the command's error."""
-    from kcache_client.errors import AuthenticationError, ServerUnavailableError
+    from kcache_client.errors import NO_SERVER, AuthenticationError, ServerUnavailableError
 
     cache = _open_cache(args, url)
     try:
@@ -80,6 +80,8 @@ def _session(args: argparse.Namespace, url: str | None) -> Iterator[KernelCache]
     except AuthenticationError as exc:
         raise UsageError(f"{exc}\npass a token with --token or $KCACHE_TOKEN") from exc
     except ServerUnavailableError as exc:
+        if exc.url == NO_SERVER:  # the error says what to set already
+            raise UsageError(str(exc)) from exc
         raise UsageError(f"{exc}\npass --server URL or set KCACHE_URL to a running server") from exc
     finally:
         cache.close()

@@ -55,6 +55,7 @@ from kcache_client._trust import Trust
 from kcache_client._withdrawal_watch import WithdrawalWatch
 from kcache_client._withdrawals import Pair
 from kcache_client.errors import (
+    NO_SERVER,
     CacheClosedError,
     RecipeRefusedError,
     RemoteNotFoundError,
@@ -171,7 +172,7 @@ class Lookup:
             raise CacheClosedError("a request to the server")
         if self.remote is None:
             raise ServerUnavailableError(
-                "(none)", "no server configured: set KCACHE_URL or pass url="
+                NO_SERVER, "set KCACHE_URL (--server URL for a command, url= in Python)"
             )
         return self.remote
 

@@ -75,11 +75,21 @@ class ClientError(KCacheError):
     """Root of the errors the client raises on purpose."""
 
 
+#: The ``url`` of a :class:`ServerUnavailableError` when no server is configured.
+NO_SERVER = "(none)"
+
+
 class ServerUnavailableError(ClientError, ConnectionError):
     """The server at ``url`` could not be reached after the bounded retries."""
 
     def __init__(self, url: str, cause: str) -> None:
-        super().__init__(f"kcache server {url} is unreachable: {cause}")
+        # "(none)": no server is configured at all, which nothing can reach.
+        what = (
+            "no kcache server is configured"
+            if url == NO_SERVER
+            else f"kcache server {url} is unreachable"
+        )
+        super().__init__(f"{what}: {cause}")
         self.url = url
         self.cause = cause
 
