@@ -163,9 +163,11 @@ def test_asking_for_a_server_with_none_configured_says_none_is(tmp_path: Path) -
     """It said "kcache server (none) is unreachable", as if one were down."""
     from kcache_client.errors import ServerUnavailableError
 
-    with KernelCache(url="", cache_dir=tmp_path / "tier") as cache:
-        with pytest.raises(ServerUnavailableError) as raised:
-            cache.toolchains()
+    with (
+        KernelCache(url="", cache_dir=tmp_path / "tier") as cache,
+        pytest.raises(ServerUnavailableError) as raised,
+    ):
+        cache.toolchains()
     said = str(raised.value)
     assert said.startswith("no kcache server is configured") and "KCACHE_URL" in said, said
     assert "unreachable" not in said
