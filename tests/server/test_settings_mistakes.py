@@ -197,6 +197,12 @@ def test_water_marks_out_of_order_name_both_variables(tmp_path: Path, env: dict[
     _refused(_serve(tmp_path, **env), "KCACHE_STORE_LOW_WATER", "KCACHE_STORE_HIGH_WATER")
 
 
+def test_a_bad_max_store_bytes_flag_is_named_as_the_flag(tmp_path: Path) -> None:
+    """It named KCACHE_MAX_STORE_BYTES, a variable the user never set."""
+    text = _refused(_serve(tmp_path, "--max-store-bytes", "5XB"), "--max-store-bytes")
+    assert "KCACHE_MAX_STORE_BYTES" not in text and "fix the flag" in text
+
+
 def test_a_mysql_url_says_which_databases_kcache_uses(tmp_path: Path) -> None:
     text = _refused(_serve(tmp_path, "--db-url", "mysql://u@localhost/d"), "--db-url", "mysql")
     assert "sqlite" in text and "postgresql+psycopg" in text

@@ -47,6 +47,7 @@ _FLAGS = {
     "compile_timeout_s": "--compile-timeout",
     "force_insecure": "--force-insecure",
     "recreate_index": "--recreate-index",
+    "max_store_bytes": "--max-store-bytes",
 }
 #: Fields whose values are not echoed (a database URL may carry a password).
 _SECRET = ("db_url", "token", "password")
@@ -125,7 +126,7 @@ def load_settings(args: argparse.Namespace, **extra: Any) -> Settings:
     try:
         return Settings(**overrides, **extra)
     except (ValidationError, SettingsError) as exc:
-        raise settings_error(exc, overrides) from None
+        raise settings_error(exc, {**overrides, **extra}) from None
 
 
 def _database_named(args: argparse.Namespace) -> tuple[str, str]:

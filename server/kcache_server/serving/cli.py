@@ -710,7 +710,8 @@ def register(subparsers: Any) -> None:
     create.add_argument(
         "--token-file",
         metavar="FILE",
-        help="store the token in FILE (a deployment's secret) instead of a new random one; not printed",
+        help="store the token read from FILE (a deployment's secret) instead of a new random "
+        "one; not printed",
     )
     create.add_argument(
         "--exist-ok",
