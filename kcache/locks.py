@@ -78,9 +78,11 @@ _NAP_GROWTH = 1.5
 _FILE_LOCK_POLL_S = 0.05
 # Errors that mean no lock is to be had here: go ahead as if it were (ENOSYS: no flock on
 # this filesystem; EACCES/EPERM: a file or directory not writable here; ELOOP/EISDIR: a
-# link or a directory where a key's file goes, which another user of a shared tier can make).
+# link or a directory where a key's file goes, which another user of a shared tier can make;
+# ENOTDIR: a file where the locks' directory goes, a damaged tier).
 _NO_LOCKS = frozenset(
     {
+        errno.ENOTDIR,
         errno.ENOLCK,
         errno.ENOSYS,
         errno.EOPNOTSUPP,

@@ -19,6 +19,8 @@ import pytest
 from client_harness import KcacheServer, kernels
 from kcache_client import ClientSettings, KernelCache
 
+from kcache.errors import KCacheError
+
 SETTINGS = ClientSettings.from_env(send_events=False)
 
 
@@ -67,3 +69,30 @@ def test_a_tier_that_cannot_take_an_entry_still_answers_from_memory(
         assert cache.get(recipe).digest == art.digest  # from memory
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "index/recipes is not a directory" in said, said  # one warning, naming it
+
+
+def test_a_file_where_the_index_goes_is_named_with_the_way_out(
+    kserver: KcacheServer, tmp_path: Path
+) -> None:
+    tier = tmp_path / "tier"
+    _fresh(kserver, tier).close()
+    shutil.rmtree(tier / "index")
+    (tier / "index").write_text("not a directory\n")
+    with pytest.raises(KCacheError) as raised:  # NotADirectoryError from deep inside before
+        _fresh(kserver, tier)
+    said = str(raised.value)
+    assert f"{tier / 'index'} is a file where the cache keeps a directory" in said, said
+    assert "remove that file" in said and "--cache-dir" in said
+
+
+def test_a_file_where_the_locks_go_costs_no_get(
+    kserver: KcacheServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = tmp_path / "tier"
+    _fresh(kserver, tier).close()
+    shutil.rmtree(tier / "locks")
+    (tier / "locks").write_text("not a directory\n")
+    (recipe,) = kernels(1, "damage-locks", target="sm_80")
+    with _fresh(kserver, tier) as cache:  # untrusted, said once: nothing written into it
+        assert cache.get(recipe).data[:4] == b"\x7fELF"  # no lock to be had: goes ahead
+    assert "locks is not a directory" in " ".join(r.getMessage() for r in caplog.records)
