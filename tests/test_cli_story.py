@@ -153,14 +153,19 @@ def test_warmup_prints_every_recipes_result_when_one_fails(home: Path) -> None:
     recipes = home / "mixed.json"
     broken = {"source": 'extern "C" __global__ void broken( {', "target": "sm_90"}
     good = {"source": VECTOR_ADD.replace("add(", "mixed_ok("), "target": "sm_90"}
-    recipes.write_text(json.dumps([good, broken, good]))
+    too_old = {"source": VECTOR_ADD.replace("add(", "mixed_old("), "target": "sm_10"}
+    recipes.write_text(json.dumps([good, broken, good, too_old]))
     env = user_env(home, KCACHE_URL="")
     result = kcache("warmup", str(recipes), "-q", env=env, cwd=home)
     assert result.returncode == 1, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [line["status"] for line in lines] == ["compiled", "error", "compiled"], lines
+    assert [line["status"] for line in lines] == ["compiled", "error", "compiled", "error"], lines
     assert lines[1]["error"] == "compile_error" and lines[0]["digest"] == lines[2]["digest"]
-    assert "recipes[1]" in result.stderr and "Traceback" not in result.stderr
+    # A target this NVRTC does not compile is that recipe's failure, not the batch's (it
+    # was reported as '--target: ...', a flag the command was never given).
+    assert lines[3]["error"] == "RecipeError" and "sm_10" in lines[3]["detail"]
+    assert "recipes[1]" in result.stderr and "recipes[3]" in result.stderr
+    assert "--target" not in result.stderr and "Traceback" not in result.stderr
 
 
 def test_python_warmup_with_local_compile_compiles_when_the_server_is_down(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from dataclasses import replace
 from typing import Any
 
 from kcache.artifact import ArtifactMeta
-from kcache.errors import CompileError, IncludeSetChangedError, KCacheError
+from kcache.errors import CompileError, IncludeSetChangedError, KCacheError, RecipeError
 from kcache.job_manifest import ManifestKernel
 from kcache.lru import LruCache
 from kcache.recipe import Recipe
@@ -506,10 +506,12 @@ class Lookup:
     def _compile_one_locally(
         self, concrete: Recipe, key: str, offline: ServerUnavailableError
     ) -> Artifact | KCacheError:
-        """One recipe of a batch compiled here because the server is unreachable."""
+        """One recipe of a batch compiled here because the server is unreachable; its own
+        failure (a compile error, a target or option this NVRTC refuses) is its result, as
+        the server's batch answers it, not the whole batch's."""
         try:
             return self._compile_locally(concrete, key, True, offline)
-        except CompileError as exc:
+        except (CompileError, RecipeError) as exc:
             return exc
 
     # ------------------------------------------------------------------ events
