@@ -600,8 +600,10 @@ def check_include_name(field_name: str, name: object) -> str:
         raise RecipeError(field_name, "contains a NUL byte")
     if len(name) > LIMITS.name_chars:
         raise RecipeError(field_name, f"is longer than {LIMITS.name_chars} characters")
-    if name.startswith("/") or "\\" in name:
+    if name.startswith("/"):
         raise RecipeError(field_name, f"{name!r} must be a relative name, not an absolute path")
+    if "\\" in name:
+        raise RecipeError(field_name, f"{name!r} holds a backslash: write its parts with '/'")
     if any(part in ("..", ".", "") for part in name.split("/")):
         raise RecipeError(field_name, f"{name!r} must not contain '..', '.' or empty path parts")
     raise RecipeError(field_name, f"{name!r} may hold only letters, digits and _.+-/")

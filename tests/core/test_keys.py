@@ -435,6 +435,18 @@ def test_header_names_and_texts_are_checked_each_and_the_first_bad_one_named() -
                 assert good or outcome.startswith(f"headers[{name!r}]: "), (name, text, outcome)
 
 
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("/abs/a.h", "not an absolute path"),
+        ("a\\b.h", "holds a backslash: write its parts with '/'"),  # relative: not "absolute"
+        ("../a.h", "must not contain '..'"),
+    ],
+)
+def test_a_bad_header_name_is_told_what_is_wrong_with_it(name: str, said: str) -> None:
+    assert said in _headers_outcome({name: "x"})
+
+
 def test_the_headers_size_limits() -> None:
     from kcache.recipe import LIMITS
 
