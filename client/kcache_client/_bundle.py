@@ -420,6 +420,7 @@ def write_bundle_file(
                 f"(first {done.missing[0]}): resolve them first (kcache warmup), then bundle"
             )
     target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)  # as a manifest's save makes its own
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     count = 0
     try:

@@ -344,6 +344,16 @@ def test_the_cli_saves_a_jobs_manifest_prefetches_it_and_bundles_it(
     )
     assert made.returncode == 0, made.stderr
     assert json.loads(made.stdout)["entries"] == 3
+    # Where -o goes: a missing directory is made (as a manifest's save makes one); a
+    # directory is refused by the name given (it was '.k.kcb.1234.partial: Is a directory').
+    bundle = ["bundle", "create", "--manifest", str(tmp_path / "m.json"), "--server", url]
+    nested = tmp_path / "new" / "dir" / "k.kcb"
+    assert run_kcache(*bundle, "-o", str(nested), env=env).returncode == 0 and nested.is_file()
+    for command in (bundle, ["manifest", "save", "--job", JOB, "--server", url]):
+        refused = run_kcache(*command, "-o", str(tmp_path / "new"), env=env)
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr
+        assert f"-o {tmp_path / 'new'} is a directory" in refused.stderr, refused.stderr
+        assert ".partial" not in refused.stderr and ".tmp-" not in refused.stderr
     unknown = run_kcache(
         "manifest",
         "save",
