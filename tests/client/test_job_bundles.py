@@ -187,7 +187,9 @@ def _bundle_file(job: Job, manifest: JobManifest, tmp_path: Path) -> Path:
 
 def _trusting(job: Job, *, given: bool = True) -> Trust:
     other = SigningKey.generate().public_key
-    return Trust.from_settings(job.public_key if given else other, Path("/nonexistent/known"))
+    # A pin file (and the memo beside it) of its own in the job's temporary home.
+    known = job.known.parent / "trusting" / "known.json"
+    return Trust.from_settings(job.public_key if given else other, known)
 
 
 def _flip_in_first_entry(whole: bytes) -> bytes:
