@@ -28,6 +28,7 @@ from kcache.cli_toolkit import (
     add_cache_dir_argument,
     add_recipe_arguments,
     add_server_arguments,
+    holds_a_cache,
     include_set_dirs,
     print_result,
     recipe_from_args,
@@ -37,8 +38,6 @@ from kcache.cli_toolkit import (
     write_output,
 )
 from kcache.dirs import (
-    CACHE_TAG_FILE,
-    LAYOUT_FILE,
     SERVER_DATABASE_FILE,
     cache_dir,
     cache_layout,
@@ -250,23 +249,6 @@ def _absent(root: Path, option: str) -> str:
     return f"{root} ({option}) does not exist"
 
 
-def _holds_a_cache(root: Path, option: str) -> bool:
-    """Whether the directory ``root`` holds a cache to check or collect: one kcache marked
-    (its tag, layout file, blobs or index), else nothing if it is empty. A directory with
-    other things in it (a project's, a typo) is refused: verify and gc turned it into a
-    cache directory (``LAYOUT``, ``blobs/``, ``index/``) before."""
-    marks = (CACHE_TAG_FILE, LAYOUT_FILE, "blobs", "index")
-    if any((root / mark).exists() for mark in marks):
-        return True
-    if any(root.iterdir()):
-        raise UsageError(
-            f"{root} ({option}) is not a kcache cache directory (it holds other files, and no "
-            f"{CACHE_TAG_FILE}, blobs or index): name a cache directory, or a server's data "
-            "directory with --data-dir"
-        )
-    return False
-
-
 def _cmd_verify(args: argparse.Namespace) -> int:
     from kcache.maintenance import VerifyReport
 
@@ -274,7 +256,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     kind = directory_kind(root)
     if kind == "server" or args.db_url:
         return _server_maintenance(args, root, option, "verify")
-    if kind == "absent" or not _holds_a_cache(root, option):
+    if kind == "absent" or not holds_a_cache(root, option):
         if named and kind == "absent":
             raise UsageError(_absent(root, option))
         report = VerifyReport()  # nothing cached yet: nothing to check, nothing created
@@ -306,7 +288,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             "it records it, and a shorter grace can delete a blob about to be named; pass --force if no "
             "compile can be running"
         )
-    if kind == "absent" or not _holds_a_cache(root, option):
+    if kind == "absent" or not holds_a_cache(root, option):
         if named and kind == "absent":
             raise UsageError(_absent(root, option))
         report = GcReport()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kcache._cli_parser import parser_providing
-from kcache.dirs import directory_kind
+from kcache.dirs import CACHE_TAG_FILE, LAYOUT_FILE, directory_kind
 from kcache.errors import KCacheError, RecipeError
 
 if TYPE_CHECKING:
@@ -112,6 +112,24 @@ def refuse_server_dir(root: Path, option: str) -> None:
             f"{root} ({option}) is a kcache server's data directory, which only server commands write; "
             "use your cache directory (--cache-dir, $KCACHE_CACHE_DIR), or compile through the server (--server URL)"
         )
+
+
+def holds_a_cache(root: Path, option: str) -> bool:
+    """Whether the directory ``root`` holds a cache for a command that reads or tidies one
+    (verify, gc, cache info and ls, layers): one kcache marked (its tag, layout file, blobs
+    or index), else nothing if it is empty. A directory with other things in it (a
+    project's, a typo) is refused: those commands turned it into a cache directory
+    (``LAYOUT``, ``blobs/``, ``index/``) before."""
+    marks = (CACHE_TAG_FILE, LAYOUT_FILE, "blobs", "index")
+    if any((root / mark).exists() for mark in marks):
+        return True
+    if any(root.iterdir()):
+        raise UsageError(
+            f"{root} ({option}) is not a kcache cache directory (it holds other files, and no "
+            f"{CACHE_TAG_FILE}, blobs or index): name a cache directory, or a server's data "
+            "directory with --data-dir"
+        )
+    return False
 
 
 # ---------------------------------------------------------------------------- a recipe

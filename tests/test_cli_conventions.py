@@ -85,24 +85,30 @@ def _key_of(tmp_path: Path, name: str, source: bytes, header: bytes) -> str:
     return _key(home, "--header", "mytile.h")
 
 
-@pytest.mark.parametrize("command", ["verify", "gc"])
-def test_verify_and_gc_never_make_a_cache_of_another_directory(
-    tmp_path: Path, command: str
+@pytest.mark.parametrize(
+    "command", [["verify"], ["gc"], ["cache", "info"], ["cache", "ls"], ["layers"]], ids=" ".join
+)
+def test_reading_commands_never_make_a_cache_of_another_directory(
+    tmp_path: Path, command: list[str]
 ) -> None:
-    """A project's directory named by mistake got LAYOUT, blobs/ and index/ written into it."""
+    """A project's directory named by mistake got LAYOUT, blobs/ and index/ written into it
+    (verify, gc, layers), a missing one was made (layers)."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "notes.txt").write_text("hi\n")
     env = user_env(tmp_path)
-    result = kcache(command, "--cache-dir", str(project), env=env, cwd=tmp_path)
+    result = kcache(*command, "--cache-dir", str(project), env=env, cwd=tmp_path)
     assert_user_error(result, "is not a kcache cache directory")
     assert [p.name for p in project.iterdir()] == ["notes.txt"]
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert kcache(command, "--cache-dir", str(empty), env=env, cwd=tmp_path).returncode == 0
-    assert list(empty.iterdir()) == []  # nothing to check, nothing made
-    result = kcache(command, "--cache-dir", str(project / "notes.txt"), env=env, cwd=tmp_path)
+    result = kcache(*command, "--cache-dir", str(project / "notes.txt"), env=env, cwd=tmp_path)
     assert_user_error(result, "is a file, not a directory")
+    result = kcache(*command, "--cache-dir", str(tmp_path / "typo"), env=env, cwd=tmp_path)
+    assert result.returncode != 0 and not (tmp_path / "typo").exists(), result.stderr
+    if command in (["verify"], ["gc"]):
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        assert kcache(*command, "--cache-dir", str(empty), env=env, cwd=tmp_path).returncode == 0
+        assert list(empty.iterdir()) == []  # nothing to check, nothing made
 
 
 @pytest.mark.parametrize("item", ["A B=3", "=3", "1X=3"])

@@ -199,6 +199,10 @@ def _cmd_bundle_unpack(args: argparse.Namespace) -> int:
 
 
 def _cmd_layers(args: argparse.Namespace) -> int:
+    from kcache_client._tier_cache_cli import existing_cache_dir
+
+    explicit = getattr(args, "cache_dir", None)
+    existing_cache_dir(cache_dir(explicit), explicit)  # it lists a tier: it makes none
     cache = _open_cache(args, None)
     try:
         rows = [("writable", cache.tier)] + [("read-only", layer) for layer in cache.layers]
