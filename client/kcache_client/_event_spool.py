@@ -38,13 +38,13 @@ import json
 import logging
 import os
 import secrets
-import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import filelock
 
 from kcache.fsutil import make_dirs, read_file
+from kcache_client._forked import reset_in_child
 
 if TYPE_CHECKING:
     from kcache_client._tier import NodeTier
@@ -76,7 +76,7 @@ class NodeEventSpool:
         self._lock_path = os.path.join(self.directory, f"{tag}.lock")
         self._lock = self._new_lock()
         self.leading = False
-        _SPOOLS.add(self)
+        reset_in_child(self)
         #: Events this process could not spool (the spool full, or not writable).
         self.dropped = 0
 
@@ -219,16 +219,3 @@ def _events_in(path: str) -> list[dict[str, Any]]:
             if isinstance(event, dict):
                 events.append(event)
     return events
-
-
-#: Every spool of this process, for the fork hook below.
-_SPOOLS: weakref.WeakSet[NodeEventSpool] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for spool in list(_SPOOLS):
-        spool._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
-import weakref
 from typing import Any
 
 from kcache_client._event_spool import NodeEventSpool
+from kcache_client._forked import reset_in_child
 from kcache_client._http import Transport
 from kcache_client._settings import RetryPolicy
 from kcache_client.errors import ClientError, ServerUnavailableError
@@ -81,7 +80,7 @@ class EventSink:
         self.sent = 0
         self.dropped = 0
         self.failures = 0
-        _SINKS.add(self)
+        reset_in_child(self)
 
     def _after_fork_in_child(self) -> None:
         """This sink in a forked child: no thread (threads do not survive a fork), a lock
@@ -248,16 +247,3 @@ class EventSink:
                 if self.pending() < self._batch_size:
                     break
             self._drain_spool(time.monotonic() + self._interval_s)
-
-
-#: Every sink of this process, for the fork hook below.
-_SINKS: weakref.WeakSet[EventSink] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for sink in list(_SINKS):
-        sink._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

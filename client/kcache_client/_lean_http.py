@@ -52,11 +52,11 @@ import socket
 import ssl
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+from kcache_client._forked import reset_in_child
 from kcache_client._lean_answer import (
     BodyLimit,
     BoundedResponse,
@@ -174,7 +174,7 @@ class LeanClient:
         self._max_idle = max_idle
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
-        _CLIENTS.add(self)
+        reset_in_child(self)
         self._ssl_context: ssl.SSLContext | None = None
         self._closed = False
         self.connections_opened = 0
@@ -264,6 +264,15 @@ class LeanClient:
             if answer.finished and not response.will_close:
                 self._give_back(conn, True)
             else:
+                conn.close()
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: let go of the parent's idle connections (closing only the
+        child's copies of their sockets: the parent's stay open), with a lock of its own."""
+        self._lock = threading.Lock()  # the parent's may have been held by another thread
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            with contextlib.suppress(OSError):
                 conn.close()
 
     def close(self) -> None:
@@ -395,25 +404,6 @@ class LeanClient:
                     self._idle.append(conn)
                     return
         conn.close()
-
-
-#: Every client of this process, for :func:`_after_fork_in_child`.
-_CLIENTS: weakref.WeakSet[LeanClient] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """A forked child's clients let go of the parent's idle connections (closing only the
-    child's copies of their sockets: the parent's stay open) and get locks of their own."""
-    for client in list(_CLIENTS):
-        client._lock = threading.Lock()  # the parent's may have been held by another thread
-        idle, client._idle = client._idle, []
-        for conn in idle:
-            with contextlib.suppress(OSError):
-                conn.close()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def tls_context() -> ssl.SSLContext:
