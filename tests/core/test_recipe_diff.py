@@ -171,10 +171,10 @@ def test_nothing_near_is_never_seen() -> None:
 
 
 def test_the_text_joins_the_bounded_lines() -> None:
-    new = fingerprint(_recipe(flags=[f"-D{i}" for i in range(30)]))
+    new = fingerprint(_recipe(flags=[f"-DM{i}" for i in range(30)]))
     got = explain(new, [("c" * 64, fingerprint(_recipe(flags=[])))])
     assert len(got.differences) == MAX_LINES + 1
-    assert got.text.startswith(f"nearest {'c' * 16}: flag -D0 added; flag -D1 added; ")
+    assert got.text.startswith(f"nearest {'c' * 16}: flag -DM0 added; flag -DM1 added; ")
     assert got.text.endswith(f"; ... and {30 - MAX_LINES} more")
 
 

@@ -57,7 +57,7 @@ async def get_stats(
         str | None,
         Query(
             max_length=64,
-            description=f"window end (exclusive): {_TIME_DOC}",
+            description=f"window end (exclusive), not before since (a 422): {_TIME_DOC}",
             json_schema_extra=_TIME_FORMS,
         ),
     ] = None,
