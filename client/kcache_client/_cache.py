@@ -209,7 +209,7 @@ class KernelCache:
             local=self._local,
             events=self._events,
             context=self.context,
-            prepare=self.prepare,
+            prepare=self._prepare,  # the lookups check their recipes and the cache first
             include_pins=self.include_pins,
         )
         self._closed = False
@@ -347,6 +347,10 @@ class KernelCache:
             require_recipe(recipe, "recipe")
         if self._closed:
             raise CacheClosedError("prepare()")
+        return self._prepare(recipe)
+
+    def _prepare(self, recipe: Recipe) -> Recipe:
+        """:meth:`prepare` of a recipe and an open cache checked already (by the lookups)."""
         auto, toolchain = _needs(recipe)
         unpinned = recipe.unpinned_include_sets()
         if not (auto or toolchain or unpinned):

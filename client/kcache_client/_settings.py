@@ -550,8 +550,9 @@ class ClientSettings:
         for name, value in fixed.items():
             if value is not getattr(self, name):
                 object.__setattr__(self, name, value)
-        if self.url is not None and _url(self.url) != self.url:
-            object.__setattr__(self, "url", _url(self.url))
+        url = _url(self.url)
+        if url != self.url:
+            object.__setattr__(self, "url", url)
         _token(self.token, "token")
         _auto_target(self.auto_target, "auto_target")
         for name in ("job_id", "client_id", "host"):
