@@ -33,8 +33,10 @@ __all__ = [
     "absolute_path",
     "cache_dir",
     "cache_layout",
+    "damaged_cache_dir_message",
     "data_dir",
     "directory_kind",
+    "file_in_the_way",
     "full_cache_dir_message",
     "is_kcache_cache_dir",
     "mark_cache_dir",
@@ -191,14 +193,35 @@ def unusable_cache_dir(
 
 def _not_a_directory(path: str) -> str:
     """Which part of ``path`` is a file rather than a directory, in words."""
-    if os.path.lexists(path) and not os.path.isdir(path):
+    culprit = file_in_the_way(path)
+    if culprit == path:
         return "it is a file, not a directory"
-    parent = os.path.dirname(path)
-    while parent and parent != os.path.dirname(parent):
-        if os.path.lexists(parent) and not os.path.isdir(parent):
-            return f"{parent} is a file, not a directory"
-        parent = os.path.dirname(parent)
+    if culprit is not None:
+        return f"{culprit} is a file, not a directory"
     return "a part of its path is a file, not a directory"
+
+
+def file_in_the_way(path: str) -> str | None:
+    """``path``, or the first directory above it, that is something other than a directory
+    (what an ``ENOTDIR`` or ``EEXIST`` met there stands for); None when there is none."""
+    place = path
+    while place and place != os.path.dirname(place):
+        if os.path.lexists(place) and not os.path.isdir(place):
+            return place
+        place = os.path.dirname(place)
+    return None
+
+
+def damaged_cache_dir_message(root: str | os.PathLike[str], failed: str) -> str:
+    """What to say of the cache directory ``root`` with a file where it keeps a directory
+    (``failed``, or a directory above it, met as ``ENOTDIR``): which file, and the ways out."""
+    culprit = file_in_the_way(failed) or failed
+    return (
+        f"cannot use the cache directory {root}: {culprit} is a file where the cache keeps a "
+        "directory (damaged): remove that file, or the whole directory (a cache: its kernels "
+        "are fetched or compiled again), or use another one: --cache-dir DIR or "
+        "KCACHE_CACHE_DIR (cache_dir= in Python)"
+    )
 
 
 def _write_marker(root: Path, name: str, text: str) -> None:

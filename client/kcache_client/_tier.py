@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kcache.artifact import ArtifactMeta
-from kcache.dirs import cache_dir, cache_layout, mark_cache_dir
+from kcache.dirs import cache_dir, cache_layout, damaged_cache_dir_message, mark_cache_dir
 from kcache.errors import ArtifactNotFoundError, CorruptArtifactError, KCacheError
 from kcache.eviction import WaterMarks, default_tier_cap
 from kcache.fsutil import (
@@ -97,20 +97,6 @@ def default_cache_dir() -> Path:
     return cache_dir()
 
 
-def _damaged(root: Path, failed: str) -> str:
-    """What to say of a tier with a file where one of its directories goes (``failed`` or
-    a directory above it): which file, and the ways out."""
-    culprit = failed
-    while os.path.dirname(culprit) not in ("", culprit) and not os.path.lexists(culprit):
-        culprit = os.path.dirname(culprit)
-    return (
-        f"cannot use the cache directory {root}: {culprit} is a file where the cache keeps a "
-        "directory (damaged): remove that file, or the whole directory (a cache: its kernels "
-        "are fetched or compiled again), or use another one: --cache-dir DIR or "
-        "KCACHE_CACHE_DIR (cache_dir= in Python)"
-    )
-
-
 class NodeTier:
     """Artifacts by recipe key in ``root``, shared by all processes that open ``root``."""
 
@@ -148,7 +134,7 @@ class NodeTier:
             self.index = FileIndex(self.root, durable=False, flat=flat)
             self.lock = SingleFlight(FileKeyLock(self.root))
         except (NotADirectoryError, FileExistsError) as exc:  # a file where index/ or locks/ goes
-            raise KCacheError(_damaged(self.root, str(exc.filename))) from None
+            raise KCacheError(damaged_cache_dir_message(self.root, str(exc.filename))) from None
         #: Bundles kept whole (kcache_client._packs): what a prefetch writes. Each entry's
         #: verdict is kept with the pack file it judged (PackEntry.verdict).
         self.packs = TierPacks(self.root)
