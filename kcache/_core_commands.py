@@ -28,9 +28,9 @@ from kcache.cli_toolkit import (
     add_cache_dir_argument,
     add_recipe_arguments,
     add_server_arguments,
-    holds_a_cache,
     include_set_dirs,
     print_result,
+    readable_cache_dir,
     recipe_from_args,
     recipe_title,
     refuse_server_dir,
@@ -242,13 +242,6 @@ def _server_maintenance(args: argparse.Namespace, root: Path, option: str, comma
     return int(delegated.func(delegated))
 
 
-def _absent(root: Path, option: str) -> str:
-    """Why ``root`` cannot be worked on: it does not exist, or is no directory."""
-    if root.exists():
-        return f"{root} ({option}) is a file, not a directory: name a cache directory"
-    return f"{root} ({option}) does not exist"
-
-
 def _cmd_verify(args: argparse.Namespace) -> int:
     from kcache.maintenance import VerifyReport
 
@@ -256,9 +249,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     kind = directory_kind(root)
     if kind == "server" or args.db_url:
         return _server_maintenance(args, root, option, "verify")
-    if kind == "absent" or not holds_a_cache(root, option):
-        if named and kind == "absent":
-            raise UsageError(_absent(root, option))
+    if not readable_cache_dir(root, option, named):
         report = VerifyReport()  # nothing cached yet: nothing to check, nothing created
     else:
         from kcache.index.file import FileIndex
@@ -288,9 +279,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             "it records it, and a shorter grace can delete a blob about to be named; pass --force if no "
             "compile can be running"
         )
-    if kind == "absent" or not holds_a_cache(root, option):
-        if named and kind == "absent":
-            raise UsageError(_absent(root, option))
+    if not readable_cache_dir(root, option, named):
         report = GcReport()
     else:
         from kcache.index.file import FileIndex

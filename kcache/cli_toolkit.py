@@ -114,12 +114,21 @@ def refuse_server_dir(root: Path, option: str) -> None:
         )
 
 
-def holds_a_cache(root: Path, option: str) -> bool:
-    """Whether the directory ``root`` holds a cache for a command that reads or tidies one
-    (verify, gc, cache info and ls, layers): one kcache marked (its tag, layout file, blobs
-    or index), else nothing if it is empty. A directory with other things in it (a
-    project's, a typo) is refused: those commands turned it into a cache directory
-    (``LAYOUT``, ``blobs/``, ``index/``) before."""
+def readable_cache_dir(root: Path, option: str, named: bool) -> bool:
+    """Whether ``root`` holds a cache for a command that reads or tidies one (verify, gc,
+    cache info and ls, layers): a directory kcache marked (its tag, layout file, blobs or
+    index), else nothing (an empty one, or a default one not made yet).
+
+    Refused, by ``option``: a directory ``named`` (a flag, a variable) that is missing or a
+    file (a typo must not make a new cache), and any with other things in it and no mark
+    (a project's: those commands turned it into a cache directory, ``LAYOUT``, ``blobs/``,
+    ``index/``, before).
+    """
+    if not root.is_dir():
+        if named:
+            what = "is a file, not a directory" if root.exists() else "does not exist"
+            raise UsageError(f"{root} ({option}) {what}: name a cache directory")
+        return False
     marks = (CACHE_TAG_FILE, LAYOUT_FILE, "blobs", "index")
     if any((root / mark).exists() for mark in marks):
         return True

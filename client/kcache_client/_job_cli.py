@@ -21,6 +21,7 @@ from kcache.cli_toolkit import (
     UsageError,
     add_cache_dir_argument,
     add_server_arguments,
+    readable_cache_dir,
     refuse_server_dir,
     server_url,
 )
@@ -199,10 +200,8 @@ def _cmd_bundle_unpack(args: argparse.Namespace) -> int:
 
 
 def _cmd_layers(args: argparse.Namespace) -> int:
-    from kcache_client._tier_cache_cli import existing_cache_dir
-
     explicit = getattr(args, "cache_dir", None)
-    existing_cache_dir(cache_dir(explicit), explicit)  # it lists a tier: it makes none
+    readable_cache_dir(cache_dir(explicit), "--cache-dir", bool(explicit))  # it makes none
     cache = _open_cache(args, None)
     try:
         rows = [("writable", cache.tier)] + [("read-only", layer) for layer in cache.layers]

@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kcache.cli_toolkit import holds_a_cache
+from kcache.cli_toolkit import readable_cache_dir
 from kcache.eviction import format_size
 from kcache_client._cache_cli_text import (
     confirm,
@@ -39,7 +38,6 @@ if TYPE_CHECKING:  # imported when a command runs: `kcache --help` stays instant
 
 __all__ = [
     "cmd_stats",
-    "existing_cache_dir",
     "layer_rows",
     "open_tier",
     "tier_clear",
@@ -55,18 +53,8 @@ def open_tier(args: argparse.Namespace) -> NodeTier:
     from kcache_client._tier import NodeTier
 
     settings = ClientSettings.from_env(cache_dir=args.cache_dir)
-    existing_cache_dir(settings.cache_dir, args.cache_dir)
+    readable_cache_dir(settings.cache_dir, "--cache-dir", bool(args.cache_dir))
     return NodeTier(settings.cache_dir, max_bytes=settings.cache_max_bytes)
-
-
-def existing_cache_dir(root: Path, explicit: object) -> None:
-    """Refuse a ``--cache-dir`` that is missing or a file (a typo must not make a new tier),
-    or any cache directory that is another directory (:func:`~kcache.cli_toolkit.holds_a_cache`)."""
-    if explicit and not root.is_dir():
-        what = "it is a file, not a directory" if root.exists() else "it does not exist"
-        raise ClientError(f"{root} (--cache-dir) is not a cache directory: {what}")
-    if root.is_dir():
-        holds_a_cache(root, "--cache-dir" if explicit else "$KCACHE_CACHE_DIR")
 
 
 def layer_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
