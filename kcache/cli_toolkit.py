@@ -23,9 +23,9 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kcache._cli_parser import parser_providing
 from kcache.dirs import CACHE_TAG_FILE, LAYOUT_FILE, directory_kind
@@ -33,6 +33,8 @@ from kcache.errors import KCacheError, RecipeError
 
 if TYPE_CHECKING:
     from kcache.recipe import Recipe
+
+T = TypeVar("T")
 
 __all__ = [
     "UsageError",
@@ -357,13 +359,22 @@ def print_result(status: str, recipe_key: str, digest: str, path: Path) -> None:
 
 
 def write_output(option: str, target: str, data: bytes) -> Path:
-    """Write an artifact where ``-o`` asked; an unwritable path names the option."""
+    """Write an artifact where ``-o`` asked (:func:`writing_output`)."""
     path = Path(target).expanduser()
-    try:
-        path.write_bytes(data)
-    except OSError as exc:
-        raise UsageError(f"{option} {target}: cannot write: {exc.strerror or exc}") from exc
+    writing_output(option, target, lambda: path.write_bytes(data))
     return path
+
+
+def writing_output(option: str, target: str, write: Callable[[], T]) -> T:
+    """``write()`` the file ``option target`` names (``-o FILE``): a directory there, or a
+    failure to write, is told by that path and the option, never by a temporary file the
+    writer used first (``.m.json.1234.partial: Is a directory``)."""
+    if os.path.isdir(os.path.expanduser(target)):
+        raise UsageError(f"{option} {target} is a directory: name a file (in it, say)")
+    try:
+        return write()
+    except OSError as exc:
+        raise UsageError(f"{option} {target}: cannot write it: {exc.strerror or exc}") from exc
 
 
 # ---------------------------------------------------------------------------- another command

@@ -13,9 +13,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from kcache.cli_toolkit import (
     UsageError,
@@ -24,6 +24,7 @@ from kcache.cli_toolkit import (
     readable_cache_dir,
     refuse_server_dir,
     server_url,
+    writing_output,
 )
 from kcache.dirs import cache_dir
 
@@ -89,20 +90,6 @@ def _session(args: argparse.Namespace, url: str | None) -> Iterator[KernelCache]
         cache.close()
 
 
-_T = TypeVar("_T")
-
-
-def _writing(target: str, write: Callable[[], _T]) -> _T:
-    """``write()`` the file ``-o target`` names; a failure named by that path, not by the
-    temporary file it was written to first (``.m.json.1234.partial: Is a directory``)."""
-    if os.path.isdir(target):
-        raise UsageError(f"-o {target} is a directory: name a file (in it, say)")
-    try:
-        return write()
-    except OSError as exc:
-        raise UsageError(f"-o {target}: cannot write it: {exc.strerror or exc}") from exc
-
-
 def _print(value: dict[str, Any]) -> None:
     print(json.dumps(value, sort_keys=True))
 
@@ -120,7 +107,7 @@ def _cmd_manifest_save(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    _writing(args.o, lambda: manifest.save(args.o))
+    writing_output("-o", args.o, lambda: manifest.save(args.o))
     _print(
         {
             "job_id": manifest.job_id,
@@ -176,7 +163,7 @@ def _cmd_bundle_create(args: argparse.Namespace) -> int:
 
     manifest = _load(args.manifest, "--manifest")
     with _session(args, server_url(args)) as cache:
-        count = _writing(args.o, lambda: write_bundle_file(cache, manifest, args.o))
+        count = writing_output("-o", args.o, lambda: write_bundle_file(cache, manifest, args.o))
     _print({"manifest": manifest.digest, "entries": count, "path": args.o})
     return 0
 
@@ -223,7 +210,6 @@ def _cmd_layers(args: argparse.Namespace) -> int:
 
 def _prebuild_manifest(args: argparse.Namespace, cache: KernelCache) -> JobManifest:
     """``--manifest``: a file where one is (or the text names a path), else a job id's manifest."""
-    import os
 
     from kcache_client.errors import RemoteNotFoundError
 
@@ -288,7 +274,7 @@ def _cmd_prebuild(args: argparse.Namespace) -> int:
             progress=lambda item, n, total: print(progress_line(item, n, total), file=sys.stderr),
         )
     if args.o:
-        _writing(args.o, lambda: done.prebuilt().save(args.o))
+        writing_output("-o", args.o, lambda: done.prebuilt().save(args.o))
     if args.json:
         _print({**done.to_dict(), "path": args.o})
     else:
